@@ -1,0 +1,357 @@
+//! Conveniences over any [`DistributedLock`]: the lock builder and `run_exclusive`.
+
+use std::{future::Future, pin::Pin, sync::Arc, time::Duration};
+
+use tokio::time::Instant;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+
+use crate::{
+    DistributedLock, DynLock, Error, FencingGuarantee, FencingToken, LockGuard, LockKey, Result,
+    TokenDigest,
+};
+
+/// How often the guard renews.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Watchdog {
+    /// Every ttl/3 when the backend supports `renew`; otherwise no renewals (the guard still
+    /// watches the local deadline and the backend's loss reports).
+    #[default]
+    Auto,
+    /// Every given interval (must be shorter than the TTL; needs `renew`).
+    Every(Duration),
+    /// Never renew: the lease lives for one TTL.
+    Off,
+}
+
+/// Options for one acquisition.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LockOptions {
+    /// Lease TTL (default 30 s).
+    pub ttl: Duration,
+    /// How long to wait for a held lock. `None` (default): do not wait — `run_exclusive` skips,
+    /// [`LockBuilder::acquire`] waits [`LockOptions::DEFAULT_WAIT`].
+    pub wait: Option<Duration>,
+    /// Renewal policy.
+    pub watchdog: Watchdog,
+    /// The weakest fencing guarantee acceptable; a weaker backend fails with
+    /// [`Error::Unsupported`] before any I/O.
+    pub fencing: FencingGuarantee,
+}
+
+impl LockOptions {
+    /// The wait of [`LockBuilder::acquire`] when none was set.
+    pub const DEFAULT_WAIT: Duration = Duration::from_secs(30);
+
+    /// Defaults with the given TTL.
+    pub fn with_ttl(ttl: Duration) -> Self {
+        Self {
+            ttl,
+            ..Self::default()
+        }
+    }
+
+    /// Sets the TTL.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// Waits up to `wait` for a held lock.
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.wait = Some(wait);
+        self
+    }
+
+    /// Renews every `interval`.
+    pub fn watchdog(mut self, interval: Duration) -> Self {
+        self.watchdog = Watchdog::Every(interval);
+        self
+    }
+
+    /// Never renews.
+    pub fn no_watchdog(mut self) -> Self {
+        self.watchdog = Watchdog::Off;
+        self
+    }
+
+    /// Requires at least `guarantee` fencing.
+    pub fn require_fencing(mut self, guarantee: FencingGuarantee) -> Self {
+        self.fencing = guarantee;
+        self
+    }
+}
+
+impl Default for LockOptions {
+    fn default() -> Self {
+        Self {
+            ttl: Duration::from_secs(30),
+            wait: None,
+            watchdog: Watchdog::Auto,
+            fencing: FencingGuarantee::None,
+        }
+    }
+}
+
+/// Builds one acquisition: `lock.lock("orders").ttl(..).wait(..).acquire().await`.
+#[derive(Debug)]
+#[must_use = "a lock builder does nothing until try_acquire or acquire is awaited"]
+pub struct LockBuilder {
+    lock: DynLock,
+    key: Result<LockKey>,
+    opts: LockOptions,
+}
+
+impl LockBuilder {
+    /// Replaces all options.
+    pub fn options(mut self, opts: LockOptions) -> Self {
+        self.opts = opts;
+        self
+    }
+
+    /// Sets the TTL.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.opts = self.opts.ttl(ttl);
+        self
+    }
+
+    /// Sets how long [`LockBuilder::acquire`] waits.
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.opts = self.opts.wait(wait);
+        self
+    }
+
+    /// Renews every `interval`.
+    pub fn watchdog(mut self, interval: Duration) -> Self {
+        self.opts = self.opts.watchdog(interval);
+        self
+    }
+
+    /// Never renews.
+    pub fn no_watchdog(mut self) -> Self {
+        self.opts = self.opts.no_watchdog();
+        self
+    }
+
+    /// Requires at least `guarantee` fencing.
+    pub fn require_fencing(mut self, guarantee: FencingGuarantee) -> Self {
+        self.opts = self.opts.require_fencing(guarantee);
+        self
+    }
+
+    /// Checks everything that can be checked before I/O; returns the key and renew interval.
+    fn prepare(&self) -> Result<(LockKey, Option<Duration>)> {
+        let key = match &self.key {
+            Ok(key) => key.clone(),
+            Err(Error::InvalidKey { reason }) => {
+                return Err(Error::InvalidKey {
+                    reason: reason.clone(),
+                });
+            }
+            Err(e) => return Err(Error::Config(e.to_string())),
+        };
+        let caps = self.lock.capabilities();
+        let backend = self.lock.backend_name();
+        caps.check_ttl(self.opts.ttl)?;
+        caps.require_fencing(backend, self.opts.fencing)?;
+        let interval = match self.opts.watchdog {
+            Watchdog::Off => None,
+            Watchdog::Auto => caps.renew.then(|| self.opts.ttl / 3),
+            Watchdog::Every(_) if !caps.renew => {
+                return Err(Error::unsupported(
+                    backend,
+                    "renew (needed by the watchdog)",
+                ));
+            }
+            Watchdog::Every(i) if i.is_zero() || i >= self.opts.ttl => {
+                return Err(Error::Config(format!(
+                    "the watchdog interval {i:?} must be positive and shorter than the ttl {:?}",
+                    self.opts.ttl
+                )));
+            }
+            Watchdog::Every(i) => Some(i),
+        };
+        Ok((key, interval))
+    }
+
+    /// One attempt: `Ok(None)` when somebody else holds the lock.
+    ///
+    /// # Errors
+    /// Input and capability errors before any I/O; the backend's errors.
+    pub async fn try_acquire(self) -> Result<Option<LockGuard>> {
+        let (key, interval) = self.prepare()?;
+        let lease = self.lock.try_acquire(&key, self.opts.ttl).await?;
+        Ok(lease.map(|lease| LockGuard::start(self.lock, lease, interval)))
+    }
+
+    /// Waits up to the configured wait ([`LockOptions::DEFAULT_WAIT`] when unset).
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when the wait passes; input and capability errors before any I/O.
+    ///
+    /// # Cancellation safety
+    /// Dropping the future while it waits leaves nothing that blocks others.
+    pub async fn acquire(self) -> Result<LockGuard> {
+        let (key, interval) = self.prepare()?;
+        let wait = self.opts.wait.unwrap_or(LockOptions::DEFAULT_WAIT);
+        let lease = self
+            .lock
+            .acquire(&key, self.opts.ttl, Instant::now() + wait)
+            .await?;
+        Ok(LockGuard::start(self.lock, lease, interval))
+    }
+
+    /// Runs `job` while holding the lock; see [`DistributedLockExt::run_exclusive`].
+    ///
+    /// # Errors
+    /// As [`DistributedLockExt::run_exclusive`].
+    pub async fn run<F, Fut, T>(self, job: F) -> Result<Option<T>>
+    where
+        F: FnOnce(JobContext) -> Fut,
+        Fut: Future<Output = T>,
+    {
+        let guard = if self.opts.wait.is_some() {
+            self.acquire().await?
+        } else {
+            match self.try_acquire().await? {
+                Some(guard) => guard,
+                None => return Ok(None),
+            }
+        };
+        let ctx = JobContext {
+            key: guard.key().clone(),
+            fencing: guard.fencing_token(),
+            digest: guard.token_digest(),
+            lost: guard.lost_token(),
+        };
+        let lost = guard.lost();
+        let output = tokio::select! {
+            biased;
+            () = lost => None,
+            output = job(ctx) => Some(output),
+        };
+        let key = guard.key().clone();
+        match output {
+            None => {
+                tracing::warn!(%key, reason = ?guard.loss_reason(), "ownership lost; the job was cancelled");
+                let _ = guard.release().await;
+                Err(Error::NotHeld {
+                    key: key.as_str().to_owned(),
+                })
+            }
+            Some(output) => {
+                match guard.release().await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        tracing::warn!(%key, "the lease had expired when the job finished")
+                    }
+                    Err(e) => {
+                        tracing::warn!(%key, error = %e, "release after the job failed; the lease will expire by its ttl")
+                    }
+                }
+                Ok(Some(output))
+            }
+        }
+    }
+}
+
+/// What a job run by `run_exclusive` gets: its fencing token and the lost-ownership signal.
+#[derive(Clone, Debug)]
+pub struct JobContext {
+    key: LockKey,
+    fencing: Option<FencingToken>,
+    digest: TokenDigest,
+    lost: CancellationToken,
+}
+
+impl JobContext {
+    /// The lock key.
+    pub fn key(&self) -> &LockKey {
+        &self.key
+    }
+
+    /// The fencing token to present to the protected resource (always `Some` when fencing was
+    /// required).
+    pub fn fencing_token(&self) -> Option<FencingToken> {
+        self.fencing
+    }
+
+    /// A loggable digest of the ownership token.
+    pub fn token_digest(&self) -> TokenDigest {
+        self.digest
+    }
+
+    /// Completes when ownership is lost.
+    pub fn lost(&self) -> WaitForCancellationFutureOwned {
+        self.lost.clone().cancelled_owned()
+    }
+
+    /// `true` once ownership is lost.
+    pub fn is_lost(&self) -> bool {
+        self.lost.is_cancelled()
+    }
+
+    /// A token cancelled on loss, for spawned sub-tasks.
+    pub fn cancellation_token(&self) -> CancellationToken {
+        self.lost.child_token()
+    }
+}
+
+/// A boxed, `Send` future (what [`DistributedLockExt::run_exclusive`] returns).
+pub type BoxedFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Conveniences for every lock client held in an `Arc` (including [`DynLock`]).
+/// Blanket-implemented; nobody implements it by hand.
+pub trait DistributedLockExt {
+    /// This client as a [`DynLock`].
+    fn as_dyn_lock(&self) -> DynLock;
+
+    /// Starts building an acquisition of `key` (validated before any I/O).
+    fn lock<K>(&self, key: K) -> LockBuilder
+    where
+        K: TryInto<LockKey, Error = Error>,
+    {
+        LockBuilder {
+            lock: self.as_dyn_lock(),
+            key: key.try_into(),
+            opts: LockOptions::default(),
+        }
+    }
+
+    /// The article's job pattern in one call: try to take `key` (or wait, when `opts.wait` is
+    /// set), run `job` with its fencing token and lost signal while a watchdog renews, release
+    /// at the end.
+    ///
+    /// Returns `Ok(None)` when the lock was held elsewhere (skipped) and `Ok(Some(output))`
+    /// when the job completed. When ownership is lost mid-job the job's future is dropped (its
+    /// work cancelled) and [`Error::NotHeld`] is returned.
+    ///
+    /// # Errors
+    /// Input and capability errors before any I/O; backend errors; `NotHeld` on loss.
+    fn run_exclusive<'a, K, F, Fut, T>(
+        &self,
+        key: K,
+        opts: LockOptions,
+        job: F,
+    ) -> BoxedFuture<'a, Result<Option<T>>>
+    where
+        K: TryInto<LockKey, Error = Error>,
+        F: FnOnce(JobContext) -> Fut + Send + 'a,
+        Fut: Future<Output = T> + Send + 'a,
+        T: Send + 'a,
+    {
+        let builder = self.lock(key).options(opts);
+        Box::pin(builder.run(job))
+    }
+}
+
+impl DistributedLockExt for Arc<dyn DistributedLock> {
+    fn as_dyn_lock(&self) -> DynLock {
+        self.clone()
+    }
+}
+
+impl<T: DistributedLock> DistributedLockExt for Arc<T> {
+    fn as_dyn_lock(&self) -> DynLock {
+        self.clone()
+    }
+}

@@ -1,0 +1,297 @@
+//! A held lock with its watchdog and lost-ownership signal.
+
+use std::{
+    fmt,
+    sync::{Arc, Mutex, PoisonError},
+    time::Duration,
+};
+
+use tokio::{
+    task::JoinHandle,
+    time::{Instant, sleep_until, timeout_at},
+};
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+
+use crate::{
+    Backoff, DynLock, Error, FencingToken, Lease, LockKey, LossReason, Result, TokenDigest,
+};
+
+/// A held lock. Created by [`crate::LockBuilder`]; keeps the lease alive with a watchdog and
+/// signals [`LockGuard::lost`] as soon as ownership can no longer be trusted.
+///
+/// `lost()` fires when a renewal is refused or fails permanently, when the conservative local
+/// deadline passes without a successful renewal (temporary errors are retried until then), or
+/// when the backend reports the lease gone. Call [`LockGuard::release`] to release explicitly;
+/// dropping the guard stops the watchdog and releases best-effort in the background (the TTL is
+/// the last resort).
+pub struct LockGuard {
+    lock: DynLock,
+    key: LockKey,
+    digest: TokenDigest,
+    fencing: Option<FencingToken>,
+    ttl: Duration,
+    shared: Arc<Shared>,
+    lost: CancellationToken,
+    stop: CancellationToken,
+    task: Option<JoinHandle<Lease>>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    deadline: Mutex<Instant>,
+    reason: Mutex<Option<LossReason>>,
+    renewals: Mutex<u64>,
+}
+
+fn locked<T: Copy>(m: &Mutex<T>) -> T {
+    *m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl LockGuard {
+    /// Starts supervising `lease`: renews every `watchdog` interval (none: only the local
+    /// deadline and the backend's loss reports are watched).
+    pub(crate) fn start(lock: DynLock, lease: Lease, watchdog: Option<Duration>) -> Self {
+        let shared = Arc::new(Shared {
+            deadline: Mutex::new(lease.local_deadline()),
+            reason: Mutex::new(None),
+            renewals: Mutex::new(0),
+        });
+        let lost = CancellationToken::new();
+        let stop = CancellationToken::new();
+        let supervisor = Supervisor {
+            lock: lock.clone(),
+            shared: shared.clone(),
+            lost: lost.clone(),
+            stop: stop.clone(),
+            interval: watchdog,
+        };
+        let key = lease.key().clone();
+        let digest = lease.token().digest();
+        let fencing = lease.fencing_token();
+        let ttl = lease.ttl();
+        Self {
+            task: Some(tokio::spawn(supervisor.run(lease))),
+            lock,
+            key,
+            digest,
+            fencing,
+            ttl,
+            shared,
+            lost,
+            stop,
+        }
+    }
+
+    /// The lock key.
+    pub fn key(&self) -> &LockKey {
+        &self.key
+    }
+
+    /// The fencing token of this grant, if the backend mints them. Pass it to the protected
+    /// resource with every write.
+    pub fn fencing_token(&self) -> Option<FencingToken> {
+        self.fencing
+    }
+
+    /// A loggable digest of the ownership token.
+    pub fn token_digest(&self) -> TokenDigest {
+        self.digest
+    }
+
+    /// The TTL the lease was granted with.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// The current conservative local deadline (moves forward with each renewal).
+    pub fn local_deadline(&self) -> Instant {
+        locked(&self.shared.deadline)
+    }
+
+    /// How many renewals have succeeded.
+    pub fn renewals(&self) -> u64 {
+        locked(&self.shared.renewals)
+    }
+
+    /// `true` once ownership can no longer be trusted.
+    pub fn is_lost(&self) -> bool {
+        self.lost.is_cancelled()
+    }
+
+    /// Why ownership was lost, once it was.
+    pub fn loss_reason(&self) -> Option<LossReason> {
+        locked(&self.shared.reason)
+    }
+
+    /// Completes when ownership is lost. Never completes after a clean release.
+    pub fn lost(&self) -> WaitForCancellationFutureOwned {
+        self.lost.clone().cancelled_owned()
+    }
+
+    /// A token cancelled when ownership is lost, for handing to spawned work. Cancelling it
+    /// yourself does not affect the guard.
+    pub fn lost_token(&self) -> CancellationToken {
+        self.lost.child_token()
+    }
+
+    /// Stops the watchdog and releases the lease iff it is still ours.
+    ///
+    /// # Errors
+    /// The backend's error; the lease then expires by its TTL.
+    pub async fn release(mut self) -> Result<bool> {
+        let Some(lease) = self.stop_watchdog().await else {
+            return Ok(false);
+        };
+        self.lock.release(&lease).await
+    }
+
+    async fn stop_watchdog(&mut self) -> Option<Lease> {
+        self.stop.cancel();
+        let task = self.task.take()?;
+        match task.await {
+            Ok(lease) => Some(lease),
+            Err(e) => {
+                tracing::error!(key = %self.key, error = %e, "lock watchdog task failed");
+                None
+            }
+        }
+    }
+}
+
+impl Drop for LockGuard {
+    fn drop(&mut self) {
+        let Some(task) = self.task.take() else {
+            return;
+        };
+        self.stop.cancel();
+        let lock = self.lock.clone();
+        let key = self.key.clone();
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(async move {
+                    if let Ok(lease) = task.await
+                        && let Err(e) = lock.release(&lease).await
+                    {
+                        tracing::warn!(%key, error = %e, "best-effort release on drop failed; the lease will expire by its ttl");
+                    }
+                });
+            }
+            Err(_) => {
+                tracing::warn!(%key, "lock guard dropped outside a runtime; the lease will expire by its ttl");
+            }
+        }
+    }
+}
+
+impl fmt::Debug for LockGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockGuard")
+            .field("key", &self.key)
+            .field("token", &self.digest)
+            .field("fencing", &self.fencing)
+            .field("ttl", &self.ttl)
+            .field("lost", &self.is_lost())
+            .finish_non_exhaustive()
+    }
+}
+
+struct Supervisor {
+    lock: DynLock,
+    shared: Arc<Shared>,
+    lost: CancellationToken,
+    stop: CancellationToken,
+    interval: Option<Duration>,
+}
+
+enum Step {
+    Stop,
+    Lost(LossReason),
+    Renew,
+}
+
+impl Supervisor {
+    async fn run(self, mut lease: Lease) -> Lease {
+        let mut pushed = self.lock.watch_lost(&lease);
+        let mut next_renew = self.interval.map(|i| Instant::now() + i);
+        let mut retry = self
+            .interval
+            .map(|i| Backoff::new(i / 8, i / 2))
+            .unwrap_or_default();
+        loop {
+            let deadline = lease.local_deadline();
+            let wake = next_renew.map_or(deadline, |t| t.min(deadline));
+            let step = tokio::select! {
+                biased;
+                () = self.stop.cancelled() => Step::Stop,
+                reason = &mut pushed => Step::Lost(reason),
+                () = sleep_until(wake) => {
+                    if Instant::now() >= deadline {
+                        Step::Lost(LossReason::DeadlinePassed)
+                    } else {
+                        Step::Renew
+                    }
+                }
+            };
+            match step {
+                Step::Stop => return lease,
+                Step::Lost(reason) => {
+                    self.mark_lost(&lease, reason);
+                    return lease;
+                }
+                Step::Renew => {}
+            }
+            let ttl = lease.ttl();
+            let outcome = tokio::select! {
+                biased;
+                () = self.stop.cancelled() => None,
+                r = timeout_at(deadline, self.lock.renew(&mut lease, ttl)) => Some(r),
+            };
+            let interval = self.interval.unwrap_or(ttl / 3);
+            match outcome {
+                None => return lease,
+                Some(Err(_elapsed)) => {
+                    self.mark_lost(&lease, LossReason::DeadlinePassed);
+                    return lease;
+                }
+                Some(Ok(Ok(()))) => {
+                    *self
+                        .shared
+                        .deadline
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner) = lease.local_deadline();
+                    *self
+                        .shared
+                        .renewals
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner) += 1;
+                    retry.reset();
+                    next_renew = Some(Instant::now() + interval);
+                }
+                Some(Ok(Err(e))) if e.is_temporary() => {
+                    tracing::warn!(key = %lease.key(), error = %e, "lease renewal failed; retrying until the local deadline");
+                    next_renew = Some(Instant::now() + retry.next_delay());
+                }
+                Some(Ok(Err(e))) => {
+                    let reason = if matches!(e, Error::NotHeld { .. }) {
+                        LossReason::NotHeld
+                    } else {
+                        LossReason::RenewFailed
+                    };
+                    tracing::warn!(key = %lease.key(), error = %e, "lease renewal refused");
+                    self.mark_lost(&lease, reason);
+                    return lease;
+                }
+            }
+        }
+    }
+
+    fn mark_lost(&self, lease: &Lease, reason: LossReason) {
+        *self
+            .shared
+            .reason
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(reason);
+        tracing::warn!(key = %lease.key(), token = %lease.token(), fencing = ?lease.fencing_token(), %reason, "lock ownership lost");
+        self.lost.cancel();
+    }
+}

@@ -1,0 +1,29 @@
+#![doc = include_str!("../README.md")]
+#![deny(missing_docs)]
+
+mod backoff;
+mod capabilities;
+mod error;
+mod ext;
+pub mod fencing;
+mod guard;
+mod key;
+mod lease;
+mod lock;
+mod memory;
+mod token;
+
+pub use backoff::{AcquireWait, Backoff};
+pub use capabilities::{Capabilities, FencingGuarantee};
+pub use error::{BoxError, Error, Result};
+pub use ext::{BoxedFuture, DistributedLockExt, JobContext, LockBuilder, LockOptions, Watchdog};
+pub use fencing::{FencedRegister, StaleFencingToken};
+pub use guard::LockGuard;
+pub use key::LockKey;
+pub use lease::{HolderInfo, Lease, drift_margin};
+pub use lock::{DistributedLock, DynLock, LossReason, poll_acquire};
+pub use memory::InMemoryLock;
+pub use token::{FencingToken, OwnershipToken, TokenDigest};
+
+/// Re-exported so drivers implement the trait with the same macro version.
+pub use async_trait::async_trait;

@@ -1,0 +1,138 @@
+//! The object-safe trait every backend implements.
+
+use std::{fmt, sync::Arc, time::Duration};
+
+use async_trait::async_trait;
+use futures::future::BoxFuture;
+use tokio::time::Instant;
+
+use crate::{AcquireWait, Backoff, Capabilities, HolderInfo, Lease, LockKey, Result};
+
+/// A distributed lock service: one coordinator client that can lock any number of keys.
+///
+/// The trait keeps the primitive operations; conveniences (builders, guards with a watchdog,
+/// `run_exclusive`) live in [`crate::DistributedLockExt`]. Implementations must check their
+/// input with [`Capabilities::check_ttl`] before any I/O, never panic on server errors or
+/// disconnects, and never delete or extend a lease that belongs to another token.
+#[async_trait]
+pub trait DistributedLock: Send + Sync + fmt::Debug + 'static {
+    /// A short backend name for errors and metric labels (`"redis"`, `"memory"`, …).
+    fn backend_name(&self) -> &'static str;
+
+    /// What this backend promises. Constant for the lifetime of the client.
+    fn capabilities(&self) -> Capabilities;
+
+    /// One attempt to take `key` for `ttl`.
+    ///
+    /// # Behavior
+    /// `Ok(Some(lease))` with a fresh ownership token (and a fencing token where the backend
+    /// mints them) when the key was free; `Ok(None)` when somebody else holds it.
+    /// [`crate::Error::Indeterminate`] when the request was sent but its reply was lost; the
+    /// driver has then already tried a compare-and-release of the attempt's token.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidTtl`] before any I/O; `Unavailable`, `Indeterminate`, `Backend`.
+    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>>;
+
+    /// Waits until `key` is acquired or `deadline` passes.
+    ///
+    /// # Behavior
+    /// The default retries [`DistributedLock::try_acquire`] with bounded, jittered backoff and
+    /// retries temporary errors while the deadline allows. Backends that can be woken by the
+    /// coordinator (`wait_notify`) override it; FIFO backends (`fair_queue`) grant in arrival
+    /// order.
+    ///
+    /// # Errors
+    /// [`crate::Error::Timeout`] at the deadline (immediately, without I/O, when it has passed);
+    /// [`crate::Error::InvalidTtl`] before any I/O.
+    ///
+    /// # Cancellation safety
+    /// Dropping the future while it waits leaves nothing behind that blocks other clients.
+    async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
+        poll_acquire(self, key, ttl, deadline).await
+    }
+
+    /// Extends a lease we still hold to `ttl` from now.
+    ///
+    /// # Behavior
+    /// Compare-and-renew: succeeds only while the coordinator still records this lease's
+    /// ownership token. Updates the lease's local deadline. Requires `renew`.
+    ///
+    /// # Errors
+    /// [`crate::Error::NotHeld`] when the lease expired or belongs to another token (the
+    /// other holder's lease is never extended); [`crate::Error::Unsupported`] without `renew`.
+    async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()>;
+
+    /// Releases the lease iff it is still held by its token (compare-and-release).
+    ///
+    /// # Behavior
+    /// `Ok(true)` when it was released, `Ok(false)` when it had already been lost; never
+    /// deletes another holder's lock. Wakes waiters where `wait_notify` is claimed.
+    async fn release(&self, lease: &Lease) -> Result<bool>;
+
+    /// Who holds `key` now, as far as the coordinator knows. `Ok(None)` when it is free.
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>>;
+
+    /// A future that completes when the coordinator itself reports that `lease` is gone
+    /// (lease revoked, node deleted, session expired) without waiting for a renewal.
+    ///
+    /// # Behavior
+    /// Backends that claim `lost_notify` only through renewals keep the default, which never
+    /// completes; the guard's watchdog and local deadline still detect the loss.
+    fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, crate::LossReason> {
+        let _ = lease;
+        Box::pin(std::future::pending())
+    }
+}
+
+/// A shared, type-erased lock client.
+pub type DynLock = Arc<dyn DistributedLock>;
+
+/// The default `acquire`: bounded jittered polling of `try_acquire` until `deadline`.
+///
+/// # Errors
+/// See [`DistributedLock::acquire`].
+pub async fn poll_acquire<L: DistributedLock + ?Sized>(
+    lock: &L,
+    key: &LockKey,
+    ttl: Duration,
+    deadline: Instant,
+) -> Result<Lease> {
+    lock.capabilities().check_ttl(ttl)?;
+    let mut wait = AcquireWait::new(key, deadline, Backoff::default())?;
+    loop {
+        match lock.try_acquire(key, ttl).await {
+            Ok(Some(lease)) => return Ok(lease),
+            Ok(None) => wait.wait(std::future::pending()).await?,
+            Err(e) => wait.retry_after(e).await?,
+        }
+    }
+}
+
+/// Why a guard stopped trusting its lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LossReason {
+    /// A renewal was refused: the coordinator no longer records our token.
+    NotHeld,
+    /// The local deadline passed without a successful renewal (coordinator unreachable or slow).
+    DeadlinePassed,
+    /// The coordinator reported the lease revoked or our entry deleted.
+    Revoked,
+    /// The client's session with the coordinator expired.
+    SessionExpired,
+    /// A renewal failed with a permanent error.
+    RenewFailed,
+}
+
+impl fmt::Display for LossReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LossReason::NotHeld => "renewal refused: not held",
+            LossReason::DeadlinePassed => "local deadline passed without renewal",
+            LossReason::Revoked => "revoked by the coordinator",
+            LossReason::SessionExpired => "session expired",
+            LossReason::RenewFailed => "renewal failed",
+        })
+    }
+}

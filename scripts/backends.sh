@@ -1,0 +1,751 @@
+#!/usr/bin/env bash
+# Private Redis / etcd / ZooKeeper / PostgreSQL instances on loopback for the distlock tests.
+#
+# Every server runs from Debian's packages, bound to 127.0.0.1 on a non-default port, with its data,
+# pid and log under one directory ($DISTLOCK_BACKENDS_DIR, default $TMPDIR/distlock-backends).
+# The system services (if a package's postinst started any) are never used or touched.
+# Processes are only ever signalled by the pid this script recorded, after checking /proc/PID/cmdline.
+# Run `scripts/backends.sh --help` for the commands.
+set -euo pipefail
+
+SCRIPT_PATH=$(readlink -f "${BASH_SOURCE[0]}")
+PROG=${0##*/}
+
+DIR=${DISTLOCK_BACKENDS_DIR:-${TMPDIR:-/tmp}/distlock-backends}
+TIMEOUT=${DISTLOCK_BACKENDS_TIMEOUT:-30}
+
+REDIS_PORT=${DISTLOCK_REDIS_PORT:-26379}
+REDIS_REPLICA_PORT=${DISTLOCK_REDIS_REPLICA_PORT:-26380}
+ETCD_PORT=${DISTLOCK_ETCD_PORT:-22379}
+ETCD_PEER_PORT=${DISTLOCK_ETCD_PEER_PORT:-22380}
+ZK_PORT=${DISTLOCK_ZK_PORT:-22181}
+PG_PORT=${DISTLOCK_PG_PORT:-25432}
+# 3-member clusters (up3): member i uses the i-th port of each list.
+ETCD3_PORTS=(22479 22579 22679)
+ETCD3_PEER_PORTS=(22480 22580 22680)
+ZK3_PORTS=(22281 22381 22481)
+ZK3_QUORUM_PORTS=(22282 22382 22482)
+ZK3_ELECTION_PORTS=(22283 22383 22483)
+
+# etcd: the smallest lease TTL granted is ~1.5 x election timeout, so these allow ~1 s leases.
+ETCD_TIMING=(--heartbeat-interval 50 --election-timeout 500)
+# ZooKeeper: session timeouts are clamped to [minSessionTimeout, maxSessionTimeout].
+ZK_TICK_MS=100
+ZK_MIN_SESSION_MS=200
+ZK_MAX_SESSION_MS=60000
+
+SINGLES=(redis etcd zk pg)
+CLUSTER=(etcd3-1 etcd3-2 etcd3-3 zk3-1 zk3-2 zk3-3 redis-replica)
+
+IS_ROOT=0
+[[ $(id -u) -eq 0 ]] && IS_ROOT=1
+
+usage() {
+  cat <<EOF
+Usage: $PROG COMMAND [ARGS]
+
+Private distlock test servers on 127.0.0.1 (data, pids and logs under \$DISTLOCK_BACKENDS_DIR,
+now: $DIR).
+
+Commands:
+  install          apt-get install whatever is missing (redis, etcd, zookeeper, postgresql, java,
+                   protobuf-compiler + libprotobuf-dev, netcat-openbsd); never upgrades. Needs root
+                   (or sudo) only when something is missing.
+  up               start the single-node servers that are not running and wait until each answers:
+                     redis  127.0.0.1:$REDIS_PORT   (Redis, no persistence)
+                     etcd   127.0.0.1:$ETCD_PORT   (etcd single member, peer port $ETCD_PEER_PORT)
+                     zk     127.0.0.1:$ZK_PORT   (ZooKeeper standalone, tickTime ${ZK_TICK_MS} ms)
+                     pg     127.0.0.1:$PG_PORT   (PostgreSQL, database "distlock", user postgres, trust)
+                   Idempotent: a running instance is left alone (a paused one is resumed).
+  down [--purge]   stop every server this script started (singles and clusters). --purge also
+                   deletes the data directory; without it data is kept (PostgreSQL and etcd restart
+                   from it, Redis has none).
+  status           one line per server: name, state (up/down/paused/unresponsive), port, pid.
+                   Exit status 0 iff the four single-node servers are up.
+  is-up NAME       exit 0 iff NAME is running and answers (quiet).
+  env              print export lines: DISTLOCK_TEST_{REDIS,ETCD,ZK,PG}_URL, the cluster URLs when
+                   up3 is running (DISTLOCK_TEST_{ETCD3,ZK3,REDIS_REPLICA}_URL), DISTLOCK_BACKENDS_SH
+                   and DISTLOCK_BACKENDS_DIR. Use: eval "\$($PROG env)"
+  up3              start a 3-member etcd cluster (clients ${ETCD3_PORTS[*]}), a 3-server ZooKeeper
+                   ensemble (clients ${ZK3_PORTS[*]}) and a Redis replica of redis on
+                   $REDIS_REPLICA_PORT; waits for all endpoints healthy, one ZK leader, replica link up.
+  down3 [--purge]  stop the up3 servers (--purge: delete their data).
+  start NAME       start one instance and wait until it answers
+  stop NAME        graceful stop (SIGTERM; PostgreSQL: pg_ctl stop -m fast), SIGKILL after ${TIMEOUT}s
+  kill NAME        SIGKILL (PostgreSQL: the postmaster and all its children, i.e. a server crash)
+  pause NAME       SIGSTOP (PostgreSQL: the postmaster and all its children)
+  resume NAME      SIGCONT (same processes)
+  NAME is one of: ${SINGLES[*]} ${CLUSTER[*]}
+
+Environment: DISTLOCK_BACKENDS_DIR, DISTLOCK_BACKENDS_TIMEOUT (seconds, default 30),
+DISTLOCK_{REDIS,REDIS_REPLICA,ETCD,ETCD_PEER,ZK,PG}_PORT.
+EOF
+}
+
+say() { printf '%s: %s\n' "$PROG" "$*" >&2; }
+die() {
+  say "error: $*"
+  exit 1
+}
+
+now_ms() { date +%s%3N; }
+
+# ---------------------------------------------------------------------------------------------
+# install
+
+pkg_installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
+
+pg_bindir() {
+  local d
+  if [[ -n ${DISTLOCK_PG_BINDIR:-} ]]; then
+    printf '%s\n' "$DISTLOCK_PG_BINDIR"
+    return
+  fi
+  d=$(find /usr/lib/postgresql -mindepth 2 -maxdepth 2 -name bin -type d 2>/dev/null | sort -V | tail -n 1)
+  if [[ -n $d && -x $d/pg_ctl ]]; then
+    printf '%s\n' "$d"
+  elif command -v pg_ctl >/dev/null 2>&1; then
+    dirname "$(readlink -f "$(command -v pg_ctl)")"
+  else
+    return 1
+  fi
+}
+
+cmd_install() {
+  local -a missing=()
+  need() { # need PACKAGE TEST...: PACKAGE is missing unless installed or TEST succeeds
+    local pkg=$1
+    shift
+    pkg_installed "$pkg" && return 0
+    "$@" >/dev/null 2>&1 && return 0
+    missing+=("$pkg")
+  }
+  need redis-server command -v redis-server
+  need redis-tools command -v redis-cli
+  need etcd-server command -v etcd
+  need etcd-client command -v etcdctl
+  need zookeeper test -f /usr/share/java/zookeeper.jar
+  need postgresql pg_bindir
+  command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)
+  need protobuf-compiler command -v protoc
+  need libprotobuf-dev test -f /usr/include/google/protobuf/descriptor.proto
+  need netcat-openbsd command -v nc
+  if [[ ${#missing[@]} -eq 0 ]]; then
+    say "install: everything is present"
+    return 0
+  fi
+  local -a sudo=()
+  if [[ $IS_ROOT -eq 0 ]]; then
+    command -v sudo >/dev/null 2>&1 || die "missing packages (${missing[*]}) and not root; install them as root"
+    sudo=(sudo)
+  fi
+  say "install: missing: ${missing[*]}"
+  local i
+  for i in 1 2 3; do
+    if "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -q; then break; fi
+    [[ $i -eq 3 ]] && die "apt-get update failed"
+    sleep 5
+  done
+  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends --no-upgrade \
+    -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold "${missing[@]}"
+  say "install: done"
+}
+
+# ---------------------------------------------------------------------------------------------
+# instances
+
+# inst NAME: set the globals describing instance NAME.
+inst() {
+  NAME=$1
+  IDIR=$DIR/$NAME
+  LOG=$IDIR/$NAME.log
+  PIDFILE=$IDIR/$NAME.pid
+  PEER_PORT=
+  MEMBER=
+  case $NAME in
+    redis) KIND=redis PORT=$REDIS_PORT ;;
+    redis-replica) KIND=redis PORT=$REDIS_REPLICA_PORT ;;
+    etcd) KIND=etcd PORT=$ETCD_PORT PEER_PORT=$ETCD_PEER_PORT ;;
+    etcd3-[123])
+      MEMBER=${NAME#etcd3-}
+      KIND=etcd PORT=${ETCD3_PORTS[MEMBER - 1]} PEER_PORT=${ETCD3_PEER_PORTS[MEMBER - 1]}
+      ;;
+    zk) KIND=zk PORT=$ZK_PORT ;;
+    zk3-[123])
+      MEMBER=${NAME#zk3-}
+      KIND=zk PORT=${ZK3_PORTS[MEMBER - 1]}
+      ;;
+    pg)
+      KIND=pg PORT=$PG_PORT
+      PIDFILE=$IDIR/data/postmaster.pid
+      ;;
+    *) die "unknown instance '$NAME' (one of: ${SINGLES[*]} ${CLUSTER[*]})" ;;
+  esac
+}
+
+recorded_pid() {
+  local pid=
+  if [[ -r $PIDFILE ]]; then read -r pid <"$PIDFILE" 2>/dev/null || true; fi
+  [[ $pid =~ ^[0-9]+$ ]] && printf '%s\n' "$pid"
+}
+
+# The signature our own process for the current instance has in /proc/PID/cmdline.
+cmdline_ok() {
+  local pid=$1 cmd
+  [[ -r /proc/$pid/cmdline ]] || return 1
+  cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
+  case $KIND in
+    redis) [[ $cmd == *redis-server*"127.0.0.1:$PORT"* ]] ;; # redis rewrites its title to bind:port
+    etcd) [[ $cmd == *etcd*"--data-dir $IDIR/data "* ]] ;;
+    zk) [[ $cmd == *QuorumPeerMain*"$IDIR/conf/zoo.cfg"* ]] ;;
+    pg) [[ $cmd == *postgres*"-D $IDIR/data"* ]] ;;
+  esac
+}
+
+# proc_field PID N: field N (3 = state, 5 = process group) of /proc/PID/stat, empty if gone.
+proc_field() {
+  local stat
+  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 0
+  stat=${stat##*) } # drop "pid (comm) ", comm may contain spaces
+  local -a f
+  read -r -a f <<<"$stat"
+  printf '%s\n' "${f[$2 - 3]:-}"
+}
+
+proc_state() { proc_field "$1" 3; } # R S D T Z ...
+
+# running: prints the pid of our live process for the current instance.
+running_pid() {
+  local pid st
+  pid=$(recorded_pid) || return 1
+  st=$(proc_state "$pid")
+  [[ -n $st && $st != Z && $st != X ]] || return 1
+  cmdline_ok "$pid" || return 1
+  printf '%s\n' "$pid"
+}
+
+probe() { # does the current instance answer?
+  case $KIND in
+    redis) [[ $(timeout 2 redis-cli -h 127.0.0.1 -p "$PORT" ping 2>/dev/null) == PONG ]] ;;
+    etcd)
+      if [[ -n $MEMBER ]]; then # a cluster member answers status even without quorum
+        ETCDCTL_API=3 timeout 3 etcdctl --endpoints="http://127.0.0.1:$PORT" --dial-timeout=1s \
+          --command-timeout=2s endpoint status >/dev/null 2>&1
+      else
+        ETCDCTL_API=3 timeout 3 etcdctl --endpoints="http://127.0.0.1:$PORT" --dial-timeout=1s \
+          --command-timeout=2s endpoint health >/dev/null 2>&1
+      fi
+      ;;
+    zk)
+      [[ $(zk4 ruok) == imok ]] || return 1
+      # A standalone server must also serve (srvr shows a Mode); an ensemble member without quorum
+      # answers imok but not srvr, and that is fine for a member.
+      [[ -n $MEMBER ]] || [[ $(zk4 srvr) == *"Mode: "* ]]
+      ;;
+    pg) timeout 3 "$(pg_bindir)/pg_isready" -q -h 127.0.0.1 -p "$PORT" -t 2 ;;
+  esac
+}
+
+zk4() { printf '%s' "$1" | timeout 3 nc -w 2 127.0.0.1 "$PORT" 2>/dev/null || true; }
+
+port_taken() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+log_tail() {
+  say "---- last lines of $LOG ----"
+  tail -n 40 "$LOG" >&2 2>/dev/null || say "(no log)"
+  say "----"
+}
+
+# wait_answers: wait (bounded) until the current instance's process is alive and it answers.
+wait_answers() {
+  local deadline=$(($(now_ms) + TIMEOUT * 1000))
+  while :; do
+    if probe; then return 0; fi
+    if ! running_pid >/dev/null; then
+      say "$NAME (port $PORT) exited while starting"
+      log_tail
+      return 1
+    fi
+    if (($(now_ms) > deadline)); then
+      say "$NAME (port $PORT) did not answer within ${TIMEOUT}s"
+      log_tail
+      return 1
+    fi
+    sleep 0.1
+  done
+}
+
+# clean_exec CMD...: exec CMD with every file descriptor above 2 closed. Servers must not inherit
+# our lock (fd 9) or a caller's pipe (a CI runner waiting for EOF would hang until they exit).
+clean_exec() {
+  local fd
+  for fd in /proc/self/fd/*; do
+    fd=${fd##*/}
+    if ((fd > 2)); then exec {fd}>&-; fi
+  done
+  exec "$@"
+}
+
+as_pg() { # run a command as the owner of the PostgreSQL data (postgres when we are root)
+  (
+    cd "$IDIR" # postgres may not be allowed into the caller's working directory
+    if [[ $IS_ROOT -eq 1 ]]; then clean_exec runuser -u postgres -- "$@"; else clean_exec "$@"; fi
+  )
+}
+
+zk_classpath() {
+  local cp=$IDIR/conf j
+  for j in /usr/share/java/zookeeper.jar /usr/share/java/slf4j-log4j12.jar /usr/share/java/log4j-1.2.jar; do
+    [[ -f $j ]] && cp+=:$j
+  done
+  printf '%s\n' "$cp"
+}
+
+write_zk_conf() {
+  mkdir -p "$IDIR/conf" "$IDIR/data"
+  {
+    echo "tickTime=$ZK_TICK_MS"
+    echo "initLimit=50"
+    echo "syncLimit=20"
+    echo "dataDir=$IDIR/data"
+    echo "clientPort=$PORT"
+    echo "clientPortAddress=127.0.0.1"
+    echo "minSessionTimeout=$ZK_MIN_SESSION_MS"
+    echo "maxSessionTimeout=$ZK_MAX_SESSION_MS"
+    echo "maxClientCnxns=0"
+    echo "admin.enableServer=false"
+    echo "4lw.commands.whitelist=*"
+    if [[ -n $MEMBER ]]; then
+      local i
+      for i in 1 2 3; do
+        echo "server.$i=127.0.0.1:${ZK3_QUORUM_PORTS[i - 1]}:${ZK3_ELECTION_PORTS[i - 1]}"
+      done
+    fi
+  } >"$IDIR/conf/zoo.cfg"
+  [[ -z $MEMBER ]] || echo "$MEMBER" >"$IDIR/data/myid"
+  cat >"$IDIR/conf/log4j.properties" <<'EOF'
+log4j.rootLogger=INFO, CONSOLE
+log4j.appender.CONSOLE=org.apache.log4j.ConsoleAppender
+log4j.appender.CONSOLE.layout=org.apache.log4j.PatternLayout
+log4j.appender.CONSOLE.layout.ConversionPattern=%d{ISO8601} [myid:%X{myid}] %-5p [%t] %c{1}@%L - %m%n
+EOF
+}
+
+# launch: start the current instance's process (does not wait for it to answer).
+launch() {
+  mkdir -p "$IDIR"
+  if port_taken "$PORT"; then
+    die "$NAME: port $PORT is already in use by a process this script did not start"
+  fi
+  case $KIND in
+    redis)
+      local -a extra=()
+      [[ $NAME == redis-replica ]] && extra=(--replicaof 127.0.0.1 "$REDIS_PORT")
+      rm -f "$PIDFILE"
+      # shellcheck disable=SC2094 # redis writes its log itself once up; early errors go to stderr
+      (clean_exec redis-server --bind 127.0.0.1 --port "$PORT" --save '' --appendonly no \
+        --dir "$IDIR" --daemonize yes --pidfile "$PIDFILE" --logfile "$LOG" \
+        --repl-diskless-sync yes --repl-diskless-sync-delay 0 \
+        --enable-debug-command local "${extra[@]}") </dev/null >>"$LOG" 2>&1 ||
+        {
+          log_tail
+          die "$NAME: redis-server failed to start"
+        }
+      local _
+      for _ in $(seq 50); do # the daemon writes its pidfile right after forking
+        [[ -s $PIDFILE ]] && break
+        sleep 0.05
+      done
+      ;;
+    etcd)
+      local cluster token
+      if [[ -n $MEMBER ]]; then
+        local i
+        cluster=
+        for i in 1 2 3; do cluster+=${cluster:+,}etcd3-$i=http://127.0.0.1:${ETCD3_PEER_PORTS[i - 1]}; done
+        token=distlock-etcd3
+      else
+        cluster=$NAME=http://127.0.0.1:$PEER_PORT
+        token=distlock-etcd
+      fi
+      mkdir -p "$IDIR/data"
+      chmod 700 "$IDIR/data"
+      # The trailing "--logger zap" keeps "--data-dir DIR " followed by a space in the cmdline.
+      (clean_exec setsid etcd --name "$NAME" --data-dir "$IDIR/data" --logger zap --log-outputs stderr \
+        --listen-client-urls "http://127.0.0.1:$PORT" --advertise-client-urls "http://127.0.0.1:$PORT" \
+        --listen-peer-urls "http://127.0.0.1:$PEER_PORT" \
+        --initial-advertise-peer-urls "http://127.0.0.1:$PEER_PORT" \
+        --initial-cluster "$cluster" --initial-cluster-token "$token" --initial-cluster-state new \
+        "${ETCD_TIMING[@]}") </dev/null >>"$LOG" 2>&1 &
+      echo $! >"$PIDFILE"
+      ;;
+    zk)
+      local java
+      java=$(command -v java) || die "java not found (run: $PROG install)"
+      [[ -f /usr/share/java/zookeeper.jar ]] || die "ZooKeeper not installed (run: $PROG install)"
+      write_zk_conf
+      local cp
+      cp=$(zk_classpath)
+      (clean_exec setsid "$java" -Xms32m -Xmx256m -XX:+UseSerialGC -Djava.net.preferIPv4Stack=true \
+        -Dzookeeper.admin.enableServer=false -cp "$cp" \
+        org.apache.zookeeper.server.quorum.QuorumPeerMain "$IDIR/conf/zoo.cfg") \
+        </dev/null >>"$LOG" 2>&1 &
+      echo $! >"$PIDFILE"
+      ;;
+    pg) launch_pg ;;
+  esac
+}
+
+launch_pg() {
+  local bin
+  bin=$(pg_bindir) || die "PostgreSQL not installed (run: $PROG install)"
+  if [[ $IS_ROOT -eq 1 ]]; then
+    chown postgres: "$IDIR"
+    runuser -u postgres -- test -w "$IDIR" ||
+      die "pg: user postgres cannot write $IDIR; set DISTLOCK_BACKENDS_DIR to a directory it can reach"
+  fi
+  if [[ ! -f $IDIR/data/PG_VERSION ]]; then
+    rm -rf "$IDIR/data"
+    as_pg "$bin/initdb" -D "$IDIR/data" -U postgres -A trust -E UTF8 --locale=C --no-sync \
+      >"$IDIR/initdb.log" 2>&1 || {
+      tail -n 40 "$IDIR/initdb.log" >&2
+      die "pg: initdb failed"
+    }
+    cat >>"$IDIR/data/postgresql.conf" <<EOF
+
+# distlock test instance (scripts/backends.sh)
+listen_addresses = '127.0.0.1'
+port = $PORT
+unix_socket_directories = '$IDIR'
+max_connections = 300
+EOF
+  fi
+  # After a crash (kill) the old server's processes may need a moment to go away: retry.
+  local deadline=$(($(now_ms) + TIMEOUT * 1000))
+  until as_pg "$bin/pg_ctl" -D "$IDIR/data" -l "$LOG" -w -t "$TIMEOUT" start >>"$IDIR/pg_ctl.log" 2>&1; do
+    if (($(now_ms) > deadline)); then
+      log_tail
+      die "pg: pg_ctl start failed"
+    fi
+    sleep 0.5
+  done
+}
+
+pg_ensure_db() {
+  local bin
+  bin=$(pg_bindir)
+  if [[ $("$bin/psql" -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -XtAq \
+    -c "SELECT 1 FROM pg_database WHERE datname = 'distlock'") != 1 ]]; then
+    "$bin/psql" -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -Xq -c 'CREATE DATABASE distlock' >/dev/null
+  fi
+}
+
+# child_pids PID: the processes whose parent is PID. (PostgreSQL's children each call setsid(),
+# so the postmaster's process group holds only the postmaster itself.)
+child_pids() {
+  local f stat
+  local -a fields
+  for f in /proc/[0-9]*/stat; do
+    stat=$(cat "$f" 2>/dev/null) || continue
+    read -r -a fields <<<"${stat##*) }"
+    if [[ ${fields[1]:-} == "$1" ]]; then
+      f=${f#/proc/}
+      printf '%s\n' "${f%/stat}"
+    fi
+  done
+}
+
+# signal SIG: send SIG to the current instance's live process. For PostgreSQL the postmaster is
+# signalled first (so that it cannot fork replacements), then its children: pausing or killing
+# "pg" pauses or crashes the whole server, not just the postmaster.
+signal() {
+  local sig=$1 pid
+  pid=$(running_pid) || return 1
+  kill -s "$sig" "$pid" 2>/dev/null || true
+  if [[ $KIND == pg && $sig != TERM && $sig != INT ]]; then
+    local -a kids
+    mapfile -t kids < <(child_pids "$pid")
+    [[ ${#kids[@]} -eq 0 ]] || kill -s "$sig" "${kids[@]}" 2>/dev/null || true
+  fi
+  return 0
+}
+
+wait_gone() { # wait_gone PID SECONDS
+  local pid=$1 deadline=$(($(now_ms) + $2 * 1000)) st
+  while :; do
+    st=$(proc_state "$pid")
+    [[ -z $st || $st == Z || $st == X ]] && return 0
+    cmdline_ok "$pid" || return 0
+    (($(now_ms) > deadline)) && return 1
+    sleep 0.05
+  done
+}
+
+# ensure_up: start the current instance unless running; wait until it answers.
+ensure_up() {
+  local pid
+  if pid=$(running_pid); then
+    if [[ $(proc_state "$pid") == T ]]; then
+      say "$NAME was paused (pid $pid): resuming"
+      signal CONT || true
+    fi
+  else
+    launch
+  fi
+  wait_answers || return 1
+  if [[ $KIND == pg ]]; then pg_ensure_db; fi
+  return 0
+}
+
+do_stop() { # graceful stop of the current instance, escalating to SIGKILL
+  local pid
+  pid=$(running_pid) || return 0
+  if [[ $KIND == pg ]]; then
+    signal CONT || true
+    as_pg "$(pg_bindir)/pg_ctl" -D "$IDIR/data" -m fast -w -t "$TIMEOUT" stop >>"$IDIR/pg_ctl.log" 2>&1 || true
+  else
+    signal TERM || true
+    signal CONT || true
+  fi
+  if ! wait_gone "$pid" "$TIMEOUT"; then
+    say "$NAME (pid $pid) did not stop within ${TIMEOUT}s: SIGKILL"
+    signal KILL || true
+    wait_gone "$pid" 10 || die "$NAME (pid $pid) survived SIGKILL"
+  fi
+  say "$NAME stopped"
+}
+
+do_kill() {
+  local pid
+  pid=$(running_pid) || {
+    say "$NAME is not running"
+    return 0
+  }
+  signal KILL || true
+  wait_gone "$pid" 10 || die "$NAME (pid $pid) survived SIGKILL"
+  say "$NAME killed (pid $pid)"
+}
+
+state_of() { # sets STATE (up | paused | unresponsive | down) and STATE_PID
+  local pid
+  STATE=down STATE_PID=-
+  pid=$(running_pid) || return 0
+  STATE_PID=$pid
+  if [[ $(proc_state "$pid") == T ]]; then
+    STATE=paused
+  elif probe; then
+    STATE=up
+  else
+    STATE=unresponsive
+  fi
+}
+
+# ---------------------------------------------------------------------------------------------
+# locking: one mutating invocation at a time per data dir
+
+LOCKED=0
+take_lock() {
+  [[ $LOCKED -eq 0 ]] || return 0
+  mkdir -p "$DIR"
+  exec 9>"$DIR/.lock"
+  flock -w $((TIMEOUT * 4)) 9 || die "another $PROG is busy with $DIR"
+  LOCKED=1
+}
+
+# ---------------------------------------------------------------------------------------------
+# commands
+
+cmd_up() {
+  take_lock
+  local t0 n rc=0
+  t0=$(now_ms)
+  # Launch everything first (Redis, etcd and the JVM start in the background while initdb runs),
+  # then wait for each to answer.
+  for n in "${SINGLES[@]}"; do
+    inst "$n"
+    running_pid >/dev/null || launch
+  done
+  for n in "${SINGLES[@]}"; do
+    inst "$n"
+    ensure_up || rc=1
+  done
+  [[ $rc -eq 0 ]] || die "up failed"
+  say "up: redis, etcd, zk, pg answer ($(($(now_ms) - t0)) ms)"
+}
+
+cmd_up3() {
+  take_lock
+  local t0 n i
+  t0=$(now_ms)
+  inst redis
+  ensure_up || die "up3: the main redis (master of the replica) is not up"
+  for n in "${CLUSTER[@]}"; do
+    inst "$n"
+    running_pid >/dev/null || launch
+  done
+  for n in "${CLUSTER[@]}"; do
+    inst "$n"
+    ensure_up || die "up3: $n did not come up"
+  done
+  touch "$DIR/.up3"
+  local deadline=$(($(now_ms) + TIMEOUT * 1000)) ok eps=
+  for i in 0 1 2; do eps+=${eps:+,}http://127.0.0.1:${ETCD3_PORTS[i]}; done
+  while :; do
+    ok=1
+    ETCDCTL_API=3 timeout 5 etcdctl --endpoints="$eps" --dial-timeout=1s --command-timeout=2s \
+      endpoint health >/dev/null 2>&1 || ok=0
+    local leaders=0 followers=0 mode
+    for n in zk3-1 zk3-2 zk3-3; do
+      inst "$n"
+      mode=$(zk4 srvr | sed -n 's/^Mode: //p')
+      [[ $mode == leader ]] && leaders=$((leaders + 1))
+      [[ $mode == follower ]] && followers=$((followers + 1))
+    done
+    [[ $leaders -eq 1 && $followers -eq 2 ]] || ok=0
+    inst redis-replica
+    timeout 2 redis-cli -h 127.0.0.1 -p "$PORT" info replication 2>/dev/null |
+      grep -q '^master_link_status:up' || ok=0
+    [[ $ok -eq 1 ]] && break
+    if (($(now_ms) > deadline)); then
+      say "up3: not healthy within ${TIMEOUT}s (etcd health / zk leader+2 followers / replica link)"
+      cmd_status >&2 || true
+      die "up3 failed"
+    fi
+    sleep 0.1
+  done
+  say "up3: etcd cluster healthy, zk ensemble has a leader, redis replica linked ($(($(now_ms) - t0)) ms)"
+}
+
+purge_dirs() {
+  local d
+  for d in "$@"; do
+    [[ -n $d && $d == "$DIR"/* ]] && rm -rf "$d"
+  done
+}
+
+cmd_down3() {
+  take_lock
+  local n
+  for n in "${CLUSTER[@]}"; do
+    inst "$n"
+    do_stop
+  done
+  rm -f "$DIR/.up3"
+  if [[ ${1:-} == --purge ]]; then
+    for n in "${CLUSTER[@]}"; do purge_dirs "$DIR/$n"; done
+  fi
+}
+
+cmd_down() {
+  local purge=${1:-}
+  [[ -z $purge || $purge == --purge ]] || die "down: unknown option $purge"
+  cmd_down3
+  local n
+  for n in redis etcd zk pg; do
+    inst "$n"
+    do_stop
+  done
+  if [[ $purge == --purge ]]; then
+    # only what this script creates in $DIR
+    for n in "${SINGLES[@]}" "${CLUSTER[@]}"; do purge_dirs "$DIR/$n"; done
+    rm -f "$DIR/.lock" "$DIR/.up3"
+    rmdir "$DIR" 2>/dev/null || true
+    say "purged $DIR"
+  fi
+}
+
+cmd_status() {
+  local n all=0
+  local -a names=("${SINGLES[@]}")
+  for n in "${CLUSTER[@]}"; do [[ -d $DIR/$n ]] && names+=("$n"); done
+  for n in "${names[@]}"; do
+    inst "$n"
+    state_of
+    printf '%-14s %-12s port=%-6s pid=%s\n' "$n" "$STATE" "$PORT" "$STATE_PID"
+    if [[ " ${SINGLES[*]} " == *" $n "* && $STATE != up ]]; then all=1; fi
+  done
+  return $all
+}
+
+cmd_env() {
+  local i eps
+  printf 'export %s=%q\n' \
+    DISTLOCK_TEST_REDIS_URL "redis://127.0.0.1:$REDIS_PORT" \
+    DISTLOCK_TEST_ETCD_URL "etcd://127.0.0.1:$ETCD_PORT" \
+    DISTLOCK_TEST_ZK_URL "zk://127.0.0.1:$ZK_PORT" \
+    DISTLOCK_TEST_PG_URL "postgres://postgres@127.0.0.1:$PG_PORT/distlock"
+  if [[ -f $DIR/.up3 ]]; then
+    local alive=0 n
+    for n in "${CLUSTER[@]}"; do
+      inst "$n"
+      running_pid >/dev/null && alive=1
+    done
+    if [[ $alive -eq 1 ]]; then
+      eps=
+      for i in 0 1 2; do eps+=${eps:+,}127.0.0.1:${ETCD3_PORTS[i]}; done
+      printf 'export %s=%q\n' DISTLOCK_TEST_ETCD3_URL "etcd://$eps"
+      eps=
+      for i in 0 1 2; do eps+=${eps:+,}127.0.0.1:${ZK3_PORTS[i]}; done
+      printf 'export %s=%q\n' DISTLOCK_TEST_ZK3_URL "zk://$eps" \
+        DISTLOCK_TEST_REDIS_REPLICA_URL "redis://127.0.0.1:$REDIS_REPLICA_PORT"
+    fi
+  fi
+  printf 'export %s=%q\n' DISTLOCK_BACKENDS_SH "$SCRIPT_PATH" DISTLOCK_BACKENDS_DIR "$DIR"
+}
+
+cmd_one() { # cmd_one ACTION NAME
+  local action=$1
+  [[ -n ${2:-} ]] || die "$action: which instance? (one of: ${SINGLES[*]} ${CLUSTER[*]})"
+  inst "$2"
+  [[ $action == is-up ]] || take_lock
+  case $action in
+    is-up)
+      state_of
+      [[ $STATE == up ]]
+      ;;
+    start)
+      ensure_up || die "start $NAME failed"
+      say "$NAME up (port $PORT, pid $(running_pid))"
+      ;;
+    stop) do_stop ;;
+    kill) do_kill ;;
+    pause)
+      signal STOP || die "$NAME is not running"
+      say "$NAME paused"
+      ;;
+    resume)
+      signal CONT || die "$NAME is not running"
+      say "$NAME resumed"
+      ;;
+  esac
+}
+
+main() {
+  local cmd=${1:-}
+  [[ $# -gt 0 ]] && shift
+  case $cmd in
+    install) cmd_install ;;
+    up) cmd_up ;;
+    down)
+      take_lock
+      cmd_down "$@"
+      ;;
+    up3) cmd_up3 ;;
+    down3) cmd_down3 "$@" ;;
+    status) cmd_status ;;
+    env) cmd_env ;;
+    start | stop | kill | pause | resume | is-up) cmd_one "$cmd" "$@" ;;
+    -h | --help | help) usage ;;
+    "")
+      usage >&2
+      exit 2
+      ;;
+    *)
+      say "unknown command '$cmd'"
+      usage >&2
+      exit 2
+      ;;
+  esac
+}
+
+main "$@"
