@@ -26,6 +26,7 @@ use crate::{
 /// the last resort).
 pub struct LockGuard {
     lock: DynLock,
+    granted: Lease,
     key: LockKey,
     digest: TokenDigest,
     fencing: Option<FencingToken>,
@@ -70,6 +71,7 @@ impl LockGuard {
         let fencing = lease.fencing_token();
         let ttl = lease.ttl();
         Self {
+            granted: lease.clone(),
             task: Some(tokio::spawn(supervisor.run(lease))),
             lock,
             key,
@@ -80,6 +82,12 @@ impl LockGuard {
             lost,
             stop,
         }
+    }
+
+    /// The lease as granted (its local deadline is not updated by renewals: see
+    /// [`LockGuard::local_deadline`]). For runbooks and fault-injection tests.
+    pub fn granted_lease(&self) -> &Lease {
+        &self.granted
     }
 
     /// The lock key.

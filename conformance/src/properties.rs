@@ -1,0 +1,830 @@
+//! The properties. Each is a `pub async fn(Harness) -> Outcome` whose doc line states what it
+//! checks; `conformance_tests!` turns each into a named test.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use lock_core::{
+    DistributedLockExt, DynLock, Error, FencedRegister, FencingGuarantee, FencingToken, Lease,
+    LockKey, LockOptions,
+};
+use tokio::time::{Instant, sleep, timeout};
+
+use crate::{Harness, Outcome};
+
+/// A TTL long enough that nothing expires during a test unless a test makes it.
+const LONG_TTL: Duration = Duration::from_secs(30);
+/// Slack for a loaded 2-core machine on top of any expected duration.
+const SLACK: Duration = Duration::from_secs(3);
+
+async fn take(client: &DynLock, key: &LockKey, ttl: Duration) -> Lease {
+    match client.try_acquire(key, ttl).await {
+        Ok(Some(lease)) => lease,
+        Ok(None) => panic!("{key} should have been free"),
+        Err(e) => panic!("try_acquire({key}) failed: {e}"),
+    }
+}
+
+async fn is_held_elsewhere(client: &DynLock, key: &LockKey) -> bool {
+    match client.try_acquire(key, LONG_TTL).await {
+        Ok(None) => true,
+        Ok(Some(lease)) => {
+            let _ = client.release(&lease).await;
+            false
+        }
+        Err(e) => panic!("try_acquire({key}) failed: {e}"),
+    }
+}
+
+async fn release(client: &DynLock, lease: &Lease) -> bool {
+    match client.release(lease).await {
+        Ok(released) => released,
+        Err(e) => panic!("release({}) failed: {e}", lease.key()),
+    }
+}
+
+fn fencing_claimed(client: &DynLock) -> bool {
+    client.capabilities().fencing != FencingGuarantee::None
+}
+
+/// Only one client holds a key at a time: a second client's `try_acquire` (and the holder's
+/// own second attempt — locks are not reentrant) returns `None` until the holder releases.
+pub async fn exclusive_try_acquire(h: Harness) -> Outcome {
+    let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
+    let key = h.key("exclusive");
+    let lease = take(&a, &key, LONG_TTL).await;
+    assert!(b.try_acquire(&key, LONG_TTL).await.unwrap().is_none());
+    assert!(a.try_acquire(&key, LONG_TTL).await.unwrap().is_none());
+    assert!(release(&a, &lease).await);
+    let lease = take(&b, &key, LONG_TTL).await;
+    release(&b, &lease).await;
+    Outcome::Passed
+}
+
+/// Many clients racing for a fresh key at the same instant: exactly one wins.
+pub async fn concurrent_first_acquire_has_one_winner(h: Harness) -> Outcome {
+    let clients = h.clients(8).await;
+    let key = h.key("race");
+    let barrier = Arc::new(tokio::sync::Barrier::new(clients.len()));
+    let tasks: Vec<_> = clients
+        .iter()
+        .cloned()
+        .map(|c| {
+            let key = key.clone();
+            let barrier = barrier.clone();
+            tokio::spawn(async move {
+                barrier.wait().await;
+                c.try_acquire(&key, LONG_TTL).await.unwrap().map(|l| (c, l))
+            })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    for t in tasks {
+        if let Some(w) = t.await.unwrap() {
+            winners.push(w);
+        }
+    }
+    assert_eq!(winners.len(), 1, "exactly one client must win the race");
+    let (c, l) = &winners[0];
+    assert!(release(c, l).await);
+    Outcome::Passed
+}
+
+/// Distinct keys are independent, including "a" vs "a/b", keys that differ only in case or
+/// punctuation, and keys with spaces, braces, dots, slashes and Unicode.
+pub async fn independent_keys(h: Harness) -> Outcome {
+    let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
+    let base = h.key("indep");
+    let names = [
+        "a",
+        "a/b",
+        "a/b/c",
+        "A",
+        "a.b",
+        "a_b",
+        "a-b",
+        "a b",
+        "a:b",
+        "{a}",
+        "a{b}c",
+        "a/",
+        "/a",
+        ".",
+        "..",
+        "a%2Fb",
+        "zookeeper",
+        "ünï/çødé",
+        "\u{1F512}",
+    ];
+    let keys: Vec<LockKey> = names
+        .iter()
+        .map(|n| LockKey::new(format!("{base}/{n}")).unwrap())
+        .collect();
+    let mut leases = Vec::new();
+    for key in &keys {
+        leases.push(take(&a, key, LONG_TTL).await);
+    }
+    for key in &keys {
+        assert!(is_held_elsewhere(&b, key).await, "{key} should be held");
+    }
+    // Releasing one key leaves every other held.
+    assert!(release(&a, &leases[0]).await);
+    let l0 = take(&b, &keys[0], LONG_TTL).await;
+    for key in &keys[1..] {
+        assert!(
+            is_held_elsewhere(&b, key).await,
+            "{key} lost when another key was released"
+        );
+    }
+    release(&b, &l0).await;
+    for lease in &leases[1..] {
+        assert!(release(&a, lease).await, "{} was not released", lease.key());
+    }
+    Outcome::Passed
+}
+
+/// After a release, another client acquires at once; releasing twice returns `true` then `false`.
+pub async fn release_then_reacquire(h: Harness) -> Outcome {
+    let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
+    let key = h.key("reacquire");
+    for _ in 0..3 {
+        let lease = take(&a, &key, LONG_TTL).await;
+        assert!(release(&a, &lease).await);
+        assert!(
+            !release(&a, &lease).await,
+            "a second release must report false"
+        );
+        let lease = take(&b, &key, LONG_TTL).await;
+        assert!(release(&b, &lease).await);
+    }
+    Outcome::Passed
+}
+
+/// Releasing with a stale token (the lease expired and another client took the key) is a
+/// no-op that returns `false`; the new holder keeps the lock.
+pub async fn release_by_stale_token_is_a_no_op(h: Harness) -> Outcome {
+    let [a, b, c] = <[DynLock; 3]>::try_from(h.clients(3).await).ok().unwrap();
+    let key = h.key("stale-release");
+    let old = take(&a, &key, LONG_TTL).await;
+    h.force_expire(&old).await;
+    let new = take(&b, &key, LONG_TTL).await;
+    assert!(
+        !release(&a, &old).await,
+        "a stale release must report false"
+    );
+    assert!(
+        is_held_elsewhere(&c, &key).await,
+        "the stale release removed the new holder"
+    );
+    assert!(release(&b, &new).await, "the new holder lost its lock");
+    Outcome::Passed
+}
+
+/// `renew` keeps a lease alive past its original TTL and moves its local deadline forward.
+pub async fn renew_extends_the_lease(h: Harness) -> Outcome {
+    let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
+    if !a.capabilities().renew {
+        return Outcome::Skipped("renew not claimed");
+    }
+    let ttl = h.short_ttl();
+    let key = h.key("renew");
+    let mut lease = take(&a, &key, ttl).await;
+    let first_deadline = lease.local_deadline();
+    let until = Instant::now() + ttl * 2;
+    while Instant::now() < until {
+        sleep(ttl / 4).await;
+        a.renew(&mut lease, ttl)
+            .await
+            .expect("renewing a held lease");
+        assert!(is_held_elsewhere(&b, &key).await);
+    }
+    assert!(lease.local_deadline() > first_deadline);
+    assert!(
+        release(&a, &lease).await,
+        "renewed lease should still be held"
+    );
+    Outcome::Passed
+}
+
+/// After expiry and takeover, `renew` fails with `NotHeld` and does not extend the new holder,
+/// whose lease still runs out on its own TTL.
+pub async fn renew_after_expiry_fails_and_does_not_extend_the_new_holder(h: Harness) -> Outcome {
+    let [a, b, c] = <[DynLock; 3]>::try_from(h.clients(3).await).ok().unwrap();
+    let caps = a.capabilities();
+    if !caps.renew {
+        return Outcome::Skipped("renew not claimed");
+    }
+    let ttl = h.short_ttl();
+    let key = h.key("renew-stale");
+    let mut old = take(&a, &key, LONG_TTL).await;
+    h.force_expire(&old).await;
+    let new = take(&b, &key, ttl).await;
+    let err = a.renew(&mut old, LONG_TTL).await.unwrap_err();
+    assert!(
+        matches!(err, Error::NotHeld { .. }),
+        "expected NotHeld, got {err}"
+    );
+    if caps.lease_ttl {
+        // b never renews: its lease must lapse on b's TTL, not a's.
+        let got = c
+            .acquire(&key, LONG_TTL, Instant::now() + ttl + SLACK)
+            .await
+            .expect("the new holder's lease was extended by a stale renew");
+        release(&c, &got).await;
+    } else {
+        assert!(release(&b, &new).await);
+    }
+    Outcome::Passed
+}
+
+/// A lease that is never released (its holder vanished) becomes acquirable after its TTL
+/// (or session timeout) — not before, where the coordinator expires leases by TTL.
+pub async fn abandoned_lease_becomes_acquirable_after_ttl(h: Harness) -> Outcome {
+    let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
+    let caps = a.capabilities();
+    if !caps.lease_ttl && !caps.session_bound {
+        return Outcome::Skipped("neither lease_ttl nor session_bound claimed");
+    }
+    let ttl = h.short_ttl();
+    let key = h.key("abandoned");
+    let sent = Instant::now();
+    let lease = take(&a, &key, ttl).await;
+    drop(lease);
+    h.abandon(a).await;
+    if caps.lease_ttl {
+        assert!(is_held_elsewhere(&b, &key).await, "freed before its ttl");
+    }
+    let got = b
+        .acquire(&key, LONG_TTL, Instant::now() + ttl * 3 + SLACK)
+        .await
+        .expect("an abandoned lease must become acquirable after its ttl");
+    if caps.lease_ttl {
+        let waited = sent.elapsed();
+        assert!(
+            waited >= ttl * 9 / 10,
+            "granted again after {waited:?} < ttl {ttl:?}"
+        );
+    }
+    release(&b, &got).await;
+    Outcome::Passed
+}
+
+/// Fencing tokens strictly increase across holders, across releases and across expiry
+/// takeovers, on the same key.
+pub async fn fencing_tokens_strictly_increase(h: Harness) -> Outcome {
+    let clients = h.clients(3).await;
+    if !fencing_claimed(&clients[0]) {
+        return Outcome::Skipped("fencing not claimed");
+    }
+    let key = h.key("fencing");
+    let mut tokens: Vec<FencingToken> = Vec::new();
+    for round in 0..6 {
+        let c = &clients[round % clients.len()];
+        let lease = take(c, &key, LONG_TTL).await;
+        tokens.push(lease.fencing_token().expect("fencing claimed but no token"));
+        if round % 2 == 0 {
+            h.force_expire(&lease).await;
+        } else {
+            assert!(release(c, &lease).await);
+        }
+    }
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "not strictly increasing: {tokens:?}"
+    );
+    Outcome::Passed
+}
+
+/// A holder whose lease expired (paused process) has its late write rejected by the fenced
+/// resource after the new holder wrote.
+pub async fn stale_holder_write_is_rejected(h: Harness) -> Outcome {
+    let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
+    if !fencing_claimed(&a) {
+        return Outcome::Skipped("fencing not claimed");
+    }
+    let key = h.key("fenced-write");
+    let register = FencedRegister::new();
+    let old = take(&a, &key, LONG_TTL).await;
+    h.force_expire(&old).await; // a is "paused" past its ttl
+    let new = take(&b, &key, LONG_TTL).await;
+    register
+        .write(new.fencing_token().unwrap(), "b")
+        .expect("the new holder's write");
+    let stale = register.write(old.fencing_token().unwrap(), "a (stale)");
+    assert!(stale.is_err(), "a stale holder's write was accepted");
+    assert_eq!((register.value(), register.rejected()), (Some("b"), 1));
+    release(&b, &new).await;
+    Outcome::Passed
+}
+
+/// Under contention (8 independent clients × many iterations) critical sections never overlap:
+/// an unprotected read-modify-write counter ends exact, an "inside" counter never exceeds 1, and
+/// fencing tokens increase in critical-section order.
+pub async fn mutual_exclusion_under_contention(h: Harness) -> Outcome {
+    const CLIENTS: usize = 8;
+    const ITERATIONS: usize = 12;
+    let clients = h.clients(CLIENTS).await;
+    let key = h.key("contention");
+    let counter = Arc::new(AtomicU64::new(0));
+    let inside = Arc::new(AtomicUsize::new(0));
+    let tokens = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let tasks: Vec<_> = clients
+        .into_iter()
+        .map(|c| {
+            let (key, counter, inside, tokens) =
+                (key.clone(), counter.clone(), inside.clone(), tokens.clone());
+            tokio::spawn(async move {
+                for _ in 0..ITERATIONS {
+                    let deadline = Instant::now() + Duration::from_secs(60);
+                    let lease = c.acquire(&key, LONG_TTL, deadline).await.expect("acquire");
+                    assert_eq!(
+                        inside.fetch_add(1, Ordering::SeqCst),
+                        0,
+                        "two holders at once"
+                    );
+                    tokens.lock().unwrap().push(lease.fencing_token());
+                    let seen = counter.load(Ordering::SeqCst);
+                    tokio::task::yield_now().await;
+                    sleep(Duration::from_millis(1)).await;
+                    counter.store(seen + 1, Ordering::SeqCst);
+                    inside.fetch_sub(1, Ordering::SeqCst);
+                    assert!(
+                        c.release(&lease).await.expect("release"),
+                        "lost while holding"
+                    );
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(
+        counter.load(Ordering::SeqCst),
+        (CLIENTS * ITERATIONS) as u64
+    );
+    let tokens = tokens.lock().unwrap();
+    if tokens.iter().all(Option::is_some) {
+        assert!(
+            tokens.windows(2).all(|w| w[0] < w[1]),
+            "tokens out of order: {tokens:?}"
+        );
+    }
+    Outcome::Passed
+}
+
+/// `acquire` on a held key fails with `Timeout` at its deadline — not long before, not long after.
+pub async fn acquire_times_out_at_its_deadline(h: Harness) -> Outcome {
+    let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
+    let key = h.key("timeout");
+    let lease = take(&a, &key, LONG_TTL).await;
+    let wait = Duration::from_millis(800);
+    let start = Instant::now();
+    let err = b.acquire(&key, LONG_TTL, start + wait).await.unwrap_err();
+    let waited = start.elapsed();
+    assert!(
+        matches!(err, Error::Timeout { .. }),
+        "expected Timeout, got {err}"
+    );
+    assert!(
+        waited >= wait - Duration::from_millis(20),
+        "gave up early after {waited:?}"
+    );
+    assert!(waited <= wait + SLACK, "gave up late after {waited:?}");
+    assert!(release(&a, &lease).await);
+    Outcome::Passed
+}
+
+/// Where `wait_notify` is claimed, a waiter is woken promptly by a release (well before any
+/// fallback poll would fire).
+pub async fn waiter_is_woken_promptly_by_release(h: Harness) -> Outcome {
+    let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
+    if !a.capabilities().wait_notify {
+        return Outcome::Skipped("wait_notify not claimed");
+    }
+    let mut handoffs = Vec::new();
+    for _ in 0..3 {
+        let key = h.key("notify");
+        let lease = take(&a, &key, LONG_TTL).await;
+        let waiter = {
+            let (b, key) = (b.clone(), key.clone());
+            tokio::spawn(async move {
+                let l = b.acquire(&key, LONG_TTL, Instant::now() + LONG_TTL).await;
+                (Instant::now(), l)
+            })
+        };
+        // Let the waiter settle into its longest fallback-poll interval first.
+        sleep(Duration::from_millis(1500)).await;
+        let released_at = Instant::now();
+        assert!(release(&a, &lease).await);
+        let (got_at, got) = waiter.await.unwrap();
+        let got = got.expect("the waiter should get the lock");
+        handoffs.push(got_at - released_at);
+        release(&b, &got).await;
+    }
+    handoffs.sort();
+    assert!(
+        handoffs[1] < Duration::from_millis(200),
+        "median hand-off {:?} (all {handoffs:?}) is not a wake-up",
+        handoffs[1]
+    );
+    Outcome::Passed
+}
+
+/// Where `fair_queue` is claimed, waiters get the lock in the order they started waiting.
+pub async fn waiters_are_served_in_fifo_order(h: Harness) -> Outcome {
+    let clients = h.clients(5).await;
+    if !clients[0].capabilities().fair_queue {
+        return Outcome::Skipped("fair_queue not claimed");
+    }
+    let key = h.key("fifo");
+    let holder = take(&clients[0], &key, LONG_TTL).await;
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for (i, c) in clients.iter().enumerate().skip(1) {
+        let (c, k, order) = (c.clone(), key.clone(), order.clone());
+        tasks.push(tokio::spawn(async move {
+            let lease = c
+                .acquire(&k, LONG_TTL, Instant::now() + LONG_TTL)
+                .await
+                .expect("waiter acquire");
+            order.lock().unwrap().push(i);
+            assert!(c.release(&lease).await.unwrap());
+            drop(k);
+        }));
+        wait_until_queued(&clients[0], &key, i).await;
+    }
+    assert!(release(&clients[0], &holder).await);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(*order.lock().unwrap(), vec![1, 2, 3, 4]);
+    Outcome::Passed
+}
+
+/// Waits until `inspect` shows `n` waiters (or, where the backend cannot count them, a while).
+async fn wait_until_queued(client: &DynLock, key: &LockKey, n: usize) {
+    let until = Instant::now() + SLACK;
+    loop {
+        match client.inspect(key).await.unwrap().and_then(|i| i.waiters) {
+            Some(w) if w >= n => return,
+            Some(_) if Instant::now() < until => sleep(Duration::from_millis(10)).await,
+            Some(w) => panic!("only {w} of {n} waiters queued"),
+            None => {
+                sleep(Duration::from_millis(300)).await;
+                return;
+            }
+        }
+    }
+}
+
+/// Dropping an `acquire` future while it waits leaves nothing behind: after the holder releases,
+/// a third client acquires promptly (the dropped waiter's client stays alive meanwhile).
+pub async fn dropped_acquire_leaves_nothing_behind(h: Harness) -> Outcome {
+    let [a, b, c] = <[DynLock; 3]>::try_from(h.clients(3).await).ok().unwrap();
+    let key = h.key("dropped-waiter");
+    let lease = take(&a, &key, LONG_TTL).await;
+    for _ in 0..3 {
+        let attempt = b.acquire(&key, LONG_TTL, Instant::now() + LONG_TTL);
+        assert!(timeout(Duration::from_millis(300), attempt).await.is_err());
+    }
+    assert!(release(&a, &lease).await);
+    let got = c
+        .acquire(&key, LONG_TTL, Instant::now() + SLACK)
+        .await
+        .expect("a dropped waiter blocks others");
+    release(&c, &got).await;
+    drop(b);
+    Outcome::Passed
+}
+
+/// The guard's watchdog keeps a lease alive well past its TTL while `lost()` stays quiet.
+pub async fn watchdog_keeps_the_lease_alive(h: Harness) -> Outcome {
+    let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
+    if !a.capabilities().renew {
+        return Outcome::Skipped("renew not claimed");
+    }
+    let ttl = h.short_ttl();
+    let key = h.key("watchdog");
+    let guard = a
+        .lock(&key)
+        .ttl(ttl)
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    let until = Instant::now() + ttl * 3;
+    while Instant::now() < until {
+        tokio::select! {
+            () = guard.lost() => panic!("lost() fired: {:?}", guard.loss_reason()),
+            () = sleep(ttl / 2) => {}
+        }
+        assert!(
+            is_held_elsewhere(&b, &key).await,
+            "the watchdog let the lease lapse"
+        );
+    }
+    assert!(guard.renewals() >= 3, "only {} renewals", guard.renewals());
+    assert!(!guard.is_lost());
+    assert!(guard.release().await.unwrap());
+    Outcome::Passed
+}
+
+/// `lost()` fires when the lock is taken away from the holder (expired at the coordinator and
+/// granted to another client), within about one TTL.
+pub async fn lost_fires_when_the_lock_is_taken_away(h: Harness) -> Outcome {
+    let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
+    if !a.capabilities().lost_notify {
+        return Outcome::Skipped("lost_notify not claimed");
+    }
+    let ttl = h.short_ttl();
+    let key = h.key("lost");
+    let guard = a
+        .lock(&key)
+        .ttl(ttl)
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    h.force_expire(guard.granted_lease()).await;
+    let taken = take(&b, &key, LONG_TTL).await;
+    let start = Instant::now();
+    timeout(ttl + SLACK, guard.lost())
+        .await
+        .expect("lost() did not fire after the lock was taken away");
+    assert!(guard.is_lost() && guard.loss_reason().is_some());
+    let waited = start.elapsed();
+    assert!(waited <= ttl + SLACK, "{waited:?}");
+    assert!(
+        !guard.release().await.unwrap(),
+        "release of a lost lock must report false"
+    );
+    assert!(
+        is_held_elsewhere(&a, &key).await,
+        "the new holder must keep the lock"
+    );
+    release(&b, &taken).await;
+    Outcome::Passed
+}
+
+/// Without renewals, `lost()` fires at the lease's local deadline — before the coordinator can
+/// grant the key to anyone else.
+pub async fn lost_fires_at_the_local_deadline_before_anyone_else_is_granted(h: Harness) -> Outcome {
+    let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
+    if !a.capabilities().lease_ttl {
+        return Outcome::Skipped("lease_ttl not claimed");
+    }
+    let ttl = h.short_ttl();
+    let key = h.key("deadline");
+    let guard = a
+        .lock(&key)
+        .ttl(ttl)
+        .no_watchdog()
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    let contender = {
+        let (b, key) = (b.clone(), key.clone());
+        tokio::spawn(async move {
+            let l = b
+                .acquire(&key, LONG_TTL, Instant::now() + ttl * 3 + SLACK)
+                .await;
+            (Instant::now(), l)
+        })
+    };
+    timeout(ttl + SLACK, guard.lost())
+        .await
+        .expect("lost() at the deadline");
+    let lost_at = Instant::now();
+    let (granted_at, lease) = contender.await.unwrap();
+    let lease = lease.expect("the contender gets the key after the ttl");
+    assert!(
+        lost_at <= granted_at,
+        "the holder still trusted its lease when the contender got it"
+    );
+    assert!(guard.local_deadline() <= granted_at);
+    release(&b, &lease).await;
+    Outcome::Passed
+}
+
+/// `run_exclusive` skips when the key is held, otherwise runs the job with its fencing token
+/// and releases at the end.
+pub async fn run_exclusive_skips_when_held_and_releases_after(h: Harness) -> Outcome {
+    let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
+    let key = h.key("run-exclusive");
+    let held = take(&a, &key, LONG_TTL).await;
+    let ran = AtomicUsize::new(0);
+    let skipped = b
+        .run_exclusive(&key, LockOptions::with_ttl(LONG_TTL), |_| async {
+            ran.fetch_add(1, Ordering::SeqCst);
+        })
+        .await
+        .unwrap();
+    assert_eq!((skipped, ran.load(Ordering::SeqCst)), (None, 0));
+    assert!(release(&a, &held).await);
+    let fencing = fencing_claimed(&b);
+    let out = b
+        .run_exclusive(&key, LockOptions::with_ttl(LONG_TTL), |ctx| async move {
+            assert_eq!(ctx.fencing_token().is_some(), fencing);
+            assert!(!ctx.is_lost());
+            7
+        })
+        .await
+        .unwrap();
+    assert_eq!(out, Some(7));
+    let again = take(&a, &key, LONG_TTL).await; // released at the end of the job
+    release(&a, &again).await;
+    Outcome::Passed
+}
+
+/// Dropping a guard releases the lock in the background well before its TTL.
+pub async fn dropped_guard_releases_the_lock(h: Harness) -> Outcome {
+    let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
+    let key = h.key("guard-drop");
+    let guard = a
+        .lock(&key)
+        .ttl(LONG_TTL)
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    drop(guard);
+    let got = b
+        .acquire(&key, LONG_TTL, Instant::now() + SLACK)
+        .await
+        .expect("a dropped guard must release");
+    release(&b, &got).await;
+    Outcome::Passed
+}
+
+/// `inspect` reports no holder for a free key, the holder's token digest, fencing token and
+/// remaining TTL while held, and none again after release.
+pub async fn inspect_reports_the_holder(h: Harness) -> Outcome {
+    let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
+    let key = h.key("inspect");
+    assert_eq!(b.inspect(&key).await.unwrap(), None);
+    let lease = take(&a, &key, LONG_TTL).await;
+    let info = b.inspect(&key).await.unwrap().expect("a holder");
+    if let Some(digest) = info.token_digest {
+        assert_eq!(digest, lease.token().digest());
+    }
+    assert_eq!(info.fencing_token, lease.fencing_token());
+    if let Some(left) = info.ttl_remaining {
+        assert!(
+            left <= a.capabilities().effective_ttl(LONG_TTL) && !left.is_zero(),
+            "{left:?}"
+        );
+    }
+    let shown = format!("{info:?} {lease:?}");
+    assert!(
+        !shown.contains(&lease.token().expose_hex()),
+        "Debug output leaks the token"
+    );
+    assert!(release(&a, &lease).await);
+    assert_eq!(b.inspect(&key).await.unwrap(), None);
+    Outcome::Passed
+}
+
+/// Bad input (invalid keys, zero TTL, TTL below the backend's minimum, a deadline in the past,
+/// a watchdog interval not below the TTL) gets a typed error before any I/O — also from a client
+/// whose coordinator is unreachable — while a valid request to an unreachable coordinator fails
+/// with an error instead of hanging.
+pub async fn bad_input_is_rejected_before_io(h: Harness) -> Outcome {
+    let mut clients = vec![h.client().await];
+    let reachable = clients.len();
+    clients.extend(h.unreachable_client().await);
+    for (i, c) in clients.iter().enumerate() {
+        let offline = i >= reachable;
+        let key = h.key("bad-input");
+        let caps = c.capabilities();
+        for bad in ["", "a\0b", "line\nbreak"] {
+            let err = c.lock(bad).try_acquire().await.unwrap_err();
+            assert!(matches!(err, Error::InvalidKey { .. }), "{bad:?}: {err}");
+        }
+        let long = "k".repeat(LockKey::MAX_LEN + 1);
+        assert!(matches!(
+            c.lock(long.as_str()).acquire().await,
+            Err(Error::InvalidKey { .. })
+        ));
+        let zero = c.try_acquire(&key, Duration::ZERO).await.unwrap_err();
+        assert!(matches!(zero, Error::InvalidTtl { .. }), "{zero}");
+        let zero = c
+            .acquire(&key, Duration::ZERO, Instant::now() + SLACK)
+            .await
+            .unwrap_err();
+        assert!(matches!(zero, Error::InvalidTtl { .. }), "{zero}");
+        assert!(matches!(
+            c.lock(&key).ttl(Duration::ZERO).try_acquire().await,
+            Err(Error::InvalidTtl { .. })
+        ));
+        if caps.min_ttl > Duration::from_millis(1) {
+            let below = caps.min_ttl - Duration::from_millis(1);
+            let err = c.try_acquire(&key, below).await.unwrap_err();
+            assert!(matches!(err, Error::InvalidTtl { .. }), "{err}");
+        }
+        let start = Instant::now();
+        let past = c
+            .acquire(&key, LONG_TTL, start - Duration::from_millis(1))
+            .await
+            .unwrap_err();
+        assert!(matches!(past, Error::Timeout { .. }), "{past}");
+        assert!(start.elapsed() < Duration::from_secs(1));
+        let err = c
+            .lock(&key)
+            .ttl(LONG_TTL)
+            .watchdog(LONG_TTL)
+            .try_acquire()
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::Config(_) | Error::Unsupported { .. }),
+            "{err}"
+        );
+        if offline {
+            let res = timeout(Duration::from_secs(30), c.try_acquire(&key, LONG_TTL))
+                .await
+                .expect("a request to an unreachable coordinator must fail, not hang");
+            let err = res.expect_err("an unreachable coordinator cannot grant a lock");
+            assert!(
+                err.is_temporary(),
+                "unreachable should be a temporary error: {err}"
+            );
+        }
+    }
+    Outcome::Passed
+}
+
+/// Every claimed capability is real and every unclaimed one is refused with `Unsupported`
+/// before any I/O: fencing tokens exist exactly when fencing is claimed, a stronger fencing
+/// requirement is refused, and `renew` is refused where it is not claimed.
+pub async fn capabilities_are_honest(h: Harness) -> Outcome {
+    let a = h.client().await;
+    let caps = a.capabilities();
+    let key = h.key("caps");
+    assert!(
+        caps.check_ttl(LONG_TTL).is_ok(),
+        "the suite's long ttl must be allowed"
+    );
+    assert!(
+        caps.check_ttl(h.short_ttl()).is_ok(),
+        "short_ttl below the backend's minimum"
+    );
+    if caps.fencing < FencingGuarantee::Quorum {
+        let stronger = if caps.fencing == FencingGuarantee::None {
+            FencingGuarantee::SingleNode
+        } else {
+            FencingGuarantee::Quorum
+        };
+        let err = a
+            .lock(&key)
+            .require_fencing(stronger)
+            .try_acquire()
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Unsupported { .. }), "{err}");
+    }
+    let guard = a
+        .lock(&key)
+        .ttl(LONG_TTL)
+        .require_fencing(caps.fencing)
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    assert_eq!(
+        guard.fencing_token().is_some(),
+        caps.fencing != FencingGuarantee::None
+    );
+    let mut lease = guard.granted_lease().clone();
+    let renewed = a.renew(&mut lease, LONG_TTL).await;
+    if caps.renew {
+        renewed.expect("renew is claimed");
+    } else {
+        assert!(matches!(renewed, Err(Error::Unsupported { .. })));
+        let err = a
+            .lock(&key)
+            .watchdog(Duration::from_secs(1))
+            .try_acquire()
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Unsupported { .. }), "{err}");
+    }
+    assert!(
+        caps.lease_ttl || caps.session_bound,
+        "a lock must end when its holder vanishes"
+    );
+    if caps.fair_queue {
+        assert!(
+            caps.wait_notify || caps.lease_ttl,
+            "a fair queue needs waiters to be woken"
+        );
+    }
+    assert!(guard.release().await.unwrap());
+    Outcome::Passed
+}
