@@ -46,6 +46,7 @@ macro_rules! conformance_tests {
             inspect_reports_the_holder,
             bad_input_is_rejected_before_io,
             capabilities_are_honest,
+            force_release_removes_any_holder,
         );
     };
 }

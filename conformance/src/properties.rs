@@ -828,3 +828,44 @@ pub async fn capabilities_are_honest(h: Harness) -> Outcome {
     assert!(guard.release().await.unwrap());
     Outcome::Passed
 }
+
+/// Where `force_release` is claimed, the operator override removes any holder (the holder's
+/// guard reports the loss and its own release then returns `false`) and reports `false` on a
+/// free key; where it is not claimed it is refused with `Unsupported`.
+pub async fn force_release_removes_any_holder(h: Harness) -> Outcome {
+    let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
+    let key = h.key("force-release");
+    if !a.capabilities().force_release {
+        let err = b.force_release(&key).await.unwrap_err();
+        assert!(matches!(err, Error::Unsupported { .. }), "{err}");
+        return Outcome::Skipped("force_release not claimed");
+    }
+    assert!(
+        !b.force_release(&key).await.unwrap(),
+        "nothing to remove on a free key"
+    );
+    let ttl = h.short_ttl();
+    let guard = a
+        .lock(&key)
+        .ttl(ttl)
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    assert!(b.force_release(&key).await.unwrap());
+    let lease = b
+        .acquire(&key, LONG_TTL, Instant::now() + SLACK)
+        .await
+        .expect("the key is free after a forced release");
+    if a.capabilities().lost_notify {
+        timeout(ttl + SLACK, guard.lost())
+            .await
+            .expect("the old holder learns it lost");
+    }
+    assert!(
+        !guard.release().await.unwrap(),
+        "the old holder must not release the new lock"
+    );
+    assert!(release(&b, &lease).await);
+    Outcome::Passed
+}

@@ -36,6 +36,8 @@ pub struct Capabilities {
     pub fair_queue: bool,
     /// A held lock's loss is reported to its guard ([`crate::LockGuard::lost`]).
     pub lost_notify: bool,
+    /// [`crate::DistributedLock::force_release`] (operator override) is available.
+    pub force_release: bool,
     /// The smallest TTL the backend can honour (zero: no minimum).
     pub min_ttl: Duration,
     /// The largest TTL the backend can honour (zero: no maximum).

@@ -73,6 +73,22 @@ pub trait DistributedLock: Send + Sync + fmt::Debug + 'static {
     /// Who holds `key` now, as far as the coordinator knows. `Ok(None)` when it is free.
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>>;
 
+    /// Operator override (the runbook's manual delete): removes whoever holds `key`, regardless
+    /// of their token. `Ok(true)` when a holder was removed.
+    ///
+    /// # Behavior
+    /// The removed holder learns of it through its next renewal or the backend's loss report;
+    /// its fencing token is stale from then on, but a paused holder may still write with it —
+    /// only resource-side fencing stops that. Requires `force_release`; the default returns
+    /// `Unsupported`.
+    async fn force_release(&self, key: &LockKey) -> Result<bool> {
+        let _ = key;
+        Err(crate::Error::unsupported(
+            self.backend_name(),
+            "force_release",
+        ))
+    }
+
     /// A future that completes when the coordinator itself reports that `lease` is gone
     /// (lease revoked, node deleted, session expired) without waiting for a renewal.
     ///

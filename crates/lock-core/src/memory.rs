@@ -30,9 +30,8 @@ const BACKEND: &str = "memory";
 /// Every clone made with [`InMemoryLock::client`] is an independent client of the same
 /// coordinator (as separate service instances would be). It has every capability: TTL leases on
 /// [`tokio::time`] (so tests can pause time), renewals, fencing tokens from one counter, FIFO
-/// hand-off to waiters on release or expiry, and loss reports. Test hooks
-/// ([`InMemoryLock::force_expire`], [`InMemoryLock::force_release`],
-/// [`InMemoryLock::set_offline`]) simulate what faults do to a real coordinator.
+/// hand-off to waiters on release or expiry, loss reports and `force_release`. Test hooks
+/// ([`InMemoryLock::force_expire`], [`InMemoryLock::set_offline`]) simulate what faults do to a real coordinator.
 #[derive(Clone)]
 pub struct InMemoryLock {
     coordinator: Arc<Coordinator>,
@@ -190,14 +189,16 @@ impl InMemoryLock {
         }
     }
 
-    /// Test hook: an operator deletes the lock; the holder is told through `watch_lost`, and the
-    /// next waiter is granted.
-    pub fn force_release(&self, key: &LockKey) {
+    /// An operator deletes the lock: the holder is told through `watch_lost`, and the next waiter
+    /// is granted. Returns whether there was a holder.
+    fn revoke(&self, key: &LockKey) -> bool {
         let mut state = self.coordinator.lock_state();
-        if let Some(old) = state.entries.get_mut(key).and_then(|e| e.holder.take()) {
+        let old = state.entries.get_mut(key).and_then(|e| e.holder.take());
+        if let Some(old) = &old {
             old.revoked.cancel();
         }
         state.settle(key, Instant::now());
+        old.is_some()
     }
 
     fn request(&self, op: &'static str) -> Result<MutexGuard<'_, State>> {
@@ -291,6 +292,7 @@ impl DistributedLock for InMemoryLock {
             wait_notify: true,
             fair_queue: true,
             lost_notify: true,
+            force_release: true,
             min_ttl: Duration::from_millis(1),
             ..Default::default()
         }
@@ -397,6 +399,11 @@ impl DistributedLock for InMemoryLock {
                 ),
             })
         }))
+    }
+
+    async fn force_release(&self, key: &LockKey) -> Result<bool> {
+        drop(self.request("force_release")?);
+        Ok(self.revoke(key))
     }
 
     fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
