@@ -66,19 +66,26 @@ Commands:
   env              print export lines: DISTLOCK_TEST_{REDIS,ETCD,ZK,PG}_URL, the cluster URLs when
                    up3 is running (DISTLOCK_TEST_{ETCD3,ZK3,REDIS_REPLICA}_URL), DISTLOCK_BACKENDS_SH
                    and DISTLOCK_BACKENDS_DIR. Use: eval "\$($PROG env)"
-  up3              start a 3-member etcd cluster (clients ${ETCD3_PORTS[*]}), a 3-server ZooKeeper
-                   ensemble (clients ${ZK3_PORTS[*]}) and a Redis replica of redis on
-                   $REDIS_REPLICA_PORT; waits for all endpoints healthy, one ZK leader, replica link up.
+  up3              start a 3-member etcd cluster (clients ${ETCD3_PORTS[*]}, peers
+                   ${ETCD3_PEER_PORTS[*]}), a 3-server ZooKeeper ensemble (clients ${ZK3_PORTS[*]},
+                   quorum ${ZK3_QUORUM_PORTS[*]}, election ${ZK3_ELECTION_PORTS[*]}) and a Redis replica
+                   of redis (started if needed) on $REDIS_REPLICA_PORT; waits until all etcd endpoints
+                   are healthy, ZooKeeper has one leader and two followers, the replica link is up.
   down3 [--purge]  stop the up3 servers (--purge: delete their data).
-  start NAME       start one instance and wait until it answers
+  start NAME       start one instance and wait until it answers (a cluster member: until it has
+                   rejoined, if the rest of its cluster has a quorum)
   stop NAME        graceful stop (SIGTERM; PostgreSQL: pg_ctl stop -m fast), SIGKILL after ${TIMEOUT}s
   kill NAME        SIGKILL (PostgreSQL: the postmaster and all its children, i.e. a server crash)
   pause NAME       SIGSTOP (PostgreSQL: the postmaster and all its children)
   resume NAME      SIGCONT (same processes)
   NAME is one of: ${SINGLES[*]} ${CLUSTER[*]}
 
+etcd runs with --heartbeat-interval 50 --election-timeout 500 (leases down to 1 s); ZooKeeper with
+tickTime=${ZK_TICK_MS}, session timeouts ${ZK_MIN_SESSION_MS}..${ZK_MAX_SESSION_MS} ms, no per-IP connection limit;
+PostgreSQL with max_connections=300; Redis with DEBUG allowed from loopback.
+
 Environment: DISTLOCK_BACKENDS_DIR, DISTLOCK_BACKENDS_TIMEOUT (seconds, default 30),
-DISTLOCK_{REDIS,REDIS_REPLICA,ETCD,ETCD_PEER,ZK,PG}_PORT.
+DISTLOCK_{REDIS,REDIS_REPLICA,ETCD,ETCD_PEER,ZK,PG}_PORT, DISTLOCK_PG_BINDIR.
 EOF
 }
 
@@ -143,7 +150,10 @@ cmd_install() {
   local i
   for i in 1 2 3; do
     if "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -q; then break; fi
-    [[ $i -eq 3 ]] && die "apt-get update failed"
+    if [[ $i -eq 3 ]]; then
+      say "install: apt-get update failed 3 times; trying the install with the lists at hand"
+      break
+    fi
     sleep 5
   done
   "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends --no-upgrade \
@@ -242,7 +252,7 @@ probe() { # does the current instance answer?
       # answers imok but not srvr, and that is fine for a member.
       [[ -n $MEMBER ]] || [[ $(zk4 srvr) == *"Mode: "* ]]
       ;;
-    pg) timeout 3 "$(pg_bindir)/pg_isready" -q -h 127.0.0.1 -p "$PORT" -t 2 ;;
+    pg) timeout 3 "$(pg_bindir)/pg_isready" -q -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -t 2 ;;
   esac
 }
 
@@ -252,7 +262,7 @@ port_taken() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
 log_tail() {
   say "---- last lines of $LOG ----"
-  tail -n 40 "$LOG" >&2 2>/dev/null || say "(no log)"
+  tail -n 25 "$LOG" >&2 2>/dev/null || say "(no log)"
   say "----"
 }
 
@@ -334,9 +344,12 @@ EOF
 # launch: start the current instance's process (does not wait for it to answer).
 launch() {
   mkdir -p "$IDIR"
-  if port_taken "$PORT"; then
-    die "$NAME: port $PORT is already in use by a process this script did not start"
-  fi
+  local p
+  for p in "$PORT" $PEER_PORT; do
+    if port_taken "$p"; then
+      die "$NAME: port $p is already in use by a process this script did not start"
+    fi
+  done
   case $KIND in
     redis)
       local -a extra=()
@@ -420,7 +433,16 @@ unix_socket_directories = '$IDIR'
 max_connections = 300
 EOF
   fi
-  # After a crash (kill) the old server's processes may need a moment to go away: retry.
+  # After a crash (kill) the dead postmaster may linger as a zombie (an init that reaps late), and
+  # postgres then refuses its lock files as "already exists". They are stale when the pid they
+  # name is gone or a zombie (anything else alive: let postgres judge).
+  local old st=
+  old=$(recorded_pid) && st=$(proc_state "$old")
+  if [[ -f $PIDFILE && (-z $st || $st == Z || $st == X) ]]; then
+    say "pg: removing stale lock files ($PIDFILE, socket lock)"
+    rm -f "$PIDFILE" "$IDIR/.s.PGSQL.$PORT.lock" "$IDIR/.s.PGSQL.$PORT"
+  fi
+  # The old server's children may need a moment to go away: retry.
   local deadline=$(($(now_ms) + TIMEOUT * 1000))
   until as_pg "$bin/pg_ctl" -D "$IDIR/data" -l "$LOG" -w -t "$TIMEOUT" start >>"$IDIR/pg_ctl.log" 2>&1; do
     if (($(now_ms) > deadline)); then
@@ -494,7 +516,51 @@ ensure_up() {
   fi
   wait_answers || return 1
   if [[ $KIND == pg ]]; then pg_ensure_db; fi
+  if [[ -n $MEMBER ]]; then wait_rejoined || return 1; fi
   return 0
+}
+
+# member_serving PORT: does the etcd/ZooKeeper member on PORT serve (i.e. is part of a quorum)?
+member_serving() {
+  case $KIND in
+    etcd)
+      ETCDCTL_API=3 timeout 3 etcdctl --endpoints="http://127.0.0.1:$1" --dial-timeout=1s \
+        --command-timeout=2s endpoint health >/dev/null 2>&1
+      ;;
+    zk) [[ $(PORT=$1 zk4 srvr) == *"Mode: "* ]] ;;
+    *) return 0 ;;
+  esac
+}
+
+# wait_rejoined: a restarted cluster member answers before it has rejoined. If the rest of its
+# cluster has a quorum, wait (bounded) until the member serves too; without one, answering is all
+# that can be expected.
+wait_rejoined() {
+  local -a ports
+  case $KIND in
+    etcd) ports=("${ETCD3_PORTS[@]}") ;;
+    zk) ports=("${ZK3_PORTS[@]}") ;;
+    *) return 0 ;;
+  esac
+  member_serving "$PORT" && return 0
+  local p quorum=0
+  for p in "${ports[@]}"; do
+    [[ $p == "$PORT" ]] && continue
+    if member_serving "$p"; then
+      quorum=1
+      break
+    fi
+  done
+  [[ $quorum -eq 1 ]] || return 0
+  local deadline=$(($(now_ms) + TIMEOUT * 1000))
+  until member_serving "$PORT"; do
+    if (($(now_ms) > deadline)); then
+      say "$NAME answers but did not rejoin its cluster within ${TIMEOUT}s"
+      log_tail
+      return 1
+    fi
+    sleep 0.1
+  done
 }
 
 do_stop() { # graceful stop of the current instance, escalating to SIGKILL
@@ -558,16 +624,24 @@ take_lock() {
 cmd_up() {
   take_lock
   local t0 n rc=0
+  local -A launched=()
   t0=$(now_ms)
   # Launch everything first (Redis, etcd and the JVM start in the background while initdb runs),
   # then wait for each to answer.
   for n in "${SINGLES[@]}"; do
     inst "$n"
-    running_pid >/dev/null || launch
+    if ! running_pid >/dev/null; then
+      launch
+      launched[$n]=1
+    fi
   done
   for n in "${SINGLES[@]}"; do
     inst "$n"
-    ensure_up || rc=1
+    if [[ -n ${launched[$n]:-} ]]; then
+      wait_answers && { [[ $KIND != pg ]] || pg_ensure_db; } || rc=1
+    else
+      ensure_up || rc=1
+    fi
   done
   [[ $rc -eq 0 ]] || die "up failed"
   say "up: redis, etcd, zk, pg answer ($(($(now_ms) - t0)) ms)"
@@ -579,13 +653,21 @@ cmd_up3() {
   t0=$(now_ms)
   inst redis
   ensure_up || die "up3: the main redis (master of the replica) is not up"
+  local -A launched=()
   for n in "${CLUSTER[@]}"; do
     inst "$n"
-    running_pid >/dev/null || launch
+    if ! running_pid >/dev/null; then
+      launch
+      launched[$n]=1
+    fi
   done
   for n in "${CLUSTER[@]}"; do
     inst "$n"
-    ensure_up || die "up3: $n did not come up"
+    if [[ -n ${launched[$n]:-} ]]; then
+      wait_answers || die "up3: $n did not come up"
+    else
+      ensure_up || die "up3: $n did not come up"
+    fi
   done
   touch "$DIR/.up3"
   local deadline=$(($(now_ms) + TIMEOUT * 1000)) ok eps=
@@ -667,9 +749,21 @@ cmd_status() {
   return $all
 }
 
+# export_line VAR VALUE...: "export VAR=VALUE" lines, VALUE quoted for the shell only when needed.
+export_line() {
+  while [[ $# -ge 2 ]]; do
+    if [[ $2 =~ ^[A-Za-z0-9_./:@,+=%-]*$ ]]; then
+      printf 'export %s=%s\n' "$1" "$2"
+    else
+      printf "export %s='%s'\n" "$1" "${2//\'/\'\\\'\'}"
+    fi
+    shift 2
+  done
+}
+
 cmd_env() {
   local i eps
-  printf 'export %s=%q\n' \
+  export_line \
     DISTLOCK_TEST_REDIS_URL "redis://127.0.0.1:$REDIS_PORT" \
     DISTLOCK_TEST_ETCD_URL "etcd://127.0.0.1:$ETCD_PORT" \
     DISTLOCK_TEST_ZK_URL "zk://127.0.0.1:$ZK_PORT" \
@@ -683,14 +777,14 @@ cmd_env() {
     if [[ $alive -eq 1 ]]; then
       eps=
       for i in 0 1 2; do eps+=${eps:+,}127.0.0.1:${ETCD3_PORTS[i]}; done
-      printf 'export %s=%q\n' DISTLOCK_TEST_ETCD3_URL "etcd://$eps"
+      export_line DISTLOCK_TEST_ETCD3_URL "etcd://$eps"
       eps=
       for i in 0 1 2; do eps+=${eps:+,}127.0.0.1:${ZK3_PORTS[i]}; done
-      printf 'export %s=%q\n' DISTLOCK_TEST_ZK3_URL "zk://$eps" \
+      export_line DISTLOCK_TEST_ZK3_URL "zk://$eps" \
         DISTLOCK_TEST_REDIS_REPLICA_URL "redis://127.0.0.1:$REDIS_REPLICA_PORT"
     fi
   fi
-  printf 'export %s=%q\n' DISTLOCK_BACKENDS_SH "$SCRIPT_PATH" DISTLOCK_BACKENDS_DIR "$DIR"
+  export_line DISTLOCK_BACKENDS_SH "$SCRIPT_PATH" DISTLOCK_BACKENDS_DIR "$DIR"
 }
 
 cmd_one() { # cmd_one ACTION NAME
