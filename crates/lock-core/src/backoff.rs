@@ -127,6 +127,7 @@ impl AcquireWait {
             return Err(err);
         }
         tracing::debug!(key = %self.key, error = %err, "acquire attempt failed; retrying");
+        crate::observe::record_retry(&err);
         let until = (Instant::now() + self.backoff.next_delay()).min(self.deadline);
         sleep_until(until).await;
         if Instant::now() >= self.deadline {

@@ -52,6 +52,7 @@ impl<T> FencedRegister<T> {
             && token <= highest
         {
             self.rejected.fetch_add(1, Ordering::SeqCst);
+            crate::record_fencing_rejection("fenced_register");
             return Err(StaleFencingToken {
                 presented: token,
                 highest,

@@ -299,6 +299,7 @@ impl Supervisor {
             .reason
             .lock()
             .unwrap_or_else(PoisonError::into_inner) = Some(reason);
+        crate::observe::record_loss(self.lock.backend_name(), reason);
         tracing::warn!(key = %lease.key(), token = %lease.token(), fencing = ?lease.fencing_token(), %reason, "lock ownership lost");
         self.lost.cancel();
     }

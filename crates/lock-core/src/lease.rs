@@ -18,6 +18,7 @@ pub struct Lease {
     token: OwnershipToken,
     fencing: Option<FencingToken>,
     ttl: Duration,
+    acquired_at: Instant,
     local_deadline: Instant,
     backend_state: Option<Arc<dyn Any + Send + Sync>>,
 }
@@ -36,6 +37,7 @@ impl Lease {
             token,
             fencing,
             ttl,
+            acquired_at: sent_at,
             local_deadline: local_deadline(sent_at, ttl),
             backend_state: None,
         }
@@ -76,6 +78,11 @@ impl Lease {
     /// The TTL of the last grant or renewal.
     pub fn ttl(&self) -> Duration {
         self.ttl
+    }
+
+    /// When the granting request was sent (monotonic clock): the start of the hold.
+    pub fn acquired_at(&self) -> Instant {
+        self.acquired_at
     }
 
     /// The conservative local deadline (monotonic clock).

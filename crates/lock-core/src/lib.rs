@@ -11,6 +11,7 @@ mod key;
 mod lease;
 mod lock;
 mod memory;
+pub mod observe;
 mod token;
 
 pub use backoff::{AcquireWait, Backoff};
@@ -23,6 +24,7 @@ pub use key::LockKey;
 pub use lease::{HolderInfo, Lease, drift_margin};
 pub use lock::{DistributedLock, DynLock, LossReason, poll_acquire};
 pub use memory::InMemoryLock;
+pub use observe::{Observed, record_fencing_rejection};
 pub use token::{FencingToken, OwnershipToken, TokenDigest};
 
 /// Re-exported so drivers implement the trait with the same macro version.
