@@ -1,0 +1,326 @@
+//! `ZkLockConfig`: everything the driver needs, parseable from one URL.
+
+use std::{fmt, time::Duration};
+
+use lock_core::{Error, Result};
+
+/// Who may touch the lock nodes this client creates.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ZkAcl {
+    /// `world:anyone` with all permissions (what Curator uses by default).
+    #[default]
+    Open,
+    /// Only the authenticated creator (`auth` scheme); needs digest credentials in the URL.
+    Creator,
+}
+
+/// Configuration of a [`crate::ZkLock`].
+///
+/// Parsed from a URL by [`ZkLockConfig::from_url`]:
+///
+/// ```text
+/// zk://[user:password@]host:port[,host:port...][/chroot][?option=value&...]
+/// ```
+///
+/// | option | default | meaning |
+/// |---|---|---|
+/// | `session_timeout` | `10s` | session timeout asked of the server; also the smallest TTL accepted (see the crate docs) |
+/// | `connect_timeout` | `5s` | bound on establishing a session |
+/// | `op_timeout` | `5s` | bound on each request while connected or reconnecting |
+/// | `root` | `/distlock` | parent of every lock directory (`<root>/<escaped key>/_c_<uuid>-lock-<seq>`) |
+/// | `acl` | `open` | `open` (world:anyone) or `creator` (needs `user:password@`) |
+///
+/// Durations take a unit (`250ms`, `10s`, `2m`); a bare number is milliseconds. Credentials in
+/// the URL are sent as ZooKeeper `digest` auth (`user:password`) and never shown by `Debug`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ZkLockConfig {
+    /// Comma-separated `host:port` list.
+    pub hosts: String,
+    /// Optional chroot (`/app`), applied by the client to every path.
+    pub chroot: Option<String>,
+    /// The lock root; must be an absolute path other than `/`.
+    pub root: String,
+    /// The session timeout asked of the server.
+    pub session_timeout: Duration,
+    /// Bound on establishing a session.
+    pub connect_timeout: Duration,
+    /// Bound on each request.
+    pub op_timeout: Duration,
+    /// `digest` credentials: user and password.
+    pub auth: Option<(String, String)>,
+    /// ACL of the lock nodes.
+    pub acl: ZkAcl,
+}
+
+impl ZkLockConfig {
+    /// The default lock root.
+    pub const DEFAULT_ROOT: &'static str = "/distlock";
+    /// The default session timeout.
+    pub const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(10);
+
+    /// A configuration for `hosts` (`host:port[,host:port...]`) with every default.
+    pub fn new(hosts: impl Into<String>) -> Self {
+        Self {
+            hosts: hosts.into(),
+            chroot: None,
+            root: Self::DEFAULT_ROOT.to_owned(),
+            session_timeout: Self::DEFAULT_SESSION_TIMEOUT,
+            connect_timeout: Duration::from_secs(5),
+            op_timeout: Duration::from_secs(5),
+            auth: None,
+            acl: ZkAcl::Open,
+        }
+    }
+
+    /// Parses `zk://[user:password@]host:port[,host:port...][/chroot][?options]`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for another scheme, no host, a bad chroot or root, an unknown option or
+    /// a malformed value.
+    pub fn from_url(url: &str) -> Result<Self> {
+        let rest = url
+            .strip_prefix("zk://")
+            .or_else(|| url.strip_prefix("zookeeper://"))
+            .ok_or_else(|| config("the URL must start with zk://"))?;
+        let (rest, query) = match rest.split_once('?') {
+            Some((r, q)) => (r, Some(q)),
+            None => (rest, None),
+        };
+        let (authority, chroot) = match rest.find('/') {
+            Some(i) => (&rest[..i], Some(&rest[i..])),
+            None => (rest, None),
+        };
+        let (userinfo, hosts) = match authority.rsplit_once('@') {
+            Some((u, h)) => (Some(u), h),
+            None => (None, authority),
+        };
+        if hosts.is_empty() || hosts.split(',').any(|h| h.trim().is_empty()) {
+            return Err(config("the URL names no host (zk://host:port)"));
+        }
+        for host in hosts.split(',') {
+            if let Some((_, port)) = host.rsplit_once(':')
+                && port.parse::<u16>().is_err()
+            {
+                return Err(config(format!("bad port in {host:?}")));
+            }
+        }
+        let mut cfg = Self::new(hosts);
+        if let Some(userinfo) = userinfo {
+            let (user, password) = userinfo
+                .split_once(':')
+                .ok_or_else(|| config("credentials must be user:password"))?;
+            cfg.auth = Some((percent_decode(user)?, percent_decode(password)?));
+        }
+        cfg.chroot = match chroot {
+            None | Some("/") => None,
+            Some(c) => Some(validate_path("chroot", c.trim_end_matches('/'))?),
+        };
+        for (name, value) in url::form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+            match &*name {
+                "session_timeout" => cfg.session_timeout = parse_duration(&name, &value)?,
+                "connect_timeout" => cfg.connect_timeout = parse_duration(&name, &value)?,
+                "op_timeout" => cfg.op_timeout = parse_duration(&name, &value)?,
+                "root" => cfg.root = value.into_owned(),
+                "acl" => {
+                    cfg.acl = match &*value {
+                        "open" => ZkAcl::Open,
+                        "creator" => ZkAcl::Creator,
+                        other => {
+                            return Err(config(format!(
+                                "acl must be open or creator, not {other:?}"
+                            )));
+                        }
+                    }
+                }
+                other => return Err(config(format!("unknown option {other:?}"))),
+            }
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks the values (done by [`ZkLockConfig::from_url`] and by `connect`).
+    ///
+    /// # Errors
+    /// [`Error::Config`] when a value is unusable.
+    pub fn validate(&self) -> Result<()> {
+        if self.hosts.is_empty() {
+            return Err(config("no host"));
+        }
+        let root = self.root.trim_end_matches('/');
+        if root.is_empty() {
+            return Err(config(
+                "root must be an absolute path other than / (e.g. /distlock)",
+            ));
+        }
+        validate_path("root", root)?;
+        for (name, d) in [
+            ("session_timeout", self.session_timeout),
+            ("connect_timeout", self.connect_timeout),
+            ("op_timeout", self.op_timeout),
+        ] {
+            if d < Duration::from_millis(1) {
+                return Err(config(format!("{name} must be at least 1ms")));
+            }
+        }
+        if self.session_timeout > Duration::from_millis(i32::MAX as u64) {
+            return Err(config("session_timeout is too large"));
+        }
+        if self.acl == ZkAcl::Creator && self.auth.is_none() {
+            return Err(config("acl=creator needs user:password@ credentials"));
+        }
+        Ok(())
+    }
+
+    /// The lock root without a trailing slash.
+    pub(crate) fn root(&self) -> &str {
+        self.root.trim_end_matches('/')
+    }
+
+    /// The connect string `zookeeper-client` expects (`hosts[/chroot]`).
+    pub(crate) fn connect_string(&self) -> String {
+        match &self.chroot {
+            Some(c) => format!("{}{c}", self.hosts),
+            None => self.hosts.clone(),
+        }
+    }
+}
+
+fn config(msg: impl Into<String>) -> Error {
+    Error::Config(format!("zk: {}", msg.into()))
+}
+
+fn validate_path(what: &str, path: &str) -> Result<String> {
+    let ok = path.starts_with('/')
+        && path[1..]
+            .split('/')
+            .all(|seg| !seg.is_empty() && seg != "." && seg != "..")
+        && !path.chars().any(char::is_control);
+    if ok {
+        Ok(path.to_owned())
+    } else {
+        Err(config(format!(
+            "{what} {path:?} is not an absolute ZooKeeper path"
+        )))
+    }
+}
+
+fn parse_duration(name: &str, value: &str) -> Result<Duration> {
+    let bad = || {
+        config(format!(
+            "{name}={value:?} is not a duration (e.g. 500ms, 10s)"
+        ))
+    };
+    let (num, unit) = match value.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => value.split_at(i),
+        None => (value, "ms"),
+    };
+    let n: u64 = num.parse().map_err(|_| bad())?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(n)),
+        "s" => Ok(Duration::from_secs(n)),
+        "m" => Ok(Duration::from_secs(n.saturating_mul(60))),
+        _ => Err(bad()),
+    }
+}
+
+fn percent_decode(s: &str) -> Result<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes
+                .get(i + 1..i + 3)
+                .and_then(|h| std::str::from_utf8(h).ok())
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .ok_or_else(|| config("bad percent-encoding in the credentials"))?;
+            out.push(hex);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| config("credentials are not UTF-8"))
+}
+
+impl fmt::Debug for ZkLockConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ZkLockConfig")
+            .field("hosts", &self.hosts)
+            .field("chroot", &self.chroot)
+            .field("root", &self.root)
+            .field("session_timeout", &self.session_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("op_timeout", &self.op_timeout)
+            .field(
+                "auth",
+                &self.auth.as_ref().map(|(user, _)| (user, "<redacted>")),
+            )
+            .field("acl", &self.acl)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_option() {
+        let c = ZkLockConfig::from_url(
+            "zk://bob:s%40cret@h1:2181,h2:2182/app/x?session_timeout=1500ms&connect_timeout=2s&op_timeout=3&root=/locks/r&acl=creator",
+        )
+        .unwrap();
+        assert_eq!(c.hosts, "h1:2181,h2:2182");
+        assert_eq!(c.chroot.as_deref(), Some("/app/x"));
+        assert_eq!(c.connect_string(), "h1:2181,h2:2182/app/x");
+        assert_eq!(c.session_timeout, Duration::from_millis(1500));
+        assert_eq!(c.connect_timeout, Duration::from_secs(2));
+        assert_eq!(c.op_timeout, Duration::from_millis(3));
+        assert_eq!(c.root(), "/locks/r");
+        assert_eq!(c.acl, ZkAcl::Creator);
+        assert_eq!(c.auth, Some(("bob".into(), "s@cret".into())));
+        let shown = format!("{c:?}");
+        assert!(
+            !shown.contains("s@cret") && shown.contains("redacted"),
+            "{shown}"
+        );
+    }
+
+    #[test]
+    fn defaults() {
+        let c = ZkLockConfig::from_url("zk://127.0.0.1:2181").unwrap();
+        assert_eq!(c.chroot, None);
+        assert_eq!(c.root(), "/distlock");
+        assert_eq!(c.session_timeout, Duration::from_secs(10));
+        assert_eq!(c.acl, ZkAcl::Open);
+    }
+
+    #[test]
+    fn rejects_bad_urls() {
+        for url in [
+            "redis://h:1",
+            "zk://",
+            "zk://h:1,",
+            "zk://h:x",
+            "zk://h:1?nope=1",
+            "zk://h:1?session_timeout=fast",
+            "zk://h:1?session_timeout=10h",
+            "zk://h:1?session_timeout=0",
+            "zk://h:1?root=/",
+            "zk://h:1?root=relative",
+            "zk://h:1?root=/a/../b",
+            "zk://h:1/a//b",
+            "zk://h:1?acl=creator",
+            "zk://h:1?acl=weird",
+            "zk://bob@h:1",
+        ] {
+            assert!(
+                matches!(ZkLockConfig::from_url(url), Err(Error::Config(_))),
+                "{url}"
+            );
+        }
+    }
+}

@@ -1,0 +1,13 @@
+#![doc = include_str!("../README.md")]
+#![deny(missing_docs)]
+
+mod config;
+mod lock;
+mod path;
+mod session;
+
+pub use config::{ZkAcl, ZkLockConfig};
+pub use lock::ZkLock;
+
+/// The backend name used in errors and metric labels.
+pub const BACKEND: &str = "zk";

@@ -1,0 +1,695 @@
+//! `ZkLock`: the Curator-compatible ZooKeeper mutex.
+
+use std::{
+    fmt,
+    future::Future,
+    sync::{Arc, Mutex, PoisonError},
+    time::Duration,
+};
+
+use futures::future::BoxFuture;
+use lock_core::{
+    AcquireWait, Backoff, Capabilities, DistributedLock, Error, FencingGuarantee, FencingToken,
+    HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result, async_trait,
+};
+use tokio::time::{Instant, sleep, sleep_until, timeout};
+use tokio_util::sync::CancellationToken;
+use zookeeper_client as zk;
+
+use crate::{
+    BACKEND, ZkAcl, ZkLockConfig,
+    path::{self, lock_dir, node_prefix, protected_marker, sorted_contenders},
+    session::Session,
+};
+
+type ZkResult<T> = std::result::Result<T, zk::Error>;
+
+/// How many times one attempt re-creates its node after a container was reaped or the
+/// connection was lost mid-create.
+const CREATE_ATTEMPTS: usize = 5;
+
+/// A ZooKeeper lock client: one session shared by every lock it takes.
+///
+/// See the crate documentation for the recipe, the TTL rules and the failure semantics.
+/// Cloning is cheap; clones share the session.
+#[derive(Clone)]
+pub struct ZkLock {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: ZkLockConfig,
+    current: Mutex<Option<Arc<Session>>>,
+    connecting: tokio::sync::Mutex<()>,
+    /// Cancelled when the last clone is dropped: stops the session's heartbeat.
+    stop: CancellationToken,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Driver state carried by each lease.
+struct ZkLease {
+    session_id: i64,
+    /// Our node's path (relative to the chroot).
+    path: String,
+    czxid: i64,
+    version: i32,
+}
+
+impl ZkLock {
+    /// A client for `config` that connects lazily, on its first request (no I/O here).
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the configuration is invalid.
+    pub fn new(config: ZkLockConfig) -> Result<Self> {
+        config.validate()?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                config,
+                current: Mutex::new(None),
+                connecting: tokio::sync::Mutex::new(()),
+                stop: CancellationToken::new(),
+            }),
+        })
+    }
+
+    /// Connects: establishes the session now.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a bad configuration or a server that raises the session timeout;
+    /// [`Error::Unavailable`] when no server answers.
+    pub async fn connect(config: ZkLockConfig) -> Result<Self> {
+        let this = Self::new(config)?;
+        this.session().await?;
+        Ok(this)
+    }
+
+    /// [`ZkLock::connect`] with [`ZkLockConfig::from_url`].
+    ///
+    /// # Errors
+    /// As [`ZkLockConfig::from_url`] and [`ZkLock::connect`].
+    pub async fn connect_url(url: &str) -> Result<Self> {
+        Self::connect(ZkLockConfig::from_url(url)?).await
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ZkLockConfig {
+        &self.inner.config
+    }
+
+    /// The underlying `zookeeper-client` session (connecting if needed), e.g. to read its session
+    /// id or to share it. Lock nodes are ephemeral to this session: closing it releases them.
+    ///
+    /// # Errors
+    /// As [`ZkLock::connect`].
+    pub async fn zk_client(&self) -> Result<zk::Client> {
+        Ok(self.session().await?.client.clone())
+    }
+
+    fn current(&self) -> Option<Arc<Session>> {
+        self.inner
+            .current
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The live session, establishing a new one when there is none or the last one ended.
+    async fn session(&self) -> Result<Arc<Session>> {
+        if let Some(s) = self.current().filter(|s| !s.is_ended()) {
+            return Ok(s);
+        }
+        let _connecting = self.inner.connecting.lock().await;
+        if let Some(s) = self.current().filter(|s| !s.is_ended()) {
+            return Ok(s);
+        }
+        let session = Session::open(&self.inner.config, self.inner.stop.child_token()).await?;
+        *self
+            .inner
+            .current
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(session.clone());
+        Ok(session)
+    }
+
+    /// The session `lease` was granted in, if it is still the live one.
+    fn session_of(&self, state: &ZkLease) -> Option<Arc<Session>> {
+        self.current()
+            .filter(|s| s.id == state.session_id && !s.is_ended())
+    }
+
+    fn acls(&self) -> zk::Acls<'static> {
+        match self.inner.config.acl {
+            ZkAcl::Open => zk::Acls::anyone_all(),
+            ZkAcl::Creator => zk::Acls::creator_all(),
+        }
+    }
+
+    async fn call<T>(&self, fut: impl Future<Output = ZkResult<T>>) -> ZkResult<T> {
+        call(self.inner.config.op_timeout, fut).await
+    }
+
+    fn contender(&self, session: Arc<Session>, key: &LockKey) -> Contender {
+        let token = OwnershipToken::generate();
+        Contender {
+            lock: self.clone(),
+            session,
+            dir: lock_dir(self.inner.config.root(), key),
+            token,
+            node: None,
+            done: false,
+        }
+    }
+}
+
+/// `fut` bounded by `limit`; running out is reported as [`zk::Error::Timeout`] (outcome unknown).
+async fn call<T>(limit: Duration, fut: impl Future<Output = ZkResult<T>>) -> ZkResult<T> {
+    timeout(limit, fut).await.unwrap_or(Err(zk::Error::Timeout))
+}
+
+/// The request may or may not have been applied.
+fn outcome_unknown(e: &zk::Error) -> bool {
+    matches!(e, zk::Error::ConnectionLoss | zk::Error::Timeout)
+}
+
+/// The session is gone, and with it every ephemeral node it owned.
+fn session_gone(e: &zk::Error) -> bool {
+    matches!(
+        e,
+        zk::Error::SessionExpired | zk::Error::ClientClosed | zk::Error::SessionMoved
+    )
+}
+
+fn to_error(op: &'static str, e: zk::Error) -> Error {
+    if outcome_unknown(&e) || session_gone(&e) || matches!(e, zk::Error::NoHosts) {
+        Error::unavailable(BACKEND, op, e)
+    } else {
+        Error::backend(BACKEND, op, e)
+    }
+}
+
+/// Where our node stands in the queue.
+enum Position {
+    /// Ours is the first contender: we hold the lock (as of a list sent at this instant).
+    First(Instant),
+    /// Behind this contender (its full path).
+    Behind(String),
+    /// Our node no longer exists (deleted from outside, or the session expired).
+    Gone,
+}
+
+/// One acquisition attempt's node. Dropped without `done`, it deletes the node (or, when the
+/// create's outcome is unknown, any node carrying its token) in the background, so a cancelled or
+/// failed attempt never leaves an orphan contender that would block everyone until the session
+/// ends.
+struct Contender {
+    lock: ZkLock,
+    session: Arc<Session>,
+    dir: String,
+    token: OwnershipToken,
+    /// Our node's name and the Stat of its creation, once known.
+    node: Option<(String, zk::Stat)>,
+    done: bool,
+}
+
+impl Contender {
+    fn path(&self) -> Option<String> {
+        self.node.as_ref().map(|(n, _)| format!("{}/{n}", self.dir))
+    }
+
+    /// Creates our ephemeral sequential node (and the container parents when missing). After a
+    /// ConnectionLoss, looks for our node by its token before creating again.
+    async fn create(&mut self, op: &'static str) -> Result<()> {
+        let prefix = format!("{}/{}", self.dir, node_prefix(&self.token));
+        let acls = self.lock.acls();
+        let options = zk::CreateMode::EphemeralSequential.with_acls(acls);
+        let mut last = None;
+        for _ in 0..CREATE_ATTEMPTS {
+            let client = &self.session.client;
+            let sent = Instant::now();
+            match self.lock.call(client.create(&prefix, &[], &options)).await {
+                Ok((stat, seq)) => {
+                    self.session.confirm(sent);
+                    self.node = Some((format!("{}{seq}", node_prefix(&self.token)), stat));
+                    return Ok(());
+                }
+                Err(zk::Error::NoNode) => {
+                    let parents = zk::CreateMode::Container.with_acls(zk::Acls::anyone_all());
+                    match self.lock.call(client.mkdir(&self.dir, &parents)).await {
+                        Ok(()) => {}
+                        Err(e) if outcome_unknown(&e) => last = Some(e),
+                        Err(e) => return Err(to_error(op, e)),
+                    }
+                }
+                Err(e) if outcome_unknown(&e) => {
+                    // The create may have been applied: find our node by its token.
+                    match self.find().await {
+                        Ok(true) => return Ok(()),
+                        Ok(false) => last = Some(e),
+                        Err(e) => {
+                            return Err(Error::Indeterminate {
+                                backend: BACKEND,
+                                op,
+                                key: self.dir.clone(),
+                                message: format!(
+                                    "creating the contender node: {e}; it is removed in the background"
+                                ),
+                            });
+                        }
+                    }
+                }
+                Err(e) => return Err(to_error(op, e)),
+            }
+        }
+        Err(to_error(op, last.unwrap_or(zk::Error::ConnectionLoss)))
+    }
+
+    /// Looks for a child carrying our token; records it. `Ok(false)`: there is none.
+    async fn find(&mut self) -> ZkResult<bool> {
+        let marker = protected_marker(&self.token);
+        let children = match self
+            .lock
+            .call(self.session.client.list_children(&self.dir))
+            .await
+        {
+            Ok(c) => c,
+            Err(zk::Error::NoNode) => return Ok(false),
+            Err(e) => return Err(e),
+        };
+        let Some(name) = children.into_iter().find(|c| c.starts_with(&marker)) else {
+            return Ok(false);
+        };
+        let path = format!("{}/{name}", self.dir);
+        match self
+            .lock
+            .call(self.session.client.check_stat(&path))
+            .await?
+        {
+            Some(stat) if stat.ephemeral_owner == self.session.id => {
+                self.node = Some((name, stat));
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    async fn position(&self, op: &'static str) -> Result<Position> {
+        let Some((name, _)) = &self.node else {
+            return Ok(Position::Gone);
+        };
+        let sent = Instant::now();
+        let children = match self
+            .lock
+            .call(self.session.client.list_children(&self.dir))
+            .await
+        {
+            Ok(c) => c,
+            Err(zk::Error::NoNode) => return Ok(Position::Gone),
+            Err(e) => return Err(to_error(op, e)),
+        };
+        self.session.confirm(sent);
+        let sorted = sorted_contenders(children);
+        Ok(match sorted.iter().position(|c| c == name) {
+            None => Position::Gone,
+            Some(0) => Position::First(sent),
+            Some(i) => Position::Behind(format!("{}/{}", self.dir, sorted[i - 1])),
+        })
+    }
+
+    fn into_lease(mut self, key: &LockKey, ttl: Duration, sent: Instant) -> Option<Lease> {
+        let (name, stat) = self.node.take()?;
+        self.done = true;
+        let state = ZkLease {
+            session_id: self.session.id,
+            path: format!("{}/{name}", self.dir),
+            czxid: stat.czxid,
+            version: stat.version,
+        };
+        let fencing = u64::try_from(stat.czxid).ok().map(FencingToken);
+        Some(Lease::new(key.clone(), self.token, fencing, ttl, sent).with_backend_state(state))
+    }
+
+    /// Deletes our node now (in the foreground), leaving a background cleanup if that fails.
+    async fn remove(mut self) {
+        if let Some(path) = self.path()
+            && delete_node(&self.session, &path, self.lock.inner.config.op_timeout)
+                .await
+                .is_ok()
+        {
+            self.done = true;
+        }
+    }
+}
+
+/// Deletes `path` (any version), retrying while the outcome is unknown. `Ok(true)` deleted,
+/// `Ok(false)` it was already gone (or the session is gone, which deletes it).
+async fn delete_node(session: &Session, path: &str, limit: Duration) -> ZkResult<bool> {
+    let mut lost_once = false;
+    for _ in 0..3 {
+        match call(limit, session.client.delete(path, None)).await {
+            Ok(()) => return Ok(true),
+            Err(zk::Error::NoNode) => return Ok(lost_once),
+            Err(e) if session_gone(&e) => return Ok(false),
+            Err(e) if outcome_unknown(&e) => lost_once = true,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(zk::Error::ConnectionLoss)
+}
+
+impl Drop for Contender {
+    fn drop(&mut self) {
+        if self.done || self.session.is_ended() {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let session = self.session.clone();
+        let dir = self.dir.clone();
+        let marker = protected_marker(&self.token);
+        let node = self.node.as_ref().map(|(n, _)| n.clone());
+        let limit = self.lock.inner.config.op_timeout;
+        rt.spawn(async move {
+            // Until the session ends (which deletes the node anyway) or the node is gone.
+            let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
+            while !session.is_ended() {
+                let name = match &node {
+                    Some(n) => Some(n.clone()),
+                    None => match call(limit, session.client.list_children(&dir)).await {
+                        Ok(children) => children.into_iter().find(|c| c.starts_with(&marker)),
+                        Err(zk::Error::NoNode) => None,
+                        Err(_) => {
+                            sleep(backoff.next_delay()).await;
+                            continue;
+                        }
+                    },
+                };
+                let Some(name) = name else { return };
+                match delete_node(&session, &format!("{dir}/{name}"), limit).await {
+                    Ok(_) => return,
+                    Err(_) => sleep(backoff.next_delay()).await,
+                }
+            }
+        });
+    }
+}
+
+#[async_trait]
+impl DistributedLock for ZkLock {
+    fn backend_name(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            renew: true,
+            session_bound: true,
+            fencing: FencingGuarantee::Quorum,
+            wait_notify: true,
+            fair_queue: true,
+            lost_notify: true,
+            force_release: true,
+            min_ttl: self.inner.config.session_timeout,
+            ..Default::default()
+        }
+    }
+
+    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
+        self.capabilities().check_ttl(ttl)?;
+        let session = self.session().await?;
+        let mut c = self.contender(session, key);
+        let sent = Instant::now();
+        c.create("try_acquire").await?;
+        match c.position("try_acquire").await? {
+            Position::First(_) => Ok(c.into_lease(key, ttl, sent)),
+            Position::Behind(_) => {
+                c.remove().await;
+                Ok(None)
+            }
+            Position::Gone => Err(Error::Unavailable {
+                backend: BACKEND,
+                op: "try_acquire",
+                message: "our contender node vanished (session expired or deleted)".into(),
+                source: None,
+            }),
+        }
+    }
+
+    async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
+        self.capabilities().check_ttl(ttl)?;
+        // The watch on the predecessor wakes us; the backoff is only a slow safety re-check.
+        let backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(5));
+        let mut wait = AcquireWait::new(key, deadline, backoff)?;
+        loop {
+            let session = match self.session().await {
+                Ok(s) => s,
+                Err(e) => {
+                    wait.retry_after(e).await?;
+                    continue;
+                }
+            };
+            let mut c = self.contender(session.clone(), key);
+            if let Err(e) = c.create("acquire").await {
+                drop(c);
+                wait.retry_after(e).await?;
+                continue;
+            }
+            loop {
+                let step = match c.position("acquire").await {
+                    Ok(Position::First(sent)) => {
+                        if let Some(lease) = c.into_lease(key, ttl, sent) {
+                            return Ok(lease);
+                        }
+                        break;
+                    }
+                    Ok(Position::Gone) => break,
+                    Ok(Position::Behind(pred)) => {
+                        match self.call(session.client.check_and_watch_stat(&pred)).await {
+                            Ok((None, _)) => Ok(()),
+                            Ok((Some(_), watcher)) => {
+                                wait.wait(async move {
+                                    watcher.changed().await;
+                                })
+                                .await
+                            }
+                            Err(e) => Err(to_error("acquire", e)),
+                        }
+                    }
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = step {
+                    if matches!(e, Error::Timeout { .. }) {
+                        c.remove().await;
+                        return Err(e);
+                    }
+                    if session.is_ended() {
+                        break;
+                    }
+                    if let Err(e) = wait.retry_after(e).await {
+                        c.remove().await;
+                        return Err(e);
+                    }
+                }
+            }
+            // Our node is gone (session expired or deleted from outside): start over.
+            tracing::debug!(%key, "contender node vanished while waiting; re-queueing");
+            if Instant::now() >= wait.deadline() {
+                return Err(wait.timeout());
+            }
+        }
+    }
+
+    async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
+        self.capabilities().check_ttl(ttl)?;
+        let not_held = || Error::not_held(lease.key());
+        let Some(state) = lease.backend_state::<ZkLease>() else {
+            return Err(not_held());
+        };
+        let Some(session) = self.session_of(state) else {
+            return Err(not_held());
+        };
+        let sent = Instant::now();
+        match self.call(session.client.check_stat(&state.path)).await {
+            Ok(Some(stat)) if stat.czxid == state.czxid && stat.ephemeral_owner == session.id => {
+                session.confirm(sent);
+                lease.renewed(ttl, sent);
+                Ok(())
+            }
+            Ok(_) => Err(not_held()),
+            Err(e) if session_gone(&e) => Err(not_held()),
+            Err(e) => Err(to_error("renew", e)),
+        }
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<bool> {
+        let Some(state) = lease.backend_state::<ZkLease>() else {
+            return Ok(false);
+        };
+        let Some(session) = self.session_of(state) else {
+            return Ok(false);
+        };
+        let client = &session.client;
+        let mut version = state.version;
+        let mut lost_once = false;
+        for _ in 0..4 {
+            match self.call(client.delete(&state.path, Some(version))).await {
+                Ok(()) => return Ok(true),
+                // After a lost reply, NoNode most likely means our own delete was applied.
+                Err(zk::Error::NoNode) => return Ok(lost_once),
+                Err(e) if session_gone(&e) => return Ok(false),
+                Err(zk::Error::BadVersion) => {
+                    // Somebody wrote to our node; it is still ours if it is the same node.
+                    match self.call(client.check_stat(&state.path)).await {
+                        Ok(Some(stat))
+                            if stat.czxid == state.czxid && stat.ephemeral_owner == session.id =>
+                        {
+                            version = stat.version;
+                        }
+                        Ok(_) => return Ok(false),
+                        Err(e) => return Err(to_error("release", e)),
+                    }
+                }
+                Err(e) if outcome_unknown(&e) => lost_once = true,
+                Err(e) => return Err(to_error("release", e)),
+            }
+        }
+        Err(Error::Unavailable {
+            backend: BACKEND,
+            op: "release",
+            message: "no reply to the delete; the node stays until the session ends".into(),
+            source: None,
+        })
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        let session = self.session().await?;
+        let dir = lock_dir(self.inner.config.root(), key);
+        for _ in 0..5 {
+            let children = match self.call(session.client.list_children(&dir)).await {
+                Ok(c) => c,
+                Err(zk::Error::NoNode) => return Ok(None),
+                Err(e) => return Err(to_error("inspect", e)),
+            };
+            let sorted = sorted_contenders(children);
+            let Some(first) = sorted.first() else {
+                return Ok(None);
+            };
+            let path = format!("{dir}/{first}");
+            match self.call(session.client.check_stat(&path)).await {
+                Ok(Some(stat)) => {
+                    return Ok(Some(HolderInfo {
+                        token_digest: path::token_digest_of(first),
+                        fencing_token: u64::try_from(stat.czxid).ok().map(FencingToken),
+                        ttl_remaining: None,
+                        waiters: Some(sorted.len() - 1),
+                    }));
+                }
+                Ok(None) => continue, // released meanwhile: look again
+                Err(e) => return Err(to_error("inspect", e)),
+            }
+        }
+        Err(Error::Unavailable {
+            backend: BACKEND,
+            op: "inspect",
+            message: "the holder kept changing".into(),
+            source: None,
+        })
+    }
+
+    async fn force_release(&self, key: &LockKey) -> Result<bool> {
+        let session = self.session().await?;
+        let dir = lock_dir(self.inner.config.root(), key);
+        for _ in 0..5 {
+            let children = match self.call(session.client.list_children(&dir)).await {
+                Ok(c) => c,
+                Err(zk::Error::NoNode) => return Ok(false),
+                Err(e) => return Err(to_error("force_release", e)),
+            };
+            let Some(first) = sorted_contenders(children).into_iter().next() else {
+                return Ok(false);
+            };
+            let path = format!("{dir}/{first}");
+            match self.call(session.client.delete(&path, None)).await {
+                Ok(()) => {
+                    tracing::warn!(%key, digest = ?path::token_digest_of(&first), "lock holder removed by force_release");
+                    return Ok(true);
+                }
+                Err(zk::Error::NoNode) => continue, // released meanwhile: look again
+                Err(e) => return Err(to_error("force_release", e)),
+            }
+        }
+        Ok(false)
+    }
+
+    fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
+        let Some(state) = lease.backend_state::<ZkLease>() else {
+            return Box::pin(std::future::pending());
+        };
+        let Some(session) = self.session_of(state) else {
+            return Box::pin(std::future::ready(LossReason::SessionExpired));
+        };
+        let path = state.path.clone();
+        let czxid = state.czxid;
+        Box::pin(async move {
+            let mut vouched = session.vouched();
+            let node_gone = async {
+                let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+                loop {
+                    match session.client.check_and_watch_stat(&path).await {
+                        Ok((Some(stat), watcher)) if stat.czxid == czxid => {
+                            let event = watcher.changed().await;
+                            match event.event_type {
+                                zk::EventType::NodeDeleted => return LossReason::Revoked,
+                                zk::EventType::Session if event.session_state.is_terminated() => {
+                                    return LossReason::SessionExpired;
+                                }
+                                _ => {}
+                            }
+                        }
+                        Ok(_) => return LossReason::Revoked,
+                        Err(e) if session_gone(&e) => return LossReason::SessionExpired,
+                        Err(_) => sleep(backoff.next_delay()).await,
+                    }
+                }
+            };
+            // The session can no longer be vouched for: it may have expired on the server.
+            let unvouched = async {
+                loop {
+                    let until = *vouched.borrow_and_update();
+                    tokio::select! {
+                        () = sleep_until(until) => {
+                            if *vouched.borrow() <= Instant::now() {
+                                return LossReason::DeadlinePassed;
+                            }
+                        }
+                        changed = vouched.changed() => {
+                            if changed.is_err() {
+                                return LossReason::SessionExpired;
+                            }
+                        }
+                    }
+                }
+            };
+            tokio::select! {
+                biased;
+                () = session.ended.cancelled() => LossReason::SessionExpired,
+                reason = node_gone => reason,
+                reason = unvouched => reason,
+            }
+        })
+    }
+}
+
+impl fmt::Debug for ZkLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ZkLock")
+            .field("config", &self.inner.config)
+            .field("session", &self.current().map(|s| zk::SessionId(s.id)))
+            .finish_non_exhaustive()
+    }
+}

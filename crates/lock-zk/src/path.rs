@@ -1,0 +1,167 @@
+//! Lock keys to ZooKeeper paths, and Curator's InterProcessMutex node layout.
+//!
+//! A key maps to one path segment under the root. Characters ZooKeeper forbids or that would
+//! change the path's shape (`/`, the escape character `%`, code points ZooKeeper rejects:
+//! U+E000..U+F8FF, U+FFF0..U+FFFF and anything outside the BMP, whose UTF-16 surrogates it
+//! rejects) are percent-encoded as their UTF-8 bytes; the whole segments `.` and `..` have their
+//! dots encoded. Everything else maps verbatim, so a Curator client locking `<root>/orders` and a
+//! distlock client locking the key `orders` contend for the same lock. Because `%` is always
+//! encoded, the mapping is injective: distinct keys never share a directory.
+
+use lock_core::{LockKey, OwnershipToken, TokenDigest};
+
+/// Curator's protected-mode prefix.
+const PROTECTED_PREFIX: &str = "_c_";
+/// Curator's InterProcessMutex lock name.
+pub(crate) const LOCK_NAME: &str = "lock-";
+
+/// The directory holding the contenders for `key`.
+pub(crate) fn lock_dir(root: &str, key: &LockKey) -> String {
+    format!("{root}/{}", escape_segment(key.as_str()))
+}
+
+/// `_c_<uuid>-lock-`: the name prefix of our contender node for one acquisition (ZooKeeper
+/// appends the 10-digit sequence). The uuid is the acquisition's ownership token.
+pub(crate) fn node_prefix(token: &OwnershipToken) -> String {
+    format!("{PROTECTED_PREFIX}{}-{LOCK_NAME}", protected_id(token))
+}
+
+/// `_c_<uuid>-`: what identifies our node among the children (Curator's protected id).
+pub(crate) fn protected_marker(token: &OwnershipToken) -> String {
+    format!("{PROTECTED_PREFIX}{}-", protected_id(token))
+}
+
+fn protected_id(token: &OwnershipToken) -> uuid::Uuid {
+    uuid::Uuid::from_bytes(*token.as_bytes())
+}
+
+/// The digest of the ownership token written into a protected node name, if it has one.
+pub(crate) fn token_digest_of(node: &str) -> Option<TokenDigest> {
+    let id = node.strip_prefix(PROTECTED_PREFIX)?.get(..36)?;
+    let uuid = uuid::Uuid::try_parse(id).ok()?;
+    Some(TokenDigest::of(uuid.as_bytes()))
+}
+
+/// The contenders among `children`, in lock order: Curator keeps the names containing `lock-`
+/// and sorts them by what follows the last `lock-` (the zero-padded sequence).
+pub(crate) fn sorted_contenders(mut children: Vec<String>) -> Vec<String> {
+    children.retain(|c| c.contains(LOCK_NAME));
+    children.sort_by(|a, b| sort_key(a).cmp(sort_key(b)).then_with(|| a.cmp(b)));
+    children
+}
+
+fn sort_key(name: &str) -> &str {
+    match name.rfind(LOCK_NAME) {
+        Some(i) => &name[i + LOCK_NAME.len()..],
+        None => name,
+    }
+}
+
+/// Escapes a key into one legal, collision-free ZooKeeper path segment.
+pub(crate) fn escape_segment(name: &str) -> String {
+    if name == "." || name == ".." {
+        return name.replace('.', "%2E");
+    }
+    let mut out = String::with_capacity(name.len());
+    for ch in name.chars() {
+        if needs_escape(ch) {
+            let mut buf = [0u8; 4];
+            for b in ch.encode_utf8(&mut buf).bytes() {
+                out.push_str(&format!("%{b:02X}"));
+            }
+        } else {
+            out.push(ch);
+        }
+    }
+    out
+}
+
+fn needs_escape(ch: char) -> bool {
+    let c = u32::from(ch);
+    ch == '/'
+        || ch == '%'
+        || c <= 0x1F
+        || (0x7F..=0x9F).contains(&c)
+        || (0xD800..=0xF8FF).contains(&c)
+        || (0xFFF0..=0xFFFF).contains(&c)
+        || c > 0xFFFF
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::*;
+
+    #[test]
+    fn ordinary_names_map_verbatim_and_odd_ones_are_escaped() {
+        assert_eq!(escape_segment("orders"), "orders");
+        assert_eq!(escape_segment("a b:c{d}-é"), "a b:c{d}-é");
+        assert_eq!(escape_segment("zookeeper"), "zookeeper");
+        assert_eq!(escape_segment("a/b"), "a%2Fb");
+        assert_eq!(escape_segment("a%2Fb"), "a%252Fb");
+        assert_eq!(escape_segment("."), "%2E");
+        assert_eq!(escape_segment(".."), "%2E%2E");
+        assert_eq!(escape_segment("..."), "...");
+        assert_eq!(escape_segment("\u{1F512}"), "%F0%9F%94%92");
+        assert_eq!(escape_segment("\u{E000}"), "%EE%80%80");
+    }
+
+    #[test]
+    fn distinct_keys_get_distinct_segments() {
+        let names = [
+            "a",
+            "a/b",
+            "a/b/c",
+            "A",
+            "a.b",
+            "a_b",
+            "a-b",
+            "a b",
+            "a:b",
+            "{a}",
+            "a/",
+            "/a",
+            ".",
+            "..",
+            "%2E",
+            "%2E%2E",
+            "a%2Fb",
+            "a%252Fb",
+            "zookeeper",
+            "ünï/çødé",
+            "\u{1F512}",
+            "%F0%9F%94%92",
+        ];
+        let escaped: HashSet<_> = names.iter().map(|n| escape_segment(n)).collect();
+        assert_eq!(escaped.len(), names.len());
+        for e in &escaped {
+            assert!(!e.contains('/') && e != "." && e != "..", "{e}");
+        }
+    }
+
+    #[test]
+    fn node_names_follow_curator() {
+        let t = OwnershipToken::generate();
+        let p = node_prefix(&t);
+        assert!(p.starts_with("_c_") && p.ends_with("-lock-") && p.len() == 3 + 36 + 6);
+        let node = format!("{p}0000000007");
+        assert!(node.starts_with(&protected_marker(&t)));
+        assert_eq!(token_digest_of(&node), Some(t.digest()));
+        assert_eq!(token_digest_of("lock-0000000001"), None);
+        let sorted = sorted_contenders(vec![
+            "_c_x-lock-0000000003".into(),
+            "junk".into(),
+            "_c_y-lock-0000000001".into(),
+            "lock-0000000002".into(),
+        ]);
+        assert_eq!(
+            sorted,
+            [
+                "_c_y-lock-0000000001",
+                "lock-0000000002",
+                "_c_x-lock-0000000003"
+            ]
+        );
+    }
+}

@@ -1,0 +1,49 @@
+//! The whole conformance suite against the local ZooKeeper (`DISTLOCK_TEST_ZK_URL`).
+
+use std::{sync::Arc, time::Duration};
+
+use conformance::{Harness, TestBackend, backend_url};
+use lock_core::{DistributedLock, DynLock, Lease, Result};
+use lock_zk::{ZkLock, ZkLockConfig};
+
+/// Test clients' session timeout: also their minimum TTL and how long an abandoned lock lives.
+const SESSION: Duration = Duration::from_secs(1);
+
+struct Zk {
+    config: ZkLockConfig,
+    admin: ZkLock,
+}
+
+#[conformance::async_trait]
+impl TestBackend for Zk {
+    async fn client(&self) -> Result<DynLock> {
+        Ok(Arc::new(ZkLock::connect(self.config.clone()).await?))
+    }
+
+    fn short_ttl(&self) -> Duration {
+        SESSION
+    }
+
+    /// An operator deletes the holder's node (what session expiry does to it, without waiting).
+    async fn force_expire(&self, lease: &Lease) -> Result<()> {
+        self.admin.force_release(lease.key()).await?;
+        Ok(())
+    }
+
+    async fn unreachable_client(&self) -> Option<DynLock> {
+        let mut config = self.config.clone();
+        config.hosts = "127.0.0.1:1".into();
+        Some(Arc::new(ZkLock::new(config).ok()?))
+    }
+}
+
+async fn setup() -> Option<Harness> {
+    let url = backend_url("DISTLOCK_TEST_ZK_URL")?;
+    let mut config = ZkLockConfig::from_url(&url).expect("DISTLOCK_TEST_ZK_URL");
+    config.session_timeout = SESSION;
+    config.root = "/distlock-test".into();
+    let admin = ZkLock::connect(config.clone()).await.expect("connect");
+    Some(Harness::new(Zk { config, admin }))
+}
+
+conformance::conformance_tests!(setup);
