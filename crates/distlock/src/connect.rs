@@ -1,0 +1,349 @@
+//! `connect(url)`: pick the coordinator by URL scheme, without a global registry of drivers.
+
+use std::{
+    collections::HashMap,
+    fmt,
+    sync::{Arc, LazyLock, Mutex, PoisonError},
+};
+
+use lock_core::{DynLock, Error, InMemoryLock, Result};
+
+/// The coordinators [`connect`] knows, by URL scheme.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Backend {
+    /// `memory://NAME`: the in-process reference backend (always available).
+    Memory,
+    /// `redis://` / `rediss://` (feature `redis`).
+    Redis,
+    /// `etcd://` / `etcds://` (feature `etcd`).
+    Etcd,
+    /// `zk://` (feature `zk`).
+    ZooKeeper,
+    /// `postgres://` / `postgresql://` (feature `pg`).
+    Postgres,
+}
+
+impl Backend {
+    /// Every backend, in the order they are listed in messages.
+    pub const ALL: [Backend; 5] = [
+        Backend::Memory,
+        Backend::Redis,
+        Backend::Etcd,
+        Backend::ZooKeeper,
+        Backend::Postgres,
+    ];
+
+    /// The backend for a URL scheme (case-insensitive), compiled in or not.
+    pub fn from_scheme(scheme: &str) -> Option<Self> {
+        let scheme = scheme.to_ascii_lowercase();
+        Self::ALL
+            .into_iter()
+            .find(|b| b.schemes().contains(&scheme.as_str()))
+    }
+
+    /// The backend a URL names, checking only its scheme (no I/O, options unchecked).
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `url` has no `SCHEME://`, the scheme is unknown (the message lists
+    /// the supported ones) or its driver's Cargo feature is not enabled (the message names it).
+    pub fn for_url(url: &str) -> Result<Self> {
+        let Some((scheme, _)) = url.split_once("://") else {
+            return Err(Error::Config(format!(
+                "a lock URL looks like SCHEME://…, e.g. memory://demo or redis://127.0.0.1:6379; {}",
+                supported_schemes_sentence()
+            )));
+        };
+        let Some(backend) = Self::from_scheme(scheme) else {
+            return Err(Error::Config(format!(
+                "unknown lock URL scheme `{scheme}://`; {}",
+                supported_schemes_sentence()
+            )));
+        };
+        if !backend.is_enabled() {
+            let feature = backend.feature().unwrap_or("full");
+            return Err(Error::Config(format!(
+                "the `{feature}` feature of distlock is not enabled, so `{}://` URLs cannot be used; \
+                 enable it (distlock = {{ features = [\"{feature}\"] }}, or \"full\")",
+                scheme.to_ascii_lowercase()
+            )));
+        }
+        Ok(backend)
+    }
+
+    /// The URL schemes of this backend.
+    pub fn schemes(self) -> &'static [&'static str] {
+        match self {
+            Backend::Memory => &["memory"],
+            Backend::Redis => &["redis", "rediss"],
+            Backend::Etcd => &["etcd", "etcds"],
+            Backend::ZooKeeper => &["zk"],
+            Backend::Postgres => &["postgres", "postgresql"],
+        }
+    }
+
+    /// The Cargo feature of distlock that compiles this backend in (`None`: always available).
+    pub fn feature(self) -> Option<&'static str> {
+        match self {
+            Backend::Memory => None,
+            Backend::Redis => Some("redis"),
+            Backend::Etcd => Some("etcd"),
+            Backend::ZooKeeper => Some("zk"),
+            Backend::Postgres => Some("pg"),
+        }
+    }
+
+    /// `true` when this build of distlock can connect to this backend.
+    pub fn is_enabled(self) -> bool {
+        match self {
+            Backend::Memory => true,
+            // A driver not yet wired into the facade reads `false` here (no feature exists).
+            Backend::Redis => false,
+            Backend::Etcd => false,
+            Backend::ZooKeeper => false,
+            Backend::Postgres => false,
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Backend::Memory => "memory",
+            Backend::Redis => "redis",
+            Backend::Etcd => "etcd",
+            Backend::ZooKeeper => "zookeeper",
+            Backend::Postgres => "postgres",
+        })
+    }
+}
+
+/// The URL schemes this build of distlock can connect to.
+pub fn supported_schemes() -> Vec<&'static str> {
+    Backend::ALL
+        .into_iter()
+        .filter(|b| b.is_enabled())
+        .flat_map(|b| b.schemes().iter().copied())
+        .collect()
+}
+
+fn supported_schemes_sentence() -> String {
+    let enabled: Vec<String> = supported_schemes()
+        .into_iter()
+        .map(|s| format!("{s}://"))
+        .collect();
+    let disabled: Vec<String> = Backend::ALL
+        .into_iter()
+        .filter(|b| !b.is_enabled())
+        .map(|b| {
+            let schemes: Vec<String> = b.schemes().iter().map(|s| format!("{s}://")).collect();
+            format!(
+                "{} (feature `{}`)",
+                schemes.join(", "),
+                b.feature().unwrap_or("full")
+            )
+        })
+        .collect();
+    let mut sentence = format!("supported schemes: {}", enabled.join(", "));
+    if !disabled.is_empty() {
+        sentence.push_str(&format!("; not compiled in: {}", disabled.join(", ")));
+    }
+    sentence
+}
+
+/// Connects to the coordinator named by `url` and returns a client as a [`DynLock`].
+///
+/// | scheme | backend | feature |
+/// |---|---|---|
+/// | `memory://NAME` | [`InMemoryLock`] | always |
+/// | `redis://`, `rediss://` | Redis | `redis` |
+/// | `etcd://`, `etcds://` | etcd | `etcd` |
+/// | `zk://` | ZooKeeper | `zk` |
+/// | `postgres://`, `postgresql://` | PostgreSQL | `pg` |
+///
+/// Every driver option (key prefix / namespace / ZooKeeper root, timeouts, table name, TLS
+/// files, …) is set in the URL's query string; see each driver's `…LockConfig::from_url`.
+/// Unknown or malformed options are an error, never ignored.
+///
+/// # `memory://`
+/// `memory://NAME` is a coordinator living in this process: every `connect` with the same
+/// `NAME` returns a new, independent client of the *same* coordinator, so two
+/// `connect("memory://orders")` calls in one process contend for the same locks, while
+/// `memory://a` and `memory://b` never interact (`memory://` alone is `memory://default`).
+/// It takes no options. Different processes never share it: use a real coordinator for that.
+///
+/// # Errors
+/// [`Error::Config`] for a malformed URL, an unknown scheme (the message lists the supported
+/// ones), a scheme whose Cargo feature is not enabled (the message names the feature) or an
+/// invalid option — all before any I/O; otherwise the driver's connection errors
+/// ([`Error::Unavailable`] when the coordinator cannot be reached). Messages never contain the
+/// URL's password.
+pub async fn connect(url: &str) -> Result<DynLock> {
+    match Backend::for_url(url)? {
+        Backend::Memory => connect_memory(url),
+        #[allow(unreachable_patterns)] // every backend is enabled under `full`
+        other => Err(Error::Config(format!(
+            "the {other} backend is not compiled into this build of distlock"
+        ))),
+    }
+}
+
+/// One in-process coordinator per `memory://` name, for the whole process.
+static MEMORY: LazyLock<Mutex<HashMap<String, InMemoryLock>>> = LazyLock::new(Mutex::default);
+
+fn connect_memory(url: &str) -> Result<DynLock> {
+    let parsed =
+        url::Url::parse(url).map_err(|e| Error::Config(format!("invalid memory:// URL: {e}")))?;
+    if !parsed.username().is_empty() || parsed.password().is_some() || parsed.port().is_some() {
+        return Err(Error::Config(
+            "a memory:// URL is memory://NAME: no user, password or port".into(),
+        ));
+    }
+    if !matches!(parsed.path(), "" | "/") {
+        return Err(Error::Config(format!(
+            "a memory:// URL is memory://NAME: unexpected path `{}`",
+            parsed.path()
+        )));
+    }
+    if let Some((option, _)) = parsed.query_pairs().next() {
+        return Err(Error::Config(format!(
+            "unknown memory:// option `{option}` (the in-memory backend takes no options)"
+        )));
+    }
+    let name = match parsed.host_str() {
+        None | Some("") => "default".to_owned(),
+        Some(name) => name.to_owned(),
+    };
+    let mut coordinators = MEMORY.lock().unwrap_or_else(PoisonError::into_inner);
+    let coordinator = coordinators.entry(name).or_default();
+    Ok(Arc::new(coordinator.client()))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use std::time::Duration;
+
+    use lock_core::LockKey;
+
+    use super::*;
+
+    fn config_message(result: Result<DynLock>) -> String {
+        match result {
+            Err(Error::Config(message)) => message,
+            Err(other) => panic!("expected a Config error, got {other}"),
+            Ok(lock) => panic!("expected a Config error, got a client {lock:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn memory_clients_of_one_name_contend() {
+        let a = connect("memory://facade-contend").await.unwrap();
+        let b = connect("memory://facade-contend").await.unwrap();
+        let key = LockKey::new("k").unwrap();
+        let ttl = Duration::from_secs(10);
+        let lease = a.try_acquire(&key, ttl).await.unwrap().expect("free");
+        assert!(b.try_acquire(&key, ttl).await.unwrap().is_none());
+        assert_eq!(a.backend_name(), "memory");
+        assert!(a.release(&lease).await.unwrap());
+        assert!(b.try_acquire(&key, ttl).await.unwrap().is_some());
+    }
+
+    #[tokio::test]
+    async fn memory_names_are_independent_and_default_exists() {
+        let a = connect("memory://facade-a").await.unwrap();
+        let b = connect("memory://facade-b").await.unwrap();
+        let key = LockKey::new("k").unwrap();
+        let ttl = Duration::from_secs(10);
+        assert!(a.try_acquire(&key, ttl).await.unwrap().is_some());
+        assert!(b.try_acquire(&key, ttl).await.unwrap().is_some());
+
+        let d1 = connect("memory://").await.unwrap();
+        let d2 = connect("MEMORY://default").await.unwrap();
+        let key = LockKey::new("facade-default").unwrap();
+        assert!(d1.try_acquire(&key, ttl).await.unwrap().is_some());
+        assert!(d2.try_acquire(&key, ttl).await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn memory_rejects_options_ports_and_paths() {
+        let msg = config_message(connect("memory://x?ttl=3").await);
+        assert!(msg.contains("unknown memory:// option `ttl`"), "{msg}");
+        for url in ["memory://x:1", "memory://u:p@x", "memory://x/y"] {
+            config_message(connect(url).await);
+        }
+    }
+
+    #[tokio::test]
+    async fn unknown_scheme_lists_the_supported_ones() {
+        let msg = config_message(connect("foo://bar").await);
+        assert!(msg.contains("unknown lock URL scheme `foo://`"), "{msg}");
+        assert!(msg.contains("memory://"), "{msg}");
+        for scheme in ["redis://", "etcd://", "zk://", "postgres://"] {
+            assert!(msg.contains(scheme), "{msg} should mention {scheme}");
+        }
+    }
+
+    #[tokio::test]
+    async fn not_a_url_is_a_config_error() {
+        for url in ["", "redis", "localhost:6379", "memory:x"] {
+            let msg = config_message(connect(url).await);
+            assert!(msg.contains("SCHEME://"), "{msg}");
+        }
+    }
+
+    #[tokio::test]
+    async fn known_schemes_map_to_their_backend_and_feature() {
+        let cases = [
+            ("redis", Backend::Redis, Some("redis")),
+            ("rediss", Backend::Redis, Some("redis")),
+            ("etcd", Backend::Etcd, Some("etcd")),
+            ("etcds", Backend::Etcd, Some("etcd")),
+            ("zk", Backend::ZooKeeper, Some("zk")),
+            ("postgres", Backend::Postgres, Some("pg")),
+            ("PostgreSQL", Backend::Postgres, Some("pg")),
+            ("memory", Backend::Memory, None),
+        ];
+        for (scheme, backend, feature) in cases {
+            assert_eq!(Backend::from_scheme(scheme), Some(backend), "{scheme}");
+            assert_eq!(backend.feature(), feature);
+        }
+        assert_eq!(Backend::from_scheme("http"), None);
+        assert!(supported_schemes().contains(&"memory"));
+    }
+
+    /// A known scheme whose driver is not compiled in names the missing feature.
+    #[tokio::test]
+    async fn missing_feature_is_named() {
+        let cases = [
+            ("redis://127.0.0.1:1", Backend::Redis),
+            ("rediss://127.0.0.1:1", Backend::Redis),
+            ("etcd://127.0.0.1:1", Backend::Etcd),
+            ("etcds://127.0.0.1:1", Backend::Etcd),
+            ("zk://127.0.0.1:1", Backend::ZooKeeper),
+            ("postgres://u:secret@127.0.0.1:1/db", Backend::Postgres),
+            ("postgresql://127.0.0.1:1/db", Backend::Postgres),
+        ];
+        let mut checked = 0;
+        for (url, backend) in cases {
+            if backend.is_enabled() {
+                continue;
+            }
+            checked += 1;
+            let msg = config_message(connect(url).await);
+            let feature = backend.feature().unwrap();
+            assert!(
+                msg.contains(&format!(
+                    "the `{feature}` feature of distlock is not enabled"
+                )),
+                "{msg}"
+            );
+            assert!(!msg.contains("secret"), "{msg} leaks the password");
+            assert!(!supported_schemes().contains(&url.split("://").next().unwrap()));
+        }
+        if Backend::ALL.iter().any(|b| !b.is_enabled()) {
+            assert!(checked > 0);
+        }
+    }
+}

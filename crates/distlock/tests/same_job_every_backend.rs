@@ -1,0 +1,66 @@
+//! The same job code, through `distlock::connect(url)` only, against every backend this build
+//! has: the in-memory one always, and each real coordinator whose test URL is set
+//! (`DISTLOCK_TEST_{REDIS,ETCD,ZK,PG}_URL`; with `DISTLOCK_REQUIRE_BACKENDS=1` a missing URL fails).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[allow(dead_code)] // the example's `main` is not used here
+#[path = "../examples/order_timeout.rs"]
+mod order_timeout;
+
+use distlock::Backend;
+
+/// URLs to run against: memory, plus every compiled-in real backend with a server.
+fn urls() -> Vec<String> {
+    let mut urls = vec![format!("memory://same-job-{}", std::process::id())];
+    let vars = [
+        (Backend::Redis, "DISTLOCK_TEST_REDIS_URL"),
+        (Backend::Etcd, "DISTLOCK_TEST_ETCD_URL"),
+        (Backend::ZooKeeper, "DISTLOCK_TEST_ZK_URL"),
+        (Backend::Postgres, "DISTLOCK_TEST_PG_URL"),
+    ];
+    for (backend, var) in vars {
+        if backend.is_enabled()
+            && let Some(url) = conformance::backend_url(var)
+        {
+            urls.push(url);
+        }
+    }
+    urls
+}
+
+fn check(url: &str) {
+    let report = match order_timeout::run(url, order_timeout::Output::Quiet) {
+        Ok(report) => report,
+        Err(e) => panic!("{url}: {e}"),
+    };
+    let timeline = report.timeline.join("\n");
+    assert!(
+        report.every_order_closed_once(),
+        "{url}: closes per order {:?}\n{timeline}",
+        report.closes
+    );
+    assert!(
+        report.tokens_that_wrote.windows(2).all(|w| w[0] < w[1]),
+        "{url}: fencing tokens did not increase: {:?}\n{timeline}",
+        report.tokens_that_wrote
+    );
+    assert!(
+        report.tokens_that_wrote.len() >= 2,
+        "{url}: the lock never changed hands during the pause\n{timeline}"
+    );
+    assert!(
+        report.stale_rejected >= 1,
+        "{url}: the frozen instance's late write was not rejected\n{timeline}"
+    );
+    assert!(
+        timeline.contains("REJECTED: stale"),
+        "{url}: no stale write in the timeline\n{timeline}"
+    );
+}
+
+#[test]
+fn order_timeout_job_is_safe_on_every_backend() {
+    for url in urls() {
+        check(&url);
+    }
+}
