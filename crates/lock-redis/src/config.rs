@@ -1,0 +1,334 @@
+//! Connection and driver options, all settable from the URL.
+
+use std::{fmt, time::Duration};
+
+use lock_core::{Error, Result};
+
+/// How to reach Redis and how the driver behaves.
+///
+/// Build it with [`RedisLockConfig::from_url`] (every option can be set in the query string) or
+/// start from [`RedisLockConfig::default`] (`redis://127.0.0.1:6379/0`) and set fields.
+///
+/// ```text
+/// redis://[user:password@]host[:port][/db][?option=value&...]
+/// ```
+///
+/// | option | default | meaning |
+/// |---|---|---|
+/// | `namespace` | `distlock:` | prefix of every lock key (may be empty: `namespace=`) |
+/// | `connect_timeout` | `1s` | one TCP connect + handshake attempt |
+/// | `response_timeout` | `1s` | a sent command without a reply is "outcome unknown" after this |
+/// | `reconnect_retries` | `2` | connection attempts retried per (re)connect before a request fails |
+/// | `max_poll_interval` | `500ms` | cap of the jittered fallback poll of a waiting `acquire` |
+///
+/// Durations are `250ms`, `2s`, `1m` or a bare number of milliseconds. Unknown or malformed
+/// options are an [`Error::Config`]. `rediss://` (TLS) is rejected: this build has no TLS
+/// support.
+#[derive(Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RedisLockConfig {
+    /// Server host name or IP address.
+    pub host: String,
+    /// Server port.
+    pub port: u16,
+    /// Database number (`SELECT`).
+    pub db: i64,
+    /// ACL user name.
+    pub username: Option<String>,
+    /// Password (redacted in `Debug`).
+    pub password: Option<String>,
+    /// Prefix of every lock key: the lock for name `N` lives at exactly `<namespace>N`.
+    pub namespace: String,
+    /// Timeout of one connection attempt.
+    pub connect_timeout: Duration,
+    /// Time a sent command may wait for its reply before its outcome is unknown.
+    pub response_timeout: Duration,
+    /// How many times a failed (re)connection is retried before requests fail with
+    /// `Unavailable` (the next request starts a new attempt).
+    pub reconnect_retries: usize,
+    /// The longest delay between two attempts of a waiting `acquire` that was not woken.
+    pub max_poll_interval: Duration,
+}
+
+impl RedisLockConfig {
+    /// The default namespace.
+    pub const DEFAULT_NAMESPACE: &'static str = "distlock:";
+
+    /// Parses `redis://[user:password@]host[:port][/db][?option=value&...]`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for another scheme, a bad host, port or database, and for unknown or
+    /// malformed options. No I/O is done.
+    pub fn from_url(url: &str) -> Result<Self> {
+        let parsed = url::Url::parse(url).map_err(|e| config_err(format!("bad redis url: {e}")))?;
+        match parsed.scheme() {
+            "redis" => {}
+            "rediss" => {
+                return Err(config_err(
+                    "rediss:// (TLS) is not supported by this build of lock-redis",
+                ));
+            }
+            other => {
+                return Err(config_err(format!(
+                    "unsupported scheme {other:?}: expected redis://"
+                )));
+            }
+        }
+        if parsed.fragment().is_some() {
+            return Err(config_err("a redis url has no #fragment"));
+        }
+        let mut config = Self {
+            host: match parsed.host() {
+                Some(url::Host::Domain(d)) if !d.is_empty() => d.to_owned(),
+                Some(url::Host::Ipv4(ip)) => ip.to_string(),
+                Some(url::Host::Ipv6(ip)) => ip.to_string(),
+                _ => return Err(config_err("the redis url has no host")),
+            },
+            port: parsed.port().unwrap_or(6379),
+            ..Self::default()
+        };
+        config.db = match parsed.path().trim_matches('/') {
+            "" => 0,
+            db => db
+                .parse::<i64>()
+                .ok()
+                .filter(|db| *db >= 0)
+                .ok_or_else(|| config_err(format!("bad database number {db:?}")))?,
+        };
+        if !parsed.username().is_empty() {
+            config.username = Some(decode(parsed.username(), "user name")?);
+        }
+        if let Some(password) = parsed.password() {
+            config.password = Some(decode(password, "password")?);
+        }
+        for (name, value) in parsed.query_pairs() {
+            config.set_option(&name, &value)?;
+        }
+        Ok(config)
+    }
+
+    fn set_option(&mut self, name: &str, value: &str) -> Result<()> {
+        match name {
+            "namespace" => {
+                if value.chars().any(char::is_control) {
+                    return Err(config_err(
+                        "the namespace must not contain control characters",
+                    ));
+                }
+                self.namespace = value.to_owned();
+            }
+            "connect_timeout" => self.connect_timeout = positive_duration(name, value)?,
+            "response_timeout" => self.response_timeout = positive_duration(name, value)?,
+            "max_poll_interval" => self.max_poll_interval = positive_duration(name, value)?,
+            "reconnect_retries" => {
+                self.reconnect_retries =
+                    value.parse().ok().filter(|n| *n <= 100).ok_or_else(|| {
+                        config_err(format!(
+                            "reconnect_retries must be a number from 0 to 100, not {value:?}"
+                        ))
+                    })?;
+            }
+            other => {
+                return Err(config_err(format!(
+                    "unknown option {other:?} (known: namespace, connect_timeout, response_timeout, reconnect_retries, max_poll_interval)"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks values that may have been set directly on the fields.
+    pub(crate) fn validate(&self) -> Result<()> {
+        if self.host.is_empty() {
+            return Err(config_err("the host is empty"));
+        }
+        if self.namespace.chars().any(char::is_control) {
+            return Err(config_err(
+                "the namespace must not contain control characters",
+            ));
+        }
+        for (name, d) in [
+            ("connect_timeout", self.connect_timeout),
+            ("response_timeout", self.response_timeout),
+            ("max_poll_interval", self.max_poll_interval),
+        ] {
+            if d.is_zero() {
+                return Err(config_err(format!("{name} must be positive")));
+            }
+        }
+        if self.db < 0 {
+            return Err(config_err("the database number must not be negative"));
+        }
+        Ok(())
+    }
+
+    /// The longest a single request can take before the driver gives up on it: connection
+    /// attempts plus the response timeout.
+    pub(crate) fn request_budget(&self) -> Duration {
+        let attempts = u32::try_from(self.reconnect_retries.saturating_add(1)).unwrap_or(u32::MAX);
+        self.connect_timeout
+            .saturating_mul(attempts)
+            .saturating_add(self.response_timeout)
+            .saturating_add(Duration::from_millis(200))
+    }
+}
+
+impl Default for RedisLockConfig {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".to_owned(),
+            port: 6379,
+            db: 0,
+            username: None,
+            password: None,
+            namespace: Self::DEFAULT_NAMESPACE.to_owned(),
+            connect_timeout: Duration::from_secs(1),
+            response_timeout: Duration::from_secs(1),
+            reconnect_retries: 2,
+            max_poll_interval: Duration::from_millis(500),
+        }
+    }
+}
+
+impl fmt::Debug for RedisLockConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisLockConfig")
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("db", &self.db)
+            .field("username", &self.username)
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("namespace", &self.namespace)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("response_timeout", &self.response_timeout)
+            .field("reconnect_retries", &self.reconnect_retries)
+            .field("max_poll_interval", &self.max_poll_interval)
+            .finish()
+    }
+}
+
+fn config_err(message: impl Into<String>) -> Error {
+    Error::Config(message.into())
+}
+
+fn decode(s: &str, what: &str) -> Result<String> {
+    percent_decode(s)
+        .ok_or_else(|| config_err(format!("the {what} is not valid percent-encoded UTF-8")))
+}
+
+/// Percent-decodes a URL component (no `+` → space translation, unlike form encoding).
+fn percent_decode(s: &str) -> Option<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes.get(i + 1..i + 3)?;
+            let hex = std::str::from_utf8(hex).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// Parses `250ms`, `2s`, `1m` or a bare number of milliseconds.
+pub(crate) fn parse_duration(value: &str) -> Option<Duration> {
+    let value = value.trim();
+    let (digits, unit) = match value.find(|c: char| !c.is_ascii_digit()) {
+        Some(at) => value.split_at(at),
+        None => (value, "ms"),
+    };
+    let n: u64 = digits.parse().ok()?;
+    match unit {
+        "ms" => Some(Duration::from_millis(n)),
+        "s" => Some(Duration::from_secs(n)),
+        "m" => n.checked_mul(60).map(Duration::from_secs),
+        _ => None,
+    }
+}
+
+fn positive_duration(name: &str, value: &str) -> Result<Duration> {
+    parse_duration(value)
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            config_err(format!(
+                "{name} must be a positive duration like 250ms, 2s or 1m, not {value:?}"
+            ))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_part_and_option() {
+        let c = RedisLockConfig::from_url(
+            "redis://alice:s%40cret@example.com:7000/3?namespace=app%3Alocks%3A&connect_timeout=250ms&response_timeout=2s&reconnect_retries=5&max_poll_interval=1m",
+        )
+        .unwrap();
+        assert_eq!(c.host, "example.com");
+        assert_eq!(c.port, 7000);
+        assert_eq!(c.db, 3);
+        assert_eq!(c.username.as_deref(), Some("alice"));
+        assert_eq!(c.password.as_deref(), Some("s@cret"));
+        assert_eq!(c.namespace, "app:locks:");
+        assert_eq!(c.connect_timeout, Duration::from_millis(250));
+        assert_eq!(c.response_timeout, Duration::from_secs(2));
+        assert_eq!(c.reconnect_retries, 5);
+        assert_eq!(c.max_poll_interval, Duration::from_secs(60));
+    }
+
+    #[test]
+    fn defaults_and_empty_namespace() {
+        let c = RedisLockConfig::from_url("redis://localhost").unwrap();
+        assert_eq!((c.port, c.db), (6379, 0));
+        assert_eq!(c.namespace, "distlock:");
+        assert_eq!(c.password, None);
+        let c = RedisLockConfig::from_url("redis://[::1]:6380/?namespace=").unwrap();
+        assert_eq!(c.host, "::1");
+        assert_eq!(c.namespace, "");
+        assert_eq!(
+            RedisLockConfig::from_url("redis://h?response_timeout=1500")
+                .unwrap()
+                .response_timeout,
+            Duration::from_millis(1500)
+        );
+    }
+
+    #[test]
+    fn rejects_bad_urls_and_options() {
+        for url in [
+            "http://localhost",
+            "rediss://localhost",
+            "redis://",
+            "redis://h/x",
+            "redis://h/-1",
+            "redis://h?nope=1",
+            "redis://h?connect_timeout=0",
+            "redis://h?connect_timeout=fast",
+            "redis://h?response_timeout=5h",
+            "redis://h?reconnect_retries=-1",
+            "redis://h?namespace=a%0Ab",
+            "redis://h#frag",
+            "not a url",
+        ] {
+            assert!(
+                matches!(RedisLockConfig::from_url(url), Err(Error::Config(_))),
+                "{url}"
+            );
+        }
+    }
+
+    #[test]
+    fn debug_redacts_the_password() {
+        let c = RedisLockConfig::from_url("redis://u:hunter2@h").unwrap();
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("<redacted>"));
+    }
+}

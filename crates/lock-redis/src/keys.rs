@@ -1,0 +1,233 @@
+//! Where a lock lives in Redis.
+//!
+//! * The lock itself is the string key `<namespace><name>`, exactly, so any other client that
+//!   takes that key with `SET key value NX` (redis-py's `Lock`, StackExchange.Redis `LockTake`,
+//!   a shell script) contends with us.
+//! * The fence counter is a separate key in the same Cluster hash slot. Its name contains the
+//!   ASCII unit separator `\x1f`, a control character no [`LockKey`] may contain, so it can never
+//!   be another lock's key, and it is unique per lock key:
+//!   - the lock key has no hash tag and no `}`: `{<lock key>}\x1ffence` (the common case,
+//!     e.g. `{distlock:orders}\x1ffence`);
+//!   - the lock key has a hash tag (`a{tag}b`): `<lock key>\x1ftagged-fence` (the tag is kept);
+//!   - otherwise (a `}` but no usable tag): `{<hex>}\x1f<lock key>\x1ffence`, where `<hex>` is
+//!     the smallest hex number whose hash slot equals the lock key's (two separators tell this
+//!     form apart).
+//! * The release channel is `<lock key>\x1freleased:<db>` (channels are global across databases).
+
+use std::sync::OnceLock;
+
+use lock_core::LockKey;
+
+const SEP: u8 = 0x1f;
+
+/// The Redis names of one lock.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct KeyNames {
+    pub(crate) lock: Vec<u8>,
+    pub(crate) fence: Vec<u8>,
+    pub(crate) channel: Vec<u8>,
+}
+
+impl KeyNames {
+    pub(crate) fn new(namespace: &str, key: &LockKey, db: i64) -> Self {
+        let mut lock = Vec::with_capacity(namespace.len() + key.as_str().len());
+        lock.extend_from_slice(namespace.as_bytes());
+        lock.extend_from_slice(key.as_str().as_bytes());
+        let fence = fence_key(&lock);
+        let mut channel = lock.clone();
+        channel.push(SEP);
+        channel.extend_from_slice(format!("released:{db}").as_bytes());
+        Self {
+            lock,
+            fence,
+            channel,
+        }
+    }
+}
+
+fn fence_key(lock: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(lock.len() + 24);
+    if hash_tag(lock).is_some() {
+        out.extend_from_slice(lock);
+        out.push(SEP);
+        out.extend_from_slice(b"tagged-fence");
+    } else if !lock.contains(&b'}') {
+        out.push(b'{');
+        out.extend_from_slice(lock);
+        out.push(b'}');
+        out.push(SEP);
+        out.extend_from_slice(b"fence");
+    } else {
+        let tag = slot_tags()
+            .get(usize::from(key_slot(lock)))
+            .copied()
+            .unwrap_or_default();
+        out.push(b'{');
+        out.extend_from_slice(format!("{tag:x}").as_bytes());
+        out.push(b'}');
+        out.push(SEP);
+        out.extend_from_slice(lock);
+        out.push(SEP);
+        out.extend_from_slice(b"fence");
+    }
+    out
+}
+
+/// For each hash slot, the smallest number whose lowercase hex form hashes to it (computed once,
+/// about 180k CRCs).
+fn slot_tags() -> &'static [u32] {
+    static TAGS: OnceLock<Vec<u32>> = OnceLock::new();
+    TAGS.get_or_init(|| {
+        let mut tags = vec![u32::MAX; 16384];
+        let mut missing = tags.len();
+        let mut buf = [0u8; 8];
+        for n in 0u32.. {
+            if missing == 0 {
+                break;
+            }
+            let hex = hex_digits(n, &mut buf);
+            let slot = usize::from(crc16(hex) % 16384);
+            if tags[slot] == u32::MAX {
+                tags[slot] = n;
+                missing -= 1;
+            }
+        }
+        tags
+    })
+}
+
+fn hex_digits(mut n: u32, buf: &mut [u8; 8]) -> &[u8] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = HEX[(n & 0xf) as usize];
+        n >>= 4;
+        if n == 0 {
+            return &buf[at..];
+        }
+    }
+}
+
+/// The Redis Cluster hash tag of `key`: the bytes between the first `{` and the first `}` after
+/// it, when that is non-empty.
+fn hash_tag(key: &[u8]) -> Option<&[u8]> {
+    let open = key.iter().position(|&b| b == b'{')?;
+    let rest = &key[open + 1..];
+    let close = rest.iter().position(|&b| b == b'}')?;
+    (close > 0).then(|| &rest[..close])
+}
+
+/// The Redis Cluster hash slot of `key` (CRC16/XMODEM of the hash tag or whole key, mod 16384).
+pub(crate) fn key_slot(key: &[u8]) -> u16 {
+    crc16(hash_tag(key).unwrap_or(key)) % 16384
+}
+
+fn crc16(bytes: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &b in bytes {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::*;
+
+    #[test]
+    fn crc16_matches_the_redis_cluster_spec() {
+        assert_eq!(crc16(b"123456789"), 0x31c3);
+        assert_eq!(key_slot(b"{user1000}.following"), key_slot(b"user1000"));
+        assert_eq!(key_slot(b"foo{}{bar}"), crc16(b"foo{}{bar}") % 16384);
+        assert_eq!(key_slot(b"foo{{bar}}zap"), key_slot(b"{bar"));
+        // Values checked against `CLUSTER KEYSLOT` of a Redis 7 cluster.
+        assert_eq!(key_slot(b"foo"), 12182);
+        assert_eq!(key_slot(b"somekey"), 11058);
+    }
+
+    fn names(ns: &str, key: &str) -> KeyNames {
+        KeyNames::new(ns, &LockKey::new(key).unwrap(), 0)
+    }
+
+    const TRICKY: &[&str] = &[
+        "a",
+        "orders",
+        "a/b",
+        "a b",
+        "{x}",
+        "x",
+        "{x",
+        "x}",
+        "}x{",
+        "a}b",
+        "a}b{c",
+        "x{}y}",
+        "{}",
+        "{{x}}",
+        "fence",
+        "ünï/çødé",
+        "{a3}orders",
+        "distlock:orders",
+        "orders}fence",
+    ];
+
+    #[test]
+    fn the_lock_key_is_exactly_namespace_plus_name() {
+        assert_eq!(names("distlock:", "orders").lock, b"distlock:orders");
+        assert_eq!(names("", "a b").lock, b"a b");
+        assert_eq!(
+            names("distlock:", "orders").fence,
+            b"{distlock:orders}\x1ffence"
+        );
+    }
+
+    #[test]
+    fn fence_counters_share_the_lock_slot_and_never_collide() {
+        for ns in ["", "distlock:", "{ns}", "ns}"] {
+            let mut seen = HashSet::new();
+            for key in TRICKY {
+                let n = names(ns, key);
+                assert_eq!(key_slot(&n.fence), key_slot(&n.lock), "{ns:?} {key:?}");
+                assert!(n.fence.contains(&SEP), "{ns:?} {key:?}");
+                assert!(!n.lock.contains(&SEP));
+                assert!(seen.insert(n.lock.clone()), "lock {ns:?} {key:?}");
+                assert!(seen.insert(n.fence.clone()), "fence {ns:?} {key:?}");
+                assert!(seen.insert(n.channel.clone()), "channel {ns:?} {key:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn every_slot_has_a_tag() {
+        let tags = slot_tags();
+        for (slot, n) in tags.iter().enumerate() {
+            assert_eq!(usize::from(key_slot(format!("{n:x}").as_bytes())), slot);
+        }
+        let mut buf = [0u8; 8];
+        assert_eq!(hex_digits(0, &mut buf), b"0");
+        assert_eq!(hex_digits(0xab12, &mut buf), b"ab12");
+    }
+
+    #[test]
+    fn random_names_keep_slots() {
+        let alphabet = ['a', 'b', '{', '}', ' ', '/', 'é'];
+        for _ in 0..2000 {
+            let len = rand::random_range(1..10);
+            let key: String = (0..len)
+                .map(|_| alphabet[rand::random_range(0..alphabet.len())])
+                .collect();
+            let n = names("", &key);
+            assert_eq!(key_slot(&n.fence), key_slot(&n.lock), "{key:?}");
+        }
+    }
+}

@@ -1,0 +1,12 @@
+#![doc = include_str!("../README.md")]
+#![deny(missing_docs)]
+#![forbid(unsafe_code)]
+
+mod config;
+mod keys;
+mod lock;
+mod scripts;
+mod wakeups;
+
+pub use config::RedisLockConfig;
+pub use lock::RedisLock;

@@ -1,0 +1,585 @@
+//! [`RedisLock`]: the single-node Redis driver.
+
+use std::{fmt, future::Future, sync::Arc, time::Duration};
+
+use lock_core::{
+    AcquireWait, Backoff, Capabilities, DistributedLock, Error, FencingGuarantee, FencingToken,
+    HolderInfo, Lease, LockKey, OwnershipToken, Result, TokenDigest, async_trait,
+};
+use redis::{
+    ConnectionAddr, ErrorKind, IntoConnectionInfo, ProtocolVersion, RedisConnectionInfo,
+    RedisError, ServerErrorKind,
+    aio::{ConnectionManager, ConnectionManagerConfig},
+};
+use tokio::time::{Instant, sleep, sleep_until, timeout, timeout_at};
+
+use crate::{RedisLockConfig, keys::KeyNames, scripts::Scripts, wakeups::Registry};
+
+const BACKEND: &str = "redis";
+
+/// A distributed lock client on one Redis server (single node; no Redlock).
+///
+/// One client holds one reconnecting, multiplexed RESP3 connection that serves every lock it
+/// takes, its renewals and the release notifications its waiters subscribe to. Clone it
+/// cheaply (an `Arc` inside) or share it as a [`lock_core::DynLock`].
+///
+/// See the crate documentation for the algorithm, the key layout and what weakens fencing.
+#[derive(Clone)]
+pub struct RedisLock {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: RedisLockConfig,
+    conn: ConnectionManager,
+    scripts: Scripts,
+    wakeups: Arc<Registry>,
+}
+
+/// What one acquisition attempt found.
+enum Attempt {
+    Granted(Lease),
+    /// Held by somebody else; the holder's remaining TTL when it has one.
+    Held(Option<Duration>),
+}
+
+/// How a failed request ended, as far as the lock is concerned.
+enum Failure {
+    /// Nothing reached the server (connection refused, server loading, …).
+    NotSent(RedisError),
+    /// The request may have been applied: sent, but no reply (timeout, dropped connection).
+    Unknown(String),
+    /// The server answered with an error; nothing was applied.
+    Server(RedisError),
+}
+
+impl RedisLock {
+    /// Connects to the server and checks that it answers.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for invalid settings; [`Error::Unavailable`] when the server cannot be
+    /// reached or refuses the credentials.
+    pub async fn connect(config: RedisLockConfig) -> Result<Self> {
+        let lock = Self::connect_lazy(config)?;
+        let mut conn = lock.inner.conn.clone();
+        let budget = lock.inner.config.request_budget();
+        match timeout(budget, redis::cmd("PING").query_async::<()>(&mut conn)).await {
+            Ok(Ok(())) => Ok(lock),
+            Ok(Err(e)) if e.kind() == ErrorKind::RESP3NotSupported => Err(Error::unsupported(
+                BACKEND,
+                "servers without RESP3 (Redis 6 or newer is required; 7.0 is supported)",
+            )),
+            Ok(Err(e)) => Err(Error::unavailable(BACKEND, "connect", e)),
+            Err(_) => Err(Error::Unavailable {
+                backend: BACKEND,
+                op: "connect",
+                message: format!("no answer within {budget:?}"),
+                source: None,
+            }),
+        }
+    }
+
+    /// [`RedisLock::connect`] with a URL (see [`RedisLockConfig::from_url`]).
+    ///
+    /// # Errors
+    /// As [`RedisLockConfig::from_url`] and [`RedisLock::connect`].
+    pub async fn connect_url(url: &str) -> Result<Self> {
+        Self::connect(RedisLockConfig::from_url(url)?).await
+    }
+
+    /// Builds a client without any I/O; it connects on first use (and reconnects by itself
+    /// whenever the connection drops). Must be called inside a tokio runtime.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for invalid settings.
+    pub fn connect_lazy(config: RedisLockConfig) -> Result<Self> {
+        config.validate()?;
+        let mut redis_info = RedisConnectionInfo::default()
+            .set_db(config.db)
+            .set_protocol(ProtocolVersion::RESP3);
+        if let Some(user) = &config.username {
+            redis_info = redis_info.set_username(user);
+        }
+        if let Some(password) = &config.password {
+            redis_info = redis_info.set_password(password);
+        }
+        let info = ConnectionAddr::Tcp(config.host.clone(), config.port)
+            .into_connection_info()
+            .map_err(|e| Error::Config(e.to_string()))?
+            .set_redis_settings(redis_info);
+        let client = redis::Client::open(info).map_err(|e| Error::Config(e.to_string()))?;
+        let wakeups = Arc::new(Registry::default());
+        let manager_config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(config.connect_timeout))
+            .set_response_timeout(Some(config.response_timeout))
+            .set_number_of_retries(config.reconnect_retries)
+            .set_min_delay(Duration::from_millis(50))
+            .set_max_delay(Duration::from_secs(1))
+            .set_push_sender(wakeups.clone())
+            .set_automatic_resubscription();
+        let conn = ConnectionManager::new_lazy_with_config(client, manager_config)
+            .map_err(|e| Error::Config(e.to_string()))?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                config,
+                conn,
+                scripts: Scripts::new(),
+                wakeups,
+            }),
+        })
+    }
+
+    /// The settings this client was built with.
+    pub fn config(&self) -> &RedisLockConfig {
+        &self.inner.config
+    }
+
+    /// The Redis key a lock lives at: exactly `<namespace><name>`.
+    pub fn redis_key(&self, key: &LockKey) -> String {
+        format!("{}{}", self.inner.config.namespace, key.as_str())
+    }
+
+    fn names(&self, key: &LockKey) -> KeyNames {
+        KeyNames::new(&self.inner.config.namespace, key, self.inner.config.db)
+    }
+
+    /// One acquisition attempt.
+    async fn attempt(&self, key: &LockKey, ttl: Duration) -> Result<Attempt> {
+        let names = self.names(key);
+        let token = OwnershipToken::generate();
+        let prefix = owner_prefix(&token);
+        let sent_at = Instant::now();
+        // Should this future be dropped while the request is in flight, the guard removes a
+        // grant that nobody would ever renew or release.
+        let mut inflight = Inflight {
+            inner: Some(self.inner.clone()),
+            names: names.clone(),
+            prefix: prefix.clone(),
+            until: sent_at + ttl,
+        };
+        let reply = self
+            .run(
+                self.inner
+                    .scripts
+                    .acquire
+                    .key(&names.lock)
+                    .key(&names.fence)
+                    .arg(&prefix)
+                    .arg(ttl_millis(ttl))
+                    .invoke_async::<(i64, i64)>(&mut self.inner.conn.clone()),
+            )
+            .await;
+        match reply {
+            Ok((1, fence)) => {
+                inflight.disarm();
+                let Ok(fence) = u64::try_from(fence) else {
+                    self.cleanup(names, prefix, sent_at + ttl).await;
+                    return Err(Error::Backend {
+                        backend: BACKEND,
+                        op: "try_acquire",
+                        message: format!("the fence counter of {key:?} is negative ({fence})"),
+                        source: None,
+                    });
+                };
+                Ok(Attempt::Granted(Lease::new(
+                    key.clone(),
+                    token,
+                    Some(FencingToken(fence)),
+                    ttl,
+                    sent_at,
+                )))
+            }
+            Ok((_, pttl)) => {
+                inflight.disarm();
+                Ok(Attempt::Held(
+                    u64::try_from(pttl).ok().map(Duration::from_millis),
+                ))
+            }
+            Err(Failure::Unknown(message)) => {
+                inflight.disarm();
+                self.cleanup(names, prefix, sent_at + ttl).await;
+                Err(Error::Indeterminate {
+                    backend: BACKEND,
+                    op: "try_acquire",
+                    key: key.as_str().to_owned(),
+                    message,
+                })
+            }
+            Err(Failure::NotSent(e)) => {
+                inflight.disarm();
+                Err(Error::unavailable(BACKEND, "try_acquire", e))
+            }
+            Err(Failure::Server(e)) => {
+                inflight.disarm();
+                Err(Error::backend(BACKEND, "try_acquire", e))
+            }
+        }
+    }
+
+    /// Runs one request under the request budget and classifies its failure.
+    async fn run<T>(
+        &self,
+        request: impl Future<Output = redis::RedisResult<T>>,
+    ) -> Result<T, Failure> {
+        let budget = self.inner.config.request_budget();
+        match timeout(budget, request).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) => Err(classify(e)),
+            Err(_) => Err(Failure::Unknown(format!("no reply within {budget:?}"))),
+        }
+    }
+
+    /// Compare-and-delete of a grant whose outcome is unknown: once now, then in the background
+    /// until the grant would have expired by itself (a delayed request could still be applied
+    /// after a reconnect). Only ever deletes a lock carrying this attempt's token.
+    async fn cleanup(&self, names: KeyNames, prefix: String, until: Instant) {
+        match self.release_by_prefix(&names, &prefix).await {
+            Ok(true) => {}
+            Ok(false) | Err(_) if Instant::now() < until => {
+                spawn_cleanup(self.inner.clone(), names, prefix, until, false);
+            }
+            Ok(false) | Err(_) => {}
+        }
+    }
+
+    async fn release_by_prefix(&self, names: &KeyNames, prefix: &str) -> Result<bool, Failure> {
+        release_by_prefix(&self.inner, names, prefix).await
+    }
+
+    fn map_failure(op: &'static str, key: &LockKey, failure: Failure) -> Error {
+        match failure {
+            Failure::NotSent(e) => Error::unavailable(BACKEND, op, e),
+            Failure::Unknown(message) => Error::Indeterminate {
+                backend: BACKEND,
+                op,
+                key: key.as_str().to_owned(),
+                message,
+            },
+            Failure::Server(e) => Error::backend(BACKEND, op, e),
+        }
+    }
+}
+
+async fn release_by_prefix(inner: &Inner, names: &KeyNames, prefix: &str) -> Result<bool, Failure> {
+    let budget = inner.config.request_budget();
+    let mut invocation = inner.scripts.release.key(&names.lock);
+    invocation.arg(prefix).arg(&names.channel);
+    let mut conn = inner.conn.clone();
+    match timeout(budget, invocation.invoke_async::<i64>(&mut conn)).await {
+        Ok(Ok(n)) => Ok(n == 1),
+        Ok(Err(e)) => Err(classify(e)),
+        Err(_) => Err(Failure::Unknown(format!("no reply within {budget:?}"))),
+    }
+}
+
+/// Background compare-and-delete. With `once`, stops after the first answered request (the
+/// request it follows went out on the same connection, so the server has already seen it);
+/// otherwise keeps checking until `until`, when the grant expires by itself anyway.
+fn spawn_cleanup(inner: Arc<Inner>, names: KeyNames, prefix: String, until: Instant, once: bool) {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    rt.spawn(async move {
+        let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(1));
+        loop {
+            match release_by_prefix(&inner, &names, &prefix).await {
+                Ok(true) => {
+                    tracing::info!(
+                        lock = %String::from_utf8_lossy(&names.lock),
+                        "removed a grant whose reply was lost"
+                    );
+                    return;
+                }
+                Ok(false) if once => return,
+                Ok(false) | Err(_) => {}
+            }
+            let next = Instant::now() + backoff.next_delay();
+            if next >= until {
+                return;
+            }
+            sleep_until(next).await;
+        }
+    });
+}
+
+/// Removes the grant of an attempt whose future was dropped mid-request.
+struct Inflight {
+    inner: Option<Arc<Inner>>,
+    names: KeyNames,
+    prefix: String,
+    until: Instant,
+}
+
+impl Inflight {
+    fn disarm(&mut self) {
+        self.inner = None;
+    }
+}
+
+impl Drop for Inflight {
+    fn drop(&mut self) {
+        if let Some(inner) = self.inner.take() {
+            spawn_cleanup(
+                inner,
+                self.names.clone(),
+                std::mem::take(&mut self.prefix),
+                self.until,
+                true,
+            );
+        }
+    }
+}
+
+/// The value we store is `<token hex>:<fence>`; every compare matches the `<token hex>:` prefix
+/// (128 random bits), which is also all an unknown-outcome cleanup knows.
+fn owner_prefix(token: &OwnershipToken) -> String {
+    let mut s = token.expose_hex();
+    s.push(':');
+    s
+}
+
+fn ttl_millis(ttl: Duration) -> u64 {
+    u64::try_from(ttl.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
+}
+
+fn classify(e: RedisError) -> Failure {
+    if e.is_connection_refusal() {
+        return Failure::NotSent(e);
+    }
+    match e.kind() {
+        ErrorKind::Server(
+            ServerErrorKind::BusyLoading
+            | ServerErrorKind::TryAgain
+            | ServerErrorKind::ClusterDown
+            | ServerErrorKind::MasterDown
+            | ServerErrorKind::ReadOnly,
+        ) => Failure::NotSent(e),
+        ErrorKind::Server(_) if e.code() == Some("BUSY") => Failure::NotSent(e),
+        ErrorKind::Io => Failure::Unknown(e.to_string()),
+        _ if e.is_timeout() || e.is_connection_dropped() => Failure::Unknown(e.to_string()),
+        _ => Failure::Server(e),
+    }
+}
+
+/// Parses a stored value `<32 hex>:<fence>` written by this driver.
+fn parse_owner(value: &[u8]) -> Option<(OwnershipToken, FencingToken)> {
+    let value = std::str::from_utf8(value).ok()?;
+    let (hex, fence) = value.split_once(':')?;
+    let token = OwnershipToken::from_hex(hex).ok()?;
+    if hex.bytes().any(|b| b.is_ascii_uppercase()) {
+        return None;
+    }
+    Some((token, FencingToken(fence.parse().ok()?)))
+}
+
+#[async_trait]
+impl DistributedLock for RedisLock {
+    fn backend_name(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            lease_ttl: true,
+            renew: true,
+            fencing: FencingGuarantee::SingleNode,
+            wait_notify: true,
+            lost_notify: true,
+            force_release: true,
+            min_ttl: Duration::from_millis(1),
+            max_ttl: Duration::from_secs(365 * 24 * 3600),
+            ..Default::default()
+        }
+    }
+
+    /// # Cancellation safety
+    /// Dropping the future mid-request removes a possible grant in the background.
+    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
+        self.capabilities().check_ttl(ttl)?;
+        match self.attempt(key, ttl).await? {
+            Attempt::Granted(lease) => Ok(Some(lease)),
+            Attempt::Held(_) => Ok(None),
+        }
+    }
+
+    /// Tries at once; when the key is held, subscribes to its release channel, tries again (a
+    /// release may have happened in between) and then sleeps until a release is published, the
+    /// holder's TTL runs out, the jittered fallback poll fires or the deadline passes.
+    async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
+        self.capabilities().check_ttl(ttl)?;
+        let backoff = Backoff::new(
+            Duration::from_millis(25),
+            self.inner.config.max_poll_interval,
+        );
+        let mut wait = AcquireWait::new(key, deadline, backoff)?;
+        let mut watch = None;
+        let mut subscribed_once = false;
+        loop {
+            let holder_ttl = match self.attempt(key, ttl).await {
+                Ok(Attempt::Granted(lease)) => return Ok(lease),
+                Ok(Attempt::Held(holder_ttl)) => holder_ttl,
+                Err(e) => {
+                    wait.retry_after(e).await?;
+                    continue;
+                }
+            };
+            if !subscribed_once {
+                subscribed_once = true;
+                let channel = self.names(key).channel;
+                match timeout_at(
+                    deadline,
+                    self.inner.wakeups.watch(&self.inner.conn, &channel),
+                )
+                .await
+                {
+                    Ok(Ok(w)) => {
+                        watch = Some(w);
+                        continue;
+                    }
+                    Ok(Err(e)) => {
+                        tracing::debug!(%key, error = %e, "cannot subscribe to releases; polling");
+                    }
+                    Err(_) => return Err(wait.timeout()),
+                }
+            }
+            let expiry = async {
+                match holder_ttl {
+                    Some(left) => sleep(left + Duration::from_millis(2)).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let woken = async {
+                match &watch {
+                    Some(w) => tokio::select! {
+                        () = w.woken() => {}
+                        () = expiry => {}
+                    },
+                    None => expiry.await,
+                }
+            };
+            wait.wait(woken).await?;
+        }
+    }
+
+    async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
+        self.capabilities().check_ttl(ttl)?;
+        let names = self.names(lease.key());
+        let prefix = owner_prefix(lease.token());
+        let sent_at = Instant::now();
+        let reply = self
+            .run(
+                self.inner
+                    .scripts
+                    .renew
+                    .key(&names.lock)
+                    .arg(&prefix)
+                    .arg(ttl_millis(ttl))
+                    .invoke_async::<i64>(&mut self.inner.conn.clone()),
+            )
+            .await
+            .map_err(|f| Self::map_failure("renew", lease.key(), f))?;
+        if reply == 1 {
+            lease.renewed(ttl, sent_at);
+            Ok(())
+        } else {
+            Err(Error::not_held(lease.key()))
+        }
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<bool> {
+        let names = self.names(lease.key());
+        self.release_by_prefix(&names, &owner_prefix(lease.token()))
+            .await
+            .map_err(|f| Self::map_failure("release", lease.key(), f))
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        let names = self.names(key);
+        let reply = self
+            .run(
+                self.inner
+                    .scripts
+                    .inspect
+                    .key(&names.lock)
+                    .key(&names.fence)
+                    .invoke_async::<Option<(Vec<u8>, i64, Vec<u8>)>>(&mut self.inner.conn.clone()),
+            )
+            .await
+            .map_err(|f| match f {
+                Failure::NotSent(e) => Error::unavailable(BACKEND, "inspect", e),
+                Failure::Unknown(message) => Error::Unavailable {
+                    backend: BACKEND,
+                    op: "inspect",
+                    message,
+                    source: None,
+                },
+                Failure::Server(e) => Error::backend(BACKEND, "inspect", e),
+            })?;
+        Ok(reply.map(|(value, pttl, _counter)| {
+            let (digest, fencing) = match parse_owner(&value) {
+                Some((token, fence)) => (token.digest(), Some(fence)),
+                None => (TokenDigest::of(&value), None),
+            };
+            HolderInfo {
+                token_digest: Some(digest),
+                fencing_token: fencing,
+                ttl_remaining: u64::try_from(pttl).ok().map(Duration::from_millis),
+                waiters: None,
+            }
+        }))
+    }
+
+    async fn force_release(&self, key: &LockKey) -> Result<bool> {
+        let names = self.names(key);
+        let deleted = self
+            .run(
+                self.inner
+                    .scripts
+                    .force_release
+                    .key(&names.lock)
+                    .arg(&names.channel)
+                    .invoke_async::<i64>(&mut self.inner.conn.clone()),
+            )
+            .await
+            .map_err(|f| Self::map_failure("force_release", key, f))?;
+        tracing::warn!(%key, deleted = deleted == 1, "lock force-released by an operator");
+        Ok(deleted == 1)
+    }
+}
+
+impl fmt::Debug for RedisLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = &self.inner.config;
+        f.debug_struct("RedisLock")
+            .field("host", &c.host)
+            .field("port", &c.port)
+            .field("db", &c.db)
+            .field("namespace", &c.namespace)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ttl_is_rounded_up_to_whole_milliseconds() {
+        assert_eq!(ttl_millis(Duration::from_millis(300)), 300);
+        assert_eq!(ttl_millis(Duration::from_micros(1500)), 2);
+        assert_eq!(ttl_millis(Duration::from_nanos(1)), 1);
+    }
+
+    #[test]
+    fn owner_values_parse_only_in_our_format() {
+        let t = OwnershipToken::generate();
+        let value = format!("{}7", owner_prefix(&t));
+        assert_eq!(parse_owner(value.as_bytes()), Some((t, FencingToken(7))));
+        assert_eq!(parse_owner(t.expose_hex().as_bytes()), None);
+        assert_eq!(parse_owner(b"some-other-client"), None);
+        assert_eq!(
+            parse_owner(format!("{}x", owner_prefix(&t)).as_bytes()),
+            None
+        );
+    }
+}

@@ -1,0 +1,95 @@
+//! The Lua scripts: each step is atomic on the server. Sent with EVALSHA; the `redis` crate
+//! reloads a script (SCRIPT LOAD) when the server answers NOSCRIPT (after a restart or
+//! SCRIPT FLUSH).
+
+use redis::Script;
+
+/// KEYS: lock, fence counter. ARGV: owner prefix (`<token hex>:`), ttl in ms.
+/// Returns `{1, fence}` when granted, `{0, pttl of the holder}` when held.
+///
+/// The counter is incremented only for a grant, in the same atomic step, and the grant stores
+/// `<token hex>:<fence>` so `inspect` can tell our holders (and their fence) from other
+/// clients'. An unusable counter (wrong type, overflow) fails the script before anything is
+/// written.
+const ACQUIRE: &str = r"
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  local fence = redis.pcall('INCR', KEYS[2])
+  if type(fence) == 'table' then
+    return redis.error_reply('distlock fence counter: ' .. tostring(fence.err))
+  end
+  redis.call('SET', KEYS[1], ARGV[1] .. string.format('%d', fence), 'NX', 'PX', ARGV[2])
+  return {1, fence}
+end
+return {0, redis.call('PTTL', KEYS[1])}
+";
+
+/// KEYS: lock. ARGV: owner prefix, ttl in ms. Returns 1 when extended, 0 when not ours.
+const RENEW: &str = r"
+local value = redis.pcall('GET', KEYS[1])
+if type(value) == 'string' and string.sub(value, 1, #ARGV[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+";
+
+/// KEYS: lock. ARGV: owner prefix, channel. Returns 1 when deleted (and waiters were told),
+/// 0 when not ours. Never deletes another owner's lock.
+const RELEASE: &str = r"
+local value = redis.pcall('GET', KEYS[1])
+if type(value) == 'string' and string.sub(value, 1, #ARGV[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  redis.call('PUBLISH', ARGV[2], 'released')
+  return 1
+end
+return 0
+";
+
+/// KEYS: lock. ARGV: channel. The operator override: deletes whoever holds the lock (any
+/// client's value) and wakes waiters. Returns 1 when something was deleted.
+const FORCE_RELEASE: &str = r"
+if redis.call('DEL', KEYS[1]) == 1 then
+  redis.call('PUBLISH', ARGV[1], 'released')
+  return 1
+end
+return 0
+";
+
+/// KEYS: lock, fence counter. Returns nil when free, else `{value, pttl, counter}` (value is
+/// empty when the key is not a string, counter empty when unset).
+const INSPECT: &str = r"
+local kind = redis.call('TYPE', KEYS[1]).ok
+if kind == 'none' then
+  return false
+end
+local value = ''
+if kind == 'string' then
+  value = redis.call('GET', KEYS[1])
+end
+local fence = redis.pcall('GET', KEYS[2])
+if type(fence) ~= 'string' then
+  fence = ''
+end
+return {value, redis.call('PTTL', KEYS[1]), fence}
+";
+
+/// The compiled scripts (each carries its SHA1).
+#[derive(Debug)]
+pub(crate) struct Scripts {
+    pub(crate) acquire: Script,
+    pub(crate) renew: Script,
+    pub(crate) release: Script,
+    pub(crate) inspect: Script,
+    pub(crate) force_release: Script,
+}
+
+impl Scripts {
+    pub(crate) fn new() -> Self {
+        Self {
+            acquire: Script::new(ACQUIRE),
+            renew: Script::new(RENEW),
+            release: Script::new(RELEASE),
+            inspect: Script::new(INSPECT),
+            force_release: Script::new(FORCE_RELEASE),
+        }
+    }
+}
