@@ -1,0 +1,428 @@
+//! `PgLockConfig`: connection options plus the driver's own options, all settable in the URL.
+
+use std::{fmt, str::FromStr, time::Duration};
+
+use lock_core::{Error, Result};
+use sqlx::postgres::PgConnectOptions;
+use url::Url;
+
+/// The driver's options that can appear in the URL's query string, next to the standard ones.
+const DRIVER_OPTIONS: &[&str] = &[
+    "table",
+    "pool_size",
+    "connect_timeout",
+    "op_timeout",
+    "listen",
+    "poll_interval",
+    "async_release",
+    "create_table",
+];
+
+/// The connection parameters understood by `sqlx` (libpq names and sqlx's aliases).
+const CONNECTION_OPTIONS: &[&str] = &[
+    "sslmode",
+    "ssl-mode",
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "application_name",
+    "options",
+];
+
+/// A validated, possibly schema-qualified table name (`leases` or `locks.leases`).
+///
+/// Each part must be an SQL identifier: 1 to 63 bytes of ASCII letters, digits, `_` or `$`, not
+/// starting with a digit or `$`. It is always written double-quoted, so case is preserved.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct TableName {
+    schema: Option<String>,
+    table: String,
+}
+
+impl TableName {
+    /// The default table, `distlock_leases` (in the connection's `search_path`).
+    pub const DEFAULT: &'static str = "distlock_leases";
+
+    /// Validates `name`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when it is not `identifier` or `identifier.identifier`.
+    pub fn new(name: &str) -> Result<Self> {
+        let mut parts = name.split('.');
+        let (schema, table) = match (parts.next(), parts.next(), parts.next()) {
+            (Some(table), None, None) => (None, table),
+            (Some(schema), Some(table), None) => (Some(schema), table),
+            _ => {
+                return Err(Error::Config(format!(
+                    "table name {name:?}: expected `table` or `schema.table`"
+                )));
+            }
+        };
+        if let Some(schema) = schema {
+            check_identifier(schema)?;
+        }
+        check_identifier(table)?;
+        Ok(Self {
+            schema: schema.map(str::to_owned),
+            table: table.to_owned(),
+        })
+    }
+
+    /// The name as written in SQL: each part double-quoted.
+    pub fn quoted(&self) -> String {
+        match &self.schema {
+            Some(schema) => format!("\"{schema}\".\"{}\"", self.table),
+            None => format!("\"{}\"", self.table),
+        }
+    }
+
+    /// The table part, unquoted.
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    /// The schema part, if one was given.
+    pub fn schema(&self) -> Option<&str> {
+        self.schema.as_deref()
+    }
+}
+
+impl Default for TableName {
+    fn default() -> Self {
+        Self {
+            schema: None,
+            table: Self::DEFAULT.to_owned(),
+        }
+    }
+}
+
+impl fmt::Debug for TableName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "TableName({self})")
+    }
+}
+
+impl fmt::Display for TableName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.schema {
+            Some(schema) => write!(f, "{schema}.{}", self.table),
+            None => f.write_str(&self.table),
+        }
+    }
+}
+
+impl FromStr for TableName {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Self::new(s)
+    }
+}
+
+/// Checks one identifier; the only characters allowed cannot end a quoted identifier.
+pub(crate) fn check_identifier(part: &str) -> Result<()> {
+    let valid = !part.is_empty()
+        && part.len() <= 63
+        && part
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'$')
+        && part
+            .bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_');
+    if valid {
+        Ok(())
+    } else {
+        Err(Error::Config(format!(
+            "{part:?} is not a valid identifier (1-63 ASCII letters, digits, `_` or `$`, starting with a letter or `_`)"
+        )))
+    }
+}
+
+/// Configuration of a [`crate::PgLock`].
+///
+/// Every option can be given in the URL's query string (see [`PgLockConfig::from_url`]); the
+/// fields can also be set directly. `Debug` never shows the password.
+#[derive(Clone)]
+pub struct PgLockConfig {
+    connect: PgConnectOptions,
+    /// The URL with its password replaced, for `Debug` and errors.
+    display: String,
+    /// The lease table (`table=`, default `distlock_leases`).
+    pub table: TableName,
+    /// Maximum connections of the client's pool (`pool_size=`, default 8). The LISTEN
+    /// connection is one more, opened on the first `acquire` that has to wait.
+    pub pool_size: u32,
+    /// How long to wait for a connection from the pool or a new one (`connect_timeout=`,
+    /// default 5 s). A bare number is seconds, as in libpq; `ms`, `s` and `m` suffixes work.
+    pub connect_timeout: Duration,
+    /// How long one statement may take before its outcome counts as unknown (`op_timeout=`,
+    /// default 5 s).
+    pub op_timeout: Duration,
+    /// `LISTEN` for releases while waiting (`listen=`, default true). Turn it off behind a
+    /// transaction-pooling proxy, where a session cannot keep listening; waiters then poll.
+    pub listen: bool,
+    /// The longest fallback poll interval of a waiter (`poll_interval=`, default 1 s).
+    pub poll_interval: Duration,
+    /// Commit releases without waiting for the WAL flush (`async_release=`, default true):
+    /// `SET LOCAL synchronous_commit = off` for the release's transaction only. A release lost
+    /// in a server crash only delays the lock's expiry by its TTL; acquire and renew stay
+    /// durable.
+    pub async_release: bool,
+    /// Create the table on first use when it does not exist (`create_table=`, default true).
+    pub create_table: bool,
+}
+
+impl PgLockConfig {
+    /// Configuration for an already-built set of connection options, with default driver
+    /// options.
+    pub fn new(connect: PgConnectOptions) -> Self {
+        let display = format!(
+            "postgres://{}@{}:{}/{}",
+            connect.get_username(),
+            connect.get_host(),
+            connect.get_port(),
+            connect.get_database().unwrap_or_default()
+        );
+        Self {
+            connect,
+            display,
+            table: TableName::default(),
+            pool_size: 8,
+            connect_timeout: Duration::from_secs(5),
+            op_timeout: Duration::from_secs(5),
+            listen: true,
+            poll_interval: Duration::from_secs(1),
+            async_release: true,
+            create_table: true,
+        }
+    }
+
+    /// Parses a `postgres://` (or `postgresql://`) URL.
+    ///
+    /// Besides the standard connection parameters (`sslmode`, `sslrootcert`, `sslcert`,
+    /// `sslkey`, `application_name`, `options`, `host`, `port`, `dbname`, `user`, `password`,
+    /// `statement-cache-capacity`), the query string takes the driver's options: `table`,
+    /// `pool_size`, `connect_timeout`, `op_timeout`, `listen`, `poll_interval`, `async_release`,
+    /// `create_table` (see the fields).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for another scheme, an unknown option or a malformed value.
+    pub fn from_url(url: &str) -> Result<Self> {
+        let parsed = Url::parse(url).map_err(|e| Error::Config(format!("invalid URL: {e}")))?;
+        if !matches!(parsed.scheme(), "postgres" | "postgresql") {
+            return Err(Error::Config(format!(
+                "expected a postgres:// URL, got scheme {:?}",
+                parsed.scheme()
+            )));
+        }
+        let mut driver: Vec<(String, String)> = Vec::new();
+        let mut passthrough = parsed.clone();
+        passthrough.set_query(None);
+        {
+            let mut query = passthrough.query_pairs_mut();
+            for (k, v) in parsed.query_pairs() {
+                if DRIVER_OPTIONS.contains(&k.as_ref()) {
+                    driver.push((k.into_owned(), v.into_owned()));
+                } else if CONNECTION_OPTIONS.contains(&k.as_ref()) || k.starts_with("options[") {
+                    query.append_pair(&k, &v);
+                } else {
+                    return Err(Error::Config(format!(
+                        "unknown option {k:?} in the PostgreSQL URL"
+                    )));
+                }
+            }
+        }
+        if passthrough.query() == Some("") {
+            passthrough.set_query(None);
+        }
+        let connect = PgConnectOptions::from_str(passthrough.as_str())
+            .map_err(|e| Error::Config(format!("invalid PostgreSQL URL: {e}")))?;
+        let mut config = Self::new(connect);
+        config.display = redact(&parsed);
+        for (k, v) in driver {
+            match k.as_str() {
+                "table" => config.table = TableName::new(&v)?,
+                "pool_size" => {
+                    config.pool_size = v
+                        .parse()
+                        .ok()
+                        .filter(|n| *n > 0)
+                        .ok_or_else(|| bad(&k, &v, "a positive integer"))?;
+                }
+                "connect_timeout" => config.connect_timeout = parse_duration(&k, &v)?,
+                "op_timeout" => config.op_timeout = parse_duration(&k, &v)?,
+                "poll_interval" => config.poll_interval = parse_duration(&k, &v)?,
+                "listen" => config.listen = parse_bool(&k, &v)?,
+                "async_release" => config.async_release = parse_bool(&k, &v)?,
+                "create_table" => config.create_table = parse_bool(&k, &v)?,
+                _ => return Err(Error::Config(format!("unknown option {k:?}"))),
+            }
+        }
+        Ok(config)
+    }
+
+    /// The connection options handed to `sqlx`.
+    pub fn connect_options(&self) -> &PgConnectOptions {
+        &self.connect
+    }
+}
+
+impl FromStr for PgLockConfig {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Self::from_url(s)
+    }
+}
+
+impl fmt::Debug for PgLockConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgLockConfig")
+            .field("url", &self.display)
+            .field("table", &self.table)
+            .field("pool_size", &self.pool_size)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("op_timeout", &self.op_timeout)
+            .field("listen", &self.listen)
+            .field("poll_interval", &self.poll_interval)
+            .field("async_release", &self.async_release)
+            .field("create_table", &self.create_table)
+            .finish()
+    }
+}
+
+/// The URL without its password (in the userinfo or the query string).
+fn redact(url: &Url) -> String {
+    let mut shown = url.clone();
+    if shown.password().is_some() {
+        let _ = shown.set_password(Some("***"));
+    }
+    if url.query().is_some() {
+        let pairs: Vec<(String, String)> = url
+            .query_pairs()
+            .map(|(k, v)| {
+                let v = if k == "password" {
+                    "***".to_owned()
+                } else {
+                    v.into_owned()
+                };
+                (k.into_owned(), v)
+            })
+            .collect();
+        shown.query_pairs_mut().clear().extend_pairs(pairs);
+    }
+    shown.to_string()
+}
+
+fn bad(key: &str, value: &str, expected: &str) -> Error {
+    Error::Config(format!(
+        "option {key}={value:?} is malformed: expected {expected}"
+    ))
+}
+
+fn parse_bool(key: &str, value: &str) -> Result<bool> {
+    match value {
+        "true" | "1" | "on" | "yes" => Ok(true),
+        "false" | "0" | "off" | "no" => Ok(false),
+        _ => Err(bad(key, value, "true or false")),
+    }
+}
+
+/// `250ms`, `5s`, `2m`, or a bare number of seconds (libpq's `connect_timeout` convention).
+fn parse_duration(key: &str, value: &str) -> Result<Duration> {
+    let (digits, unit) = match value.find(|c: char| !c.is_ascii_digit()) {
+        Some(at) => value.split_at(at),
+        None => (value, "s"),
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| bad(key, value, "a duration such as 500ms, 5s or 1m"))?;
+    let d = match unit {
+        "ms" => Duration::from_millis(n),
+        "s" => Duration::from_secs(n),
+        "m" => Duration::from_secs(n.saturating_mul(60)),
+        _ => return Err(bad(key, value, "a duration such as 500ms, 5s or 1m")),
+    };
+    if d.is_zero() {
+        return Err(bad(key, value, "a positive duration"));
+    }
+    Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_option_can_be_set_in_the_url() {
+        let c = PgLockConfig::from_url(
+            "postgres://app:s3cret@db.example:6432/jobs?sslmode=disable&application_name=x\
+             &table=locks.leases&pool_size=3&connect_timeout=2&op_timeout=750ms&listen=false\
+             &poll_interval=200ms&async_release=off&create_table=no",
+        )
+        .unwrap();
+        assert_eq!(c.table.quoted(), "\"locks\".\"leases\"");
+        assert_eq!(c.pool_size, 3);
+        assert_eq!(c.connect_timeout, Duration::from_secs(2));
+        assert_eq!(c.op_timeout, Duration::from_millis(750));
+        assert!(!c.listen);
+        assert_eq!(c.poll_interval, Duration::from_millis(200));
+        assert!(!c.async_release);
+        assert!(!c.create_table);
+        assert_eq!(c.connect_options().get_port(), 6432);
+        assert_eq!(c.connect_options().get_database(), Some("jobs"));
+        assert_eq!(c.connect_options().get_username(), "app");
+    }
+
+    #[test]
+    fn defaults() {
+        let c = PgLockConfig::from_url("postgresql://postgres@127.0.0.1/db").unwrap();
+        assert_eq!(c.table.to_string(), "distlock_leases");
+        assert!(c.listen && c.async_release && c.create_table);
+    }
+
+    #[test]
+    fn unknown_or_malformed_options_are_config_errors() {
+        for url in [
+            "postgres://h/db?tabel=x",
+            "postgres://h/db?pool_size=0",
+            "postgres://h/db?pool_size=many",
+            "postgres://h/db?op_timeout=5h",
+            "postgres://h/db?op_timeout=0",
+            "postgres://h/db?listen=maybe",
+            "postgres://h/db?table=a;drop",
+            "postgres://h/db?table=\"x\"",
+            "postgres://h/db?table=a.b.c",
+            "postgres://h/db?table=1abc",
+            "redis://h/db",
+            "not a url",
+        ] {
+            assert!(
+                matches!(PgLockConfig::from_url(url), Err(Error::Config(_))),
+                "{url}"
+            );
+        }
+        assert!(TableName::new(&"a".repeat(64)).is_err());
+        assert!(TableName::new(&"a".repeat(63)).is_ok());
+    }
+
+    #[test]
+    fn debug_redacts_passwords() {
+        let c =
+            PgLockConfig::from_url("postgres://u:hunter2@h/db?password=hunter3&table=t").unwrap();
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(!shown.contains("hunter3"), "{shown}");
+        assert!(shown.contains("***"), "{shown}");
+    }
+}

@@ -1,0 +1,16 @@
+#![doc = include_str!("../README.md")]
+#![deny(missing_docs)]
+
+mod config;
+mod fenced;
+mod lock;
+mod notify;
+mod sql;
+
+pub use config::{PgLockConfig, TableName};
+pub use fenced::{FenceError, FencedTable};
+pub use lock::PgLock;
+
+/// Re-exported so callers can name the pool, connections and transactions of
+/// [`PgLock::pool`] and [`FencedTable::fence`] with the same `sqlx` version.
+pub use sqlx;

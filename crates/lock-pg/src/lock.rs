@@ -1,0 +1,602 @@
+//! `PgLock`: the lease-table lock.
+
+use std::{
+    fmt,
+    sync::{Arc, OnceLock},
+    time::Duration,
+};
+
+use lock_core::{
+    AcquireWait, Backoff, Capabilities, DistributedLock, Error, FencingGuarantee, FencingToken,
+    HolderInfo, Lease, LockKey, OwnershipToken, Result, async_trait,
+};
+use sqlx::{
+    PgPool, Postgres, Row,
+    pool::PoolConnection,
+    postgres::{PgPoolOptions, PgRow},
+};
+use tokio::{
+    sync::OnceCell,
+    time::{Instant, sleep, timeout, timeout_at},
+};
+
+use crate::{
+    PgLockConfig,
+    notify::{Notifier, Subscription, channel_name},
+    sql::Statements,
+};
+
+pub(crate) const BACKEND: &str = "postgres";
+
+/// The longest TTL accepted (PostgreSQL intervals go much further; a year is plenty).
+const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// A distributed lock on a PostgreSQL lease table.
+///
+/// One row per lock name: `owner` (the holder's token, `NULL` when free), `fence` (bumped by
+/// every grant, never reset: rows are never deleted) and `expires_at`, always compared with the
+/// database's own `clock_timestamp()`. Acquire is one `INSERT … ON CONFLICT DO UPDATE … WHERE`
+/// statement; renew and release are guarded on name, owner token and fence. Releases
+/// `pg_notify` a per-name channel that waiters `LISTEN` to on one shared connection per
+/// client, with a bounded jittered poll as fallback.
+///
+/// No session state is used for locking (no advisory locks, no temporary tables), so it works
+/// through transaction-pooling proxies; set `listen=false` there, since `LISTEN` needs a
+/// session.
+#[derive(Clone)]
+pub struct PgLock {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: PgLockConfig,
+    pool: PgPool,
+    sql: Statements,
+    table_ready: OnceCell<()>,
+    notifier: OnceLock<Notifier>,
+}
+
+/// How a statement ended when it did not return a result.
+#[derive(Debug)]
+enum ExecError {
+    /// No connection could be had: nothing was sent.
+    NotSent(sqlx::Error),
+    /// The server refused the statement: its transaction rolled back, nothing was applied.
+    Rejected(sqlx::Error),
+    /// The statement was sent and its reply was lost: it may have been applied. `retry` when
+    /// the connection itself died (another connection may work right away); not after a
+    /// timeout, when the statement may still be running.
+    Unknown { message: String, retry: bool },
+}
+
+/// Errors that mean the connection (or the server) went away rather than the statement failing.
+fn is_connection_error(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::WorkerCrashed => true,
+        // 08: connection exception; 57P0x: admin/crash shutdown, cannot connect now, …
+        sqlx::Error::Database(db) => db
+            .code()
+            .is_some_and(|c| c.starts_with("08") || c.starts_with("57P")),
+        _ => false,
+    }
+}
+
+fn exec_error(op: &'static str, key: &LockKey, e: ExecError) -> Error {
+    match e {
+        ExecError::NotSent(e) => Error::unavailable(BACKEND, op, e),
+        ExecError::Rejected(e) if is_connection_error(&e) => Error::unavailable(BACKEND, op, e),
+        ExecError::Rejected(e) => Error::backend(BACKEND, op, e),
+        ExecError::Unknown { message, .. } => Error::Indeterminate {
+            backend: BACKEND,
+            op,
+            key: key.as_str().to_owned(),
+            message,
+        },
+    }
+}
+
+fn fence_of(row: &PgRow, op: &'static str) -> Result<FencingToken> {
+    let fence: i64 = row.try_get(0).map_err(|e| Error::backend(BACKEND, op, e))?;
+    u64::try_from(fence)
+        .map(FencingToken)
+        .map_err(|_| Error::backend(BACKEND, op, format!("negative fence {fence} in the table")))
+}
+
+fn micros(ttl: Duration) -> i64 {
+    i64::try_from(ttl.as_micros()).unwrap_or(i64::MAX)
+}
+
+impl PgLock {
+    /// Connects the pool and makes sure the lease table exists (creating it when allowed).
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when the server cannot be reached, [`Error::Backend`] when the
+    /// table cannot be created or checked.
+    pub async fn connect(config: PgLockConfig) -> Result<Self> {
+        let lock = Self::connect_lazy(config);
+        lock.inner.ensure_table().await?;
+        Ok(lock)
+    }
+
+    /// [`PgLock::connect`] with a URL (see [`PgLockConfig::from_url`]).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a bad URL; as [`PgLock::connect`].
+    pub async fn connect_url(url: &str) -> Result<Self> {
+        Self::connect(PgLockConfig::from_url(url)?).await
+    }
+
+    /// A client that connects on first use; no I/O here. The table is checked on first use.
+    pub fn connect_lazy(config: PgLockConfig) -> Self {
+        let pool = PgPoolOptions::new()
+            .max_connections(config.pool_size)
+            .min_connections(0)
+            .acquire_timeout(config.connect_timeout)
+            // A connection killed while idle is detected on use and replaced (see `Inner`),
+            // instead of paying a ping round trip before every statement.
+            .test_before_acquire(false)
+            .connect_lazy_with(config.connect_options().clone());
+        let sql = Statements::new(&config.table);
+        Self {
+            inner: Arc::new(Inner {
+                config,
+                pool,
+                sql,
+                table_ready: OnceCell::new(),
+                notifier: OnceLock::new(),
+            }),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &PgLockConfig {
+        &self.inner.config
+    }
+
+    /// The client's connection pool, e.g. for fenced writes ([`crate::FencedTable`]) to the
+    /// same database.
+    pub fn pool(&self) -> &PgPool {
+        &self.inner.pool
+    }
+
+    /// The `LISTEN`/`NOTIFY` channel a key's releases are announced on.
+    pub fn channel(&self, key: &LockKey) -> String {
+        channel_name(&self.inner.config.table, key)
+    }
+
+    fn notifier(&self) -> &Notifier {
+        self.inner
+            .notifier
+            .get_or_init(|| Notifier::spawn(&self.inner.config))
+    }
+}
+
+impl Inner {
+    /// Creates the table on first use. Safe when several processes start at once:
+    /// `CREATE TABLE IF NOT EXISTS` can still fail with a unique violation on the catalog when
+    /// two sessions race, which means the other one created it.
+    async fn ensure_table(&self) -> Result<()> {
+        self.table_ready
+            .get_or_try_init(|| async {
+                let op = "create table";
+                let exists = |e: &sqlx::Error| match e {
+                    sqlx::Error::Database(db) => {
+                        matches!(db.code().as_deref(), Some("23505" | "42P07"))
+                    }
+                    _ => false,
+                };
+                let map = |e: sqlx::Error| {
+                    if is_connection_error(&e) || matches!(e, sqlx::Error::PoolTimedOut) {
+                        Error::unavailable(BACKEND, op, e)
+                    } else {
+                        Error::backend(BACKEND, op, e)
+                    }
+                };
+                let found: Option<String> = timeout(
+                    self.config.op_timeout,
+                    sqlx::query_scalar("SELECT to_regclass($1)::text")
+                        .bind(self.config.table.quoted())
+                        .fetch_one(&self.pool),
+                )
+                .await
+                .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?
+                .map_err(map)?;
+                if found.is_some() {
+                    return Ok(());
+                }
+                if !self.config.create_table {
+                    return Err(Error::Config(format!(
+                        "the lease table {} does not exist and create_table=false",
+                        self.config.table
+                    )));
+                }
+                match timeout(
+                    self.config.op_timeout,
+                    sqlx::query(self.sql.create.clone()).execute(&self.pool),
+                )
+                .await
+                .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?
+                {
+                    Ok(_) => Ok(()),
+                    Err(e) if exists(&e) => Ok(()),
+                    Err(e) => Err(map(e)),
+                }
+            })
+            .await
+            .map(|_| ())
+    }
+
+    async fn connection(&self) -> std::result::Result<PoolConnection<Postgres>, ExecError> {
+        match timeout(self.config.connect_timeout, self.pool.acquire()).await {
+            Ok(Ok(conn)) => Ok(conn),
+            Ok(Err(e)) => Err(ExecError::NotSent(e)),
+            Err(_) => Err(ExecError::NotSent(sqlx::Error::PoolTimedOut)),
+        }
+    }
+
+    /// Runs one statement on a pooled connection, bounded by `op_timeout`, and classifies
+    /// the failure. A connection that failed mid-statement is closed, never reused.
+    async fn fetch_optional(
+        &self,
+        query: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
+    ) -> std::result::Result<Option<PgRow>, ExecError> {
+        let mut conn = self.connection().await?;
+        match timeout(self.config.op_timeout, query.fetch_optional(&mut *conn)).await {
+            Ok(Ok(row)) => Ok(row),
+            Ok(Err(e)) if is_connection_error(&e) => {
+                conn.close_on_drop();
+                Err(ExecError::Unknown {
+                    message: e.to_string(),
+                    retry: true,
+                })
+            }
+            Ok(Err(e)) => Err(ExecError::Rejected(e)),
+            Err(_) => {
+                conn.close_on_drop();
+                Err(ExecError::Unknown {
+                    message: format!("no reply within {:?}", self.config.op_timeout),
+                    retry: false,
+                })
+            }
+        }
+    }
+
+    /// Runs an idempotent statement, retrying on another connection when the connection died
+    /// under it (e.g. the pool's idle connections were terminated), up to once per pooled
+    /// connection plus one, within `op_timeout`.
+    async fn fetch_idempotent<'q>(
+        &self,
+        make: impl Fn() -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
+    ) -> std::result::Result<(Option<PgRow>, Instant), ExecError> {
+        let give_up = Instant::now() + self.config.op_timeout;
+        let mut attempts = self.config.pool_size.saturating_add(1);
+        loop {
+            let sent_at = Instant::now();
+            match self.fetch_optional(make()).await {
+                Ok(row) => return Ok((row, sent_at)),
+                Err(ExecError::Unknown { retry: true, .. })
+                    if attempts > 1 && Instant::now() < give_up =>
+                {
+                    attempts -= 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    async fn try_acquire(self: &Arc<Self>, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
+        const OP: &str = "try_acquire";
+        self.ensure_table().await?;
+        let give_up = Instant::now() + self.config.op_timeout;
+        let mut attempts = self.config.pool_size.saturating_add(1);
+        loop {
+            let token = OwnershipToken::generate();
+            let mut undo = UndoOnDrop {
+                inner: Some(self.clone()),
+                key: key.clone(),
+                token,
+            };
+            let sent_at = Instant::now();
+            let outcome = self
+                .fetch_optional(
+                    sqlx::query(self.sql.acquire.clone())
+                        .bind(key.as_str())
+                        .bind(token.expose_hex())
+                        .bind(micros(ttl)),
+                )
+                .await;
+            undo.inner = None;
+            match outcome {
+                Ok(None) => return Ok(None),
+                Ok(Some(row)) => {
+                    let fence = fence_of(&row, OP)?;
+                    tracing::debug!(%key, token = %token.digest(), %fence, "acquired");
+                    return Ok(Some(Lease::new(
+                        key.clone(),
+                        token,
+                        Some(fence),
+                        ttl,
+                        sent_at,
+                    )));
+                }
+                Err(ExecError::Unknown { message, retry }) => {
+                    // The grant may have been applied: undo it by token before anything else.
+                    let cleaned = self.release_token(key, token).await;
+                    tracing::debug!(%key, token = %token.digest(), %message, cleaned = ?cleaned.as_ref().map_err(|e| e.kind()), "acquire outcome unknown");
+                    attempts -= 1;
+                    if retry && cleaned.is_ok() && attempts > 0 && Instant::now() < give_up {
+                        // Our token provably holds nothing now: a fresh attempt is safe.
+                        continue;
+                    }
+                    return Err(exec_error(OP, key, ExecError::Unknown { message, retry }));
+                }
+                Err(e) => return Err(exec_error(OP, key, e)),
+            }
+        }
+    }
+
+    /// Compare-and-release by token alone (the fence of a lost reply is unknown).
+    async fn release_token(&self, key: &LockKey, token: OwnershipToken) -> Result<bool> {
+        let hex = token.expose_hex();
+        let channel = channel_name(&self.config.table, key);
+        self.fetch_idempotent(|| {
+            sqlx::query(self.sql.release_token.clone())
+                .bind(key.as_str())
+                .bind(hex.clone())
+                .bind(channel.clone())
+        })
+        .await
+        .map(|(row, _)| row.is_some())
+        .map_err(|e| exec_error("release", key, e))
+    }
+
+    async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
+        const OP: &str = "renew";
+        let key = lease.key().clone();
+        let fence = lease_fence(lease, OP)?;
+        let hex = lease.token().expose_hex();
+        let (row, sent_at) = self
+            .fetch_idempotent(|| {
+                sqlx::query(self.sql.renew.clone())
+                    .bind(key.as_str())
+                    .bind(hex.clone())
+                    .bind(fence)
+                    .bind(micros(ttl))
+            })
+            .await
+            .map_err(|e| exec_error(OP, &key, e))?;
+        match row {
+            Some(_) => {
+                lease.renewed(ttl, sent_at);
+                Ok(())
+            }
+            None => Err(Error::not_held(&key)),
+        }
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<bool> {
+        const OP: &str = "release";
+        let key = lease.key();
+        let fence = lease_fence(lease, OP)?;
+        let hex = lease.token().expose_hex();
+        let channel = channel_name(&self.config.table, key);
+        let sql = if self.config.async_release {
+            &self.sql.release_async
+        } else {
+            &self.sql.release
+        };
+        let (row, _) = self
+            .fetch_idempotent(|| {
+                sqlx::query(sql.clone())
+                    .bind(key.as_str())
+                    .bind(hex.clone())
+                    .bind(fence)
+                    .bind(channel.clone())
+            })
+            .await
+            .map_err(|e| exec_error(OP, key, e))?;
+        Ok(row.is_some())
+    }
+
+    async fn force_release(&self, key: &LockKey) -> Result<bool> {
+        const OP: &str = "force_release";
+        self.ensure_table().await?;
+        let channel = channel_name(&self.config.table, key);
+        let (row, _) = self
+            .fetch_idempotent(|| {
+                sqlx::query(self.sql.force_release.clone())
+                    .bind(key.as_str())
+                    .bind(channel.clone())
+            })
+            .await
+            .map_err(|e| exec_error(OP, key, e))?;
+        tracing::info!(%key, removed = row.is_some(), "forced release");
+        Ok(row.is_some())
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        const OP: &str = "inspect";
+        self.ensure_table().await?;
+        let (row, _) = self
+            .fetch_idempotent(|| sqlx::query(self.sql.inspect.clone()).bind(key.as_str()))
+            .await
+            .map_err(|e| match e {
+                // A read changes nothing: an unknown outcome is just an unreachable server.
+                ExecError::Unknown { message, .. } => Error::Unavailable {
+                    backend: BACKEND,
+                    op: OP,
+                    message,
+                    source: None,
+                },
+                e => exec_error(OP, key, e),
+            })?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let owner: String = row.try_get(0).map_err(|e| Error::backend(BACKEND, OP, e))?;
+        let fence = {
+            let fence: i64 = row.try_get(1).map_err(|e| Error::backend(BACKEND, OP, e))?;
+            u64::try_from(fence).ok().map(FencingToken)
+        };
+        let remaining: i64 = row.try_get(2).map_err(|e| Error::backend(BACKEND, OP, e))?;
+        Ok(Some(HolderInfo {
+            token_digest: OwnershipToken::from_hex(&owner).ok().map(|t| t.digest()),
+            fencing_token: fence,
+            ttl_remaining: Some(Duration::from_micros(u64::try_from(remaining).unwrap_or(0))),
+            waiters: None,
+        }))
+    }
+}
+
+fn lease_fence(lease: &Lease, op: &'static str) -> Result<i64> {
+    lease
+        .fencing_token()
+        .and_then(|f| i64::try_from(f.get()).ok())
+        .ok_or_else(|| {
+            Error::backend(
+                BACKEND,
+                op,
+                "the lease has no PostgreSQL fencing token (was it granted by another backend?)",
+            )
+        })
+}
+
+/// Undoes a grant whose `try_acquire` future was dropped while the statement was in flight,
+/// so a cancelled `acquire` leaves no lock behind (it would otherwise block others for a TTL).
+struct UndoOnDrop {
+    inner: Option<Arc<Inner>>,
+    key: LockKey,
+    token: OwnershipToken,
+}
+
+impl Drop for UndoOnDrop {
+    fn drop(&mut self) {
+        let Some(inner) = self.inner.take() else {
+            return;
+        };
+        let (key, token) = (self.key.clone(), self.token);
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                if let Err(e) = inner.release_token(&key, token).await {
+                    tracing::warn!(%key, token = %token.digest(), error = %e, "could not undo a cancelled acquire; it expires with its ttl");
+                }
+            });
+        }
+    }
+}
+
+#[async_trait]
+impl DistributedLock for PgLock {
+    fn backend_name(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            lease_ttl: true,
+            renew: true,
+            fencing: FencingGuarantee::SingleNode,
+            wait_notify: self.inner.config.listen,
+            lost_notify: true,
+            force_release: true,
+            min_ttl: Duration::from_millis(1),
+            max_ttl: MAX_TTL,
+            ..Default::default()
+        }
+    }
+
+    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
+        self.capabilities().check_ttl(ttl)?;
+        self.inner.try_acquire(key, ttl).await
+    }
+
+    /// Tries once; when the lock is held, `LISTEN`s to the key's channel on the client's shared
+    /// listener connection and tries again when a release is notified, when the holder's
+    /// lease runs out, or after a bounded jittered fallback delay.
+    ///
+    /// # Cancellation safety
+    /// Dropping the future unsubscribes; a grant in flight at that moment is undone in the
+    /// background.
+    async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
+        self.capabilities().check_ttl(ttl)?;
+        let config = &self.inner.config;
+        let mut wait = AcquireWait::new(
+            key,
+            deadline,
+            Backoff::new(Duration::from_millis(10), config.poll_interval),
+        )?;
+        let mut subscription: Option<Subscription> = None;
+        loop {
+            if let Some(s) = subscription.as_mut() {
+                s.mark_seen();
+            }
+            match self.inner.try_acquire(key, ttl).await {
+                Ok(Some(lease)) => return Ok(lease),
+                Ok(None) if config.listen && subscription.is_none() => {
+                    // LISTEN before the next attempt, so a release in between is not missed.
+                    let subscribe = self.notifier().subscribe(self.channel(key));
+                    match timeout_at(deadline, subscribe).await {
+                        Ok(s) => subscription = Some(s),
+                        Err(_) => return Err(wait.timeout()),
+                    }
+                }
+                Ok(None) => {
+                    // Also wake when the holder's lease runs out (expiry is not notified).
+                    let expires_in = match self.inner.inspect(key).await {
+                        Ok(Some(holder)) => holder.ttl_remaining,
+                        Ok(None) => Some(Duration::ZERO),
+                        Err(_) => None,
+                    };
+                    let woken = async {
+                        let expiry = async {
+                            match expires_in {
+                                Some(d) => sleep(d + Duration::from_millis(1)).await,
+                                None => std::future::pending().await,
+                            }
+                        };
+                        match subscription.as_mut() {
+                            Some(s) => tokio::select! {
+                                () = s.changed() => {}
+                                () = expiry => {}
+                            },
+                            None => expiry.await,
+                        }
+                    };
+                    wait.wait(woken).await?;
+                }
+                Err(e) => wait.retry_after(e).await?,
+            }
+        }
+    }
+
+    async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
+        self.capabilities().check_ttl(ttl)?;
+        self.inner.renew(lease, ttl).await
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<bool> {
+        self.inner.release(lease).await
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        self.inner.inspect(key).await
+    }
+
+    /// Frees `key` whoever holds it (the runbook's manual delete) and wakes its waiters. The
+    /// fence is kept, so the next grant still gets a higher token; the removed holder's next
+    /// renewal fails with `NotHeld`.
+    async fn force_release(&self, key: &LockKey) -> Result<bool> {
+        self.inner.force_release(key).await
+    }
+}
+
+impl fmt::Debug for PgLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgLock")
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
