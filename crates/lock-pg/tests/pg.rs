@@ -1,0 +1,341 @@
+//! PostgreSQL-specific behaviour against the real server from `DISTLOCK_TEST_PG_URL`: concurrent
+//! table creation, hostile names, the resource-side fenced write, terminated connections.
+
+use std::{sync::Arc, time::Duration};
+
+use conformance::{backend_url, fresh_key};
+use lock_core::{DistributedLock, DistributedLockExt, Error, FencingToken, LockKey};
+use lock_pg::{FenceError, FencedTable, PgLock, PgLockConfig, sqlx};
+use tokio::time::{Instant, sleep, timeout};
+
+const LONG: Duration = Duration::from_secs(30);
+
+fn url_with(url: &str, query: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}{query}")
+}
+
+fn suffix() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}
+
+async fn admin(url: &str) -> sqlx::PgPool {
+    sqlx::PgPool::connect(url).await.expect("admin pool")
+}
+
+async fn expire(pool: &sqlx::PgPool, table: &str, key: &LockKey) {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE {table} SET expires_at = clock_timestamp() - interval '1 second' WHERE name = $1"
+    )))
+    .bind(key.as_str())
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// Several processes' worth of clients creating the same new table at the same instant all
+/// succeed, and the table they created works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_first_use_creates_the_table_once() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let table = format!("distlock_race_{}", suffix());
+    let barrier = Arc::new(tokio::sync::Barrier::new(8));
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let (url, table, barrier) = (url.clone(), table.clone(), barrier.clone());
+            tokio::spawn(async move {
+                let config = PgLockConfig::from_url(&url_with(&url, &format!("table={table}"))).unwrap();
+                barrier.wait().await;
+                PgLock::connect(config).await
+            })
+        })
+        .collect();
+    let mut clients = Vec::new();
+    for t in tasks {
+        clients.push(t.await.unwrap().expect("every concurrent creator succeeds"));
+    }
+    let key = fresh_key("race-table");
+    let lease = clients[0].try_acquire(&key, LONG).await.unwrap().unwrap();
+    assert!(clients[1].try_acquire(&key, LONG).await.unwrap().is_none());
+    assert!(clients[0].release(&lease).await.unwrap());
+    let pool = admin(&url).await;
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE \"{table}\"")))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
+/// Names with quotes, semicolons, SQL, backslashes and Unicode are plain data: each is its own
+/// lock, inspect and release work, and the table survives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_names_are_plain_data() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let a = PgLock::connect_url(&url).await.unwrap();
+    let b = PgLock::connect_url(&url).await.unwrap();
+    let base = fresh_key("hostile");
+    let names = [
+        "'; DROP TABLE distlock_leases; --",
+        "\"quoted\" name",
+        "semi;colon",
+        "back\\slash",
+        "percent % and _ underscore",
+        "$1 $$dollar$$",
+        "日本語のロック",
+        "emoji \u{1F512}",
+        "U&\"\\0041\"",
+    ];
+    let keys: Vec<LockKey> = names
+        .iter()
+        .map(|n| LockKey::new(format!("{base}/{n}")).unwrap())
+        .collect();
+    let mut leases = Vec::new();
+    for key in &keys {
+        leases.push(a.try_acquire(key, LONG).await.unwrap().expect("free"));
+    }
+    for (key, lease) in keys.iter().zip(&leases) {
+        assert!(b.try_acquire(key, LONG).await.unwrap().is_none(), "{key}");
+        let info = b.inspect(key).await.unwrap().expect("held");
+        assert_eq!(info.token_digest, Some(lease.token().digest()));
+        assert_eq!(info.fencing_token, lease.fencing_token());
+        assert_ne!(a.channel(key), a.channel(&keys[0]).replace('0', "x"));
+    }
+    for lease in &leases {
+        assert!(a.release(lease).await.unwrap());
+    }
+    for key in &keys {
+        assert_eq!(b.inspect(key).await.unwrap(), None);
+    }
+    // The table is still there and still works.
+    let again = b.try_acquire(&keys[0], LONG).await.unwrap().expect("free");
+    assert!(b.release(&again).await.unwrap());
+}
+
+/// The article's `scheduled_jobs` write: a paused holder whose lease expired and was taken over
+/// has its late write rejected as stale (distinct from a missing row) after the new holder wrote,
+/// and the rejected transaction changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_holders_fenced_write_is_rejected_after_the_new_holder_wrote() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let a = PgLock::connect_url(&url).await.unwrap();
+    let b = PgLock::connect_url(&url).await.unwrap();
+    let pool = admin(&url).await;
+    let jobs_table = format!("scheduled_jobs_{}", suffix());
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE {jobs_table} (id bigint PRIMARY KEY, status text NOT NULL, \
+         last_fencing_token bigint)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {jobs_table} VALUES (42, 'pending', NULL)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let jobs = FencedTable::new(&jobs_table, "id", "last_fencing_token").unwrap();
+    let write = |token: FencingToken, status: &'static str| {
+        let (pool, jobs, jobs_table) = (pool.clone(), jobs.clone(), jobs_table.clone());
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            jobs.fence(&mut tx, 42_i64, token).await?;
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "UPDATE {jobs_table} SET status = $1 WHERE id = 42"
+            )))
+            .bind(status)
+            .execute(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            Ok::<_, FenceError>(())
+        }
+    };
+
+    let key = fresh_key("fenced-write");
+    let old = a.try_acquire(&key, LONG).await.unwrap().unwrap();
+    write(old.fencing_token().unwrap(), "closed by a")
+        .await
+        .expect("the holder's first write");
+    // a pauses past its TTL; b takes over and writes.
+    expire(&pool, "distlock_leases", &key).await;
+    let new = b.try_acquire(&key, LONG).await.unwrap().expect("taken over");
+    assert!(new.fencing_token() > old.fencing_token());
+    write(new.fencing_token().unwrap(), "closed by b")
+        .await
+        .expect("the new holder's write");
+    // a wakes up and writes with its old token.
+    let err = write(old.fencing_token().unwrap(), "late write by a")
+        .await
+        .unwrap_err();
+    match err {
+        FenceError::Stale(stale) => {
+            assert_eq!(stale.presented, old.fencing_token().unwrap());
+            assert_eq!(stale.highest, new.fencing_token().unwrap());
+        }
+        other => panic!("expected Stale, got {other}"),
+    }
+    let status: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT status FROM {jobs_table} WHERE id = 42"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(status, "closed by b");
+    // Same token again is stale too (strictly newer required); a missing row is NotFound.
+    assert!(write(new.fencing_token().unwrap(), "x").await.unwrap_err().is_stale());
+    let mut conn = pool.acquire().await.unwrap();
+    assert!(matches!(
+        jobs.fence(&mut conn, 7_i64, new.fencing_token().unwrap()).await,
+        Err(FenceError::NotFound)
+    ));
+    assert!(!a.release(&old).await.unwrap());
+    assert!(b.release(&new).await.unwrap());
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE {jobs_table}")))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
+async fn terminate(pool: &sqlx::PgPool, app: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE application_name = $1) t",
+    )
+    .bind(app)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// `pg_terminate_backend` on every connection of two clients (pooled and LISTEN) while one
+/// holds a guarded lock and the other waits: no panic, no false loss; renew, release and the
+/// waiter's hand-off still work on fresh connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminated_connections_are_replaced_transparently() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let app = format!("distlock_term_{}", suffix());
+    let client = || async {
+        Arc::new(
+            PgLock::connect_url(&url_with(&url, &format!("application_name={app}&poll_interval=10s")))
+                .await
+                .unwrap(),
+        )
+    };
+    let (a, b) = (client().await, client().await);
+    let pool = admin(&url).await;
+    let key = fresh_key("terminate");
+
+    // Fill a's pool with several idle connections.
+    let warm: Vec<_> = (0..4)
+        .map(|i| {
+            let a = a.clone();
+            tokio::spawn(async move {
+                let k = fresh_key(&format!("warm{i}"));
+                let l = a.try_acquire(&k, LONG).await.unwrap().unwrap();
+                a.release(&l).await.unwrap();
+            })
+        })
+        .collect();
+    for w in warm {
+        w.await.unwrap();
+    }
+
+    let ttl = Duration::from_secs(2);
+    let guard = a
+        .lock(&key)
+        .ttl(ttl)
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    let waiter = {
+        let (b, key) = (b.clone(), key.clone());
+        tokio::spawn(async move {
+            let got = b.acquire(&key, LONG, Instant::now() + LONG).await;
+            (Instant::now(), got)
+        })
+    };
+    sleep(Duration::from_millis(300)).await; // the waiter is LISTENing now
+    let killed = terminate(&pool, &app).await;
+    assert!(killed >= 3, "only {killed} connections terminated");
+
+    // The watchdog renews on fresh connections: lost() stays quiet past the TTL.
+    tokio::select! {
+        () = guard.lost() => panic!("false loss after terminate: {:?}", guard.loss_reason()),
+        () = sleep(ttl * 2) => {}
+    }
+    assert!(guard.renewals() >= 2);
+    // Kill them again, then a plain try_acquire by a third party on a dead pool is correct.
+    terminate(&pool, &app).await;
+    assert!(b.try_acquire(&key, LONG).await.unwrap().is_none());
+    assert!(!waiter.is_finished(), "the waiter got a held lock");
+
+    terminate(&pool, &app).await;
+    let released_at = Instant::now();
+    assert!(guard.release().await.unwrap(), "release on a fresh connection");
+    let (got_at, got) = timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("the waiter was not woken (poll interval is 10 s)")
+        .unwrap();
+    let got = got.unwrap();
+    assert!(got_at >= released_at);
+    assert!(b.release(&got).await.unwrap());
+}
+
+/// With `listen=false` (transaction-pooler mode) waiters poll and still get the lock, and the
+/// client claims no `wait_notify`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polling_mode_without_listen() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let a = PgLock::connect_url(&url).await.unwrap();
+    let b = Arc::new(
+        PgLock::connect_url(&url_with(&url, "listen=false&poll_interval=100ms"))
+            .await
+            .unwrap(),
+    );
+    assert!(!b.capabilities().wait_notify);
+    let key = fresh_key("poll");
+    let lease = a.try_acquire(&key, LONG).await.unwrap().unwrap();
+    let waiter = {
+        let (b, key) = (b.clone(), key.clone());
+        tokio::spawn(async move { b.acquire(&key, LONG, Instant::now() + LONG).await })
+    };
+    sleep(Duration::from_millis(300)).await;
+    assert!(a.release(&lease).await.unwrap());
+    let got = timeout(Duration::from_secs(5), waiter)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(got.fencing_token() > lease.fencing_token());
+    assert!(b.release(&got).await.unwrap());
+}
+
+/// A missing table with `create_table=false` is a configuration error, not a panic or a retry
+/// loop; a wrong password-free host is `Unavailable`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_table_and_unreachable_server_are_typed_errors() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let err = PgLock::connect_url(&url_with(
+        &url,
+        &format!("table=distlock_absent_{}&create_table=false", suffix()),
+    ))
+    .await
+    .unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err}");
+    let err = PgLock::connect_url("postgres://postgres@127.0.0.1:1/distlock?connect_timeout=1")
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Unavailable { .. }), "{err}");
+}
