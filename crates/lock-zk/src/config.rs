@@ -178,7 +178,7 @@ impl ZkLockConfig {
     }
 
     /// The connect string `zookeeper-client` expects (`hosts[/chroot]`).
-    pub(crate) fn connect_string(&self) -> String {
+    pub fn connect_string(&self) -> String {
         match &self.chroot {
             Some(c) => format!("{}{c}", self.hosts),
             None => self.hosts.clone(),
