@@ -1,0 +1,347 @@
+//! Connection settings, parsed from a URL.
+
+use std::{fmt, path::PathBuf, time::Duration};
+
+use lock_core::{Error, Result};
+
+/// Everything [`crate::EtcdLock::connect`] needs. Every field can be set from the URL
+/// ([`EtcdLockConfig::from_url`]).
+#[derive(Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EtcdLockConfig {
+    /// `host:port` of each cluster member (at least one).
+    pub endpoints: Vec<String>,
+    /// TLS settings; `Some` for `etcds://` URLs.
+    pub tls: Option<EtcdTlsConfig>,
+    /// User name for etcd authentication.
+    pub user: Option<String>,
+    /// Password for etcd authentication (never shown by `Debug`).
+    pub password: Option<String>,
+    /// Prepended to every lock's name; may be empty. Default `"distlock/"`, so the lock `NAME` is
+    /// the one `etcdctl lock distlock/NAME` takes.
+    pub prefix: String,
+    /// Timeout for establishing a connection (default 3 s).
+    pub dial_timeout: Duration,
+    /// Timeout for each request (default 5 s).
+    pub request_timeout: Duration,
+    /// The smallest lease TTL the cluster grants. `None` (default): asked from the server at
+    /// connect (a 1 s lease is granted and revoked; etcd answers with the TTL it applies).
+    /// Setting it skips that probe, so `connect` performs no I/O without credentials.
+    pub min_ttl: Option<Duration>,
+}
+
+/// TLS settings for `etcds://`.
+#[derive(Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EtcdTlsConfig {
+    /// PEM file of the CA that signed the server certificates (default: none, i.e. the client
+    /// library's default roots).
+    pub ca_file: Option<PathBuf>,
+    /// PEM client certificate, for mutual TLS (with `key_file`).
+    pub cert_file: Option<PathBuf>,
+    /// PEM private key of the client certificate.
+    pub key_file: Option<PathBuf>,
+    /// The name to verify the server certificate against (default: the endpoint host).
+    pub domain: Option<String>,
+}
+
+impl EtcdLockConfig {
+    /// The default lock name prefix.
+    pub const DEFAULT_PREFIX: &'static str = "distlock/";
+
+    /// Defaults for the given `host:port` endpoints.
+    pub fn new<S: Into<String>>(endpoints: impl IntoIterator<Item = S>) -> Self {
+        Self {
+            endpoints: endpoints.into_iter().map(Into::into).collect(),
+            tls: None,
+            user: None,
+            password: None,
+            prefix: Self::DEFAULT_PREFIX.to_owned(),
+            dial_timeout: Duration::from_secs(3),
+            request_timeout: Duration::from_secs(5),
+            min_ttl: None,
+        }
+    }
+
+    /// Parses `etcd://[user[:password]@]host:port[,host:port...][/][?option=value&...]`
+    /// (`etcds://` for TLS).
+    ///
+    /// Options: `prefix` (may be empty), `dial_timeout`, `request_timeout`, `min_ttl`
+    /// (durations such as `500ms`, `3s`, `1m`), and for `etcds://` only `ca_file`, `cert_file`,
+    /// `key_file`, `tls_domain`. User and password are percent-decoded.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for another scheme, no endpoint, a bad port, an unknown, repeated or
+    /// malformed option, or TLS options on `etcd://`.
+    pub fn from_url(url: &str) -> Result<Self> {
+        let (tls, rest) = if let Some(rest) = url.strip_prefix("etcd://") {
+            (false, rest)
+        } else if let Some(rest) = url.strip_prefix("etcds://") {
+            (true, rest)
+        } else {
+            return Err(config("the URL must start with etcd:// or etcds://"));
+        };
+        let (authority, query) = match rest.split_once('?') {
+            Some((a, q)) => (a, Some(q)),
+            None => (rest, None),
+        };
+        let authority = match authority.split_once('/') {
+            Some((a, "")) => a,
+            Some(_) => {
+                return Err(config(
+                    "the URL has a path; set the key prefix with ?prefix=...",
+                ));
+            }
+            None => authority,
+        };
+        let (userinfo, hosts) = match authority.rsplit_once('@') {
+            Some((u, h)) => (Some(u), h),
+            None => (None, authority),
+        };
+        let endpoints = hosts
+            .split(',')
+            .map(parse_endpoint)
+            .collect::<Result<Vec<_>>>()?;
+        let mut cfg = Self::new(endpoints);
+        if let Some(userinfo) = userinfo {
+            let (user, password) = match userinfo.split_once(':') {
+                Some((u, p)) => (u, Some(p)),
+                None => (userinfo, None),
+            };
+            if user.is_empty() {
+                return Err(config("the URL has credentials but an empty user name"));
+            }
+            cfg.user = Some(percent_decode(user)?);
+            cfg.password = password.map(percent_decode).transpose()?;
+        }
+        let mut tls_cfg = EtcdTlsConfig::default();
+        let mut seen = Vec::new();
+        for (name, value) in url::form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+            if seen.contains(&name) {
+                return Err(config(format!("the option {name:?} is given twice")));
+            }
+            seen.push(name.clone());
+            let tls_only = |what: &str| {
+                if tls {
+                    Ok(())
+                } else {
+                    Err(config(format!("the option {what:?} needs an etcds:// URL")))
+                }
+            };
+            match &*name {
+                "prefix" => cfg.prefix = value.into_owned(),
+                "dial_timeout" => cfg.dial_timeout = parse_duration(&name, &value)?,
+                "request_timeout" => cfg.request_timeout = parse_duration(&name, &value)?,
+                "min_ttl" => cfg.min_ttl = Some(parse_duration(&name, &value)?),
+                "ca_file" => {
+                    tls_only(&name)?;
+                    tls_cfg.ca_file = Some(non_empty(&name, &value)?.into());
+                }
+                "cert_file" => {
+                    tls_only(&name)?;
+                    tls_cfg.cert_file = Some(non_empty(&name, &value)?.into());
+                }
+                "key_file" => {
+                    tls_only(&name)?;
+                    tls_cfg.key_file = Some(non_empty(&name, &value)?.into());
+                }
+                "tls_domain" => {
+                    tls_only(&name)?;
+                    tls_cfg.domain = Some(non_empty(&name, &value)?.to_owned());
+                }
+                other => return Err(config(format!("unknown option {other:?}"))),
+            }
+        }
+        if tls_cfg.cert_file.is_some() != tls_cfg.key_file.is_some() {
+            return Err(config("cert_file and key_file must be given together"));
+        }
+        if tls {
+            cfg.tls = Some(tls_cfg);
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks the settings (also done by `connect`).
+    ///
+    /// # Errors
+    /// [`Error::Config`] when there is no endpoint or a timeout is zero.
+    pub fn validate(&self) -> Result<()> {
+        if self.endpoints.is_empty() {
+            return Err(config("at least one endpoint is needed"));
+        }
+        if self.dial_timeout.is_zero() || self.request_timeout.is_zero() {
+            return Err(config("timeouts must be positive"));
+        }
+        if self.min_ttl.is_some_and(|t| t < Duration::from_secs(1)) {
+            return Err(config(
+                "etcd leases are whole seconds: min_ttl must be at least 1s",
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn config(msg: impl Into<String>) -> Error {
+    Error::Config(format!("etcd: {}", msg.into()))
+}
+
+fn non_empty<'a>(name: &str, value: &'a str) -> Result<&'a str> {
+    if value.is_empty() {
+        Err(config(format!("the option {name:?} is empty")))
+    } else {
+        Ok(value)
+    }
+}
+
+fn parse_endpoint(hostport: &str) -> Result<String> {
+    let (host, port) = hostport
+        .rsplit_once(':')
+        .ok_or_else(|| config(format!("endpoint {hostport:?} needs host:port")))?;
+    if host.is_empty() || host.contains(['/', '@', '?', '#', ' ']) {
+        return Err(config(format!("endpoint {hostport:?} has a bad host")));
+    }
+    let port: u16 = port
+        .parse()
+        .map_err(|_| config(format!("endpoint {hostport:?} has a bad port")))?;
+    if port == 0 {
+        return Err(config(format!("endpoint {hostport:?} has port 0")));
+    }
+    Ok(format!("{host}:{port}"))
+}
+
+fn parse_duration(name: &str, value: &str) -> Result<Duration> {
+    let bad = || {
+        config(format!(
+            "the option {name:?} must be a duration like 500ms, 3s or 1m, not {value:?}"
+        ))
+    };
+    let (digits, unit) = value
+        .find(|c: char| !c.is_ascii_digit())
+        .map(|i| value.split_at(i))
+        .ok_or_else(bad)?;
+    let n: u64 = digits.parse().map_err(|_| bad())?;
+    let d = match unit {
+        "ms" => Duration::from_millis(n),
+        "s" => Duration::from_secs(n),
+        "m" => Duration::from_secs(n.checked_mul(60).ok_or_else(bad)?),
+        _ => return Err(bad()),
+    };
+    if d.is_zero() {
+        return Err(bad());
+    }
+    Ok(d)
+}
+
+fn percent_decode(s: &str) -> Result<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = s
+                .get(i + 1..i + 3)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .ok_or_else(|| config("bad percent-escape in the URL's credentials"))?;
+            out.push(hex);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| config("the URL's credentials are not UTF-8"))
+}
+
+impl fmt::Debug for EtcdLockConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdLockConfig")
+            .field("endpoints", &self.endpoints)
+            .field("tls", &self.tls)
+            .field("user", &self.user)
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("prefix", &self.prefix)
+            .field("dial_timeout", &self.dial_timeout)
+            .field("request_timeout", &self.request_timeout)
+            .field("min_ttl", &self.min_ttl)
+            .finish()
+    }
+}
+
+impl fmt::Debug for EtcdTlsConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdTlsConfig")
+            .field("ca_file", &self.ca_file)
+            .field("cert_file", &self.cert_file)
+            .field("key_file", &self.key_file)
+            .field("domain", &self.domain)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_option() {
+        let c = EtcdLockConfig::from_url(
+            "etcds://al%40ice:p%3Ass@h1:2379,10.0.0.2:2380/?prefix=&dial_timeout=250ms&request_timeout=2s&min_ttl=1s&ca_file=/ca.pem&cert_file=/c.pem&key_file=/k.pem&tls_domain=etcd.local",
+        )
+        .unwrap();
+        assert_eq!(c.endpoints, ["h1:2379", "10.0.0.2:2380"]);
+        assert_eq!(c.user.as_deref(), Some("al@ice"));
+        assert_eq!(c.password.as_deref(), Some("p:ss"));
+        assert_eq!(c.prefix, "");
+        assert_eq!(c.dial_timeout, Duration::from_millis(250));
+        assert_eq!(c.request_timeout, Duration::from_secs(2));
+        assert_eq!(c.min_ttl, Some(Duration::from_secs(1)));
+        let tls = c.tls.unwrap();
+        assert_eq!(tls.ca_file, Some(PathBuf::from("/ca.pem")));
+        assert_eq!(tls.domain.as_deref(), Some("etcd.local"));
+
+        let d = EtcdLockConfig::from_url("etcd://127.0.0.1:2379").unwrap();
+        assert_eq!(d.prefix, "distlock/");
+        assert!(d.tls.is_none() && d.user.is_none() && d.min_ttl.is_none());
+        let p = EtcdLockConfig::from_url("etcd://h:1?prefix=locks%2Fx%2F").unwrap();
+        assert_eq!(p.prefix, "locks/x/");
+    }
+
+    #[test]
+    fn rejects_bad_urls_with_a_config_error() {
+        for url in [
+            "redis://h:1",
+            "etcd://",
+            "etcd://h",
+            "etcd://h:0",
+            "etcd://h:99999",
+            "etcd://h:1,",
+            "etcd://h:1/path",
+            "etcd://h:1?nope=1",
+            "etcd://h:1?prefix=a&prefix=b",
+            "etcd://h:1?dial_timeout=3",
+            "etcd://h:1?dial_timeout=0s",
+            "etcd://h:1?request_timeout=fast",
+            "etcd://h:1?min_ttl=500ms",
+            "etcd://h:1?ca_file=/ca.pem",
+            "etcds://h:1?cert_file=/c.pem",
+            "etcds://h:1?ca_file=",
+            "etcd://:pw@h:1",
+            "etcd://u:%zz@h:1",
+        ] {
+            assert!(
+                matches!(EtcdLockConfig::from_url(url), Err(Error::Config(_))),
+                "{url}"
+            );
+        }
+    }
+
+    #[test]
+    fn debug_redacts_the_password() {
+        let c = EtcdLockConfig::from_url("etcd://bob:hunter2@h:1").unwrap();
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("bob") && shown.contains("redacted"));
+    }
+}

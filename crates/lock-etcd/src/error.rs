@@ -1,0 +1,110 @@
+//! Mapping etcd-client errors onto `lock_core::Error`.
+
+use std::{future::Future, time::Duration};
+
+use lock_core::Error;
+
+pub(crate) const BACKEND: &str = "etcd";
+
+/// What a failed request tells us about whether it was applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Failure {
+    /// The request never reached a server (connection refused, dial failure): nothing applied.
+    NotSent,
+    /// The request may have been applied (timeout, connection lost mid-request).
+    Unknown,
+    /// The server answered with an error: nothing applied.
+    Rejected,
+    /// The server says the lease does not exist (expired or revoked).
+    LeaseNotFound,
+}
+
+/// A failed request: its class plus the error to report.
+#[derive(Debug)]
+pub(crate) struct RequestError {
+    pub(crate) failure: Failure,
+    pub(crate) source: lock_core::BoxError,
+}
+
+impl RequestError {
+    /// As a `lock_core::Error` for an operation whose outcome does not matter (reads, idempotent
+    /// writes): unreachable → `Unavailable`, anything else → `Backend`.
+    pub(crate) fn into_error(self, op: &'static str) -> Error {
+        match self.failure {
+            Failure::NotSent | Failure::Unknown => Error::unavailable(BACKEND, op, self.source),
+            Failure::Rejected | Failure::LeaseNotFound => Error::backend(BACKEND, op, self.source),
+        }
+    }
+}
+
+fn is_connect_failure(message: &str) -> bool {
+    let m = message.to_ascii_lowercase();
+    [
+        "connection refused",
+        "tcp connect error",
+        "error trying to connect",
+        "dns error",
+        "failed to lookup address",
+        "no route to host",
+        "network is unreachable",
+    ]
+    .iter()
+    .any(|needle| m.contains(needle))
+}
+
+pub(crate) fn classify(e: &etcd_client::Error) -> Failure {
+    use etcd_client::Error as E;
+    use tonic::Code;
+    match e {
+        E::TransportError(_) | E::IoError(_) | E::InvalidUri(_) | E::EndpointError(_) => {
+            Failure::NotSent
+        }
+        E::GRpcStatus(status) => {
+            let full = format!("{} {:?}", status.message(), status);
+            match status.code() {
+                Code::NotFound if status.message().contains("lease not found") => {
+                    Failure::LeaseNotFound
+                }
+                Code::Unavailable if is_connect_failure(&full) => Failure::NotSent,
+                Code::Unavailable
+                | Code::DeadlineExceeded
+                | Code::Cancelled
+                | Code::Unknown
+                | Code::Internal
+                | Code::Aborted => Failure::Unknown,
+                _ => Failure::Rejected,
+            }
+        }
+        E::LeaseKeepAliveError(m) if m.contains("lease not found") => Failure::LeaseNotFound,
+        E::LeaseKeepAliveError(_) | E::WatchError(_) => Failure::Unknown,
+        _ => Failure::Rejected,
+    }
+}
+
+/// Runs one request with the configured timeout, classifying failures.
+pub(crate) async fn request<T>(
+    timeout: Duration,
+    fut: impl Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, RequestError> {
+    match tokio::time::timeout(timeout, fut).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(RequestError {
+            failure: classify(&e),
+            source: Box::new(e),
+        }),
+        Err(_) => Err(RequestError {
+            failure: Failure::Unknown,
+            source: format!("no reply within the request timeout of {timeout:?}").into(),
+        }),
+    }
+}
+
+/// A `Backend` error with a message of our own.
+pub(crate) fn protocol(op: &'static str, message: impl Into<String>) -> Error {
+    Error::Backend {
+        backend: BACKEND,
+        op,
+        message: message.into(),
+        source: None,
+    }
+}

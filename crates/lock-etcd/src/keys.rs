@@ -1,0 +1,71 @@
+//! The etcd key layout of Go's `concurrency.Mutex`: `<prefix><name>/<lease id hex>`.
+
+use lock_core::LockKey;
+
+/// The range every contender of `key` writes under: `<prefix><escaped key>/`.
+///
+/// Ordinary characters map verbatim (so `etcdctl lock <prefix>NAME` contends with the key `NAME`);
+/// `/` and `%` are percent-escaped, so no key's range contains another key's range (`"a"` never
+/// queues behind `"a/b"`) and the mapping is injective.
+pub(crate) fn name_prefix(prefix: &str, key: &LockKey) -> Vec<u8> {
+    let mut out = String::with_capacity(prefix.len() + key.as_str().len() + 8);
+    out.push_str(prefix);
+    for c in key.as_str().chars() {
+        match c {
+            '/' => out.push_str("%2F"),
+            '%' => out.push_str("%25"),
+            c => out.push(c),
+        }
+    }
+    out.push('/');
+    out.into_bytes()
+}
+
+/// One contender's key: the name's range plus the session lease id in lowercase hex, exactly as
+/// Go formats it (`fmt.Sprintf("%s%x", pfx, leaseID)`).
+pub(crate) fn entry_key(name_prefix: &[u8], lease_id: i64) -> Vec<u8> {
+    let mut out = name_prefix.to_vec();
+    out.extend_from_slice(format!("{lease_id:x}").as_bytes());
+    out
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    fn p(prefix: &str, key: &str) -> String {
+        String::from_utf8(name_prefix(prefix, &LockKey::new(key).unwrap())).unwrap()
+    }
+
+    #[test]
+    fn ordinary_names_map_verbatim_and_slashes_are_escaped() {
+        assert_eq!(p("distlock/", "orders"), "distlock/orders/");
+        assert_eq!(p("", "orders"), "orders/");
+        assert_eq!(p("x/", "a/b"), "x/a%2Fb/");
+        assert_eq!(p("x/", "100%"), "x/100%25/");
+        assert_eq!(p("x/", "ünï code"), "x/ünï code/");
+    }
+
+    #[test]
+    fn no_name_range_contains_another() {
+        let names = ["a", "a/b", "a/", "a%2Fb", "a%", "ab", "a b", "%", "/"];
+        for x in names {
+            for y in names {
+                if x != y {
+                    let (px, py) = (p("pre/", x), p("pre/", y));
+                    assert!(!py.starts_with(&px), "{x:?} -> {px} contains {y:?} -> {py}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn entry_keys_use_go_hex() {
+        assert_eq!(
+            entry_key(b"m/", 0x3268_a228_da9c_750d),
+            b"m/3268a228da9c750d".to_vec()
+        );
+        assert_eq!(entry_key(b"m/", 255), b"m/ff".to_vec());
+    }
+}

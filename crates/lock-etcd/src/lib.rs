@@ -1,0 +1,11 @@
+#![doc = include_str!("../README.md")]
+#![deny(missing_docs)]
+
+mod config;
+mod error;
+mod keys;
+mod lock;
+mod session;
+
+pub use config::{EtcdLockConfig, EtcdTlsConfig};
+pub use lock::{EtcdLock, EtcdRequestCounts};

@@ -1,0 +1,1106 @@
+//! `EtcdLock`: a client-side mutex on etcd with Go `concurrency.Mutex`'s key layout.
+
+use std::{
+    fmt,
+    sync::{Arc, Mutex, Weak},
+    time::Duration,
+};
+
+use async_trait::async_trait;
+use etcd_client::{
+    Certificate, Client, Compare, CompareOp, ConnectOptions, GetOptions, Identity, KeyValue,
+    PutOptions, SortOrder, SortTarget, TlsOptions, Txn, TxnOp, TxnOpResponse, TxnResponse,
+    WatchFilterType, WatchOptions,
+};
+use futures::future::BoxFuture;
+use lock_core::{
+    AcquireWait, Backoff, Capabilities, DistributedLock, Error, FencingGuarantee, FencingToken,
+    HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result,
+};
+use tokio::time::{Instant, sleep, sleep_until};
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    EtcdLockConfig,
+    error::{self, BACKEND, Failure, RequestError, protocol},
+    keys,
+    session::{Counters, Grant, KeepAliveError, Session, lock},
+};
+
+/// The longest lease TTL etcd accepts (`MaxLeaseTTL`, 9,000,000,000 s).
+const MAX_LEASE_TTL_SECS: u64 = 9_000_000_000;
+
+/// A distributed lock client for etcd v3.
+///
+/// The mutex runs in the client, as Go's `concurrency.Mutex` does (etcd's server-side Lock RPC
+/// is not used: in etcd 3.4 it can report success to a waiter whose lease already expired,
+/// etcd#11456). Every contender of the lock `NAME` puts the key
+/// `<prefix><NAME>/<lease id in hex>` attached to its lease; the one with the smallest create
+/// revision holds the lock, and that create revision is the fencing token. `etcdctl lock
+/// <prefix>NAME` and this client exclude each other.
+///
+/// All locks one client takes with the same TTL (in whole seconds) share one etcd lease (a
+/// session), so keeping N held locks alive costs about one keepalive per renewal round, not N.
+/// Releasing deletes only the lock's own key; the lease is revoked when no lock uses it any
+/// more. A lock on a shared lease that is not renewed is deleted by this client at its local
+/// deadline, so it does not outlive its TTL just because its neighbours are renewed.
+///
+/// Clones share the connection and the sessions.
+#[derive(Clone)]
+pub struct EtcdLock {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    client: Client,
+    config: EtcdLockConfig,
+    caps: Capabilities,
+    sessions: Mutex<Vec<Arc<Session>>>,
+    counters: Arc<Counters>,
+}
+
+/// How many requests one [`EtcdLock`] client has sent to etcd, by kind (for measuring overhead).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EtcdRequestCounts {
+    /// `LeaseGrant` calls.
+    pub lease_grant: u64,
+    /// `LeaseKeepAlive` requests (messages on keepalive streams, including each stream's first).
+    pub lease_keepalive: u64,
+    /// `LeaseRevoke` calls.
+    pub lease_revoke: u64,
+    /// `Txn` calls.
+    pub txn: u64,
+    /// `Range` calls.
+    pub range: u64,
+    /// Watches created.
+    pub watch: u64,
+}
+
+impl EtcdRequestCounts {
+    /// All requests.
+    pub fn total(&self) -> u64 {
+        self.lease_grant
+            + self.lease_keepalive
+            + self.lease_revoke
+            + self.txn
+            + self.range
+            + self.watch
+    }
+}
+
+/// Driver state carried by each lease.
+struct Held {
+    session: Arc<Session>,
+    name: Vec<u8>,
+    key: Vec<u8>,
+    rev: i64,
+    phase: Mutex<Phase>,
+    /// Cancelled when the entry is known to be gone (lease dead, key deleted).
+    gone: CancellationToken,
+    /// Cancelled when the lease was released through this client.
+    stop: CancellationToken,
+}
+
+struct Phase {
+    /// When the keepalive (or grant) behind the current local deadline was sent.
+    base: Instant,
+    deadline: Instant,
+    /// Released, reaped or gone: the session user was (or is being) removed.
+    finished: bool,
+}
+
+impl Held {
+    fn deadline(&self) -> Instant {
+        lock(&self.phase).deadline
+    }
+
+    fn is_finished(&self) -> bool {
+        lock(&self.phase).finished
+    }
+
+    /// Marks the entry finished; `true` for the one caller that did it.
+    fn claim(&self) -> bool {
+        let mut phase = lock(&self.phase);
+        !std::mem::replace(&mut phase.finished, true)
+    }
+
+    fn claim_if_expired(&self) -> bool {
+        let mut phase = lock(&self.phase);
+        if phase.finished || phase.deadline > Instant::now() {
+            return false;
+        }
+        phase.finished = true;
+        true
+    }
+}
+
+/// A contender's key in the queue, owned until it becomes a held lease or is discarded. Dropped
+/// while armed (a cancelled acquire, an error), it deletes itself in the background.
+struct Entry {
+    inner: Arc<Inner>,
+    session: Arc<Session>,
+    name: Vec<u8>,
+    key: Vec<u8>,
+    token: OwnershipToken,
+    /// Create revision; 0 while unknown (then the key is matched by its token value).
+    rev: i64,
+    armed: bool,
+}
+
+impl Entry {
+    /// Deletes the entry now (falling back to background retries when that fails).
+    async fn discard(mut self) {
+        self.armed = false;
+        let target = Target::of(&self);
+        if let Err(e) = self.inner.remove_entry(&target).await {
+            tracing::debug!(error = %e.source, "deleting a queue entry failed; retrying in the background");
+            spawn_cleanup(Arc::downgrade(&self.inner), target);
+        }
+    }
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        if self.armed {
+            spawn_cleanup(Arc::downgrade(&self.inner), Target::of(self));
+        }
+    }
+}
+
+/// What identifies an entry for a compare-and-delete.
+#[derive(Clone)]
+struct Target {
+    session: Arc<Session>,
+    name: Vec<u8>,
+    key: Vec<u8>,
+    rev: i64,
+    token: OwnershipToken,
+}
+
+impl Target {
+    fn of(e: &Entry) -> Self {
+        Self {
+            session: e.session.clone(),
+            name: e.name.clone(),
+            key: e.key.clone(),
+            rev: e.rev,
+            token: e.token,
+        }
+    }
+
+    fn ours(&self) -> Compare {
+        if self.rev > 0 {
+            Compare::create_revision(self.key.clone(), CompareOp::Equal, self.rev)
+        } else {
+            Compare::value(self.key.clone(), CompareOp::Equal, self.token.expose_hex())
+        }
+    }
+}
+
+fn spawn_cleanup(inner: Weak<Inner>, target: Target) {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        tracing::warn!("lock entry abandoned outside a runtime; it expires with its lease");
+        return;
+    };
+    rt.spawn(async move {
+        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
+        loop {
+            if target.session.gone.is_cancelled() {
+                if let Some(inner) = inner.upgrade() {
+                    inner.drop_user(&target.session, &target.name).await;
+                }
+                return;
+            }
+            let Some(inner) = inner.upgrade() else {
+                return; // The client is gone: the entry expires with its lease.
+            };
+            match inner.remove_entry(&target).await {
+                Ok(()) => return,
+                Err(e) => {
+                    tracing::debug!(error = %e.source, "deleting a lock entry failed; retrying")
+                }
+            }
+            drop(inner);
+            tokio::select! {
+                () = sleep(backoff.next_delay()) => {}
+                () = target.session.gone.cancelled() => {}
+            }
+        }
+    });
+}
+
+fn ttl_secs(ttl: Duration) -> i64 {
+    let secs = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
+    i64::try_from(secs).unwrap_or(i64::MAX)
+}
+
+fn first_create() -> GetOptions {
+    GetOptions::new()
+        .with_prefix()
+        .with_sort(SortTarget::Create, SortOrder::Ascend)
+        .with_limit(1)
+}
+
+fn txn_get(resp: &TxnResponse, index: usize) -> Option<etcd_client::GetResponse> {
+    match resp.op_responses().into_iter().nth(index)? {
+        TxnOpResponse::Get(get) => Some(get),
+        _ => None,
+    }
+}
+
+fn queue_entry_lost(key: &LockKey) -> Error {
+    Error::Backend {
+        backend: BACKEND,
+        op: "acquire",
+        message: format!(
+            "the queue entry for lock {:?} was deleted while waiting (its lease expired or was revoked)",
+            key.as_str()
+        ),
+        source: None,
+    }
+}
+
+impl EtcdLock {
+    /// Connects to the cluster described by `config`.
+    ///
+    /// The connection itself is made lazily by the first request. Unless `config.min_ttl` is
+    /// set, this asks the server for its smallest lease (one grant and one revoke).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for bad settings or unreadable TLS files; `Unavailable` when the server
+    /// cannot be reached for authentication or the probe.
+    pub async fn connect(config: EtcdLockConfig) -> Result<Self> {
+        config.validate()?;
+        let mut options = ConnectOptions::new()
+            .with_connect_timeout(config.dial_timeout)
+            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5));
+        if let Some(user) = &config.user {
+            options = options.with_user(user.clone(), config.password.clone().unwrap_or_default());
+        }
+        let scheme = if let Some(tls) = &config.tls {
+            let mut t = TlsOptions::new();
+            if let Some(ca) = &tls.ca_file {
+                t = t.ca_certificate(Certificate::from_pem(read_file(ca, "ca_file")?));
+            }
+            if let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) {
+                t = t.identity(Identity::from_pem(
+                    read_file(cert, "cert_file")?,
+                    read_file(key, "key_file")?,
+                ));
+            }
+            if let Some(domain) = &tls.domain {
+                t = t.domain_name(domain.clone());
+            }
+            options = options.with_tls(t);
+            "https"
+        } else {
+            "http"
+        };
+        let endpoints: Vec<String> = config
+            .endpoints
+            .iter()
+            .map(|e| format!("{scheme}://{e}"))
+            .collect();
+        let client = error::request(
+            config.dial_timeout + config.request_timeout,
+            Client::connect(endpoints, Some(options)),
+        )
+        .await
+        .map_err(|e| e.into_error("connect"))?;
+        let counters = Arc::new(Counters::default());
+        let min_ttl = match config.min_ttl {
+            Some(t) => t,
+            None => probe_min_ttl(&client, &config, &counters).await?,
+        };
+        let caps = Capabilities {
+            lease_ttl: true,
+            renew: true,
+            fencing: FencingGuarantee::Quorum,
+            wait_notify: true,
+            fair_queue: true,
+            lost_notify: true,
+            force_release: true,
+            min_ttl,
+            max_ttl: Duration::from_secs(MAX_LEASE_TTL_SECS),
+            ttl_granularity: Duration::from_secs(1),
+            ..Default::default()
+        };
+        Ok(Self {
+            inner: Arc::new(Inner {
+                client,
+                config,
+                caps,
+                sessions: Mutex::new(Vec::new()),
+                counters,
+            }),
+        })
+    }
+
+    /// Parses `url` ([`EtcdLockConfig::from_url`]) and connects.
+    ///
+    /// # Errors
+    /// As [`EtcdLockConfig::from_url`] and [`EtcdLock::connect`].
+    pub async fn connect_url(url: &str) -> Result<Self> {
+        Self::connect(EtcdLockConfig::from_url(url)?).await
+    }
+
+    /// The settings this client was built with.
+    pub fn config(&self) -> &EtcdLockConfig {
+        &self.inner.config
+    }
+
+    /// Requests sent so far, by kind.
+    pub fn request_counts(&self) -> EtcdRequestCounts {
+        use std::sync::atomic::Ordering::Relaxed;
+        let c = &self.inner.counters;
+        EtcdRequestCounts {
+            lease_grant: c.lease_grant.load(Relaxed),
+            lease_keepalive: c.lease_keepalive.load(Relaxed),
+            lease_revoke: c.lease_revoke.load(Relaxed),
+            txn: c.txn.load(Relaxed),
+            range: c.range.load(Relaxed),
+            watch: c.watch.load(Relaxed),
+        }
+    }
+
+    /// How many etcd leases (sessions) this client keeps for its locks right now.
+    pub fn session_count(&self) -> usize {
+        lock(&self.inner.sessions).len()
+    }
+
+    /// The etcd lease id `lease` is attached to (shared with this client's other locks of the
+    /// same TTL), or `None` for a lease from another backend.
+    pub fn lease_id(lease: &Lease) -> Option<i64> {
+        lease.backend_state::<Arc<Held>>().map(|h| h.session.id)
+    }
+
+    /// The etcd key of `lease`'s entry (`<prefix><name>/<lease id hex>`).
+    pub fn entry_key(lease: &Lease) -> Option<Vec<u8>> {
+        lease.backend_state::<Arc<Held>>().map(|h| h.key.clone())
+    }
+}
+
+fn read_file(path: &std::path::Path, what: &str) -> Result<Vec<u8>> {
+    std::fs::read(path)
+        .map_err(|e| Error::Config(format!("etcd: cannot read {what} {}: {e}", path.display())))
+}
+
+/// Asks the server which TTL it grants for a 1 s lease (etcd raises short leases to its
+/// minimum, about 1.5 election timeouts).
+async fn probe_min_ttl(
+    client: &Client,
+    config: &EtcdLockConfig,
+    counters: &Counters,
+) -> Result<Duration> {
+    Counters::bump(&counters.lease_grant);
+    let resp = error::request(config.request_timeout, client.lease_client().grant(1, None))
+        .await
+        .map_err(|e| e.into_error("connect"))?;
+    Counters::bump(&counters.lease_revoke);
+    if let Err(e) = error::request(
+        config.request_timeout,
+        client.lease_client().revoke(resp.id()),
+    )
+    .await
+    {
+        tracing::debug!(error = %e.source, "revoking the probe lease failed; it expires by itself");
+    }
+    let secs = u64::try_from(resp.ttl()).unwrap_or(0).max(1);
+    Ok(Duration::from_secs(secs))
+}
+
+impl Inner {
+    fn timeout(&self) -> Duration {
+        self.config.request_timeout
+    }
+
+    fn forget(&self, session: &Arc<Session>) {
+        lock(&self.sessions).retain(|s| !Arc::ptr_eq(s, session));
+    }
+
+    async fn revoke(&self, session: &Session) {
+        Counters::bump(&self.counters.lease_revoke);
+        match error::request(
+            self.timeout(),
+            self.client.lease_client().revoke(session.id),
+        )
+        .await
+        {
+            Ok(_)
+            | Err(RequestError {
+                failure: Failure::LeaseNotFound,
+                ..
+            }) => session.mark_gone(),
+            Err(e) => {
+                tracing::debug!(error = %e.source, "revoking an unused lease failed; it expires by its ttl")
+            }
+        }
+    }
+
+    /// Unregisters `name` from `session`, revoking the lease when nothing uses it any more.
+    async fn drop_user(&self, session: &Arc<Session>, name: &[u8]) {
+        if session.remove_user(name) {
+            self.forget(session);
+            if !session.gone.is_cancelled() {
+                self.revoke(session).await;
+            }
+        }
+    }
+
+    /// Compare-and-delete of one entry; revokes the session instead when it was its last user.
+    async fn remove_entry(&self, t: &Target) -> Result<(), RequestError> {
+        if t.session.gone.is_cancelled() {
+            self.drop_user(&t.session, &t.name).await;
+            return Ok(());
+        }
+        if t.session.take_last_user(&t.name) {
+            // Revoking the lease deletes the entry with it.
+            self.forget(&t.session);
+            self.revoke(&t.session).await;
+            return Ok(());
+        }
+        Counters::bump(&self.counters.txn);
+        let txn = Txn::new()
+            .when([t.ours()])
+            .and_then([TxnOp::delete(t.key.clone(), None)]);
+        error::request(self.timeout(), self.client.kv_client().txn(txn)).await?;
+        self.drop_user(&t.session, &t.name).await;
+        Ok(())
+    }
+
+    /// A live session for `ttl` with `name` registered on it, and when its lease was last
+    /// confirmed alive (the lease lives at least until then plus its TTL).
+    async fn session_for(&self, name: &[u8], ttl: Duration) -> Result<(Arc<Session>, Instant)> {
+        let secs = ttl_secs(ttl);
+        loop {
+            let existing = lock(&self.sessions)
+                .iter()
+                .find(|s| s.requested_secs == secs && s.try_add_user(name))
+                .cloned();
+            let Some(session) = existing else { break };
+            match session.keep_alive(ttl / 8, None).await {
+                Ok(base) => return Ok((session, base)),
+                Err(KeepAliveError::Gone) => {
+                    self.forget(&session);
+                }
+                Err(KeepAliveError::Failed(e)) => {
+                    self.drop_user(&session, name).await;
+                    return Err(e.into_error("acquire"));
+                }
+            }
+        }
+        let sent = Instant::now();
+        Counters::bump(&self.counters.lease_grant);
+        let resp = error::request(self.timeout(), self.client.lease_client().grant(secs, None))
+            .await
+            .map_err(|e| e.into_error("acquire"))?;
+        let granted = Duration::from_secs(u64::try_from(resp.ttl()).unwrap_or(0));
+        let session = Arc::new(Session::new(
+            Grant {
+                id: resp.id(),
+                requested_secs: secs,
+                granted,
+                sent_at: sent,
+            },
+            name.to_vec(),
+            self.client.lease_client(),
+            self.timeout(),
+            self.counters.clone(),
+        ));
+        if granted < ttl {
+            // Never happens with etcd (it only raises short TTLs), but never trust a shorter lease.
+            self.revoke(&session).await;
+            return Err(protocol(
+                "acquire",
+                format!("etcd granted a {granted:?} lease for a {ttl:?} ttl"),
+            ));
+        }
+        lock(&self.sessions).push(session.clone());
+        Ok((session, sent))
+    }
+
+    /// Puts this contender's entry for `key` (Go's `tryAcquire`): returns it, whether it is the
+    /// owner, and the base instant of its local deadline.
+    async fn put_entry(
+        self: &Arc<Self>,
+        key: &LockKey,
+        ttl: Duration,
+        op: &'static str,
+    ) -> Result<(Entry, bool, Instant)> {
+        let name = keys::name_prefix(&self.config.prefix, key);
+        for _ in 0..3 {
+            let (session, base) = self.session_for(&name, ttl).await?;
+            let mut entry = Entry {
+                inner: self.clone(),
+                key: keys::entry_key(&name, session.id),
+                name: name.clone(),
+                session,
+                token: OwnershipToken::generate(),
+                rev: 0,
+                armed: true,
+            };
+            let txn = Txn::new()
+                .when([Compare::create_revision(
+                    entry.key.clone(),
+                    CompareOp::Equal,
+                    0,
+                )])
+                .and_then([
+                    TxnOp::put(
+                        entry.key.clone(),
+                        entry.token.expose_hex(),
+                        Some(PutOptions::new().with_lease(entry.session.id)),
+                    ),
+                    TxnOp::get(name.clone(), Some(first_create())),
+                ])
+                .or_else([TxnOp::get(entry.key.clone(), None)]);
+            Counters::bump(&self.counters.txn);
+            match error::request(self.timeout(), self.client.kv_client().txn(txn)).await {
+                Ok(resp) if resp.succeeded() => {
+                    let rev = resp.header().map_or(0, |h| h.revision());
+                    let owner = txn_get(&resp, 1)
+                        .and_then(|g| g.kvs().first().map(KeyValue::create_revision));
+                    if rev <= 0 || owner.is_none() {
+                        return Err(protocol(op, "etcd's txn reply lacks a revision or owner"));
+                    }
+                    entry.rev = rev;
+                    return Ok((entry, owner == Some(rev), base));
+                }
+                Ok(_) => {
+                    // Our key already exists: a leftover of an earlier attempt on this lease that
+                    // is still being cleaned up. Not ours to delete here.
+                    entry.armed = false;
+                    self.drop_user(&entry.session, &name).await;
+                    return Err(protocol(op, "an entry for this lease already exists"));
+                }
+                Err(e) if e.failure == Failure::LeaseNotFound => {
+                    entry.armed = false;
+                    entry.session.mark_gone();
+                    self.forget(&entry.session);
+                }
+                Err(e) if e.failure == Failure::Unknown => {
+                    return self.find_lost_put(entry, key, e, base, op).await;
+                }
+                Err(e) => {
+                    entry.armed = false;
+                    self.drop_user(&entry.session, &name).await;
+                    return Err(e.into_error(op));
+                }
+            }
+        }
+        Err(protocol(op, "the session lease kept vanishing"))
+    }
+
+    /// The put's reply was lost: look for our key (its name is known) before deciding.
+    async fn find_lost_put(
+        self: &Arc<Self>,
+        mut entry: Entry,
+        key: &LockKey,
+        err: RequestError,
+        base: Instant,
+        op: &'static str,
+    ) -> Result<(Entry, bool, Instant)> {
+        Counters::bump(&self.counters.range);
+        let found = error::request(
+            self.timeout(),
+            self.client.kv_client().get(entry.key.clone(), None),
+        )
+        .await;
+        if let Ok(resp) = found {
+            match resp.kvs().first() {
+                Some(kv) if kv.value() == entry.token.expose_hex().as_bytes() => {
+                    entry.rev = kv.create_revision();
+                    Counters::bump(&self.counters.range);
+                    let owner = error::request(
+                        self.timeout(),
+                        self.client
+                            .kv_client()
+                            .get(entry.name.clone(), Some(first_create())),
+                    )
+                    .await;
+                    if let Ok(owner) = owner {
+                        let owner = owner.kvs().first().map(KeyValue::create_revision);
+                        let owned = owner == Some(entry.rev);
+                        return Ok((entry, owned, base));
+                    }
+                }
+                _ => {
+                    // Not applied.
+                    entry.armed = false;
+                    self.drop_user(&entry.session, &entry.name).await;
+                    return Err(Error::Unavailable {
+                        backend: BACKEND,
+                        op,
+                        message: err.source.to_string(),
+                        source: Some(err.source),
+                    });
+                }
+            }
+        }
+        // Still unknown: compare-and-release this attempt's entry now (background retries if that
+        // fails too), and never report it as held.
+        entry.discard().await;
+        Err(Error::Indeterminate {
+            backend: BACKEND,
+            op,
+            key: key.as_str().to_owned(),
+            message: err.source.to_string(),
+        })
+    }
+
+    /// Turns an owning entry into a lease, and arms its reaper.
+    fn hold(
+        self: &Arc<Self>,
+        mut entry: Entry,
+        key: &LockKey,
+        ttl: Duration,
+        base: Instant,
+    ) -> Lease {
+        entry.armed = false;
+        let held = Arc::new(Held {
+            gone: entry.session.gone.child_token(),
+            session: entry.session.clone(),
+            name: std::mem::take(&mut entry.name),
+            key: std::mem::take(&mut entry.key),
+            rev: entry.rev,
+            phase: Mutex::new(Phase {
+                base,
+                deadline: base,
+                finished: false,
+            }),
+            stop: CancellationToken::new(),
+        });
+        let fence = u64::try_from(entry.rev).ok().map(FencingToken);
+        let lease =
+            Lease::new(key.clone(), entry.token, fence, ttl, base).with_backend_state(held.clone());
+        lock(&held.phase).deadline = lease.local_deadline();
+        tokio::spawn(reap(Arc::downgrade(self), held));
+        lease
+    }
+
+    /// Waits until every entry created before ours is gone (Go's `waitDeletes`), watching only
+    /// the immediate predecessor, keeping our lease alive meanwhile; then checks that our own
+    /// entry still exists (the check etcd#11456 is about).
+    async fn wait_turn(
+        &self,
+        entry: &Entry,
+        key: &LockKey,
+        ttl: Duration,
+        wait: &AcquireWait,
+    ) -> Result<()> {
+        let keepalive_every = ttl / 3;
+        let mut next_keepalive = Instant::now() + keepalive_every;
+        let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(1));
+        let session = &entry.session;
+        'queue: loop {
+            if Instant::now() >= wait.deadline() {
+                return Err(wait.timeout());
+            }
+            Counters::bump(&self.counters.range);
+            let opts = GetOptions::new()
+                .with_prefix()
+                .with_sort(SortTarget::Create, SortOrder::Descend)
+                .with_max_create_revision(entry.rev - 1)
+                .with_limit(1);
+            let pred = error::request(
+                self.timeout(),
+                self.client.kv_client().get(entry.name.clone(), Some(opts)),
+            )
+            .await;
+            let pred = match pred {
+                Ok(resp) => match (resp.kvs().first(), resp.header()) {
+                    (None, _) => break 'queue,
+                    (Some(kv), Some(h)) => Some((kv.key().to_vec(), h.revision() + 1)),
+                    (Some(_), None) => None,
+                },
+                Err(e) => {
+                    tracing::debug!(%key, error = %e.source, "reading the lock queue failed; retrying");
+                    None
+                }
+            };
+            let mut stream = match pred {
+                Some((pred_key, from)) => {
+                    Counters::bump(&self.counters.watch);
+                    let opts = WatchOptions::new()
+                        .with_start_revision(from)
+                        .with_filters([WatchFilterType::NoPut]);
+                    error::request(
+                        self.timeout(),
+                        self.client.watch_client().watch(pred_key, Some(opts)),
+                    )
+                    .await
+                    .ok()
+                }
+                None => None,
+            };
+            let retry_at = Instant::now() + backoff.next_delay();
+            loop {
+                tokio::select! {
+                    biased;
+                    () = session.gone.cancelled() => return Err(queue_entry_lost(key)),
+                    () = sleep_until(wait.deadline()) => return Err(wait.timeout()),
+                    () = sleep_until(next_keepalive) => {
+                        next_keepalive = match session.keep_alive(ttl / 8, None).await {
+                            Ok(_) => Instant::now() + keepalive_every,
+                            Err(KeepAliveError::Gone) => return Err(queue_entry_lost(key)),
+                            Err(KeepAliveError::Failed(e)) => {
+                                tracing::debug!(%key, error = %e.source, "waiter keepalive failed; retrying");
+                                Instant::now() + (keepalive_every / 4)
+                            }
+                        };
+                    }
+                    () = sleep_until(retry_at), if stream.is_none() => continue 'queue,
+                    msg = async { match stream.as_mut() { Some(s) => s.message().await, None => std::future::pending().await } } => {
+                        match msg {
+                            Ok(Some(resp)) if resp.events().is_empty() && !resp.canceled() => {}
+                            Ok(Some(_)) => {
+                                backoff.reset();
+                                continue 'queue;
+                            }
+                            Ok(None) | Err(_) => stream = None,
+                        }
+                    }
+                }
+            }
+        }
+        Counters::bump(&self.counters.range);
+        let own = error::request(
+            self.timeout(),
+            self.client.kv_client().get(entry.key.clone(), None),
+        )
+        .await
+        .map_err(|e| e.into_error("acquire"))?;
+        match own.kvs().first() {
+            Some(kv) if kv.create_revision() == entry.rev => Ok(()),
+            _ => Err(queue_entry_lost(key)),
+        }
+    }
+}
+
+/// Deletes a held entry at its local deadline unless it was renewed or released first: on a
+/// shared lease the neighbours' renewals would otherwise keep it alive past its TTL.
+async fn reap(inner: Weak<Inner>, held: Arc<Held>) {
+    loop {
+        let deadline = held.deadline();
+        tokio::select! {
+            () = held.stop.cancelled() => return,
+            () = held.gone.cancelled() => {
+                if held.claim()
+                    && let Some(inner) = inner.upgrade()
+                {
+                    inner.drop_user(&held.session, &held.name).await;
+                }
+                return;
+            }
+            () = sleep_until(deadline) => {}
+        }
+        if held.claim_if_expired() {
+            tracing::debug!(lease = %format_args!("{:x}", held.session.id), "lock not renewed before its local deadline; deleting its entry");
+            let target = Target {
+                session: held.session.clone(),
+                name: held.name.clone(),
+                key: held.key.clone(),
+                rev: held.rev,
+                token: OwnershipToken::from_bytes([0; 16]),
+            };
+            if let Some(inner) = inner.upgrade()
+                && inner.remove_entry(&target).await.is_err()
+            {
+                spawn_cleanup(Arc::downgrade(&inner), target);
+            }
+            return;
+        }
+    }
+}
+
+#[async_trait]
+impl DistributedLock for EtcdLock {
+    fn backend_name(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.caps
+    }
+
+    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
+        self.inner.caps.check_ttl(ttl)?;
+        let (entry, owned, base) = self.inner.put_entry(key, ttl, "try_acquire").await?;
+        if owned {
+            return Ok(Some(self.inner.hold(entry, key, ttl, base)));
+        }
+        entry.discard().await;
+        Ok(None)
+    }
+
+    async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
+        self.inner.caps.check_ttl(ttl)?;
+        let mut wait = AcquireWait::new(key, deadline, Backoff::default())?;
+        loop {
+            let (entry, owned, base) = match self.inner.put_entry(key, ttl, "acquire").await {
+                Ok(v) => v,
+                Err(e) => {
+                    wait.retry_after(e).await?;
+                    continue;
+                }
+            };
+            if owned {
+                return Ok(self.inner.hold(entry, key, ttl, base));
+            }
+            match self.inner.wait_turn(&entry, key, ttl, &wait).await {
+                Ok(()) => {
+                    let base = match entry.session.keep_alive(ttl / 8, None).await {
+                        Ok(base) => base,
+                        Err(KeepAliveError::Gone) => {
+                            entry.discard().await;
+                            return Err(queue_entry_lost(key));
+                        }
+                        Err(KeepAliveError::Failed(_)) => entry.session.ack(),
+                    };
+                    return Ok(self.inner.hold(entry, key, ttl, base));
+                }
+                Err(e) => {
+                    entry.discard().await;
+                    if matches!(e, Error::Timeout { .. }) {
+                        return Err(e);
+                    }
+                    wait.retry_after(e).await?;
+                }
+            }
+        }
+    }
+
+    async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
+        self.inner.caps.check_ttl(ttl)?;
+        let Some(held) = lease.backend_state::<Arc<Held>>().cloned() else {
+            return Err(Error::not_held(lease.key()));
+        };
+        if ttl > held.session.granted {
+            return Err(Error::InvalidTtl {
+                ttl,
+                reason: format!(
+                    "this lock's etcd lease has a ttl of {:?}; renew with at most that, or acquire again with the longer ttl",
+                    held.session.granted
+                ),
+            });
+        }
+        let previous = {
+            let phase = lock(&held.phase);
+            if phase.finished || held.gone.is_cancelled() {
+                return Err(Error::not_held(lease.key()));
+            }
+            phase.base
+        };
+        match held.session.keep_alive(ttl / 4, Some(previous)).await {
+            Ok(base) => {
+                let mut phase = lock(&held.phase);
+                if phase.finished || held.gone.is_cancelled() {
+                    return Err(Error::not_held(lease.key()));
+                }
+                lease.renewed(ttl, base);
+                phase.base = phase.base.max(base);
+                phase.deadline = lease.local_deadline();
+                Ok(())
+            }
+            Err(KeepAliveError::Gone) => {
+                held.gone.cancel();
+                Err(Error::not_held(lease.key()))
+            }
+            Err(KeepAliveError::Failed(e)) => Err(e.into_error("renew")),
+        }
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<bool> {
+        let Some(held) = lease.backend_state::<Arc<Held>>().cloned() else {
+            return Ok(false);
+        };
+        if held.is_finished() {
+            return Ok(false);
+        }
+        let inner = &self.inner;
+        Counters::bump(&inner.counters.txn);
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                held.key.clone(),
+                CompareOp::Equal,
+                held.rev,
+            )])
+            .and_then([TxnOp::delete(held.key.clone(), None)]);
+        let deleted = error::request(inner.timeout(), inner.client.kv_client().txn(txn))
+            .await
+            .map_err(|e| e.into_error("release"))?
+            .succeeded();
+        if held.claim() {
+            held.stop.cancel();
+            inner.drop_user(&held.session, &held.name).await;
+        }
+        Ok(deleted)
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        let inner = &self.inner;
+        let name = keys::name_prefix(&inner.config.prefix, key);
+        Counters::bump(&inner.counters.range);
+        let resp = error::request(
+            inner.timeout(),
+            inner
+                .client
+                .kv_client()
+                .get(name.clone(), Some(first_create())),
+        )
+        .await
+        .map_err(|e| e.into_error("inspect"))?;
+        let Some(kv) = resp.kvs().first() else {
+            return Ok(None);
+        };
+        let token_digest = std::str::from_utf8(kv.value())
+            .ok()
+            .and_then(|s| OwnershipToken::from_hex(s).ok())
+            .map(|t| t.digest());
+        let ttl_remaining = if kv.lease() != 0 {
+            Counters::bump(&inner.counters.range);
+            error::request(
+                inner.timeout(),
+                inner.client.lease_client().time_to_live(kv.lease(), None),
+            )
+            .await
+            .ok()
+            .and_then(|t| u64::try_from(t.ttl()).ok())
+            .map(Duration::from_secs)
+        } else {
+            None
+        };
+        Ok(Some(HolderInfo {
+            token_digest,
+            fencing_token: u64::try_from(kv.create_revision()).ok().map(FencingToken),
+            ttl_remaining,
+            waiters: usize::try_from(resp.count() - 1).ok(),
+        }))
+    }
+
+    async fn force_release(&self, key: &LockKey) -> Result<bool> {
+        let inner = &self.inner;
+        let name = keys::name_prefix(&inner.config.prefix, key);
+        Counters::bump(&inner.counters.range);
+        let resp = error::request(
+            inner.timeout(),
+            inner
+                .client
+                .kv_client()
+                .get(name.clone(), Some(first_create().with_keys_only())),
+        )
+        .await
+        .map_err(|e| e.into_error("force_release"))?;
+        let Some(owner) = resp.kvs().first() else {
+            return Ok(false);
+        };
+        // Delete exactly that holder's entry (a contender queued behind it may be granted next).
+        Counters::bump(&inner.counters.txn);
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                owner.key().to_vec(),
+                CompareOp::Equal,
+                owner.create_revision(),
+            )])
+            .and_then([TxnOp::delete(owner.key().to_vec(), None)]);
+        let resp = error::request(inner.timeout(), inner.client.kv_client().txn(txn))
+            .await
+            .map_err(|e| e.into_error("force_release"))?;
+        tracing::warn!(%key, fencing = owner.create_revision(), "lock force-released by an operator");
+        Ok(resp.succeeded())
+    }
+
+    fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
+        let Some(held) = lease.backend_state::<Arc<Held>>().cloned() else {
+            return Box::pin(std::future::pending());
+        };
+        let client = self.inner.client.clone();
+        let counters = self.inner.counters.clone();
+        let timeout = self.inner.timeout();
+        Box::pin(async move {
+            tokio::select! {
+                biased;
+                () = held.stop.cancelled() => std::future::pending().await,
+                reason = watch_entry(&client, &counters, timeout, &held) => reason,
+            }
+        })
+    }
+}
+
+/// Completes when `held`'s entry is deleted (lease expired or revoked, key deleted).
+async fn watch_entry(
+    client: &Client,
+    counters: &Counters,
+    timeout: Duration,
+    held: &Held,
+) -> LossReason {
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
+    let mut from = held.rev + 1;
+    loop {
+        let lost = async {
+            Counters::bump(&counters.watch);
+            let opts = WatchOptions::new()
+                .with_start_revision(from)
+                .with_filters([WatchFilterType::NoPut]);
+            let mut stream = match error::request(
+                timeout,
+                client.watch_client().watch(held.key.clone(), Some(opts)),
+            )
+            .await
+            {
+                Ok(s) => s,
+                Err(_) => return false,
+            };
+            loop {
+                match stream.message().await {
+                    Ok(Some(resp)) if !resp.events().is_empty() => return true,
+                    Ok(Some(resp)) if resp.canceled() => {
+                        // Compacted past our revision: look at the key itself.
+                        Counters::bump(&counters.range);
+                        let Ok(now) =
+                            error::request(timeout, client.kv_client().get(held.key.clone(), None))
+                                .await
+                        else {
+                            return false;
+                        };
+                        if now
+                            .kvs()
+                            .first()
+                            .is_none_or(|kv| kv.create_revision() != held.rev)
+                        {
+                            return true;
+                        }
+                        from = now.header().map_or(from, |h| h.revision() + 1);
+                        return false;
+                    }
+                    Ok(Some(_)) => backoff.reset(),
+                    Ok(None) | Err(_) => return false,
+                }
+            }
+        };
+        let deleted = tokio::select! {
+            biased;
+            () = held.gone.cancelled() => return LossReason::Revoked,
+            deleted = lost => deleted,
+        };
+        if deleted {
+            held.gone.cancel();
+            return LossReason::Revoked;
+        }
+        tokio::select! {
+            () = held.gone.cancelled() => return LossReason::Revoked,
+            () = sleep(backoff.next_delay()) => {}
+        }
+    }
+}
+
+impl fmt::Debug for EtcdLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdLock")
+            .field("endpoints", &self.inner.config.endpoints)
+            .field("prefix", &self.inner.config.prefix)
+            .field("sessions", &self.session_count())
+            .finish_non_exhaustive()
+    }
+}
