@@ -1,0 +1,360 @@
+//! etcd-specific behaviour on a real etcd (`DISTLOCK_TEST_ETCD_URL`): interoperation with
+//! `etcdctl lock`, loss pushed by the server, queue entries whose lease dies, shared sessions.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation is a failed test
+
+use std::{process::Stdio, sync::Arc, time::Duration};
+
+use etcd_client::{GetOptions, SortOrder, SortTarget};
+use lock_core::{DistributedLock, DistributedLockExt, LockKey, LossReason};
+use lock_etcd::{EtcdLock, EtcdLockConfig};
+use tokio::{
+    io::{AsyncBufReadExt, BufReader},
+    process::Command,
+    time::{Instant, sleep, timeout},
+};
+
+const LONG: Duration = Duration::from_secs(30);
+const SLACK: Duration = Duration::from_secs(5);
+
+struct Env {
+    url: String,
+    endpoint: String,
+    admin: etcd_client::Client,
+}
+
+async fn env() -> Option<Env> {
+    let url = conformance::backend_url("DISTLOCK_TEST_ETCD_URL")?;
+    let cfg = EtcdLockConfig::from_url(&url).unwrap();
+    let endpoint = cfg.endpoints[0].clone();
+    let admin = etcd_client::Client::connect([format!("http://{endpoint}")], None)
+        .await
+        .unwrap();
+    Some(Env {
+        url,
+        endpoint,
+        admin,
+    })
+}
+
+impl Env {
+    async fn client(&self) -> Arc<EtcdLock> {
+        Arc::new(EtcdLock::connect_url(&self.url).await.unwrap())
+    }
+
+    /// Entries queued under `key` (default prefix), oldest first: (key, lease id).
+    async fn entries(&self, key: &LockKey) -> Vec<(String, i64)> {
+        let opts = GetOptions::new()
+            .with_prefix()
+            .with_sort(SortTarget::Create, SortOrder::Ascend);
+        let resp = self
+            .admin
+            .kv_client()
+            .get(format!("distlock/{key}/"), Some(opts))
+            .await
+            .unwrap();
+        resp.kvs()
+            .iter()
+            .map(|kv| (kv.key_str().unwrap().to_owned(), kv.lease()))
+            .collect()
+    }
+
+    async fn revoke(&self, lease: i64) {
+        self.admin.lease_client().revoke(lease).await.unwrap();
+    }
+
+    fn etcdctl(&self) -> Command {
+        let mut cmd = Command::new("etcdctl");
+        cmd.env("ETCDCTL_API", "3")
+            .arg(format!("--endpoints=http://{}", self.endpoint))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .kill_on_drop(true);
+        cmd
+    }
+}
+
+/// A key without `/`, so it maps verbatim to `distlock/<key>` for etcdctl.
+fn fresh(label: &str) -> LockKey {
+    LockKey::new(format!("{label}-{:016x}", rand::random::<u64>())).unwrap()
+}
+
+fn etcdctl_installed() -> bool {
+    std::process::Command::new("etcdctl")
+        .arg("version")
+        .env("ETCDCTL_API", "3")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn etcdctl_lock_excludes_us() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        if !etcdctl_installed() {
+            eprintln!("skipping: etcdctl is not installed");
+            return;
+        }
+        let key = fresh("interop-ctl");
+        let lock = env.client().await;
+        let mut child = env
+            .etcdctl()
+            .args(["lock", "--ttl=5", &format!("distlock/{key}")])
+            .spawn()
+            .unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+        let line = timeout(SLACK, out.next_line()).await.unwrap().unwrap();
+        let held_key = line.expect("etcdctl prints the key it holds");
+        assert!(held_key.starts_with(&format!("distlock/{key}/")), "{held_key}");
+
+        assert!(lock.try_acquire(&key, LONG).await.unwrap().is_none());
+        let info = lock.inspect(&key).await.unwrap().expect("etcdctl's holder");
+        assert_eq!(info.token_digest, None, "etcdctl stores no token");
+
+        // A waiter queues behind etcdctl and is granted when it unlocks (SIGTERM → Unlock).
+        let waiter = {
+            let (lock, key) = (lock.clone(), key.clone());
+            tokio::spawn(async move { lock.acquire(&key, LONG, Instant::now() + LONG).await })
+        };
+        sleep(Duration::from_millis(300)).await;
+        assert!(!waiter.is_finished(), "granted while etcdctl holds the lock");
+        let pid = child.id().unwrap().to_string();
+        let killed = std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap();
+        assert!(killed.success());
+        let lease = timeout(SLACK, waiter).await.unwrap().unwrap().unwrap();
+        assert!(lock.release(&lease).await.unwrap());
+        let _ = child.wait().await;
+    });
+}
+
+#[test]
+fn we_exclude_etcdctl_lock() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        if !etcdctl_installed() {
+            eprintln!("skipping: etcdctl is not installed");
+            return;
+        }
+        let key = fresh("interop-ours");
+        let lock = env.client().await;
+        let lease = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+        let mut child = env
+            .etcdctl()
+            .args([
+                "lock",
+                "--ttl=5",
+                &format!("distlock/{key}"),
+                "echo",
+                "etcdctl-acquired",
+            ])
+            .spawn()
+            .unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+        // etcdctl queues behind our key: nothing is printed while we hold it.
+        assert!(
+            timeout(Duration::from_millis(1500), out.next_line())
+                .await
+                .is_err(),
+            "etcdctl acquired a lock we hold"
+        );
+        assert_eq!(env.entries(&key).await.len(), 2, "etcdctl is queued");
+        assert!(lock.release(&lease).await.unwrap());
+        let line = timeout(SLACK, out.next_line()).await.unwrap().unwrap();
+        assert_eq!(line.as_deref(), Some("etcdctl-acquired"));
+        assert!(child.wait().await.unwrap().success());
+    });
+}
+
+#[test]
+fn lease_revoked_from_outside_fires_lost_without_waiting_for_a_renewal() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let lock = env.client().await;
+        let key = fresh("revoked");
+        // A 30 s TTL: the watchdog's first renewal is 10 s away, so only a push can be this fast.
+        let guard = lock.lock(&key).ttl(LONG).try_acquire().await.unwrap().unwrap();
+        let id = EtcdLock::lease_id(guard.granted_lease()).unwrap();
+        let start = Instant::now();
+        env.revoke(id).await;
+        timeout(Duration::from_secs(3), guard.lost())
+            .await
+            .expect("lost() must fire when the lease is revoked");
+        assert!(start.elapsed() < Duration::from_secs(3));
+        assert_eq!(guard.loss_reason(), Some(LossReason::Revoked));
+        assert_eq!(guard.renewals(), 0);
+        assert!(!guard.release().await.unwrap());
+        // The client recovers: a new session is made for the next lock.
+        let again = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+        assert_ne!(EtcdLock::lease_id(&again), Some(id));
+        assert!(lock.release(&again).await.unwrap());
+    });
+}
+
+#[test]
+fn a_waiter_whose_lease_dies_while_queued_never_returns_ok() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let (a, b) = (env.client().await, env.client().await);
+        let key = fresh("dead-waiter");
+        let held = a.try_acquire(&key, LONG).await.unwrap().unwrap();
+        let waiter = {
+            let (b, key) = (b.clone(), key.clone());
+            tokio::spawn(async move { b.acquire(&key, LONG, Instant::now() + LONG).await })
+        };
+        let until = Instant::now() + SLACK;
+        let entries = loop {
+            let e = env.entries(&key).await;
+            if e.len() == 2 || Instant::now() > until {
+                break e;
+            }
+            sleep(Duration::from_millis(10)).await;
+        };
+        assert_eq!(entries.len(), 2, "the waiter queued");
+        // The waiter's lease dies while it queues; then the holder releases.
+        env.revoke(entries[1].1).await;
+        assert!(a.release(&held).await.unwrap());
+        let result = timeout(SLACK, waiter)
+            .await
+            .expect("the waiter must give up, not hang")
+            .unwrap();
+        let err = result.expect_err("a waiter whose queue entry is gone must not get the lock");
+        assert!(!err.is_temporary(), "{err}");
+        assert!(env.entries(&key).await.is_empty());
+        // Nothing is left behind: the key is free for anyone.
+        let l = b.try_acquire(&key, LONG).await.unwrap().unwrap();
+        assert!(b.release(&l).await.unwrap());
+    });
+}
+
+#[test]
+fn a_waiter_keeps_its_entry_alive_past_its_ttl() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let (a, b) = (env.client().await, env.client().await);
+        let ttl = a.capabilities().min_ttl;
+        let key = fresh("long-wait");
+        let guard = a.lock(&key).ttl(ttl).try_acquire().await.unwrap().unwrap();
+        let waiter = {
+            let (b, key) = (b.clone(), key.clone());
+            tokio::spawn(async move { b.acquire(&key, ttl, Instant::now() + LONG).await })
+        };
+        sleep(ttl * 3).await;
+        assert!(!waiter.is_finished());
+        assert_eq!(env.entries(&key).await.len(), 2, "the waiter's entry expired");
+        assert!(guard.release().await.unwrap());
+        let lease = timeout(SLACK, waiter).await.unwrap().unwrap().unwrap();
+        assert!(b.release(&lease).await.unwrap());
+    });
+}
+
+#[test]
+fn min_ttl_is_what_the_server_grants() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let lock = env.client().await;
+        let granted = env.admin.lease_client().grant(1, None).await.unwrap();
+        env.revoke(granted.id()).await;
+        let caps = lock.capabilities();
+        assert_eq!(
+            caps.min_ttl,
+            Duration::from_secs(u64::try_from(granted.ttl()).unwrap())
+        );
+        assert_eq!(caps.ttl_granularity, Duration::from_secs(1));
+        let below = caps.min_ttl - Duration::from_millis(1);
+        let key = fresh("min-ttl");
+        assert!(matches!(
+            lock.try_acquire(&key, below).await,
+            Err(lock_core::Error::InvalidTtl { .. })
+        ));
+    });
+}
+
+#[test]
+fn locks_of_one_client_share_a_lease_and_release_independently() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let (a, b) = (env.client().await, env.client().await);
+        let ttl = Duration::from_secs(5);
+        let keys: Vec<LockKey> = (0..20).map(|i| fresh(&format!("shared{i}"))).collect();
+        let mut leases = Vec::new();
+        for k in &keys {
+            leases.push(a.try_acquire(k, ttl).await.unwrap().unwrap());
+        }
+        let id = EtcdLock::lease_id(&leases[0]).unwrap();
+        assert!(leases.iter().all(|l| EtcdLock::lease_id(l) == Some(id)));
+        assert_eq!(a.session_count(), 1);
+
+        // Renewing all of them at once costs one keepalive, not twenty.
+        let before = a.request_counts();
+        let renewals = leases.iter_mut().map(|l| {
+            let a = a.clone();
+            async move { a.renew(l, ttl).await }
+        });
+        for r in futures::future::join_all(renewals).await {
+            r.unwrap();
+        }
+        let after = a.request_counts();
+        assert_eq!(after.total() - before.total(), 1, "{before:?} -> {after:?}");
+        assert_eq!(after.lease_keepalive - before.lease_keepalive, 1);
+
+        // Releasing one deletes only its key; the lease lives on for the others.
+        assert!(a.release(&leases[0]).await.unwrap());
+        let l0 = b.try_acquire(&keys[0], ttl).await.unwrap().unwrap();
+        for k in &keys[1..] {
+            assert!(b.try_acquire(k, ttl).await.unwrap().is_none(), "{k}");
+        }
+        let ttl_left = env.admin.lease_client().time_to_live(id, None).await.unwrap();
+        assert!(ttl_left.ttl() > 0, "the shared lease was revoked early");
+        assert!(b.release(&l0).await.unwrap());
+
+        // The last release revokes the shared lease.
+        for l in &leases[1..] {
+            assert!(a.release(l).await.unwrap());
+        }
+        assert_eq!(a.session_count(), 0);
+        let ttl_left = env.admin.lease_client().time_to_live(id, None).await.unwrap();
+        assert_eq!(ttl_left.ttl(), -1, "the unused lease must be revoked");
+    });
+}
+
+#[test]
+fn an_unrenewed_lock_expires_even_while_its_neighbour_on_the_shared_lease_is_renewed() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let (a, b) = (env.client().await, env.client().await);
+        let ttl = Duration::from_secs(2);
+        let (kx, ky) = (fresh("unrenewed"), fresh("renewed"));
+        let start = Instant::now();
+        let x = a.try_acquire(&kx, ttl).await.unwrap().unwrap();
+        let y = a.lock(&ky).ttl(ttl).try_acquire().await.unwrap().unwrap();
+        assert_eq!(
+            EtcdLock::lease_id(&x),
+            EtcdLock::lease_id(y.granted_lease())
+        );
+        // x is never renewed: b gets it after about its ttl although y's watchdog keeps the
+        // shared lease alive.
+        let got = b
+            .acquire(&kx, ttl, Instant::now() + ttl * 3)
+            .await
+            .expect("an unrenewed lock must lapse on its own ttl");
+        assert!(start.elapsed() >= ttl * 9 / 10, "{:?}", start.elapsed());
+        assert!(!a.release(&x).await.unwrap());
+        assert!(!y.is_lost());
+        assert!(b.try_acquire(&ky, ttl).await.unwrap().is_none());
+        assert!(y.release().await.unwrap());
+        assert!(b.release(&got).await.unwrap());
+    });
+}
