@@ -8,6 +8,7 @@
 //! checks.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test-support code: a failed expectation is a failed test
 
+pub mod drill;
 mod harness;
 pub mod properties;
 

@@ -1,0 +1,1125 @@
+//! Checks a drill's history against the safety and liveness rules of a lock with fencing.
+//!
+//! Definitions the rules use (all per lock key):
+//!
+//! * A **grant** is an acquire whose outcome is `ok` with `granted: true`. It happened at some
+//!   unknown instant inside its window `[invoke, ok]`. Grant A is **definitely before** grant B
+//!   when A's `ok` precedes B's `invoke`. Acquires with an unknown outcome gave the client no
+//!   token, so they are no grants (the driver has already tried to undo them).
+//! * A grant's **hold interval** is what its client believed: from the acquire's `ok` to the
+//!   first of: the client's release *invoke* for that token (whatever its outcome), the client's
+//!   `lost` record for that token, the end of the history.
+//! * A grant's **definite lease** is when the coordinator must still have recorded it: from its
+//!   `ok` until the earliest of its hold's end, any force-release or [`super::History::expire`] of
+//!   the key, and `invoke + ttl − slack` (the lease cannot have expired before its TTL counted
+//!   from the moment the request was sent; `slack` covers clock-rate differences).
+//! * A write is **accepted** when its outcome is `ok`, or when its outcome is unknown but its
+//!   value is in the resource's final state (then it certainly applied). Its window is
+//!   `[invoke, completion]`.
+//! * A grant's **write span** is `[first accepted write's invoke, last accepted write's
+//!   completion]`. Two spans **overlap** when each starts before the other ends, comparing record
+//!   sequence numbers (a total order consistent with real time): some accepted write of one
+//!   holder may have taken effect while the other holder was also writing.
+//!
+//! Rules:
+//!
+//! * (a) [`Rule::WriteOutsideHold`]: every accepted write was invoked inside its writer's hold
+//!   interval (matched by client, key and token). [`Rule::OverlappingWrites`]: no two grants'
+//!   write spans overlap. [`Rule::StaleWriteAccepted`]: of two disjoint spans, the earlier one
+//!   belongs to the earlier grant (by fencing token, else by definite grant order) — a write of
+//!   an older grant accepted after a newer grant's write is a stale write that got in. The
+//!   overlap rule is the conservative reading: a fenced resource that happened to
+//!   order two concurrent writes correctly is still reported, since the history cannot show the
+//!   resource's internal order.
+//! * (b) [`Rule::FencingNotIncreasing`]: if grant A is definitely before grant B, A's fencing
+//!   token is smaller; no two grants share a token.
+//! * (c) [`Rule::StaleReleaseTookEffect`]: a release returns `true` only while its token is the
+//!   current one — never once a later grant was made — and a stale release never ends a newer
+//!   hold (no grant lands inside another grant's definite lease after a stale release).
+//!   [`Rule::DoubleGrant`]: the same overlap without a stale release to blame.
+//! * (d) [`Rule::AcknowledgedWriteLost`]: every acknowledged (`ok`) write is in its resource's
+//!   final state: for a [`ResourceKind::Log`] its value is there; for a
+//!   [`ResourceKind::Register`] the final value is the acknowledged write with the highest fencing
+//!   token or a write (acknowledged or unknown) with a newer token. A resource with acknowledged
+//!   writes but no final state recorded is a violation too.
+//! * (e) [`Rule::Liveness`]: after the last fault healed, every client that tried (an acquire
+//!   invoked after the heal, or still pending at it) was granted within `ttl + margin` of
+//!   `max(heal, its first such invoke)`. Unhealed faults, and faults after which nobody tried,
+//!   are violations: liveness must be exercised.
+//! * [`Rule::Malformed`]: a completion without its invoke, two completions of one operation.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    fmt,
+    time::Duration,
+};
+
+use serde::{Deserialize, Serialize};
+
+use super::history::{Kind, Op, Record, ResourceKind};
+
+/// Which rule a violation breaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Rule {
+    /// An accepted write outside its writer's hold interval (or with a token it was never
+    /// granted).
+    WriteOutsideHold,
+    /// Accepted writes of two grants overlap in time.
+    OverlappingWrites,
+    /// An older grant's write was accepted after a newer grant's write (a stale write got in).
+    StaleWriteAccepted,
+    /// Fencing tokens did not strictly increase in grant order.
+    FencingNotIncreasing,
+    /// A release by a stale token returned `true` or ended a newer hold.
+    StaleReleaseTookEffect,
+    /// A grant landed inside another grant's definite lease.
+    DoubleGrant,
+    /// An acknowledged write is missing from its resource's final state.
+    AcknowledgedWriteLost,
+    /// After the faults healed, a client that tried could not acquire in time.
+    Liveness,
+    /// The history itself is inconsistent.
+    Malformed,
+}
+
+impl fmt::Display for Rule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Rule::WriteOutsideHold => "write outside hold",
+            Rule::OverlappingWrites => "overlapping writes",
+            Rule::StaleWriteAccepted => "stale write accepted",
+            Rule::FencingNotIncreasing => "fencing not increasing",
+            Rule::StaleReleaseTookEffect => "stale release took effect",
+            Rule::DoubleGrant => "double grant",
+            Rule::AcknowledgedWriteLost => "acknowledged write lost",
+            Rule::Liveness => "liveness",
+            Rule::Malformed => "malformed history",
+        })
+    }
+}
+
+/// One broken rule, with the records that show it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Violation {
+    /// The rule.
+    pub rule: Rule,
+    /// What happened, for a person.
+    pub message: String,
+    /// The `seq` of the records involved.
+    pub records: Vec<u64>,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}: {} (records {:?})",
+            self.rule, self.message, self.records
+        )
+    }
+}
+
+/// Parameters of [`check`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CheckOptions {
+    /// The TTL for the liveness rule; `None`: the largest TTL an acquire asked for.
+    pub ttl: Option<Duration>,
+    /// Added to the TTL for the liveness rule (scheduling, backoff, a loaded machine).
+    pub liveness_margin: Duration,
+    /// Subtracted from a lease's TTL when computing its definite lease (clock-rate differences
+    /// between client and coordinator); `None`: [`lock_core::drift_margin`] of the TTL.
+    pub lease_slack: Option<Duration>,
+}
+
+impl Default for CheckOptions {
+    fn default() -> Self {
+        Self {
+            ttl: None,
+            liveness_margin: Duration::from_secs(2),
+            lease_slack: None,
+        }
+    }
+}
+
+/// Checks `records` (a history's [`super::History::snapshot`], in `seq` order) and returns every
+/// violation found; empty means every rule held.
+pub fn check(records: &[Record], options: &CheckOptions) -> Vec<Violation> {
+    let mut out = Vec::new();
+    let ops = pair_operations(records, &mut out);
+    let grants = grants(records, &ops);
+    let end_seq = records.last().map_or(0, |r| r.seq + 1);
+    let writes = accepted_writes(records, &ops);
+
+    check_writes_inside_holds(&grants, &writes, &mut out);
+    check_write_spans(&grants, &writes, &mut out);
+    check_fencing(&grants, &mut out);
+    check_releases_and_grants(records, &ops, &grants, options, end_seq, &mut out);
+    check_final_state(records, &ops, &mut out);
+    check_liveness(records, &ops, options, &mut out);
+
+    out.sort_by(|a, b| (a.rule, &a.records).cmp(&(b.rule, &b.records)));
+    out.dedup();
+    out
+}
+
+/// An operation: its invoke and (if any) its completion.
+#[derive(Clone, Copy, Debug)]
+struct Operation<'a> {
+    invoke: &'a Record,
+    done: Option<&'a Record>,
+}
+
+impl<'a> Operation<'a> {
+    fn outcome(&self) -> Option<Kind> {
+        self.done.map(|d| d.kind)
+    }
+
+    fn end_seq(&self, end_of_history: u64) -> u64 {
+        self.done.map_or(end_of_history, |d| d.seq)
+    }
+}
+
+fn pair_operations<'a>(records: &'a [Record], out: &mut Vec<Violation>) -> Vec<Operation<'a>> {
+    let mut by_id: BTreeMap<u64, Operation<'a>> = BTreeMap::new();
+    for r in records {
+        let Some(id) = r.op_id else { continue };
+        match r.kind {
+            Kind::Invoke if by_id.contains_key(&id) => out.push(violation(
+                Rule::Malformed,
+                format!("operation {id} invoked twice"),
+                [r],
+            )),
+            Kind::Invoke => {
+                by_id.insert(
+                    id,
+                    Operation {
+                        invoke: r,
+                        done: None,
+                    },
+                );
+            }
+            Kind::Ok | Kind::Fail | Kind::Unknown => match by_id.get_mut(&id) {
+                Some(op) if op.done.is_none() => op.done = Some(r),
+                Some(op) => out.push(violation(
+                    Rule::Malformed,
+                    format!("operation {id} completed twice"),
+                    [op.invoke, r],
+                )),
+                None => out.push(violation(
+                    Rule::Malformed,
+                    format!("operation {id} completed without an invoke"),
+                    [r],
+                )),
+            },
+            _ => {}
+        }
+    }
+    by_id.into_values().collect()
+}
+
+/// A grant and what its client did with it.
+#[derive(Clone, Debug)]
+struct Grant<'a> {
+    invoke: &'a Record,
+    ok: &'a Record,
+    client: &'a str,
+    key: &'a str,
+    token: Option<&'a str>,
+    fencing: Option<u64>,
+    ttl: Option<Duration>,
+    /// End of the hold interval: the seq of the release invoke / lost record (or end of history).
+    hold_end: Option<&'a Record>,
+}
+
+impl Grant<'_> {
+    fn name(&self) -> String {
+        match self.fencing {
+            Some(f) => format!("{}'s grant #{f}", self.client),
+            None => format!(
+                "{}'s grant (token {})",
+                self.client,
+                self.token.unwrap_or("?")
+            ),
+        }
+    }
+
+    fn hold_end_seq(&self) -> u64 {
+        self.hold_end.map_or(u64::MAX, |r| r.seq)
+    }
+
+    fn same_hold(&self, r: &Record) -> bool {
+        r.client.as_deref() == Some(self.client)
+            && r.key.as_deref() == Some(self.key)
+            && match (self.token, r.token.as_deref()) {
+                (Some(a), Some(b)) => a == b,
+                _ => self.fencing.is_some() && r.fencing == self.fencing,
+            }
+    }
+}
+
+fn grants<'a>(records: &'a [Record], ops: &[Operation<'a>]) -> Vec<Grant<'a>> {
+    let mut grants: Vec<Grant<'a>> = ops
+        .iter()
+        .filter(|op| op.invoke.op == Some(Op::Acquire))
+        .filter_map(|op| {
+            let ok = op
+                .done
+                .filter(|d| d.kind == Kind::Ok && d.granted == Some(true))?;
+            Some(Grant {
+                invoke: op.invoke,
+                ok,
+                client: ok.client.as_deref().unwrap_or(""),
+                key: ok.key.as_deref().unwrap_or(""),
+                token: ok.token.as_deref(),
+                fencing: ok.fencing,
+                ttl: ok.ttl_ms.or(op.invoke.ttl_ms).map(Duration::from_millis),
+                hold_end: None,
+            })
+        })
+        .collect();
+    for grant in &mut grants {
+        grant.hold_end = records.iter().find(|r| {
+            r.seq > grant.ok.seq
+                && grant.same_hold(r)
+                && (r.kind == Kind::Lost || (r.kind == Kind::Invoke && r.op == Some(Op::Release)))
+        });
+    }
+    grants.sort_by_key(|g| g.ok.seq);
+    grants
+}
+
+/// An accepted write: its invoke, its completion (ok, or unknown with its value in the final
+/// state).
+#[derive(Clone, Copy, Debug)]
+struct Write<'a> {
+    invoke: &'a Record,
+    done: &'a Record,
+}
+
+fn final_values(records: &[Record]) -> HashMap<&str, (&Record, &[String])> {
+    records
+        .iter()
+        .filter(|r| r.kind == Kind::FinalState)
+        .filter_map(|r| Some((r.resource.as_deref()?, (r, r.values.as_deref()?))))
+        .collect()
+}
+
+fn accepted_writes<'a>(records: &'a [Record], ops: &[Operation<'a>]) -> Vec<Write<'a>> {
+    let finals = final_values(records);
+    ops.iter()
+        .filter(|op| op.invoke.op == Some(Op::Write))
+        .filter_map(|op| {
+            let done = op.done?;
+            let accepted = match done.kind {
+                Kind::Ok => true,
+                Kind::Unknown => op.invoke.resource.as_deref().is_some_and(|res| {
+                    finals.get(res).is_some_and(|(_, values)| {
+                        op.invoke.value.as_ref().is_some_and(|v| values.contains(v))
+                    })
+                }),
+                _ => false,
+            };
+            accepted.then_some(Write {
+                invoke: op.invoke,
+                done,
+            })
+        })
+        .collect()
+}
+
+fn writer<'g, 'a>(grants: &'g [Grant<'a>], w: &Write<'a>) -> Option<&'g Grant<'a>> {
+    grants
+        .iter()
+        .rfind(|g| g.same_hold(w.invoke) && g.ok.seq < w.invoke.seq)
+        .or_else(|| grants.iter().find(|g| g.same_hold(w.invoke)))
+}
+
+fn check_writes_inside_holds(grants: &[Grant<'_>], writes: &[Write<'_>], out: &mut Vec<Violation>) {
+    for w in writes {
+        let who = w.invoke.client.as_deref().unwrap_or("?");
+        let Some(g) = writer(grants, w) else {
+            out.push(violation(
+                Rule::WriteOutsideHold,
+                format!(
+                    "{who}'s write {:?} was accepted with fencing {:?} / token {:?}, which {who} was never granted on this key",
+                    w.invoke.value.as_deref().unwrap_or(""),
+                    w.invoke.fencing,
+                    w.invoke.token
+                ),
+                [w.invoke, w.done],
+            ));
+            continue;
+        };
+        if w.invoke.seq < g.ok.seq || w.invoke.seq > g.hold_end_seq() {
+            let end = g.hold_end.map_or("the end of the history".to_owned(), |e| {
+                format!("{} at {:.1} ms", describe_end(e), e.at_ms())
+            });
+            out.push(violation(
+                Rule::WriteOutsideHold,
+                format!(
+                    "{who}'s write {:?} at {:.1} ms was accepted outside {} (held from {:.1} ms until {end})",
+                    w.invoke.value.as_deref().unwrap_or(""),
+                    w.invoke.at_ms(),
+                    g.name(),
+                    g.ok.at_ms(),
+                ),
+                [Some(g.ok), Some(w.invoke), Some(w.done), g.hold_end]
+                    .into_iter()
+                    .flatten(),
+            ));
+        }
+    }
+}
+
+fn describe_end(r: &Record) -> &'static str {
+    if r.kind == Kind::Lost {
+        "it learned it lost the lock"
+    } else {
+        "its release"
+    }
+}
+
+fn check_write_spans(grants: &[Grant<'_>], writes: &[Write<'_>], out: &mut Vec<Violation>) {
+    // (grant index) -> (first write, last write)
+    let mut spans: BTreeMap<usize, (Write<'_>, Write<'_>)> = BTreeMap::new();
+    for w in writes {
+        let Some(g) = writer(grants, w) else { continue };
+        let Some(i) = grants.iter().position(|x| std::ptr::eq(x, g)) else {
+            continue;
+        };
+        let span = spans.entry(i).or_insert((*w, *w));
+        if w.invoke.seq < span.0.invoke.seq {
+            span.0 = *w;
+        }
+        if w.done.seq > span.1.done.seq {
+            span.1 = *w;
+        }
+    }
+    let spans: Vec<_> = spans.into_iter().collect();
+    for (n, (i, (a_first, a_last))) in spans.iter().enumerate() {
+        for (j, (b_first, b_last)) in &spans[n + 1..] {
+            let (a, b) = (&grants[*i], &grants[*j]);
+            if a.key != b.key {
+                continue;
+            }
+            if a_first.invoke.seq > b_last.done.seq || b_first.invoke.seq > a_last.done.seq {
+                // Disjoint: the earlier span must belong to the earlier grant.
+                let (earlier, later) = if a_last.done.seq < b_first.invoke.seq {
+                    ((a, a_last), (b, b_first))
+                } else {
+                    ((b, b_last), (a, a_first))
+                };
+                let later_granted_first = match (earlier.0.fencing, later.0.fencing) {
+                    (Some(e), Some(l)) => l < e,
+                    _ => later.0.ok.seq < earlier.0.invoke.seq,
+                };
+                if later_granted_first {
+                    out.push(violation(
+                        Rule::StaleWriteAccepted,
+                        format!(
+                            "{:?} of {} was accepted at {:.1} ms, after {:?} of the newer {} had been accepted at {:.1} ms",
+                            later.1.invoke.value.as_deref().unwrap_or(""),
+                            later.0.name(),
+                            later.1.done.at_ms(),
+                            earlier.1.invoke.value.as_deref().unwrap_or(""),
+                            earlier.0.name(),
+                            earlier.1.done.at_ms(),
+                        ),
+                        [earlier.0.ok, later.0.ok, earlier.1.done, later.1.invoke, later.1.done],
+                    ));
+                }
+            } else {
+                // Name the pair of writes that interleave.
+                let (early, late) = if a_first.invoke.seq <= b_first.invoke.seq {
+                    ((a, a_last), (b, b_first))
+                } else {
+                    ((b, b_last), (a, a_first))
+                };
+                out.push(violation(
+                    Rule::OverlappingWrites,
+                    format!(
+                        "accepted writes of {} ({:.1}–{:.1} ms) and {} ({:.1}–{:.1} ms) overlap: {:?} at {:.1} ms was accepted while the other holder was writing",
+                        a.name(),
+                        a_first.invoke.at_ms(),
+                        a_last.done.at_ms(),
+                        b.name(),
+                        b_first.invoke.at_ms(),
+                        b_last.done.at_ms(),
+                        if early.1.done.seq > late.1.invoke.seq {
+                            early.1.invoke.value.as_deref().unwrap_or("")
+                        } else {
+                            late.1.invoke.value.as_deref().unwrap_or("")
+                        },
+                        early.1.done.at_ms().max(late.1.invoke.at_ms()),
+                    ),
+                    [a_first.invoke, a_last.done, b_first.invoke, b_last.done],
+                ));
+            }
+        }
+    }
+}
+
+fn check_fencing(grants: &[Grant<'_>], out: &mut Vec<Violation>) {
+    for (n, a) in grants.iter().enumerate() {
+        let Some(fa) = a.fencing else { continue };
+        for b in &grants[n + 1..] {
+            let Some(fb) = b.fencing else { continue };
+            if a.key != b.key {
+                continue;
+            }
+            let (first, second, f1, f2) = if a.ok.seq < b.invoke.seq {
+                (a, b, fa, fb)
+            } else if b.ok.seq < a.invoke.seq {
+                (b, a, fb, fa)
+            } else {
+                // Concurrent windows: the grant order is unknown; the tokens must still differ.
+                if fa == fb {
+                    out.push(violation(
+                        Rule::FencingNotIncreasing,
+                        format!(
+                            "{} and {} were granted the same fencing token",
+                            a.name(),
+                            b.client
+                        ),
+                        [a.ok, b.ok],
+                    ));
+                }
+                continue;
+            };
+            if f1 >= f2 {
+                out.push(violation(
+                    Rule::FencingNotIncreasing,
+                    format!(
+                        "{} (granted by {:.1} ms) came before {}'s grant #{f2} (asked at {:.1} ms), but its token is not smaller",
+                        first.name(),
+                        first.ok.at_ms(),
+                        second.client,
+                        second.invoke.at_ms()
+                    ),
+                    [first.ok, second.invoke, second.ok],
+                ));
+            }
+        }
+    }
+}
+
+fn check_releases_and_grants(
+    records: &[Record],
+    ops: &[Operation<'_>],
+    grants: &[Grant<'_>],
+    options: &CheckOptions,
+    end_seq: u64,
+    out: &mut Vec<Violation>,
+) {
+    let releases: Vec<(Operation<'_>, Option<&Grant<'_>>)> = ops
+        .iter()
+        .filter(|op| op.invoke.op == Some(Op::Release))
+        .map(|op| {
+            let g = grants
+                .iter()
+                .rfind(|g| g.same_hold(op.invoke) && g.ok.seq < op.invoke.seq);
+            (*op, g)
+        })
+        .collect();
+
+    // A release that returned true although a later grant had already been made.
+    for (op, owner) in &releases {
+        let (Some(done), Some(owner)) = (op.done, owner) else {
+            continue;
+        };
+        if done.kind != Kind::Ok || done.released != Some(true) {
+            continue;
+        }
+        if let Some(later) = grants.iter().find(|b| {
+            b.key == owner.key
+                && !std::ptr::eq(*b, *owner)
+                && owner.ok.seq < b.invoke.seq
+                && b.ok.seq < op.invoke.seq
+        }) {
+            out.push(violation(
+                Rule::StaleReleaseTookEffect,
+                format!(
+                    "{}'s release of {} returned true at {:.1} ms, but {} had been granted since ({:.1} ms)",
+                    owner.client,
+                    owner.name(),
+                    done.at_ms(),
+                    later.name(),
+                    later.ok.at_ms()
+                ),
+                [owner.ok, later.ok, op.invoke, done],
+            ));
+        }
+    }
+
+    // A grant inside another grant's definite lease.
+    let interventions: Vec<&Record> = records
+        .iter()
+        .filter(|r| {
+            (r.kind == Kind::Invoke && r.op == Some(Op::ForceRelease))
+                || (r.kind == Kind::FaultStart && r.key.is_some())
+        })
+        .collect();
+    for b in grants {
+        let mut definite_end_seq = b.hold_end_seq().min(end_seq);
+        if let Some(r) = interventions
+            .iter()
+            .find(|r| r.seq > b.ok.seq && r.key.as_deref() == Some(b.key))
+        {
+            definite_end_seq = definite_end_seq.min(r.seq);
+        }
+        let definite_end_us = b.ttl.map_or(u64::MAX, |ttl| {
+            let slack = options
+                .lease_slack
+                .unwrap_or_else(|| lock_core::drift_margin(ttl));
+            b.invoke
+                .at_us
+                .saturating_add(micros(ttl))
+                .saturating_sub(micros(slack))
+        });
+        for c in grants {
+            if std::ptr::eq(b, c) || b.key != c.key {
+                continue;
+            }
+            // c was granted after b's grant, before b's definite lease could have ended.
+            if c.invoke.seq > b.ok.seq
+                && c.ok.seq < definite_end_seq
+                && c.ok.at_us < definite_end_us
+            {
+                let stale = releases.iter().find(|(op, owner)| {
+                    op.invoke.seq > b.ok.seq
+                        && op.invoke.seq < c.ok.seq
+                        && op.invoke.key.as_deref() == Some(b.key)
+                        && owner.is_none_or(|o| !std::ptr::eq(o, b))
+                });
+                let (rule, why) = match stale {
+                    Some((op, _)) => (
+                        Rule::StaleReleaseTookEffect,
+                        format!(
+                            " after {}'s release with a stale token at {:.1} ms",
+                            op.invoke.client.as_deref().unwrap_or("?"),
+                            op.invoke.at_ms()
+                        ),
+                    ),
+                    None => (Rule::DoubleGrant, String::new()),
+                };
+                let mut involved = vec![b.ok, c.invoke, c.ok];
+                if let Some((op, _)) = stale {
+                    involved.push(op.invoke);
+                }
+                out.push(violation(
+                    rule,
+                    format!(
+                        "{} was granted at {:.1} ms while {} was still definitely held (until {:.1} ms){why}",
+                        c.name(),
+                        c.ok.at_ms(),
+                        b.name(),
+                        (definite_end_us.min(
+                            records
+                                .get(usize::try_from(definite_end_seq).unwrap_or(usize::MAX))
+                                .map_or(u64::MAX, |r| r.at_us)
+                        )) as f64
+                            / 1000.0,
+                    ),
+                    involved,
+                ));
+            }
+        }
+    }
+}
+
+fn check_final_state(records: &[Record], ops: &[Operation<'_>], out: &mut Vec<Violation>) {
+    let finals = final_values(records);
+    let mut by_resource: BTreeMap<&str, Vec<Operation<'_>>> = BTreeMap::new();
+    for op in ops.iter().filter(|op| op.invoke.op == Some(Op::Write)) {
+        if let Some(res) = op.invoke.resource.as_deref() {
+            by_resource.entry(res).or_default().push(*op);
+        }
+    }
+    for (resource, writes) in by_resource {
+        let acked: Vec<&Operation<'_>> = writes
+            .iter()
+            .filter(|w| w.outcome() == Some(Kind::Ok))
+            .collect();
+        if acked.is_empty() {
+            continue;
+        }
+        let Some((final_record, values)) = finals.get(resource) else {
+            out.push(violation(
+                Rule::AcknowledgedWriteLost,
+                format!("{resource} has acknowledged writes but no final state was recorded"),
+                acked.iter().filter_map(|w| w.done),
+            ));
+            continue;
+        };
+        let value_of = |w: &Operation<'_>| w.invoke.value.clone().unwrap_or_default();
+        match final_record.resource_kind.unwrap_or(ResourceKind::Register) {
+            ResourceKind::Log => {
+                for w in &acked {
+                    if !values.contains(&value_of(w)) {
+                        out.push(violation(
+                            Rule::AcknowledgedWriteLost,
+                            format!(
+                                "{resource}: acknowledged write {:?} by {} is missing from the final state",
+                                value_of(w),
+                                w.invoke.client.as_deref().unwrap_or("?")
+                            ),
+                            [Some(w.invoke), w.done, Some(*final_record)].into_iter().flatten(),
+                        ));
+                    }
+                }
+            }
+            ResourceKind::Register => {
+                // The newest acknowledged write, by fencing token (or by completion order).
+                let newest = acked
+                    .iter()
+                    .max_by_key(|w| (w.invoke.fencing, w.end_seq(u64::MAX)))
+                    .copied();
+                let Some(newest) = newest else { continue };
+                let present = values.last().is_some_and(|v| {
+                    writes.iter().any(|w| {
+                        matches!(w.outcome(), Some(Kind::Ok | Kind::Unknown) | None)
+                            && value_of(w) == *v
+                            && (std::ptr::eq(w, newest)
+                                || match (w.invoke.fencing, newest.invoke.fencing) {
+                                    (Some(a), Some(b)) => a > b,
+                                    _ => w.end_seq(u64::MAX) > newest.invoke.seq,
+                                })
+                    })
+                });
+                if !present {
+                    out.push(violation(
+                        Rule::AcknowledgedWriteLost,
+                        format!(
+                            "{resource}: the final value {:?} is not the newest acknowledged write {:?} (fencing {:?}) nor a newer one",
+                            values.last(),
+                            value_of(newest),
+                            newest.invoke.fencing
+                        ),
+                        [Some(newest.invoke), newest.done, Some(*final_record)]
+                            .into_iter()
+                            .flatten(),
+                    ));
+                }
+            }
+        }
+    }
+}
+
+fn check_liveness(
+    records: &[Record],
+    ops: &[Operation<'_>],
+    options: &CheckOptions,
+    out: &mut Vec<Violation>,
+) {
+    let mut open: BTreeMap<u64, &Record> = BTreeMap::new();
+    let mut last_heal: Option<&Record> = None;
+    for r in records {
+        match (r.kind, r.fault_id) {
+            (Kind::FaultStart, Some(id)) => {
+                open.insert(id, r);
+            }
+            (Kind::FaultEnd, Some(id)) => {
+                open.remove(&id);
+                last_heal = Some(r);
+            }
+            _ => {}
+        }
+    }
+    for start in open.values() {
+        out.push(violation(
+            Rule::Liveness,
+            format!(
+                "fault {:?} on {} never healed: liveness cannot be judged",
+                start.fault.as_deref().unwrap_or("?"),
+                start.target.as_deref().unwrap_or("everything")
+            ),
+            [*start],
+        ));
+    }
+    let heal_seq = last_heal.map_or(0, |r| r.seq);
+    let heal_us = last_heal.map_or(0, |r| r.at_us);
+    let ttl = options.ttl.or_else(|| {
+        ops.iter()
+            .filter(|op| op.invoke.op == Some(Op::Acquire))
+            .filter_map(|op| op.invoke.ttl_ms)
+            .max()
+            .map(Duration::from_millis)
+    });
+    let Some(ttl) = ttl else { return };
+    let allowed = micros(ttl + options.liveness_margin);
+
+    // client -> (first try after the heal, its acquires that could count)
+    let mut tries: BTreeMap<&str, (u64, &Record, Vec<Operation<'_>>)> = BTreeMap::new();
+    for op in ops.iter().filter(|op| op.invoke.op == Some(Op::Acquire)) {
+        let pending_at_heal = op.done.is_none_or(|d| d.seq > heal_seq);
+        if op.invoke.seq < heal_seq && !pending_at_heal {
+            continue;
+        }
+        let client = op.invoke.client.as_deref().unwrap_or("?");
+        let from = op.invoke.at_us.max(heal_us);
+        let entry = tries.entry(client).or_insert((from, op.invoke, Vec::new()));
+        if from < entry.0 {
+            entry.0 = from;
+            entry.1 = op.invoke;
+        }
+        entry.2.push(*op);
+    }
+    if last_heal.is_some() && tries.is_empty() {
+        out.push(violation(
+            Rule::Liveness,
+            "nobody tried to acquire after the last fault healed: liveness was not exercised"
+                .to_owned(),
+            last_heal,
+        ));
+    }
+    for (client, (from, first, acquires)) in tries {
+        let granted = acquires
+            .iter()
+            .filter_map(|op| op.done)
+            .filter(|d| d.kind == Kind::Ok && d.granted == Some(true) && d.seq > heal_seq)
+            .map(|d| d.at_us)
+            .min();
+        match granted {
+            Some(at) if at <= from.saturating_add(allowed) => {}
+            Some(at) => out.push(violation(
+                Rule::Liveness,
+                format!(
+                    "{client} tried from {:.1} ms but was granted only at {:.1} ms (allowed: ttl {ttl:?} + margin {:?})",
+                    from as f64 / 1000.0,
+                    at as f64 / 1000.0,
+                    options.liveness_margin
+                ),
+                [first],
+            )),
+            None => out.push(violation(
+                Rule::Liveness,
+                format!(
+                    "{client} tried from {:.1} ms and was never granted the lock again",
+                    from as f64 / 1000.0
+                ),
+                [first],
+            )),
+        }
+    }
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+fn violation<'a>(
+    rule: Rule,
+    message: String,
+    records: impl IntoIterator<Item = &'a Record>,
+) -> Violation {
+    let mut seqs: Vec<u64> = records.into_iter().map(|r| r.seq).collect();
+    seqs.sort_unstable();
+    seqs.dedup();
+    Violation {
+        rule,
+        message,
+        records: seqs,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{collections::BTreeSet, time::Duration};
+
+    use lock_core::{FencingToken, LockKey, TokenDigest};
+    use tokio::time::{Instant, advance};
+
+    use super::*;
+    use crate::drill::history::{History, Hold};
+
+    const TTL: Duration = Duration::from_millis(100);
+
+    fn key() -> LockKey {
+        LockKey::new("checker/k").unwrap()
+    }
+
+    fn hold(fencing: u64, token: &str) -> Hold {
+        Hold {
+            key: key(),
+            token: TokenDigest::of(token.as_bytes()),
+            fencing: Some(FencingToken(fencing)),
+            ttl: TTL,
+        }
+    }
+
+    /// Moves the (paused) clock to `ms` after `start`.
+    async fn at(start: Instant, ms: u64) {
+        let target = start + Duration::from_millis(ms);
+        let now = Instant::now();
+        assert!(target >= now, "scenario times must increase ({ms} ms)");
+        advance(target - now).await;
+    }
+
+    /// What to break in the scenario.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    enum Break {
+        Nothing,
+        /// c1 writes after it invoked its release, and the write is accepted.
+        WriteAfterRelease,
+        /// c2's stale write after its pause is accepted (no fencing check); c2 had written
+        /// before its pause too, so its writes straddle c3's.
+        StaleWriteAccepted,
+        /// As `StaleWriteAccepted`, but c2 had not written before its pause.
+        OnlyTheLateStaleWriteAccepted,
+        /// c1's second grant carries a token below c3's earlier one.
+        FencingGoesBack,
+        /// c2's release after its lease was taken over returns true.
+        StaleReleaseReturnsTrue,
+        /// The register's final value is an older acknowledged write.
+        FinalStateLosesWrite,
+        /// No final state is recorded.
+        NoFinalState,
+        /// After the heal c2 tries and is never granted.
+        NoLiveness,
+        /// The pause is never healed.
+        FaultNeverHealed,
+    }
+
+    /// c1 holds and writes; c2 acquires and is paused past its TTL; c3 takes over and writes; c2
+    /// resumes, writes (rejected), learns it lost, releases (false); after the heal every client
+    /// acquires again. A register resource.
+    async fn scenario(b: Break) -> Vec<Record> {
+        let h = History::new("checker_scenario");
+        let start = h.start();
+        let (c1, c2, c3) = (h.client("c1"), h.client("c2"), h.client("c3"));
+        let k = key();
+
+        let op = c1.acquire(&k, TTL);
+        at(start, 1).await;
+        op.granted(hold(1, "t1"));
+        at(start, 2).await;
+        c1.write(hold(1, "t1"), "reg", "c1#1").ok();
+        at(start, 3).await;
+        let rel = c1.release(hold(1, "t1"));
+        if b == Break::WriteAfterRelease {
+            c1.write(hold(1, "t1"), "reg", "c1#1-late").ok();
+        }
+        at(start, 4).await;
+        rel.released(true);
+
+        at(start, 5).await;
+        let op = c2.acquire(&k, TTL);
+        at(start, 6).await;
+        op.granted(hold(2, "t2"));
+        if b != Break::OnlyTheLateStaleWriteAccepted {
+            at(start, 7).await;
+            c2.write(hold(2, "t2"), "reg", "c2#2").ok();
+        }
+        let pause = h.fault("paused", Some("c2"));
+        at(start, 10).await;
+        let waiting = c3.acquire(&k, TTL);
+        at(start, 110).await;
+        waiting.granted(hold(3, "t3"));
+        at(start, 111).await;
+        c3.write(hold(3, "t3"), "reg", "c3#3").ok();
+        at(start, 112).await;
+        c3.release(hold(3, "t3")).released(true);
+
+        at(start, 130).await;
+        if b == Break::FaultNeverHealed {
+            std::mem::forget(pause);
+        } else {
+            pause.heal();
+        }
+        at(start, 131).await;
+        let w = c2.write(hold(2, "t2"), "reg", "c2#2-late");
+        if matches!(
+            b,
+            Break::StaleWriteAccepted | Break::OnlyTheLateStaleWriteAccepted
+        ) {
+            w.ok();
+        } else {
+            w.rejected(Some(FencingToken(3)));
+        }
+        at(start, 132).await;
+        c2.lost(hold(2, "t2"), "local deadline passed");
+        at(start, 133).await;
+        c2.release(hold(2, "t2"))
+            .released(b == Break::StaleReleaseReturnsTrue);
+
+        // After the heal: everyone acquires again.
+        at(start, 140).await;
+        let second = if b == Break::FencingGoesBack { 2 } else { 4 };
+        let op = c1.acquire(&k, TTL);
+        at(start, 141).await;
+        op.granted(hold(second, "t4"));
+        at(start, 142).await;
+        c1.release(hold(second, "t4")).released(true);
+        at(start, 150).await;
+        let op = c2.acquire(&k, TTL);
+        if b == Break::NoLiveness {
+            at(start, 5_000).await;
+            op.fail("timed out");
+        } else {
+            at(start, 151).await;
+            op.granted(hold(5, "t5"));
+            at(start, 152).await;
+            c2.write(hold(5, "t5"), "reg", "c2#5").ok();
+            at(start, 153).await;
+            c2.release(hold(5, "t5")).released(true);
+        }
+        at(start, 5_001).await;
+        let op = c3.acquire(&k, TTL);
+        at(start, 5_002).await;
+        op.granted(hold(6, "t6"));
+        c3.release(hold(6, "t6")).released(true);
+
+        let last = match b {
+            Break::FinalStateLosesWrite => "c3#3",
+            Break::NoLiveness => "c3#3",
+            _ => "c2#5",
+        };
+        if b != Break::NoFinalState {
+            h.final_state("reg", ResourceKind::Register, vec![last.to_owned()]);
+        }
+        h.snapshot()
+    }
+
+    fn rules(records: &[Record]) -> BTreeSet<Rule> {
+        let violations = check(records, &CheckOptions::default());
+        for v in &violations {
+            eprintln!("{v}");
+        }
+        violations.iter().map(|v| v.rule).collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_clean_history_passes() {
+        assert_eq!(rules(&scenario(Break::Nothing).await), BTreeSet::new());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn each_broken_rule_is_reported() {
+        for (b, rule) in [
+            (Break::WriteAfterRelease, Rule::WriteOutsideHold),
+            (Break::StaleWriteAccepted, Rule::OverlappingWrites),
+            (
+                Break::OnlyTheLateStaleWriteAccepted,
+                Rule::StaleWriteAccepted,
+            ),
+            (Break::FencingGoesBack, Rule::FencingNotIncreasing),
+            (Break::StaleReleaseReturnsTrue, Rule::StaleReleaseTookEffect),
+            (Break::FinalStateLosesWrite, Rule::AcknowledgedWriteLost),
+            (Break::NoFinalState, Rule::AcknowledgedWriteLost),
+            (Break::NoLiveness, Rule::Liveness),
+            (Break::FaultNeverHealed, Rule::Liveness),
+        ] {
+            assert_eq!(
+                rules(&scenario(b).await),
+                BTreeSet::from([rule]),
+                "breaking {b:?} must be reported as exactly {rule:?}"
+            );
+        }
+    }
+
+    /// A stale release that deletes the newer holder's lock lets a third client in early; a grant
+    /// inside a live lease without such a release is a double grant.
+    #[tokio::test(start_paused = true)]
+    async fn stale_release_ending_a_newer_hold_and_double_grants_are_reported() {
+        for stale_release in [true, false] {
+            let h = History::new("grants");
+            let start = h.start();
+            let (a, b, c) = (h.client("a"), h.client("b"), h.client("c"));
+            let k = key();
+            let op = a.acquire(&k, TTL);
+            op.granted(hold(1, "a"));
+            // a's lease runs out; b is granted.
+            at(start, 200).await;
+            let op = b.acquire(&k, TTL);
+            at(start, 201).await;
+            op.granted(hold(2, "b"));
+            at(start, 210).await;
+            if stale_release {
+                // a's stale release is (wrongly) applied to b's lock.
+                a.release(hold(1, "a")).released(false);
+            }
+            at(start, 220).await;
+            let op = c.acquire(&k, TTL);
+            at(start, 221).await;
+            op.granted(hold(3, "c"));
+            c.release(hold(3, "c")).released(true);
+            let expected = if stale_release {
+                Rule::StaleReleaseTookEffect
+            } else {
+                Rule::DoubleGrant
+            };
+            assert_eq!(rules(&h.snapshot()), BTreeSet::from([expected]));
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn log_resources_must_keep_every_acknowledged_write() {
+        for keep_all in [true, false] {
+            let h = History::new("log");
+            let start = h.start();
+            let c = h.client("c");
+            let k = key();
+            for (n, name) in [(1u64, "t1"), (2, "t2")] {
+                let op = c.acquire(&k, TTL);
+                op.granted(hold(n, name));
+                c.write(hold(n, name), "log", format!("v{n}")).ok();
+                c.release(hold(n, name)).released(true);
+                at(start, 10 * n).await;
+            }
+            let values = if keep_all {
+                vec!["v1", "v2"]
+            } else {
+                vec!["v2"]
+            };
+            h.final_state(
+                "log",
+                ResourceKind::Log,
+                values.into_iter().map(str::to_owned).collect(),
+            );
+            let expected = if keep_all {
+                BTreeSet::new()
+            } else {
+                BTreeSet::from([Rule::AcknowledgedWriteLost])
+            };
+            assert_eq!(rules(&h.snapshot()), expected);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn unknown_outcomes_are_judged_by_the_final_state() {
+        // An acquire with unknown outcome is no grant; an unknown write counts as accepted only
+        // when its value is in the final state — here it is, and it overlaps nothing.
+        let h = History::new("unknown");
+        let c = h.client("c");
+        let k = key();
+        c.acquire(&k, TTL).unknown("reply lost");
+        let op = c.acquire(&k, TTL);
+        op.granted(hold(2, "t2"));
+        c.write(hold(2, "t2"), "reg", "v2").unknown("reply lost");
+        c.release(hold(2, "t2")).released(true);
+        h.final_state("reg", ResourceKind::Register, vec!["v2".to_owned()]);
+        assert_eq!(rules(&h.snapshot()), BTreeSet::new());
+        // A dropped operation is recorded as unknown, not forgotten.
+        drop(c.acquire(&k, TTL));
+        assert_eq!(h.snapshot().last().map(|r| r.kind), Some(Kind::Unknown));
+    }
+
+    #[test]
+    fn malformed_histories_are_reported() {
+        let records = vec![Record {
+            seq: 0,
+            kind: Kind::Ok,
+            op: Some(Op::Release),
+            op_id: Some(7),
+            ..Record::default()
+        }];
+        assert_eq!(
+            check(&records, &CheckOptions::default())
+                .iter()
+                .map(|v| v.rule)
+                .collect::<Vec<_>>(),
+            vec![Rule::Malformed]
+        );
+    }
+}

@@ -1,0 +1,434 @@
+//! A fault-injecting TCP proxy for drills: put it between a client and its coordinator and
+//! switch faults at run time.
+//!
+//! Every accepted connection gets its own upstream connection and two pumps (request:
+//! client→server, reply: server→client). The current [`Fault`] applies to existing and new
+//! connections alike, and can be changed at any time:
+//!
+//! | fault | request bytes | reply bytes | sockets |
+//! |---|---|---|---|
+//! | [`Fault::Pass`] | forwarded | forwarded | open |
+//! | [`Fault::Blackhole`] | **held** | **held** | open (no FIN, no RST) |
+//! | [`Fault::Delay`] | each chunk delayed | each chunk delayed | open |
+//! | [`Fault::DropReplies`] | forwarded (the request applies) | **discarded** | open; broken once healed |
+//! | [`Proxy::reset`] (an action) | — | — | current connections get an RST on both sides |
+//!
+//! **Blackhole holds, it does not drop.** A real partition drops packets, but TCP retransmits
+//! them, so after the partition heals the bytes *are* delivered (unless a side gave up and
+//! closed the connection first). The proxy models that: while blackholed it stops reading (bytes
+//! wait in the kernel's socket buffers, and flow control stalls the sender) and holds any chunk
+//! it had already read; on heal everything is delivered in order. A connection accepted while
+//! blackholed is connected upstream only after the heal, so the server does not see it during
+//! the partition (the client's `connect` itself succeeds at once: the kernel completes the
+//! handshake with the proxy's listener).
+//!
+//! **Drop replies loses bytes for good**, which no healthy TCP connection ever does: a
+//! connection that discarded reply bytes has a byte stream out of step with its protocol. So when
+//! the fault changes away from [`Fault::DropReplies`] such a connection is reset instead of
+//! resuming — exactly what a client sees when its request's reply was lost and the connection
+//! died. Connections that discarded nothing continue normally.
+
+use std::{
+    io,
+    net::SocketAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use futures::FutureExt;
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{
+        TcpListener, TcpStream,
+        tcp::{ReadHalf, WriteHalf},
+    },
+    sync::watch,
+    task::JoinHandle,
+};
+
+/// What the proxy does to the traffic of every connection (see the [module docs](self)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Fault {
+    /// Forward both directions as they come.
+    #[default]
+    Pass,
+    /// Forward nothing in either direction but keep the sockets open; held bytes are delivered
+    /// when the fault changes (a partition that heals).
+    Blackhole,
+    /// Delay each chunk by this much before forwarding it (a slow link; later chunks queue
+    /// behind earlier ones, order is kept).
+    Delay(Duration),
+    /// Forward requests, discard replies: the request applies but its reply is lost. Connections
+    /// that lost bytes are reset when the fault changes.
+    DropReplies,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Direction {
+    Request,
+    Reply,
+}
+
+struct Shared {
+    upstream: SocketAddr,
+    fault: watch::Sender<Fault>,
+    resets: watch::Sender<u64>,
+    shutdown: watch::Sender<bool>,
+    connections: watch::Sender<usize>,
+    accepted: AtomicU64,
+}
+
+/// A TCP proxy on `127.0.0.1:<ephemeral port>` in front of one upstream address.
+///
+/// Dropping it stops accepting and resets every connection it carries.
+pub struct Proxy {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    accept: JoinHandle<()>,
+}
+
+impl Proxy {
+    /// Starts a proxy in front of `upstream`, listening on `127.0.0.1:0`, in [`Fault::Pass`].
+    ///
+    /// # Errors
+    /// When the listener cannot be bound.
+    pub async fn start(upstream: SocketAddr) -> io::Result<Self> {
+        let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
+        let addr = listener.local_addr()?;
+        let shared = Arc::new(Shared {
+            upstream,
+            fault: watch::Sender::new(Fault::Pass),
+            resets: watch::Sender::new(0),
+            shutdown: watch::Sender::new(false),
+            connections: watch::Sender::new(0),
+            accepted: AtomicU64::new(0),
+        });
+        let accept = tokio::spawn(accept_loop(listener, shared.clone()));
+        Ok(Self {
+            addr,
+            shared,
+            accept,
+        })
+    }
+
+    /// Starts a proxy in front of the `host:port` of `url` (e.g. `redis://127.0.0.1:6390/0`) and
+    /// returns it with the same URL pointed at the proxy.
+    ///
+    /// # Errors
+    /// When the URL has no `host:port` authority, the host does not resolve, or binding fails.
+    pub async fn start_for_url(url: &str) -> io::Result<(Self, String)> {
+        let (_, authority, _) = split_url(url)?;
+        let upstream = tokio::net::lookup_host(authority.as_str())
+            .await?
+            .next()
+            .ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::NotFound,
+                    format!("{authority} does not resolve"),
+                )
+            })?;
+        let proxy = Self::start(upstream).await?;
+        let proxied = rewrite_url(url, proxy.addr())?;
+        Ok((proxy, proxied))
+    }
+
+    /// Where clients connect.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The server behind the proxy.
+    pub fn upstream(&self) -> SocketAddr {
+        self.shared.upstream
+    }
+
+    /// The current fault.
+    pub fn fault(&self) -> Fault {
+        *self.shared.fault.borrow()
+    }
+
+    /// Switches to `fault` for existing and new connections.
+    pub fn set(&self, fault: Fault) {
+        self.shared.fault.send_replace(fault);
+    }
+
+    /// Heals: forward everything (held bytes are delivered now).
+    pub fn pass(&self) {
+        self.set(Fault::Pass);
+    }
+
+    /// Partitions: hold both directions, keep the sockets open.
+    pub fn blackhole(&self) {
+        self.set(Fault::Blackhole);
+    }
+
+    /// Delays every chunk by `delay`.
+    pub fn delay(&self, delay: Duration) {
+        self.set(Fault::Delay(delay));
+    }
+
+    /// Lets requests through and discards replies.
+    pub fn drop_replies(&self) {
+        self.set(Fault::DropReplies);
+    }
+
+    /// Resets (RST on both sides) every connection open now. New connections are accepted as
+    /// usual afterwards.
+    pub fn reset(&self) {
+        self.shared.resets.send_modify(|n| *n += 1);
+    }
+
+    /// Connections open now.
+    pub fn connections(&self) -> usize {
+        *self.shared.connections.borrow()
+    }
+
+    /// Connections accepted since the start.
+    pub fn accepted(&self) -> u64 {
+        self.shared.accepted.load(Ordering::SeqCst)
+    }
+
+    /// Waits until the number of open connections satisfies `ready` (no polling: every open and
+    /// close is signalled). Bound it with a timeout.
+    pub async fn wait_connections(&self, mut ready: impl FnMut(usize) -> bool) -> usize {
+        let mut rx = self.shared.connections.subscribe();
+        match rx.wait_for(|n| ready(*n)).await {
+            Ok(n) => *n,
+            // The sender lives in `self.shared`, which outlives this borrow.
+            Err(_) => self.connections(),
+        }
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.shared.shutdown.send_replace(true);
+        self.accept.abort();
+    }
+}
+
+impl std::fmt::Debug for Proxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Proxy")
+            .field("addr", &self.addr)
+            .field("upstream", &self.shared.upstream)
+            .field("fault", &self.fault())
+            .field("connections", &self.connections())
+            .finish()
+    }
+}
+
+/// Splits `scheme://[userinfo@]host:port[/rest]` into (`scheme://[userinfo@]`, `host:port`,
+/// `rest`).
+fn split_url(url: &str) -> io::Result<(String, String, String)> {
+    let bad = || io::Error::new(io::ErrorKind::InvalidInput, "the URL has no host:port");
+    let scheme_end = url.find("://").ok_or_else(bad)? + 3;
+    let rest = &url[scheme_end..];
+    let auth_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let authority = &rest[..auth_end];
+    let host_start = authority.rfind('@').map_or(0, |i| i + 1);
+    let host_port = &authority[host_start..];
+    if host_port.is_empty() || !host_port.contains(':') || host_port.contains(',') {
+        return Err(bad());
+    }
+    Ok((
+        format!("{}{}", &url[..scheme_end], &authority[..host_start]),
+        host_port.to_owned(),
+        rest[auth_end..].to_owned(),
+    ))
+}
+
+/// `url` with its `host:port` replaced by `addr` (user info, path and query kept).
+///
+/// # Errors
+/// When the URL has no single `host:port` authority.
+pub fn rewrite_url(url: &str, addr: SocketAddr) -> io::Result<String> {
+    let (prefix, _, rest) = split_url(url)?;
+    Ok(format!("{prefix}{addr}{rest}"))
+}
+
+async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    let mut shutdown = shared.shutdown.subscribe();
+    loop {
+        tokio::select! {
+            _ = shutdown.wait_for(|stop| *stop).map(|_| ()) => return,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    shared.accepted.fetch_add(1, Ordering::SeqCst);
+                    tokio::spawn(serve(shared.clone(), stream));
+                }
+                // Out of file descriptors and the like: back off instead of spinning.
+                Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+            },
+        }
+    }
+}
+
+/// Counts a connection as open for as long as it lives.
+struct OpenConnection(Arc<Shared>);
+
+impl OpenConnection {
+    fn new(shared: &Arc<Shared>) -> Self {
+        shared.connections.send_modify(|n| *n += 1);
+        Self(shared.clone())
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.connections.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+/// Completes when the proxy resets current connections or shuts down.
+struct Ending {
+    resets: watch::Receiver<u64>,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl Ending {
+    async fn wait(&mut self) {
+        tokio::select! {
+            _ = self.resets.changed() => {}
+            _ = self.shutdown.wait_for(|stop| *stop).map(|_| ()) => {}
+        }
+    }
+}
+
+async fn serve(shared: Arc<Shared>, mut client: TcpStream) {
+    let _open = OpenConnection::new(&shared);
+    let mut ending = Ending {
+        resets: shared.resets.subscribe(),
+        shutdown: shared.shutdown.subscribe(),
+    };
+    let fault = shared.fault.subscribe();
+    let connect = async {
+        // A partitioned client's handshake would not reach the server: connect after the heal.
+        let mut fault = fault.clone();
+        fault
+            .wait_for(|f| *f != Fault::Blackhole)
+            .await
+            .map_err(|_| broken("proxy stopped"))?;
+        TcpStream::connect(shared.upstream).await
+    };
+    let mut server = tokio::select! {
+        biased;
+        () = ending.wait() => {
+            let _ = client.set_zero_linger();
+            return;
+        }
+        server = connect => match server {
+            Ok(server) => server,
+            Err(_) => {
+                // Upstream refused: the client sees its connection reset, as it would directly.
+                let _ = client.set_zero_linger();
+                return;
+            }
+        },
+    };
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    let reset = {
+        let (client_read, client_write) = client.split();
+        let (server_read, server_write) = server.split();
+        let pumps = futures::future::try_join(
+            pump(client_read, server_write, Direction::Request, fault.clone()),
+            pump(server_read, client_write, Direction::Reply, fault),
+        );
+        tokio::select! {
+            biased;
+            () = ending.wait() => true,
+            done = pumps => done.is_err(),
+        }
+    };
+    if reset {
+        let _ = client.set_zero_linger();
+        let _ = server.set_zero_linger();
+    }
+}
+
+fn broken(why: &'static str) -> io::Error {
+    io::Error::new(io::ErrorKind::ConnectionReset, why)
+}
+
+/// Copies one direction until EOF (then half-closes the other side) or an error, applying the
+/// current fault to every chunk.
+async fn pump(
+    mut from: ReadHalf<'_>,
+    mut to: WriteHalf<'_>,
+    direction: Direction,
+    mut fault: watch::Receiver<Fault>,
+) -> io::Result<()> {
+    let stopped = |_| broken("proxy stopped");
+    let lost_bytes = || broken("reply bytes were dropped on this connection");
+    let mut buf = vec![0u8; 16 * 1024];
+    // Set once this direction discarded bytes: the stream can no longer be healed.
+    let mut tainted = false;
+    loop {
+        // Blackholed: do not even read, so the bytes wait in the kernel (and stall the sender).
+        let current = *fault
+            .wait_for(|f| *f != Fault::Blackhole)
+            .await
+            .map_err(stopped)?;
+        if tainted && current != Fault::DropReplies {
+            return Err(lost_bytes());
+        }
+        let n = loop {
+            tokio::select! {
+                read = from.read(&mut buf) => break read?,
+                changed = fault.changed(), if tainted => {
+                    changed.map_err(stopped)?;
+                    if *fault.borrow_and_update() != Fault::DropReplies {
+                        return Err(lost_bytes());
+                    }
+                }
+            }
+        };
+        // A chunk read just before a blackhole began is held too.
+        let current = *fault
+            .wait_for(|f| *f != Fault::Blackhole)
+            .await
+            .map_err(stopped)?;
+        if n == 0 {
+            to.shutdown().await?;
+            return Ok(());
+        }
+        match current {
+            Fault::Pass | Fault::Blackhole => {}
+            Fault::Delay(delay) => tokio::time::sleep(delay).await,
+            Fault::DropReplies if direction == Direction::Reply => {
+                tainted = true;
+                continue;
+            }
+            Fault::DropReplies => {}
+        }
+        to.write_all(&buf[..n]).await?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_are_rewritten_to_the_proxy() {
+        let addr: SocketAddr = "127.0.0.1:4000".parse().unwrap();
+        assert_eq!(
+            rewrite_url("redis://127.0.0.1:6390/0", addr).unwrap(),
+            "redis://127.0.0.1:4000/0"
+        );
+        assert_eq!(
+            rewrite_url("postgres://u:p@localhost:5432/db?sslmode=disable", addr).unwrap(),
+            "postgres://u:p@127.0.0.1:4000/db?sslmode=disable"
+        );
+        assert_eq!(
+            rewrite_url("etcd://127.0.0.1:2379", addr).unwrap(),
+            "etcd://127.0.0.1:4000"
+        );
+        assert!(rewrite_url("memory://", addr).is_err());
+        assert!(rewrite_url("zk://a:1,b:2/root", addr).is_err());
+    }
+}
