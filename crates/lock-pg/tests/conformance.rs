@@ -1,4 +1,5 @@
 //! The shared conformance suite against the real PostgreSQL from `DISTLOCK_TEST_PG_URL`.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed expectation is a failed test
 
 use std::{sync::Arc, time::Duration};
 
