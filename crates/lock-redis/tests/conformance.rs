@@ -1,4 +1,5 @@
 //! The whole conformance suite against a real Redis (`DISTLOCK_TEST_REDIS_URL`).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed expectation is a failed test
 
 use std::{sync::Arc, time::Duration};
 

@@ -1,0 +1,494 @@
+//! Redis-specific behaviour against real servers: the shared one from `DISTLOCK_TEST_REDIS_URL`
+//! and, for fault drills, private `redis-server` processes on ports 26390-26399 that these tests
+//! start, pause, kill and restart themselves.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed expectation is a failed test
+
+use std::{process::Stdio, sync::Arc, time::Duration};
+
+use conformance::{backend_url, fresh_key};
+use lock_core::{
+    DistributedLock, DistributedLockExt, Error, FencingToken, LockKey, LossReason, OwnershipToken,
+};
+use lock_redis::{RedisLock, RedisLockConfig};
+use redis::aio::MultiplexedConnection;
+use tokio::{
+    process::{Child, Command},
+    time::{Instant, sleep, timeout},
+};
+
+const LONG: Duration = Duration::from_secs(30);
+
+async fn admin(url: &str) -> MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+async fn shared() -> Option<(String, Arc<RedisLock>, MultiplexedConnection)> {
+    let url = backend_url("DISTLOCK_TEST_REDIS_URL")?;
+    let lock = Arc::new(RedisLock::connect_url(&url).await.unwrap());
+    Some((url.clone(), lock, admin(&url).await))
+}
+
+async fn get(admin: &mut MultiplexedConnection, key: &[u8]) -> Option<Vec<u8>> {
+    redis::cmd("GET").arg(key).query_async(admin).await.unwrap()
+}
+
+async fn exists(admin: &mut MultiplexedConnection, key: &str) -> bool {
+    redis::cmd("EXISTS")
+        .arg(key)
+        .query_async::<i64>(admin)
+        .await
+        .unwrap()
+        == 1
+}
+
+/// A private redis-server child process on a port of its own.
+struct OwnRedis {
+    port: u16,
+    dir: std::path::PathBuf,
+    child: Option<Child>,
+}
+
+impl OwnRedis {
+    async fn start(port: u16) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "lock-redis-test-{port}-{:08x}",
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut this = Self {
+            port,
+            dir,
+            child: None,
+        };
+        this.spawn().await;
+        this
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    async fn spawn(&mut self) {
+        let child = Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &self.port.to_string()])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("redis-server must be installed (scripts/backends.sh install)");
+        self.child = Some(child);
+        let until = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(client) = redis::Client::open(self.url())
+                && let Ok(Ok(mut c)) = timeout(
+                    Duration::from_secs(1),
+                    client.get_multiplexed_async_connection(),
+                )
+                .await
+                && redis::cmd("PING").query_async::<()>(&mut c).await.is_ok()
+            {
+                return;
+            }
+            assert!(Instant::now() < until, "redis-server did not come up");
+            sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().await.unwrap();
+        }
+    }
+
+    fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().and_then(Child::id).unwrap();
+        let status = std::process::Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(pid.to_string())
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+}
+
+impl Drop for OwnRedis {
+    fn drop(&mut self) {
+        if let Some(child) = &self.child
+            && let Some(pid) = child.id()
+        {
+            // Resume first in case a test failed while the server was stopped.
+            let _ = std::process::Command::new("kill")
+                .args(["-CONT", &pid.to_string()])
+                .status();
+        }
+        if let Some(mut child) = self.child.take() {
+            let _ = child.start_kill();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lock_lives_at_namespace_plus_name_with_a_separate_fence_counter() {
+    let Some((_, lock, mut admin)) = shared().await else {
+        return;
+    };
+    let key = fresh_key("layout {tag} a/b ünï");
+    let lease = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    let redis_key = lock.redis_key(&key);
+    assert_eq!(redis_key, format!("distlock:{key}"));
+    let value = get(&mut admin, redis_key.as_bytes())
+        .await
+        .expect("the lock key");
+    let value = String::from_utf8(value).unwrap();
+    let fence = lease.fencing_token().unwrap();
+    assert_eq!(value, format!("{}:{fence}", lease.token().expose_hex()));
+    let mut fence_key = redis_key.clone().into_bytes();
+    fence_key.extend_from_slice(b"\x1ftagged-fence");
+    let counter = get(&mut admin, &fence_key)
+        .await
+        .expect("the fence counter");
+    assert_eq!(counter, fence.get().to_string().into_bytes());
+    assert!(lock.release(&lease).await.unwrap());
+    assert!(!exists(&mut admin, &redis_key).await);
+    assert!(
+        get(&mut admin, &fence_key).await.is_some(),
+        "the fence counter must survive a release"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_set_nx_client_on_the_same_key_name_excludes_us_and_we_exclude_it() {
+    let Some((_, lock, mut admin)) = shared().await else {
+        return;
+    };
+    let key = fresh_key("interop");
+    let redis_key = lock.redis_key(&key);
+    let set_nx = |admin: &mut MultiplexedConnection| {
+        let mut admin = admin.clone();
+        let redis_key = redis_key.clone();
+        async move {
+            redis::cmd("SET")
+                .arg(&redis_key)
+                .arg("other-client")
+                .arg("NX")
+                .arg("PX")
+                .arg(30_000)
+                .query_async::<Option<String>>(&mut admin)
+                .await
+                .unwrap()
+                .is_some()
+        }
+    };
+    assert!(set_nx(&mut admin).await, "the foreign client takes the key");
+    assert!(lock.try_acquire(&key, LONG).await.unwrap().is_none());
+    let info = lock.inspect(&key).await.unwrap().expect("held");
+    assert_eq!(info.fencing_token, None, "not one of our grants");
+    assert!(info.ttl_remaining.is_some());
+    // Its plain DEL (no publish) still lets a waiter in, through the holder-ttl/fallback poll.
+    let waiter = {
+        let (lock, key) = (lock.clone(), key.clone());
+        tokio::spawn(async move { lock.acquire(&key, LONG, Instant::now() + LONG).await })
+    };
+    sleep(Duration::from_millis(200)).await;
+    redis::cmd("DEL")
+        .arg(&redis_key)
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    let lease = timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("the waiter polls")
+        .unwrap()
+        .unwrap();
+    assert!(!set_nx(&mut admin).await, "we exclude the foreign client");
+    assert!(lock.release(&lease).await.unwrap());
+    assert!(set_nx(&mut admin).await);
+    redis::cmd("DEL")
+        .arg(&redis_key)
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_client_deleting_the_key_makes_lost_fire() {
+    let Some((_, lock, mut admin)) = shared().await else {
+        return;
+    };
+    let key = fresh_key("deleted");
+    let ttl = Duration::from_millis(600);
+    let guard = lock
+        .lock(&key)
+        .ttl(ttl)
+        .try_acquire()
+        .await
+        .unwrap()
+        .unwrap();
+    sleep(ttl / 2).await;
+    assert!(!guard.is_lost());
+    redis::cmd("DEL")
+        .arg(lock.redis_key(&key))
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    timeout(ttl + Duration::from_secs(3), guard.lost())
+        .await
+        .expect("lost() after the key was deleted");
+    assert_eq!(guard.loss_reason(), Some(LossReason::NotHeld));
+    assert!(!guard.release().await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compare_scripts_never_touch_another_holder_or_a_foreign_value() {
+    let Some((_, lock, mut admin)) = shared().await else {
+        return;
+    };
+    let key = fresh_key("compare");
+    let mut lease = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    let redis_key = lock.redis_key(&key);
+    // Somebody else's value of the same shape, and a non-string value, at our key.
+    let other = format!("{}:{}", OwnershipToken::generate().expose_hex(), 1);
+    for replace in ["string", "hash"] {
+        redis::cmd("DEL")
+            .arg(&redis_key)
+            .query_async::<()>(&mut admin)
+            .await
+            .unwrap();
+        if replace == "string" {
+            redis::cmd("SET")
+                .arg(&redis_key)
+                .arg(&other)
+                .query_async::<()>(&mut admin)
+                .await
+                .unwrap();
+        } else {
+            redis::cmd("HSET")
+                .arg(&redis_key)
+                .arg("f")
+                .arg("v")
+                .query_async::<()>(&mut admin)
+                .await
+                .unwrap();
+        }
+        assert!(matches!(
+            lock.renew(&mut lease, LONG).await,
+            Err(Error::NotHeld { .. })
+        ));
+        assert!(!lock.release(&lease).await.unwrap());
+        assert!(
+            exists(&mut admin, &redis_key).await,
+            "{replace} was deleted"
+        );
+        assert!(lock.try_acquire(&key, LONG).await.unwrap().is_none());
+    }
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(&redis_key)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(ttl, -1, "a foreign key's ttl was changed");
+    redis::cmd("DEL")
+        .arg(&redis_key)
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scripts_are_reloaded_after_script_flush() {
+    let Some((_, lock, mut admin)) = shared().await else {
+        return;
+    };
+    let key = fresh_key("noscript");
+    let mut lease = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    lock.renew(&mut lease, LONG).await.unwrap();
+    assert!(lock.inspect(&key).await.unwrap().is_some());
+    assert!(lock.release(&lease).await.unwrap());
+    let again = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    assert!(again.fencing_token() > lease.fencing_token());
+    assert!(lock.release(&again).await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unusable_fence_counter_fails_the_grant_without_leaving_a_lock() {
+    let Some((_, lock, mut admin)) = shared().await else {
+        return;
+    };
+    let key = LockKey::new(format!("broken-counter-{:016x}", rand::random::<u64>())).unwrap();
+    let redis_key = lock.redis_key(&key);
+    let fence_key = format!("{{{redis_key}}}\x1ffence");
+    redis::cmd("SET")
+        .arg(&fence_key)
+        .arg("not a number")
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    let err = lock.try_acquire(&key, LONG).await.unwrap_err();
+    assert!(matches!(err, Error::Backend { .. }), "{err}");
+    assert!(
+        !exists(&mut admin, &redis_key).await,
+        "a lock was left behind"
+    );
+    redis::cmd("DEL")
+        .arg(&fence_key)
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    let lease = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    assert_eq!(lease.fencing_token(), Some(FencingToken(1)));
+    assert!(lock.release(&lease).await.unwrap());
+    redis::cmd("DEL")
+        .arg(&fence_key)
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_namespace_and_odd_names_work() {
+    let Some((url, _, mut admin)) = shared().await else {
+        return;
+    };
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let lock = Arc::new(
+        RedisLock::connect_url(&format!("{url}{sep}namespace="))
+            .await
+            .unwrap(),
+    );
+    let base = fresh_key("ns");
+    for name in ["", "}", "{", "}{x}", "x{}y}", " ", "/"] {
+        let key = LockKey::new(format!("{base}{name}")).unwrap();
+        let lease = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+        assert!(exists(&mut admin, key.as_str()).await, "{key:?}");
+        assert!(lock.try_acquire(&key, LONG).await.unwrap().is_none());
+        assert!(lock.release(&lease).await.unwrap());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_restart_mid_hold_reports_the_loss_and_the_client_reconnects() {
+    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+        return; // same gate as the other tests: servers are expected to be installed
+    }
+    let mut server = OwnRedis::start(26391).await;
+    let lock = Arc::new(RedisLock::connect_url(&server.url()).await.unwrap());
+    let key = fresh_key("restart");
+    let ttl = Duration::from_millis(1500);
+    let guard = lock
+        .lock(&key)
+        .ttl(ttl)
+        .try_acquire()
+        .await
+        .unwrap()
+        .unwrap();
+    server.kill().await;
+    sleep(Duration::from_millis(100)).await;
+    server.spawn().await; // no persistence: the lock is gone
+    timeout(ttl + Duration::from_secs(5), guard.lost())
+        .await
+        .expect("lost() after the restart");
+    assert!(
+        matches!(
+            guard.loss_reason(),
+            Some(LossReason::NotHeld | LossReason::DeadlinePassed)
+        ),
+        "{:?}",
+        guard.loss_reason()
+    );
+    // The same client reconnects by itself.
+    let until = Instant::now() + Duration::from_secs(10);
+    let lease = loop {
+        match lock.try_acquire(&key, LONG).await {
+            Ok(Some(lease)) => break lease,
+            Ok(None) => panic!("the restarted server has no lock"),
+            Err(e) => {
+                assert!(e.is_temporary(), "{e}");
+                assert!(Instant::now() < until, "no reconnect: {e}");
+                sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    assert!(lock.release(&lease).await.unwrap());
+    drop(guard);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_outcome_is_indeterminate_and_a_late_grant_is_removed() {
+    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+        return;
+    }
+    let server = OwnRedis::start(26392).await;
+    let url = format!(
+        "{}?response_timeout=200ms&connect_timeout=200ms&reconnect_retries=0",
+        server.url()
+    );
+    let lock = Arc::new(RedisLock::connect_url(&url).await.unwrap());
+    let mut admin = admin(&server.url()).await;
+    let key = fresh_key("unknown");
+    let redis_key = lock.redis_key(&key);
+
+    // Load the scripts first, so the requests sent while the server is stopped can apply late.
+    let warm = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    assert!(lock.release(&warm).await.unwrap());
+    let fence_before = warm.fencing_token().unwrap().get();
+
+    server.signal("STOP"); // the request is sent, but no reply comes
+    let err = lock.try_acquire(&key, LONG).await.unwrap_err();
+    assert!(matches!(err, Error::Indeterminate { .. }), "{err}");
+    // A dropped attempt mid-request must not leave a lock either.
+    let dropped = timeout(Duration::from_millis(50), lock.try_acquire(&key, LONG)).await;
+    assert!(dropped.is_err());
+    server.signal("CONT"); // the queued acquires now apply: late grants
+
+    // The cleanup removes them long before their 30 s ttl.
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        if !exists(&mut admin, &redis_key).await {
+            sleep(Duration::from_millis(300)).await;
+            if !exists(&mut admin, &redis_key).await {
+                break;
+            }
+        }
+        assert!(Instant::now() < until, "a late grant was left behind");
+        sleep(Duration::from_millis(50)).await;
+    }
+    let counter: Option<u64> = redis::cmd("GET")
+        .arg(format!("{{{redis_key}}}\x1ffence"))
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert!(
+        counter > Some(fence_before),
+        "the late grant did not happen, the test proves nothing: {counter:?}"
+    );
+    let lease = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    assert!(lock.release(&lease).await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_server_is_unavailable_and_fails_fast() {
+    let config = RedisLockConfig::from_url("redis://127.0.0.1:1").unwrap();
+    let lock = RedisLock::connect_lazy(config.clone()).unwrap();
+    let key = fresh_key("unreachable");
+    let start = Instant::now();
+    let err = lock.try_acquire(&key, LONG).await.unwrap_err();
+    assert!(matches!(err, Error::Unavailable { .. }), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(5));
+    assert!(matches!(
+        RedisLock::connect(config).await,
+        Err(Error::Unavailable { .. })
+    ));
+}
