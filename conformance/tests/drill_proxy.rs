@@ -2,6 +2,7 @@
 //!
 //! "Nothing arrives" is asserted over a bounded quiet window ([`QUIET`]); everything that must
 //! happen is awaited as an event with a generous bound ([`SOON`]).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed expectation is a failed test
 
 use std::{io, net::SocketAddr, time::Duration};
 

@@ -136,7 +136,8 @@ async fn main() -> ExitCode {
                     .loss_reason()
                     .map_or_else(|| "unknown".to_owned(), |r| r.to_string());
                 emit(&HolderEvent::Lost { reason });
-                return ExitCode::from(3);
+                // Not a return: the runtime's shutdown would wait for the blocking stdin read.
+                std::process::exit(3);
             }
             read = stdin.read(&mut buf) => {
                 if matches!(read, Ok(0) | Err(_)) {

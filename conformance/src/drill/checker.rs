@@ -397,6 +397,8 @@ fn check_write_spans(grants: &[Grant<'_>], writes: &[Write<'_>], out: &mut Vec<V
         }
     }
     let spans: Vec<_> = spans.into_iter().collect();
+    // A stale write is reported once, against the first newer grant it came after.
+    let mut stale_reported = std::collections::BTreeSet::new();
     for (n, (i, (a_first, a_last))) in spans.iter().enumerate() {
         for (j, (b_first, b_last)) in &spans[n + 1..] {
             let (a, b) = (&grants[*i], &grants[*j]);
@@ -414,7 +416,7 @@ fn check_write_spans(grants: &[Grant<'_>], writes: &[Write<'_>], out: &mut Vec<V
                     (Some(e), Some(l)) => l < e,
                     _ => later.0.ok.seq < earlier.0.invoke.seq,
                 };
-                if later_granted_first {
+                if later_granted_first && stale_reported.insert(later.1.invoke.seq) {
                     out.push(violation(
                         Rule::StaleWriteAccepted,
                         format!(

@@ -295,19 +295,52 @@ impl HolderProcess {
     }
 
     /// SIGSTOP: the holder (watchdog included) freezes, as in a long GC pause or a VM stall.
+    /// Returns once the kernel reports the process stopped (on Linux; elsewhere once sent).
     ///
     /// # Errors
-    /// When the signal cannot be sent.
-    pub fn stop(&self) -> io::Result<()> {
-        self.signal(Signal::SIGSTOP)
+    /// When the signal cannot be sent, or the process is not seen stopped within 5 s.
+    pub async fn stop(&self) -> io::Result<()> {
+        self.signal(Signal::SIGSTOP)?;
+        self.settle(true).await
     }
 
-    /// SIGCONT: the holder resumes where it was.
+    /// SIGCONT: the holder resumes where it was. Returns once it is no longer stopped.
     ///
     /// # Errors
-    /// When the signal cannot be sent.
-    pub fn cont(&self) -> io::Result<()> {
-        self.signal(Signal::SIGCONT)
+    /// When the signal cannot be sent, or the process is still stopped after 5 s.
+    pub async fn cont(&self) -> io::Result<()> {
+        self.signal(Signal::SIGCONT)?;
+        self.settle(false).await
+    }
+
+    /// Waits until [`HolderProcess::is_stopped`] is `stopped`. Signal delivery is asynchronous
+    /// and the kernel offers no event for it short of `waitpid` (which belongs to tokio's child
+    /// reaper), so this polls `/proc` every millisecond, for at most 5 s.
+    async fn settle(&self, stopped: bool) -> io::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match self.is_stopped() {
+                Ok(now) if now == stopped => return Ok(()),
+                Ok(_) => {}
+                // No /proc (not Linux): trust the signal.
+                Err(e)
+                    if e.kind() == io::ErrorKind::NotFound && !Path::new("/proc/self").exists() =>
+                {
+                    return Ok(());
+                }
+                Err(e) => return Err(e),
+            }
+            if Instant::now() >= deadline {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "the holder did not become {}",
+                        if stopped { "stopped" } else { "running" }
+                    ),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
     }
 
     /// `true` while the process is stopped (state `T` in `/proc/<pid>/stat`; Linux only).

@@ -115,15 +115,48 @@ pub fn render(history: &HistoryFile) -> String {
     );
 
     faults(&mut svg, records, &lanes, &x, &lane_y, lanes_bottom, end_us);
-    holds(&mut svg, records, &x, &lane_y, end_us);
-    writes(&mut svg, records, &x, &lane_y);
+    let mut labels = Labels::default();
+    // Rejected writes are the story of a drill: their labels get room first.
+    let stale_labels: Vec<(u64, String, Option<f64>)> = records
+        .iter()
+        .filter(|r| r.op == Some(Op::Write) && r.kind == Kind::Fail)
+        .filter_map(|r| {
+            let lane = lane_y(r.client.as_deref()?);
+            let text = stale_label(r);
+            let y = labels.place(lane, x(r.at_us) - 8.0, &text);
+            Some((r.seq, text, y))
+        })
+        .collect();
+    holds(&mut svg, records, &x, &lane_y, end_us, &mut labels);
+    writes(&mut svg, records, &x, &lane_y, &stale_labels);
 
-    // Violations.
+    // Violations: numbered rings around the records involved, and the list underneath.
     for (i, v) in history.violations.iter().take(30).enumerate() {
+        for r in records.iter().filter(|r| {
+            v.records.contains(&r.seq)
+                && matches!(r.kind, Kind::Ok | Kind::Fail | Kind::Unknown | Kind::Lost)
+        }) {
+            let Some(client) = r.client.as_deref() else {
+                continue;
+            };
+            let (cx, cy) = (
+                x(r.at_us),
+                lane_y(client) + (LANE - BAR) / 2.0 + 4.0 + BAR / 2.0,
+            );
+            let _ = writeln!(
+                svg,
+                r#"<g><title>{}</title><circle cx="{cx:.1}" cy="{cy:.1}" r="11" fill="none" stroke="{REJECTED}" stroke-width="2"/><text x="{:.1}" y="{:.1}" font-size="10" font-weight="bold" fill="{REJECTED}">{}</text></g>"#,
+                esc(&v.message),
+                cx + 8.0,
+                cy + 18.0,
+                i + 1
+            );
+        }
         let _ = writeln!(
             svg,
-            r#"<text x="16" y="{:.1}" fill="{REJECTED}" font-size="12">✗ {}: {}</text>"#,
+            r#"<text x="16" y="{:.1}" fill="{REJECTED}" font-size="12">✗ {}. {}: {}</text>"#,
             violations_top + 22.0 * i as f64,
+            i + 1,
             esc(&v.rule.to_string()),
             esc(&v.message)
         );
@@ -165,17 +198,36 @@ fn legend(svg: &mut String) {
     );
 }
 
-/// Clients in order of first appearance.
+/// Client ids, sorted (so `c1`, `c2`, `c3` read top to bottom).
 fn lanes(records: &[Record]) -> Vec<String> {
-    let mut out: Vec<String> = Vec::new();
-    for r in records {
-        if let Some(c) = &r.client
-            && !out.contains(c)
-        {
-            out.push(c.clone());
-        }
-    }
+    let mut out: Vec<String> = records.iter().filter_map(|r| r.client.clone()).collect();
+    out.sort();
+    out.dedup();
     out
+}
+
+/// Places small labels above and below each lane's bars without overprinting: each lane has
+/// two rows (above and below the bar); a label goes into the first row where it overlaps no
+/// other label, and is left out (its element keeps its hover text) when neither row has room.
+#[derive(Default)]
+struct Labels {
+    /// (row y, label start x, label end x) of every label placed.
+    placed: Vec<(f64, f64, f64)>,
+}
+
+impl Labels {
+    fn place(&mut self, lane_top: f64, x: f64, text: &str) -> Option<f64> {
+        let bar_y = lane_top + (LANE - BAR) / 2.0 + 4.0;
+        let (x0, x1) = (x - 2.0, x + 6.5 * text.chars().count() as f64 + 2.0);
+        let y = [bar_y - 3.0, bar_y + BAR + 11.0].into_iter().find(|y| {
+            !self
+                .placed
+                .iter()
+                .any(|(row, a, b)| row == y && *a < x1 && x0 < *b)
+        })?;
+        self.placed.push((y, x0, x1));
+        Some(y)
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -258,6 +310,7 @@ fn holds(
     x: &impl Fn(u64) -> f64,
     lane_y: &impl Fn(&str) -> f64,
     end_us: u64,
+    labels: &mut Labels,
 ) {
     for r in records {
         let Some(client) = r.client.as_deref() else {
@@ -356,18 +409,11 @@ fn holds(
                 x1 - x_trusted
             );
         }
-        if let Some(l) = lost {
-            let lx = x(l.at_us);
-            let _ = writeln!(
-                svg,
-                r##"<text x="{lx:.1}" y="{:.1}" font-size="10" fill="#a05a00" text-anchor="middle">lost</text>"##,
-                bar_y + BAR + 11.0
-            );
-        }
-        // The label goes inside the bar when it fits, above it otherwise.
+        // The label goes inside the bar when it fits with room for write marks, else above or
+        // below it.
         let width = x1.max(x_trusted) - x0;
         let text_w = 7.0 * label.chars().count() as f64 + 4.0;
-        if width >= text_w {
+        if width >= text_w + 24.0 {
             let _ = write!(
                 svg,
                 r##"<text x="{:.1}" y="{:.1}" font-size="12" font-weight="bold" fill="#fff" text-anchor="middle">{}</text>"##,
@@ -375,14 +421,28 @@ fn holds(
                 bar_y + BAR / 2.0 + 4.0,
                 esc(&label)
             );
-        } else {
+        } else if let Some(ly) = labels.place(y, x0, &label) {
             let _ = write!(
                 svg,
-                r#"<text x="{:.1}" y="{:.1}" font-size="11" font-weight="bold" fill="{HOLD_FILL}">{}</text>"#,
+                r#"<text x="{:.1}" y="{ly:.1}" font-size="11" font-weight="bold" fill="{HOLD_FILL}">{}</text>"#,
                 x0,
-                bar_y - 3.0,
                 esc(&label)
             );
+        }
+        if let Some(l) = lost {
+            let lx = x(l.at_us);
+            let _ = write!(
+                svg,
+                r##"<line x1="{lx:.1}" y1="{:.1}" x2="{lx:.1}" y2="{:.1}" stroke="#a05a00" stroke-width="2"/>"##,
+                bar_y - 3.0,
+                bar_y + BAR + 3.0
+            );
+            if let Some(ly) = labels.place(y, lx, "lost") {
+                let _ = write!(
+                    svg,
+                    r##"<text x="{lx:.1}" y="{ly:.1}" font-size="10" font-weight="bold" fill="#a05a00">lost</text>"##
+                );
+            }
         }
         svg.push_str("</g>\n");
     }
@@ -393,6 +453,7 @@ fn writes(
     records: &[Record],
     x: &impl Fn(u64) -> f64,
     lane_y: &impl Fn(&str) -> f64,
+    stale_labels: &[(u64, String, Option<f64>)],
 ) {
     for done in records
         .iter()
@@ -423,17 +484,22 @@ fn writes(
                 let highest = done.highest.map_or(String::new(), |h| format!(" < #{h}"));
                 let _ = write!(
                     svg,
-                    r#"<g><title>{} wrote {} with {fencing} at {:.1} ms: rejected ({})</title><g transform="translate({cx:.1},{cy:.1})" stroke="{REJECTED}" stroke-width="3.5"><line x1="-7" y1="-7" x2="7" y2="7"/><line x1="-7" y1="7" x2="7" y2="-7"/></g>
-<text x="{:.1}" y="{:.1}" font-size="11" font-weight="bold" fill="{REJECTED}">stale {fencing}{}</text></g>
-"#,
+                    r#"<g><title>{} wrote {} with {fencing} at {:.1} ms: rejected ({}{})</title><g transform="translate({cx:.1},{cy:.1})" stroke="{REJECTED}" stroke-width="3.5"><line x1="-7" y1="-7" x2="7" y2="7"/><line x1="-7" y1="7" x2="7" y2="-7"/></g>"#,
                     esc(client),
                     esc(&value),
                     done.at_ms(),
                     esc(done.error.as_deref().unwrap_or("")),
-                    cx + 9.0,
-                    cy - 8.0,
                     esc(&highest)
                 );
+                if let Some((_, text, Some(ly))) = stale_labels.iter().find(|l| l.0 == done.seq) {
+                    let _ = write!(
+                        svg,
+                        r#"<text x="{:.1}" y="{ly:.1}" font-size="11" font-weight="bold" fill="{REJECTED}">{}</text>"#,
+                        cx - 8.0,
+                        esc(text)
+                    );
+                }
+                svg.push_str("</g>\n");
             }
             _ => {
                 let _ = writeln!(
@@ -447,6 +513,12 @@ fn writes(
             }
         }
     }
+}
+
+fn stale_label(write: &Record) -> String {
+    let fencing = write.fencing.map_or("-".to_owned(), |f| format!("#{f}"));
+    let highest = write.highest.map_or(String::new(), |h| format!(" < #{h}"));
+    format!("stale {fencing}{highest}")
 }
 
 /// A tick step (in ms) of 1, 2 or 5 × 10^k giving at most ~12 ticks over `span_ms`.
