@@ -2,6 +2,7 @@
 #![deny(missing_docs)]
 
 mod config;
+mod conn;
 mod fenced;
 mod lock;
 mod notify;

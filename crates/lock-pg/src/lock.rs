@@ -12,7 +12,6 @@ use lock_core::{
 };
 use sqlx::{
     PgPool, Postgres, Row,
-    pool::PoolConnection,
     postgres::{PgPoolOptions, PgRow},
 };
 use tokio::{
@@ -22,6 +21,7 @@ use tokio::{
 
 use crate::{
     PgLockConfig,
+    conn::ConnPool,
     notify::{Notifier, Subscription, channel_name},
     sql::Statements,
 };
@@ -50,7 +50,8 @@ pub struct PgLock {
 
 struct Inner {
     config: PgLockConfig,
-    pool: PgPool,
+    conns: ConnPool,
+    user_pool: OnceLock<PgPool>,
     sql: Statements,
     table_ready: OnceCell<()>,
     notifier: OnceLock<Notifier>,
@@ -131,19 +132,17 @@ impl PgLock {
 
     /// A client that connects on first use; no I/O here. The table is checked on first use.
     pub fn connect_lazy(config: PgLockConfig) -> Self {
-        let pool = PgPoolOptions::new()
-            .max_connections(config.pool_size)
-            .min_connections(0)
-            .acquire_timeout(config.connect_timeout)
-            // A connection killed while idle is detected on use and replaced (see `Inner`),
-            // instead of paying a ping round trip before every statement.
-            .test_before_acquire(false)
-            .connect_lazy_with(config.connect_options().clone());
+        let conns = ConnPool::new(
+            config.connect_options().clone(),
+            config.pool_size,
+            config.connect_timeout,
+        );
         let sql = Statements::new(&config.table);
         Self {
             inner: Arc::new(Inner {
                 config,
-                pool,
+                conns,
+                user_pool: OnceLock::new(),
                 sql,
                 table_ready: OnceCell::new(),
                 notifier: OnceLock::new(),
@@ -156,10 +155,16 @@ impl PgLock {
         &self.inner.config
     }
 
-    /// The client's connection pool, e.g. for fenced writes ([`crate::FencedTable`]) to the
-    /// same database.
+    /// A `sqlx` pool to the same database for the caller's own statements, e.g. fenced writes
+    /// ([`crate::FencedTable`]); created (without connecting) on first call, which must be
+    /// inside a Tokio runtime. The lock's own statements use separate connections.
     pub fn pool(&self) -> &PgPool {
-        &self.inner.pool
+        self.inner.user_pool.get_or_init(|| {
+            PgPoolOptions::new()
+                .max_connections(self.inner.config.pool_size)
+                .acquire_timeout(self.inner.config.connect_timeout)
+                .connect_lazy_with(self.inner.config.connect_options().clone())
+        })
     }
 
     /// The `LISTEN`/`NOTIFY` channel a key's releases are announced on.
@@ -195,16 +200,21 @@ impl Inner {
                         Error::backend(BACKEND, op, e)
                     }
                 };
+                let mut pooled = self.conns.get().await.map_err(map)?;
+                let Some(conn) = pooled.conn() else {
+                    return Err(Error::unavailable(BACKEND, op, "no connection"));
+                };
                 let found: Option<String> = timeout(
                     self.config.op_timeout,
                     sqlx::query_scalar("SELECT to_regclass($1)::text")
                         .bind(self.config.table.quoted())
-                        .fetch_one(&self.pool),
+                        .fetch_one(&mut *conn),
                 )
                 .await
                 .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?
                 .map_err(map)?;
                 if found.is_some() {
+                    pooled.put_back();
                     return Ok(());
                 }
                 if !self.config.create_table {
@@ -213,28 +223,26 @@ impl Inner {
                         self.config.table
                     )));
                 }
-                match timeout(
+                let created = timeout(
                     self.config.op_timeout,
-                    sqlx::query(self.sql.create.clone()).execute(&self.pool),
+                    sqlx::query(self.sql.create.clone()).execute(&mut *conn),
                 )
                 .await
-                .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?
-                {
-                    Ok(_) => Ok(()),
-                    Err(e) if exists(&e) => Ok(()),
+                .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?;
+                match created {
+                    Ok(_) => {
+                        pooled.put_back();
+                        Ok(())
+                    }
+                    Err(e) if exists(&e) => {
+                        pooled.put_back();
+                        Ok(())
+                    }
                     Err(e) => Err(map(e)),
                 }
             })
             .await
             .map(|_| ())
-    }
-
-    async fn connection(&self) -> std::result::Result<PoolConnection<Postgres>, ExecError> {
-        match timeout(self.config.connect_timeout, self.pool.acquire()).await {
-            Ok(Ok(conn)) => Ok(conn),
-            Ok(Err(e)) => Err(ExecError::NotSent(e)),
-            Err(_) => Err(ExecError::NotSent(sqlx::Error::PoolTimedOut)),
-        }
     }
 
     /// Runs one statement on a pooled connection, bounded by `op_timeout`, and classifies
@@ -243,24 +251,28 @@ impl Inner {
         &self,
         query: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
     ) -> std::result::Result<Option<PgRow>, ExecError> {
-        let mut conn = self.connection().await?;
+        let mut pooled = self.conns.get().await.map_err(ExecError::NotSent)?;
+        let Some(conn) = pooled.conn() else {
+            return Err(ExecError::NotSent(sqlx::Error::PoolClosed));
+        };
         match timeout(self.config.op_timeout, query.fetch_optional(&mut *conn)).await {
-            Ok(Ok(row)) => Ok(row),
-            Ok(Err(e)) if is_connection_error(&e) => {
-                conn.close_on_drop();
-                Err(ExecError::Unknown {
-                    message: e.to_string(),
-                    retry: true,
-                })
+            Ok(Ok(row)) => {
+                pooled.put_back();
+                Ok(row)
             }
-            Ok(Err(e)) => Err(ExecError::Rejected(e)),
-            Err(_) => {
-                conn.close_on_drop();
-                Err(ExecError::Unknown {
-                    message: format!("no reply within {:?}", self.config.op_timeout),
-                    retry: false,
-                })
+            Ok(Err(e)) if is_connection_error(&e) => Err(ExecError::Unknown {
+                message: e.to_string(),
+                retry: true,
+            }),
+            Ok(Err(e)) => {
+                // The statement's implicit transaction rolled back; the connection is fine.
+                pooled.put_back();
+                Err(ExecError::Rejected(e))
             }
+            Err(_) => Err(ExecError::Unknown {
+                message: format!("no reply within {:?}", self.config.op_timeout),
+                retry: false,
+            }),
         }
     }
 
@@ -294,12 +306,13 @@ impl Inner {
         let mut attempts = self.config.pool_size.saturating_add(1);
         loop {
             let token = OwnershipToken::generate();
+            let sent_at = Instant::now();
             let mut undo = UndoOnDrop {
                 inner: Some(self.clone()),
                 key: key.clone(),
                 token,
+                until: sent_at + ttl,
             };
-            let sent_at = Instant::now();
             let outcome = self
                 .fetch_optional(
                     sqlx::query(self.sql.acquire.clone())
@@ -325,6 +338,11 @@ impl Inner {
                 Err(ExecError::Unknown { message, retry }) => {
                     // The grant may have been applied: undo it by token before anything else.
                     let cleaned = self.release_token(key, token).await;
+                    if cleaned.is_err() {
+                        // Keep trying while a phantom grant could still block others.
+                        self.clone()
+                            .undo_in_background(key.clone(), token, sent_at + ttl);
+                    }
                     tracing::debug!(%key, token = %token.digest(), %message, cleaned = ?cleaned.as_ref().map_err(|e| e.kind()), "acquire outcome unknown");
                     attempts -= 1;
                     if retry && cleaned.is_ok() && attempts > 0 && Instant::now() < give_up {
@@ -336,6 +354,27 @@ impl Inner {
                 Err(e) => return Err(exec_error(OP, key, e)),
             }
         }
+    }
+
+    /// Retries [`Inner::release_token`] in a background task until it succeeds or the grant it
+    /// undoes would have expired anyway (`until`).
+    fn undo_in_background(self: Arc<Self>, key: LockKey, token: OwnershipToken, until: Instant) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        rt.spawn(async move {
+            let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+            while Instant::now() < until {
+                match self.release_token(&key, token).await {
+                    Ok(released) => {
+                        tracing::debug!(%key, token = %token.digest(), released, "undid an acquire of unknown outcome");
+                        return;
+                    }
+                    Err(_) => sleep(backoff.next_delay().min(until - Instant::now().min(until))).await,
+                }
+            }
+            tracing::warn!(%key, token = %token.digest(), "could not undo an acquire of unknown outcome; it expired with its ttl");
+        });
     }
 
     /// Compare-and-release by token alone (the fence of a lost reply is unknown).
@@ -470,20 +509,13 @@ struct UndoOnDrop {
     inner: Option<Arc<Inner>>,
     key: LockKey,
     token: OwnershipToken,
+    until: Instant,
 }
 
 impl Drop for UndoOnDrop {
     fn drop(&mut self) {
-        let Some(inner) = self.inner.take() else {
-            return;
-        };
-        let (key, token) = (self.key.clone(), self.token);
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(async move {
-                if let Err(e) = inner.release_token(&key, token).await {
-                    tracing::warn!(%key, token = %token.digest(), error = %e, "could not undo a cancelled acquire; it expires with its ttl");
-                }
-            });
+        if let Some(inner) = self.inner.take() {
+            inner.undo_in_background(self.key.clone(), self.token, self.until);
         }
     }
 }

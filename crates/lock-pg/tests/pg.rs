@@ -358,3 +358,51 @@ async fn missing_table_and_unreachable_server_are_typed_errors() {
         .unwrap_err();
     assert!(matches!(err, Error::Unavailable { .. }), "{err}");
 }
+
+/// An acquire whose request applies but whose reply is lost (a proxy drops the replies) ends in
+/// `Indeterminate` within its timeouts — never `Ok(None)` or a hang — and the possible grant is
+/// undone by the attempt's token as soon as the server is reachable again, long before its TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_reply_on_acquire_is_indeterminate_and_undone() {
+    use conformance::drill::Proxy;
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let (proxy, proxied) = Proxy::start_for_url(&url).await.unwrap();
+    let a = PgLock::connect_url(&url_with(
+        &proxied,
+        "op_timeout=1s&connect_timeout=1&pool_size=1",
+    ))
+    .await
+    .unwrap();
+    let b = PgLock::connect_url(&url).await.unwrap();
+    let key = fresh_key("lost-reply");
+    // Warm a's only connection, so the acquire below is sent on it.
+    let warm = a.try_acquire(&key, LONG).await.unwrap().unwrap();
+    assert!(a.release(&warm).await.unwrap());
+
+    proxy.drop_replies();
+    let start = Instant::now();
+    let err = timeout(Duration::from_secs(20), a.try_acquire(&key, LONG))
+        .await
+        .expect("no hang")
+        .expect_err("the reply was lost");
+    assert!(matches!(err, Error::Indeterminate { .. }), "{err}");
+    assert!(err.is_temporary());
+    assert!(start.elapsed() < Duration::from_secs(10));
+    // The request applied: the key is held by a's lost attempt, which a cannot use.
+    let info = b
+        .inspect(&key)
+        .await
+        .unwrap()
+        .expect("the lost grant applied");
+    assert!(info.fencing_token > warm.fencing_token());
+
+    proxy.pass();
+    let got = b
+        .acquire(&key, LONG, Instant::now() + Duration::from_secs(10))
+        .await
+        .expect("the lost grant is undone after the heal, well before its 30 s ttl");
+    assert!(got.fencing_token() > info.fencing_token);
+    assert!(b.release(&got).await.unwrap());
+}
