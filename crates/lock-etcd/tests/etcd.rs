@@ -115,7 +115,10 @@ fn etcdctl_lock_excludes_us() {
         let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
         let line = timeout(SLACK, out.next_line()).await.unwrap().unwrap();
         let held_key = line.expect("etcdctl prints the key it holds");
-        assert!(held_key.starts_with(&format!("distlock/{key}/")), "{held_key}");
+        assert!(
+            held_key.starts_with(&format!("distlock/{key}/")),
+            "{held_key}"
+        );
 
         assert!(lock.try_acquire(&key, LONG).await.unwrap().is_none());
         let info = lock.inspect(&key).await.unwrap().expect("etcdctl's holder");
@@ -127,7 +130,10 @@ fn etcdctl_lock_excludes_us() {
             tokio::spawn(async move { lock.acquire(&key, LONG, Instant::now() + LONG).await })
         };
         sleep(Duration::from_millis(300)).await;
-        assert!(!waiter.is_finished(), "granted while etcdctl holds the lock");
+        assert!(
+            !waiter.is_finished(),
+            "granted while etcdctl holds the lock"
+        );
         let pid = child.id().unwrap().to_string();
         let killed = std::process::Command::new("kill")
             .args(["-TERM", &pid])
@@ -185,7 +191,13 @@ fn lease_revoked_from_outside_fires_lost_without_waiting_for_a_renewal() {
         let lock = env.client().await;
         let key = fresh("revoked");
         // A 30 s TTL: the watchdog's first renewal is 10 s away, so only a push can be this fast.
-        let guard = lock.lock(&key).ttl(LONG).try_acquire().await.unwrap().unwrap();
+        let guard = lock
+            .lock(&key)
+            .ttl(LONG)
+            .try_acquire()
+            .await
+            .unwrap()
+            .unwrap();
         let id = EtcdLock::lease_id(guard.granted_lease()).unwrap();
         let start = Instant::now();
         env.revoke(id).await;
@@ -253,7 +265,11 @@ fn a_waiter_keeps_its_entry_alive_past_its_ttl() {
         };
         sleep(ttl * 3).await;
         assert!(!waiter.is_finished());
-        assert_eq!(env.entries(&key).await.len(), 2, "the waiter's entry expired");
+        assert_eq!(
+            env.entries(&key).await.len(),
+            2,
+            "the waiter's entry expired"
+        );
         assert!(guard.release().await.unwrap());
         let lease = timeout(SLACK, waiter).await.unwrap().unwrap().unwrap();
         assert!(b.release(&lease).await.unwrap());
@@ -316,7 +332,12 @@ fn locks_of_one_client_share_a_lease_and_release_independently() {
         for k in &keys[1..] {
             assert!(b.try_acquire(k, ttl).await.unwrap().is_none(), "{k}");
         }
-        let ttl_left = env.admin.lease_client().time_to_live(id, None).await.unwrap();
+        let ttl_left = env
+            .admin
+            .lease_client()
+            .time_to_live(id, None)
+            .await
+            .unwrap();
         assert!(ttl_left.ttl() > 0, "the shared lease was revoked early");
         assert!(b.release(&l0).await.unwrap());
 
@@ -325,7 +346,12 @@ fn locks_of_one_client_share_a_lease_and_release_independently() {
             assert!(a.release(l).await.unwrap());
         }
         assert_eq!(a.session_count(), 0);
-        let ttl_left = env.admin.lease_client().time_to_live(id, None).await.unwrap();
+        let ttl_left = env
+            .admin
+            .lease_client()
+            .time_to_live(id, None)
+            .await
+            .unwrap();
         assert_eq!(ttl_left.ttl(), -1, "the unused lease must be revoked");
     });
 }
