@@ -47,11 +47,15 @@ pub struct Capabilities {
 }
 
 impl Capabilities {
+    /// The longest TTL any backend accepts (365 days): longer leases are a configuration mistake,
+    /// and bounding them keeps every deadline computation in range.
+    pub const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
+
     /// Checks a TTL against the backend's limits, before any I/O.
     ///
     /// # Errors
-    /// [`Error::InvalidTtl`] when `ttl` is zero, below [`Capabilities::min_ttl`] or above
-    /// [`Capabilities::max_ttl`].
+    /// [`Error::InvalidTtl`] when `ttl` is zero, below [`Capabilities::min_ttl`], above
+    /// [`Capabilities::max_ttl`] or above [`Capabilities::MAX_TTL`].
     pub fn check_ttl(&self, ttl: Duration) -> Result<()> {
         let reason = if ttl.is_zero() {
             "the ttl must be positive".to_owned()
@@ -59,6 +63,8 @@ impl Capabilities {
             format!("this backend's minimum ttl is {:?}", self.min_ttl)
         } else if !self.max_ttl.is_zero() && ttl > self.max_ttl {
             format!("this backend's maximum ttl is {:?}", self.max_ttl)
+        } else if ttl > Self::MAX_TTL {
+            format!("the maximum ttl is {:?}", Self::MAX_TTL)
         } else if ttl < Duration::from_millis(1) {
             "the ttl must be at least 1 ms".to_owned()
         } else {

@@ -6,8 +6,8 @@ use tokio::time::Instant;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::{
-    DistributedLock, DynLock, Error, FencingGuarantee, FencingToken, LockGuard, LockKey, Result,
-    TokenDigest,
+    Capabilities, DistributedLock, DynLock, Error, FencingGuarantee, FencingToken, LockGuard,
+    LockKey, Result, TokenDigest,
 };
 
 /// How often the guard renews.
@@ -195,7 +195,7 @@ impl LockBuilder {
         let wait = self.opts.wait.unwrap_or(LockOptions::DEFAULT_WAIT);
         let lease = self
             .lock
-            .acquire(&key, self.opts.ttl, Instant::now() + wait)
+            .acquire(&key, self.opts.ttl, deadline_after(wait))
             .await?;
         Ok(LockGuard::start(self.lock, lease, interval))
     }
@@ -252,6 +252,13 @@ impl LockBuilder {
             }
         }
     }
+}
+
+/// `now + wait`, saturating far in the future instead of overflowing.
+fn deadline_after(wait: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(wait)
+        .unwrap_or_else(|| now + Capabilities::MAX_TTL)
 }
 
 /// What a job run by `run_exclusive` gets: its fencing token and the lost-ownership signal.
