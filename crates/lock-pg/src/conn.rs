@@ -18,7 +18,6 @@ use tokio::{
     time::timeout,
 };
 
-#[derive(Debug)]
 pub(crate) struct ConnPool {
     options: PgConnectOptions,
     idle: Mutex<Vec<PgConnection>>,
@@ -26,9 +25,17 @@ pub(crate) struct ConnPool {
     connect_timeout: Duration,
 }
 
+impl std::fmt::Debug for ConnPool {
+    // Not derived: the connect options hold the password.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnPool")
+            .field("available", &self.permits.available_permits())
+            .finish_non_exhaustive()
+    }
+}
+
 /// A connection checked out of [`ConnPool`]. Dropped without [`PooledConn::put_back`], it is
 /// closed.
-#[derive(Debug)]
 pub(crate) struct PooledConn<'a> {
     pool: &'a ConnPool,
     conn: Option<PgConnection>,

@@ -632,3 +632,27 @@ impl fmt::Debug for PgLock {
             .finish_non_exhaustive()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_never_shows_the_password() {
+        let config =
+            PgLockConfig::from_url("postgres://app:hunter2@127.0.0.1:1/db?table=t").unwrap();
+        let lock = PgLock::connect_lazy(config);
+        let shown = format!("{lock:?} {:?}", lock.inner.conns);
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("127.0.0.1"), "{shown}");
+    }
+
+    #[test]
+    fn connection_errors_are_told_apart_from_statement_errors() {
+        assert!(is_connection_error(&sqlx::Error::Io(std::io::Error::from(
+            std::io::ErrorKind::UnexpectedEof
+        ))));
+        assert!(!is_connection_error(&sqlx::Error::RowNotFound));
+        assert!(!is_connection_error(&sqlx::Error::PoolTimedOut));
+    }
+}
