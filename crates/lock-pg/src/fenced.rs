@@ -22,7 +22,9 @@ use crate::config::check_identifier;
 /// in the same transaction are fenced too, and a concurrent writer with another token waits and
 /// then re-checks against the committed value. A stale token is reported as
 /// [`FenceError::Stale`], a missing row as [`FenceError::NotFound`]; either way nothing was
-/// changed and the caller should roll back.
+/// changed and the caller should roll back. Under `REPEATABLE READ` or `SERIALIZABLE`, a
+/// concurrent writer makes the later one fail with a serialization error instead
+/// ([`FenceError::Database`], SQLSTATE 40001): retry its transaction.
 ///
 /// ```no_run
 /// # async fn demo(pool: sqlx::PgPool, token: lock_core::FencingToken) -> Result<(), Box<dyn std::error::Error>> {
