@@ -39,7 +39,7 @@ use std::{
 use distlock::{DistributedLockExt, Error, FencingToken, JobContext, LockOptions};
 
 const INSTANCES: [&str; 3] = ["instance-a", "instance-b", "instance-c"];
-/// Orders #1..=#4 have timed out when the service starts; #5, #6, #7 time out 1, 2 and 3 TTLs later.
+/// Orders #1..=#4 have timed out when the service starts; #5, #6, #7 time out ½, 1 and 1½ TTLs later.
 const ORDERS: u32 = 7;
 const DUE_AT_START: u32 = 4;
 
@@ -155,7 +155,7 @@ impl OrderStore {
         let orders = (1..=ORDERS)
             .map(|id| Order {
                 id,
-                due_at: start + ttl * id.saturating_sub(DUE_AT_START),
+                due_at: start + ttl * id.saturating_sub(DUE_AT_START) / 2,
                 status: Status::Pending,
                 last_fencing_token: 0,
                 closes: 0,

@@ -97,11 +97,10 @@ impl Backend {
     pub fn is_enabled(self) -> bool {
         match self {
             Backend::Memory => true,
-            // A driver not yet wired into the facade reads `false` here (no feature exists).
-            Backend::Redis => false,
-            Backend::Etcd => false,
-            Backend::ZooKeeper => false,
-            Backend::Postgres => false,
+            Backend::Redis => cfg!(feature = "redis"),
+            Backend::Etcd => cfg!(feature = "etcd"),
+            Backend::ZooKeeper => cfg!(feature = "zk"),
+            Backend::Postgres => cfg!(feature = "pg"),
         }
     }
 }
@@ -181,6 +180,14 @@ fn supported_schemes_sentence() -> String {
 pub async fn connect(url: &str) -> Result<DynLock> {
     match Backend::for_url(url)? {
         Backend::Memory => connect_memory(url),
+        #[cfg(feature = "redis")]
+        Backend::Redis => connect_redis(url).await,
+        #[cfg(feature = "etcd")]
+        Backend::Etcd => connect_etcd(url).await,
+        #[cfg(feature = "zk")]
+        Backend::ZooKeeper => connect_zk(url).await,
+        #[cfg(feature = "pg")]
+        Backend::Postgres => connect_pg(url).await,
         #[allow(unreachable_patterns)] // every backend is enabled under `full`
         other => Err(Error::Config(format!(
             "the {other} backend is not compiled into this build of distlock"
@@ -217,6 +224,30 @@ fn connect_memory(url: &str) -> Result<DynLock> {
     let mut coordinators = MEMORY.lock().unwrap_or_else(PoisonError::into_inner);
     let coordinator = coordinators.entry(name).or_default();
     Ok(Arc::new(coordinator.client()))
+}
+
+#[cfg(feature = "redis")]
+async fn connect_redis(url: &str) -> Result<DynLock> {
+    let config = lock_redis::RedisLockConfig::from_url(url)?;
+    Ok(Arc::new(lock_redis::RedisLock::connect(config).await?))
+}
+
+#[cfg(feature = "etcd")]
+async fn connect_etcd(url: &str) -> Result<DynLock> {
+    let config = lock_etcd::EtcdLockConfig::from_url(url)?;
+    Ok(Arc::new(lock_etcd::EtcdLock::connect(config).await?))
+}
+
+#[cfg(feature = "pg")]
+async fn connect_pg(url: &str) -> Result<DynLock> {
+    let config = lock_pg::PgLockConfig::from_url(url)?;
+    Ok(Arc::new(lock_pg::PgLock::connect(config).await?))
+}
+
+#[cfg(feature = "zk")]
+async fn connect_zk(url: &str) -> Result<DynLock> {
+    let config = lock_zk::ZkLockConfig::from_url(url)?;
+    Ok(Arc::new(lock_zk::ZkLock::connect(config).await?))
 }
 
 #[cfg(test)]

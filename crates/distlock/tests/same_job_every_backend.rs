@@ -22,10 +22,19 @@ fn urls() -> Vec<String> {
         if backend.is_enabled()
             && let Some(url) = conformance::backend_url(var)
         {
-            urls.push(url);
+            urls.push(with_short_session(backend, url));
         }
     }
     urls
+}
+
+/// Short sessions for ZooKeeper, whose smallest TTL is its session timeout (10 s by default).
+fn with_short_session(backend: Backend, url: String) -> String {
+    if backend != Backend::ZooKeeper {
+        return url;
+    }
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}session_timeout=2s")
 }
 
 fn check(url: &str) {

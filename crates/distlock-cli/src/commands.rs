@@ -1,0 +1,336 @@
+//! `inspect`, `release --force` and `check`.
+
+use std::{
+    io::{BufRead, IsTerminal, Write},
+    time::Duration,
+};
+
+use distlock::{Capabilities, DistributedLockExt, DynLock, FencingGuarantee, HolderInfo, LockKey};
+use tokio::time::Instant;
+
+use crate::{
+    CheckArgs, InspectArgs, ReleaseArgs,
+    duration::format_duration,
+    exit::{self, code_for},
+};
+
+fn key_or_exit(key: &str) -> Result<LockKey, u8> {
+    LockKey::new(key).map_err(|e| {
+        eprintln!("distlock: {e}");
+        exit::USAGE
+    })
+}
+
+/// One line describing a holder, for messages.
+pub fn describe_holder(info: &HolderInfo) -> String {
+    let mut parts = Vec::new();
+    if let Some(digest) = info.token_digest {
+        parts.push(format!("token {digest}"));
+    }
+    if let Some(fencing) = info.fencing_token {
+        parts.push(format!("fencing token {fencing}"));
+    }
+    if let Some(ttl) = info.ttl_remaining {
+        parts.push(format!("{} left", format_duration(ttl)));
+    }
+    if let Some(waiters) = info.waiters.filter(|&w| w > 0) {
+        parts.push(format!("{waiters} waiting"));
+    }
+    if parts.is_empty() {
+        "an unknown holder".to_owned()
+    } else {
+        parts.join(", ")
+    }
+}
+
+/// `distlock inspect KEY [--json]`.
+pub async fn inspect(lock: DynLock, args: InspectArgs) -> u8 {
+    let key = match key_or_exit(&args.key) {
+        Ok(key) => key,
+        Err(code) => return code,
+    };
+    let holder = match lock.inspect(&key).await {
+        Ok(holder) => holder,
+        Err(e) => {
+            eprintln!("distlock: {e}");
+            return code_for(&e);
+        }
+    };
+    if args.json {
+        let value = serde_json::json!({
+            "key": key.as_str(),
+            "backend": lock.backend_name(),
+            "held": holder.is_some(),
+            "token_digest": holder.as_ref().and_then(|h| h.token_digest).map(|d| d.to_string()),
+            "fencing_token": holder.as_ref().and_then(|h| h.fencing_token).map(|f| f.get()),
+            "ttl_remaining_ms": holder.as_ref().and_then(|h| h.ttl_remaining).map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
+            "waiters": holder.as_ref().and_then(|h| h.waiters),
+        });
+        println!("{value}");
+        return exit::OK;
+    }
+    match holder {
+        None => println!("{key}: free"),
+        Some(h) => {
+            println!("{key}: held");
+            let none = || "-".to_owned();
+            println!(
+                "  holder token:   {}",
+                h.token_digest.map_or_else(none, |d| d.to_string())
+            );
+            println!(
+                "  fencing token:  {}",
+                h.fencing_token.map_or_else(none, |f| f.to_string())
+            );
+            println!(
+                "  ttl remaining:  {}",
+                h.ttl_remaining.map_or_else(none, format_duration)
+            );
+            println!(
+                "  waiters:        {}",
+                h.waiters.map_or_else(none, |w| w.to_string())
+            );
+        }
+    }
+    exit::OK
+}
+
+/// `distlock release --force KEY [--yes]`.
+pub async fn release(lock: DynLock, args: ReleaseArgs) -> u8 {
+    let key = match key_or_exit(&args.key) {
+        Ok(key) => key,
+        Err(code) => return code,
+    };
+    if !lock.capabilities().force_release {
+        eprintln!(
+            "distlock: the {} backend does not support force_release",
+            lock.backend_name()
+        );
+        return exit::CONFIG;
+    }
+    let holder = match lock.inspect(&key).await {
+        Ok(Some(holder)) => holder,
+        Ok(None) => {
+            println!("{key} is not held; nothing to release");
+            return exit::OK;
+        }
+        Err(e) => {
+            eprintln!("distlock: {e}");
+            return code_for(&e);
+        }
+    };
+    eprintln!("{key} is held by {}", describe_holder(&holder));
+    eprintln!(
+        "Force-releasing removes that lease now, whatever its holder is doing. If the holder is\n\
+         still alive (paused, partitioned, slow), it may keep working — and writing — until it\n\
+         notices the loss at its next renewal; only a resource that checks fencing tokens will\n\
+         reject its writes (the next holder gets a newer token). Do this only when you know the\n\
+         holder is dead or its writes are fenced."
+    );
+    if !args.yes {
+        if !std::io::stdin().is_terminal() {
+            eprintln!(
+                "distlock: refusing to force-release without confirmation: stdin is not a terminal (pass --yes)"
+            );
+            return exit::USAGE;
+        }
+        eprint!("Force-release {key}? [y/N] ");
+        let _ = std::io::stderr().flush();
+        let mut answer = String::new();
+        let confirmed = std::io::stdin().lock().read_line(&mut answer).is_ok()
+            && matches!(answer.trim().to_ascii_lowercase().as_str(), "y" | "yes");
+        if !confirmed {
+            eprintln!("not released");
+            return exit::FAILED;
+        }
+    }
+    match lock.force_release(&key).await {
+        Ok(true) => {
+            println!(
+                "released {key} (it was held by {})",
+                describe_holder(&holder)
+            );
+            exit::OK
+        }
+        Ok(false) => {
+            println!("{key} was no longer held; nothing released");
+            exit::OK
+        }
+        Err(e) => {
+            eprintln!("distlock: {e}");
+            code_for(&e)
+        }
+    }
+}
+
+fn describe_capabilities(caps: &Capabilities) -> Vec<String> {
+    let flag = |on: bool| if on { "yes" } else { "no" };
+    let fencing = match caps.fencing {
+        FencingGuarantee::None => "none",
+        FencingGuarantee::SingleNode => {
+            "single-node (lost if the coordinator loses acknowledged writes)"
+        }
+        FencingGuarantee::Quorum => "quorum (consensus-backed)",
+    };
+    let ttl_limit = |d: Duration| {
+        if d.is_zero() {
+            "-".to_owned()
+        } else {
+            format_duration(d)
+        }
+    };
+    vec![
+        format!("  fencing tokens:     {fencing}"),
+        format!("  server-side TTL:    {}", flag(caps.lease_ttl)),
+        format!("  renew:              {}", flag(caps.renew)),
+        format!("  session-bound:      {}", flag(caps.session_bound)),
+        format!("  waiters notified:   {}", flag(caps.wait_notify)),
+        format!("  FIFO queue:         {}", flag(caps.fair_queue)),
+        format!("  loss reported:      {}", flag(caps.lost_notify)),
+        format!("  force release:      {}", flag(caps.force_release)),
+        format!(
+            "  ttl min / max / granularity: {} / {} / {}",
+            ttl_limit(caps.min_ttl),
+            ttl_limit(caps.max_ttl),
+            ttl_limit(caps.ttl_granularity)
+        ),
+    ]
+}
+
+/// `distlock check`.
+pub async fn check(lock: DynLock, args: CheckArgs) -> u8 {
+    let caps = lock.capabilities();
+    println!("backend: {}", lock.backend_name());
+    for line in describe_capabilities(&caps) {
+        println!("{line}");
+    }
+    let ttl = args
+        .ttl
+        .unwrap_or_else(|| caps.effective_ttl(Duration::from_secs(5).max(caps.min_ttl)));
+    let key = match LockKey::new(format!("distlock-check/{:016x}", rand::random::<u64>())) {
+        Ok(key) => key,
+        Err(e) => {
+            eprintln!("distlock: {e}");
+            return exit::FAILED;
+        }
+    };
+    println!("self-test on {key} (ttl {}):", format_duration(ttl));
+    match self_test(&lock, &key, ttl, caps).await {
+        Ok(()) => {
+            println!("result: OK");
+            exit::OK
+        }
+        Err(SelfTestError::Lock(e)) => {
+            println!("result: FAILED: {e}");
+            code_for(&e)
+        }
+        Err(SelfTestError::Wrong(why)) => {
+            println!("result: FAILED: {why}");
+            exit::FAILED
+        }
+    }
+}
+
+enum SelfTestError {
+    Lock(distlock::Error),
+    Wrong(String),
+}
+
+impl From<distlock::Error> for SelfTestError {
+    fn from(e: distlock::Error) -> Self {
+        SelfTestError::Lock(e)
+    }
+}
+
+fn step(name: &str, started: Instant, detail: &str) {
+    println!(
+        "  {name:<13} ok  {:>9}  {detail}",
+        format!("{:.1}ms", started.elapsed().as_secs_f64() * 1000.0)
+    );
+}
+
+async fn self_test(
+    lock: &DynLock,
+    key: &LockKey,
+    ttl: Duration,
+    caps: Capabilities,
+) -> Result<(), SelfTestError> {
+    let wrong = |s: &str| Err(SelfTestError::Wrong(s.to_owned()));
+
+    let t = Instant::now();
+    let Some(mut lease) = lock.try_acquire(key, ttl).await? else {
+        return wrong("a fresh random key was reported as held");
+    };
+    let first = lease.fencing_token();
+    step(
+        "try_acquire",
+        t,
+        &first.map_or("no fencing token".to_owned(), |f| {
+            format!("fencing token {f}")
+        }),
+    );
+
+    let t = Instant::now();
+    match lock.inspect(key).await? {
+        Some(h) if h.token_digest.is_none_or(|d| d == lease.token().digest()) => {
+            step(
+                "inspect",
+                t,
+                &format!("held by us ({})", describe_holder(&h)),
+            );
+        }
+        Some(_) => return wrong("inspect shows another holder than us"),
+        None => return wrong("inspect shows the key free while we hold it"),
+    }
+
+    let t = Instant::now();
+    if lock.try_acquire(key, ttl).await?.is_some() {
+        return wrong("a second acquisition succeeded while the lock was held");
+    }
+    step("exclusion", t, "a second try_acquire is refused");
+
+    if caps.renew {
+        let t = Instant::now();
+        lock.renew(&mut lease, ttl).await?;
+        step("renew", t, "");
+    } else {
+        println!("  {:<13} skipped (not supported)", "renew");
+    }
+
+    let t = Instant::now();
+    if !lock.release(&lease).await? {
+        return wrong("release reported the lease already lost");
+    }
+    step("release", t, "");
+
+    let t = Instant::now();
+    if lock.inspect(key).await?.is_some() {
+        return wrong("inspect shows a holder after release");
+    }
+    step("inspect", t, "free");
+
+    let t = Instant::now();
+    let guard = lock.lock(key).ttl(ttl).try_acquire().await?;
+    let Some(guard) = guard else {
+        return wrong("the released key could not be acquired again");
+    };
+    let second = guard.fencing_token();
+    let released = guard.release().await?;
+    if !released {
+        return wrong("the second lease was lost before its release");
+    }
+    match (first, second) {
+        (Some(a), Some(b)) if b <= a => {
+            return Err(SelfTestError::Wrong(format!(
+                "fencing tokens did not increase ({a} then {b})"
+            )));
+        }
+        (Some(a), Some(b)) => step(
+            "reacquire",
+            t,
+            &format!("fencing token {b} > {a}, released"),
+        ),
+        _ => step("reacquire", t, "released"),
+    }
+    Ok(())
+}

@@ -1,0 +1,49 @@
+//! The exit statuses of `distlock`, documented in `--help` and the README.
+
+use distlock::Error;
+
+/// Success. `run` passes the command's own status through instead.
+pub const OK: u8 = 0;
+/// `check`: the self-test failed; `release`: the operator declined.
+pub const FAILED: u8 = 1;
+/// Usage error: bad arguments, invalid key or duration, no URL, no confirmation possible.
+pub const USAGE: u8 = 2;
+/// The coordinator is unavailable or failed (could not connect, or an operation failed).
+pub const UNAVAILABLE: u8 = 69;
+/// `run`: the lock was not acquired (held elsewhere, or `--wait` ran out). Settable with `-E`.
+pub const NOT_ACQUIRED: u8 = 75;
+/// `run`: the lease was lost while the command ran; the command was terminated.
+pub const LOST: u8 = 76;
+/// Configuration error: bad URL, unknown scheme, backend not compiled in, invalid option, or
+/// an operation the backend does not support.
+pub const CONFIG: u8 = 78;
+/// `run`: the command exists but could not be executed.
+pub const CANNOT_EXECUTE: u8 = 126;
+/// `run`: the command was not found.
+pub const NOT_FOUND: u8 = 127;
+
+/// The text shown at the end of `distlock --help`.
+pub const HELP: &str = "\
+Exit status:
+  0        success (`run`: the command's own exit status is passed through)
+  1        `check`: the self-test failed; `release`: not confirmed
+  2        usage error (bad arguments, invalid key or duration, no URL)
+  69       the coordinator is unavailable or failed
+  75       `run`: lock not acquired (held elsewhere or --wait ran out); change with -E
+  76       `run`: the lease was lost while the command ran; the command was terminated
+  78       configuration error (bad URL, unknown scheme, backend not compiled in, bad option)
+  126/127  `run`: the command could not be executed / was not found
+  128+N    `run`: the command was killed by signal N
+
+The URL comes from --url or DISTLOCK_URL: memory://NAME (this process only), redis://,
+rediss://, etcd://, etcds://, zk://, postgres://, postgresql:// (as compiled in); driver
+options go in the query string.";
+
+/// The exit status for an error outside `run`'s own cases.
+pub fn code_for(error: &Error) -> u8 {
+    match error {
+        Error::InvalidKey { .. } | Error::InvalidTtl { .. } => USAGE,
+        Error::Config(_) | Error::Unsupported { .. } => CONFIG,
+        _ => UNAVAILABLE,
+    }
+}

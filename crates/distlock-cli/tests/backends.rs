@@ -1,0 +1,301 @@
+//! `distlock run` across processes, against every real coordinator compiled into this binary
+//! whose test URL is set (`DISTLOCK_TEST_{REDIS,ETCD,ZK,PG}_URL`; with
+//! `DISTLOCK_REQUIRE_BACKENDS=1` a missing URL fails the test).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Child, Command, Output, Stdio},
+    thread,
+    time::{Duration, Instant},
+};
+
+use distlock::Backend;
+
+fn distlock(url: &str) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_distlock"));
+    command.env("DISTLOCK_URL", url).stdin(Stdio::null());
+    command
+}
+
+fn backends() -> Vec<(Backend, String)> {
+    [
+        (Backend::Redis, "DISTLOCK_TEST_REDIS_URL"),
+        (Backend::Etcd, "DISTLOCK_TEST_ETCD_URL"),
+        (Backend::ZooKeeper, "DISTLOCK_TEST_ZK_URL"),
+        (Backend::Postgres, "DISTLOCK_TEST_PG_URL"),
+    ]
+    .into_iter()
+    .filter(|(backend, _)| backend.is_enabled())
+    .filter_map(|(backend, var)| {
+        conformance::backend_url(var).map(|url| (backend, with_short_session(backend, url)))
+    })
+    .collect()
+}
+
+/// Short sessions for ZooKeeper, whose smallest TTL is its session timeout (10 s by default).
+fn with_short_session(backend: Backend, url: String) -> String {
+    if backend != Backend::ZooKeeper {
+        return url;
+    }
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}session_timeout=2s")
+}
+
+fn fresh_key(label: &str) -> String {
+    format!("distlock-cli-test/{label}/{:016x}", rand::random::<u64>())
+}
+
+fn temp_dir(label: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "distlock-cli-{label}-{}-{:08x}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn wait_for_file(path: &Path, child: &mut Child, within: Duration) {
+    let deadline = Instant::now() + within;
+    while !path.exists() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the holder exited with {status} before starting its command");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} never appeared",
+            path.display()
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn wait_with_timeout(mut child: Child, within: Duration) -> Output {
+    let deadline = Instant::now() + within;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("distlock did not exit within {within:?}");
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// Two processes taking turns on one key: every critical section is `start T` … `end T` with no
+/// other line in between, and the fencing tokens T strictly increase.
+#[test]
+fn two_runs_on_one_key_never_overlap() {
+    for (backend, url) in backends() {
+        let key = fresh_key("overlap");
+        let dir = temp_dir("overlap");
+        let log = dir.join("log");
+        let script = format!(
+            "echo \"start $DISTLOCK_FENCING_TOKEN\" >> {log}; sleep 0.2; echo \"end $DISTLOCK_FENCING_TOKEN\" >> {log}",
+            log = log.display()
+        );
+        let workers: Vec<_> = (0..2)
+            .map(|_| {
+                let (url, key, script) = (url.clone(), key.clone(), script.clone());
+                thread::spawn(move || {
+                    for _ in 0..3 {
+                        let out = distlock(&url)
+                            .args([
+                                "run", &key, "--ttl", "5s", "--wait", "60s", "--", "sh", "-c",
+                                &script,
+                            ])
+                            .output()
+                            .unwrap();
+                        assert_eq!(
+                            out.status.code(),
+                            Some(0),
+                            "{}",
+                            String::from_utf8_lossy(&out.stderr)
+                        );
+                    }
+                })
+            })
+            .collect();
+        for worker in workers {
+            worker.join().unwrap();
+        }
+        let text = std::fs::read_to_string(&log).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 12, "{backend}: {text}");
+        let mut last = 0u64;
+        for pair in lines.chunks(2) {
+            let start = pair[0]
+                .strip_prefix("start ")
+                .unwrap_or_else(|| panic!("{backend}: {text}"));
+            let end = pair[1]
+                .strip_prefix("end ")
+                .unwrap_or_else(|| panic!("{backend}: {text}"));
+            assert_eq!(start, end, "{backend}: interleaved sections:\n{text}");
+            let token: u64 = start.parse().unwrap();
+            assert!(
+                token > last,
+                "{backend}: fencing tokens did not increase:\n{text}"
+            );
+            last = token;
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn a_held_lock_is_not_acquired_with_the_documented_exit_status() {
+    for (backend, url) in backends() {
+        let key = fresh_key("conflict");
+        let dir = temp_dir("conflict");
+        let started = dir.join("started");
+        let mut holder = distlock(&url)
+            .args(["run", &key, "--ttl", "10s", "--", "sh", "-c"])
+            .arg(format!("touch {}; sleep 30", started.display()))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_for_file(&started, &mut holder, Duration::from_secs(20));
+
+        let out = distlock(&url)
+            .args(["run", &key, "--", "true"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(75), "{backend}: {err}");
+        assert!(err.contains("not acquired"), "{backend}: {err}");
+        let out = distlock(&url)
+            .args(["run", &key, "-E", "9", "--", "true"])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(9), "{backend}");
+        let out = distlock(&url)
+            .args(["run", &key, "--wait", "300ms", "--", "true"])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(75), "{backend}");
+
+        let out = distlock(&url)
+            .args(["inspect", &key, "--json"])
+            .output()
+            .unwrap();
+        let value: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(value["held"], true, "{backend}: {value}");
+
+        // SIGTERM is forwarded; the command dies of it and distlock reports 128+15.
+        assert!(
+            Command::new("kill")
+                .arg(holder.id().to_string())
+                .status()
+                .unwrap()
+                .success()
+        );
+        let out = wait_with_timeout(holder, Duration::from_secs(20));
+        assert_eq!(
+            out.status.code(),
+            Some(143),
+            "{backend}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // Released on exit: the key is free again.
+        let out = distlock(&url)
+            .args(["run", &key, "--", "true"])
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{backend}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// A command whose lease is taken away is terminated: SIGTERM to its group, then SIGKILL for a
+/// command that ignores SIGTERM; distlock exits with 76.
+#[test]
+fn a_command_whose_lease_is_lost_is_terminated() {
+    for (backend, url) in backends() {
+        let key = fresh_key("lost");
+        let dir = temp_dir("lost");
+        let pidfile = dir.join("pid");
+        let holder = distlock(&url)
+            .args([
+                "run",
+                &key,
+                "--ttl",
+                "3s",
+                "--kill-after",
+                "1s",
+                "--",
+                "sh",
+                "-c",
+            ])
+            .arg(format!(
+                "trap '' TERM; echo $$ > {}.tmp; mv {0}.tmp {0}; while :; do sleep 0.1; done",
+                pidfile.display()
+            ))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut holder = holder;
+        wait_for_file(&pidfile, &mut holder, Duration::from_secs(20));
+        let pgid: i32 = std::fs::read_to_string(&pidfile)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+
+        let out = distlock(&url)
+            .args(["release", "--force", "--yes", &key])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{backend}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(stdout.contains("released"), "{backend}: {stdout}");
+
+        let out = wait_with_timeout(holder, Duration::from_secs(30));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(76), "{backend}: {err}");
+        assert!(err.contains("lost the lock"), "{backend}: {err}");
+        assert!(err.contains("SIGKILL"), "{backend}: {err}");
+        // Nothing of the command's process group is left running (a killed grandchild may
+        // linger as a zombie until init reaps it).
+        let alive = live_members_of_group(pgid);
+        assert!(
+            alive.is_empty(),
+            "{backend}: the command's process group survived: {alive:?}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// Pids of the processes in process group `pgid` that are not zombies (from /proc/*/stat).
+fn live_members_of_group(pgid: i32) -> Vec<i32> {
+    let mut alive = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // pid (comm) state ppid pgrp ...: comm may contain spaces, so split after the last ')'.
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        if fields.len() > 2 && fields[2] == pgid.to_string() && fields[0] != "Z" {
+            alive.push(pid);
+        }
+    }
+    alive
+}

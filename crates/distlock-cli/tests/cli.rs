@@ -1,0 +1,240 @@
+//! The `distlock` binary against the in-memory backend (one process) and bad input.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::{
+    io::{BufRead, BufReader},
+    process::{Command, Output, Stdio},
+};
+
+use distlock::Backend;
+
+fn distlock() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_distlock"));
+    command.env_remove("DISTLOCK_URL");
+    command
+}
+
+fn output(command: &mut Command) -> Output {
+    command.stdin(Stdio::null()).output().unwrap()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Exactly one line on stderr, starting with `distlock:`, and the given exit status.
+fn assert_one_line_error(out: &Output, code: i32, needle: &str) {
+    let err = stderr(out);
+    assert_eq!(out.status.code(), Some(code), "stderr: {err}");
+    assert_eq!(err.lines().count(), 1, "expected one line, got: {err}");
+    assert!(err.starts_with("distlock: "), "{err}");
+    assert!(err.contains(needle), "{err:?} should contain {needle:?}");
+}
+
+#[test]
+fn bad_urls_unknown_schemes_and_missing_features_give_one_clear_line() {
+    let out = output(distlock().args(["--url", "foo://x", "inspect", "k"]));
+    assert_one_line_error(&out, 78, "unknown lock URL scheme `foo://`");
+    let out = output(distlock().args(["--url", "not a url", "check"]));
+    assert_one_line_error(&out, 78, "SCHEME://");
+    let out = output(distlock().args(["--url", "memory://x?bogus=1", "check"]));
+    assert_one_line_error(&out, 78, "unknown memory:// option `bogus`");
+    let out = output(distlock().args(["inspect", "k"]));
+    assert_one_line_error(&out, 2, "no coordinator URL");
+    let out = output(
+        distlock()
+            .env("DISTLOCK_URL", "bar://y")
+            .args(["inspect", "k"]),
+    );
+    assert_one_line_error(&out, 78, "unknown lock URL scheme `bar://`");
+
+    for (backend, url) in [
+        (Backend::Redis, "redis://127.0.0.1:1"),
+        (Backend::Etcd, "etcd://127.0.0.1:1"),
+        (Backend::ZooKeeper, "zk://127.0.0.1:1"),
+        (Backend::Postgres, "postgres://u:secret@127.0.0.1:1/db"),
+    ] {
+        if backend.is_enabled() {
+            continue;
+        }
+        let out = output(distlock().args(["--url", url, "inspect", "k"]));
+        let feature = backend.feature().unwrap();
+        assert_one_line_error(&out, 78, &format!("the `{feature}` feature"));
+        assert!(!stderr(&out).contains("secret"));
+    }
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    let out = output(distlock().args([
+        "--url",
+        "memory://",
+        "run",
+        "k",
+        "--ttl",
+        "soon",
+        "--",
+        "true",
+    ]));
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("invalid duration"),
+        "{}",
+        stderr(&out)
+    );
+    let out = output(distlock().args(["--url", "memory://", "run", "k"]));
+    assert_eq!(out.status.code(), Some(2));
+    let out = output(distlock().args(["--url", "memory://", "release", "k"]));
+    assert_eq!(out.status.code(), Some(2), "release without --force");
+    let out = output(distlock().args(["--url", "memory://", "inspect", ""]));
+    assert_one_line_error(&out, 2, "invalid lock key");
+    let out = output(distlock().args([
+        "--url",
+        "memory://",
+        "run",
+        "k",
+        "--ttl",
+        "0s",
+        "--",
+        "true",
+    ]));
+    assert_one_line_error(&out, 2, "invalid ttl");
+}
+
+#[test]
+fn run_passes_key_and_fencing_token_and_the_exit_status() {
+    let out = output(distlock().args([
+        "--url",
+        "memory://t",
+        "run",
+        "jobs/nightly",
+        "--",
+        "sh",
+        "-c",
+        "echo \"$DISTLOCK_KEY $DISTLOCK_FENCING_TOKEN\"; exit 7",
+    ]));
+    assert_eq!(out.status.code(), Some(7), "{}", stderr(&out));
+    assert_eq!(stdout(&out), "jobs/nightly 1\n");
+    assert_eq!(stderr(&out), "");
+
+    let out = output(distlock().args(["--url", "memory://t", "run", "k", "--", "true"]));
+    assert_eq!(out.status.code(), Some(0));
+    let out = output(distlock().args([
+        "--url",
+        "memory://t",
+        "run",
+        "k",
+        "--",
+        "sh",
+        "-c",
+        "kill -KILL $$",
+    ]));
+    assert_eq!(out.status.code(), Some(128 + 9));
+}
+
+#[test]
+fn run_reports_a_missing_command() {
+    let out = output(distlock().args(["--url", "memory://", "run", "k", "--", "/nonexistent/cmd"]));
+    assert_one_line_error(&out, 127, "cannot run /nonexistent/cmd");
+}
+
+#[test]
+fn the_command_runs_in_its_own_process_group() {
+    // Field 5 of /proc/PID/stat is the process group id.
+    let out = output(distlock().args([
+        "--url",
+        "memory://",
+        "run",
+        "k",
+        "--",
+        "sh",
+        "-c",
+        "echo $$ $(cut -d' ' -f5 /proc/$$/stat) $(cut -d' ' -f5 /proc/$PPID/stat)",
+    ]));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let text = stdout(&out);
+    let fields: Vec<&str> = text.split_whitespace().collect();
+    assert_eq!(fields.len(), 3, "{text}");
+    assert_eq!(
+        fields[0], fields[1],
+        "the command leads its own group: {text}"
+    );
+    assert_ne!(fields[1], fields[2], "distlock is in another group: {text}");
+}
+
+#[test]
+fn sigterm_and_sigint_are_forwarded_to_the_command() {
+    for (signal, expected) in [("TERM", "got TERM"), ("INT", "got INT")] {
+        let mut child = distlock()
+            .args([
+                "--url",
+                "memory://",
+                "run",
+                "k",
+                "--",
+                "sh",
+                "-c",
+                "trap 'echo got TERM; exit 42' TERM; trap 'echo got INT; exit 43' INT; echo ready; \
+                 while :; do sleep 0.1; done",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        assert_eq!(lines.next().unwrap().unwrap(), "ready");
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(child.id().to_string())
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(lines.next().unwrap().unwrap(), expected);
+        let code = if signal == "TERM" { 42 } else { 43 };
+        assert_eq!(out.status.code(), Some(code), "{}", stderr(&out));
+    }
+}
+
+#[test]
+fn check_passes_on_the_memory_backend() {
+    let out = output(distlock().args(["--url", "memory://", "check"]));
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{text}{}", stderr(&out));
+    assert!(text.starts_with("backend: memory\n"), "{text}");
+    assert!(text.contains("fencing tokens:     quorum"), "{text}");
+    assert!(text.contains("fencing token 2 > 1"), "{text}");
+    assert!(text.ends_with("result: OK\n"), "{text}");
+}
+
+#[test]
+fn inspect_and_release_of_a_free_key() {
+    let out = output(distlock().args(["--url", "memory://", "inspect", "k", "--json"]));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let value: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(value["key"], "k");
+    assert_eq!(value["held"], false);
+    assert_eq!(value["backend"], "memory");
+    assert!(value["fencing_token"].is_null());
+
+    let out = output(distlock().args(["--url", "memory://", "inspect", "k"]));
+    assert_eq!(stdout(&out), "k: free\n");
+
+    let out = output(distlock().args(["--url", "memory://", "release", "--force", "k"]));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(stdout(&out).contains("not held"));
+}
+
+#[test]
+fn help_documents_the_exit_codes() {
+    let out = output(distlock().arg("--help"));
+    let text = stdout(&out);
+    for code in ["75 ", "76 ", "69 ", "78 ", "128+N"] {
+        assert!(text.contains(code), "{code} missing from --help:\n{text}");
+    }
+}
