@@ -11,6 +11,10 @@ use std::{
 };
 
 use distlock::Backend;
+use nix::{
+    sys::signal::{Signal, killpg},
+    unistd::Pid,
+};
 
 fn distlock(url: &str) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_distlock"));
@@ -71,11 +75,15 @@ fn wait_for_file(path: &Path, child: &mut Child, within: Duration) {
     }
 }
 
-fn wait_with_timeout(mut child: Child, within: Duration) -> Output {
+/// Waits for distlock to exit; on timeout kills it and the command's process group `group`.
+fn wait_with_timeout(mut child: Child, within: Duration, group: Option<i32>) -> Output {
     let deadline = Instant::now() + within;
     while child.try_wait().unwrap().is_none() {
         if Instant::now() > deadline {
             let _ = child.kill();
+            if let Some(group) = group {
+                let _ = killpg(Pid::from_raw(group), Signal::SIGKILL);
+            }
             panic!("distlock did not exit within {within:?}");
         }
         thread::sleep(Duration::from_millis(20));
@@ -191,7 +199,7 @@ fn a_held_lock_is_not_acquired_with_the_documented_exit_status() {
                 .unwrap()
                 .success()
         );
-        let out = wait_with_timeout(holder, Duration::from_secs(20));
+        let out = wait_with_timeout(holder, Duration::from_secs(20), None);
         assert_eq!(
             out.status.code(),
             Some(143),
@@ -262,7 +270,7 @@ fn a_command_whose_lease_is_lost_is_terminated() {
         );
         assert!(stdout.contains("released"), "{backend}: {stdout}");
 
-        let out = wait_with_timeout(holder, Duration::from_secs(30));
+        let out = wait_with_timeout(holder, Duration::from_secs(30), Some(pgid));
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(76), "{backend}: {err}");
         assert!(err.contains("lost the lock"), "{backend}: {err}");
