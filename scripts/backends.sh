@@ -26,6 +26,15 @@ ETCD3_PEER_PORTS=(22480 22580 22680)
 ZK3_PORTS=(22281 22381 22481)
 ZK3_QUORUM_PORTS=(22282 22382 22482)
 ZK3_ELECTION_PORTS=(22283 22383 22483)
+# Secured instances (up-secure): TLS and/or authentication, each on its own port.
+REDIS_SECURE_PORT=${DISTLOCK_REDIS_SECURE_PORT:-26479}
+ETCD_SECURE_PORT=${DISTLOCK_ETCD_SECURE_PORT:-22979}
+ETCD_SECURE_PEER_PORT=${DISTLOCK_ETCD_SECURE_PEER_PORT:-22980}
+ZK_SECURE_PORT=${DISTLOCK_ZK_SECURE_PORT:-22981}
+PG_SECURE_PORT=${DISTLOCK_PG_SECURE_PORT:-25632}
+# Certificates (a throwaway CA, a server certificate for 127.0.0.1/localhost signed by it, and an
+# unrelated second CA) and the generated passwords of the secured instances.
+SEC=$DIR/secure
 
 # etcd: the smallest lease TTL granted is ~1.5 x election timeout, so these allow ~1 s leases.
 ETCD_TIMING=(--heartbeat-interval 50 --election-timeout 500)
@@ -36,6 +45,7 @@ ZK_MAX_SESSION_MS=60000
 
 SINGLES=(redis etcd zk pg)
 CLUSTER=(etcd3-1 etcd3-2 etcd3-3 zk3-1 zk3-2 zk3-3 redis-replica)
+SECURED=(redis-secure etcd-secure zk-secure pg-secure)
 
 IS_ROOT=0
 [[ $(id -u) -eq 0 ]] && IS_ROOT=1
@@ -64,7 +74,9 @@ Commands:
                    Exit status 0 iff the four single-node servers are up.
   is-up NAME       exit 0 iff NAME is running and answers (quiet).
   env              print export lines: DISTLOCK_TEST_{REDIS,ETCD,ZK,PG}_URL, the cluster URLs when
-                   up3 is running (DISTLOCK_TEST_{ETCD3,ZK3,REDIS_REPLICA}_URL), DISTLOCK_BACKENDS_SH
+                   up3 is running (DISTLOCK_TEST_{ETCD3,ZK3,REDIS_REPLICA}_URL), the secured URLs
+                   with credentials when up-secure is running (DISTLOCK_TEST_{REDIS,ETCD,ZK,PG}_SECURE_URL,
+                   DISTLOCK_TEST_SECURE_CA, DISTLOCK_TEST_SECURE_WRONG_CA), DISTLOCK_BACKENDS_SH
                    and DISTLOCK_BACKENDS_DIR. Use: eval "\$($PROG env)"
   up3              start a 3-member etcd cluster (clients ${ETCD3_PORTS[*]}, peers
                    ${ETCD3_PEER_PORTS[*]}), a 3-server ZooKeeper ensemble (clients ${ZK3_PORTS[*]},
@@ -72,6 +84,17 @@ Commands:
                    of redis (started if needed) on $REDIS_REPLICA_PORT; waits until all etcd endpoints
                    are healthy, ZooKeeper has one leader and two followers, the replica link is up.
   down3 [--purge]  stop the up3 servers (--purge: delete their data).
+  up-secure        start separate secured servers (certificates made with openssl under
+                   $SEC at first use: a test CA, a server certificate for 127.0.0.1 and
+                   localhost, an unrelated "wrong" CA; generated passwords in *.password there):
+                     redis-secure 127.0.0.1:$REDIS_SECURE_PORT  TLS only, default user off, ACL user distlock
+                                  (password; keys ~distlock:* ~{distlock:*, channels &distlock:*)
+                     etcd-secure  127.0.0.1:$ETCD_SECURE_PORT  client TLS, auth enabled: root and distlock
+                                  (role: readwrite on prefix distlock/); peer $ETCD_SECURE_PEER_PORT plain
+                     zk-secure    127.0.0.1:$ZK_SECURE_PORT  digest auth enforced on every session
+                     pg-secure    127.0.0.1:$PG_SECURE_PORT  ssl=on, only hostssl + scram-sha-256 for user
+                                  distlock on database distlock (no plaintext host entry)
+  down-secure [--purge]  stop them (--purge: delete their data, certificates and passwords).
   start NAME       start one instance and wait until it answers (a cluster member: until it has
                    rejoined, if the rest of its cluster has a quorum)
   stop NAME        graceful stop (SIGTERM; PostgreSQL: pg_ctl stop -m fast), SIGKILL after ${TIMEOUT}s
@@ -79,13 +102,15 @@ Commands:
   pause NAME       SIGSTOP (PostgreSQL: the postmaster and all its children)
   resume NAME      SIGCONT (same processes)
   NAME is one of: ${SINGLES[*]} ${CLUSTER[*]}
+                  ${SECURED[*]}
 
 etcd runs with --heartbeat-interval 50 --election-timeout 500 (leases down to 1 s); ZooKeeper with
 tickTime=${ZK_TICK_MS}, session timeouts ${ZK_MIN_SESSION_MS}..${ZK_MAX_SESSION_MS} ms, no per-IP connection limit;
 PostgreSQL with max_connections=300; Redis with DEBUG allowed from loopback.
 
 Environment: DISTLOCK_BACKENDS_DIR, DISTLOCK_BACKENDS_TIMEOUT (seconds, default 30),
-DISTLOCK_{REDIS,REDIS_REPLICA,ETCD,ETCD_PEER,ZK,PG}_PORT, DISTLOCK_PG_BINDIR.
+DISTLOCK_{REDIS,REDIS_REPLICA,ETCD,ETCD_PEER,ZK,PG}_PORT,
+DISTLOCK_{REDIS,ETCD,ETCD_PEER,ZK,PG}_SECURE_PORT, DISTLOCK_PG_BINDIR.
 EOF
 }
 
@@ -172,6 +197,7 @@ inst() {
   PIDFILE=$IDIR/$NAME.pid
   PEER_PORT=
   MEMBER=
+  SECURE=
   case $NAME in
     redis) KIND=redis PORT=$REDIS_PORT ;;
     redis-replica) KIND=redis PORT=$REDIS_REPLICA_PORT ;;
@@ -189,7 +215,14 @@ inst() {
       KIND=pg PORT=$PG_PORT
       PIDFILE=$IDIR/data/postmaster.pid
       ;;
-    *) die "unknown instance '$NAME' (one of: ${SINGLES[*]} ${CLUSTER[*]})" ;;
+    redis-secure) KIND=redis PORT=$REDIS_SECURE_PORT SECURE=1 ;;
+    etcd-secure) KIND=etcd PORT=$ETCD_SECURE_PORT PEER_PORT=$ETCD_SECURE_PEER_PORT SECURE=1 ;;
+    zk-secure) KIND=zk PORT=$ZK_SECURE_PORT SECURE=1 ;;
+    pg-secure)
+      KIND=pg PORT=$PG_SECURE_PORT SECURE=1
+      PIDFILE=$IDIR/data/postmaster.pid
+      ;;
+    *) die "unknown instance '$NAME' (one of: ${SINGLES[*]} ${CLUSTER[*]} ${SECURED[*]})" ;;
   esac
 }
 
@@ -236,9 +269,19 @@ running_pid() {
 
 probe() { # does the current instance answer?
   case $KIND in
-    redis) [[ $(timeout 2 redis-cli -h 127.0.0.1 -p "$PORT" ping 2>/dev/null) == PONG ]] ;;
+    redis)
+      if [[ -n $SECURE ]]; then # TLS only, and the default user is off: ask as the ACL user
+        [[ $(REDISCLI_AUTH=$(secret distlock) timeout 2 redis-cli --tls --cacert "$SEC/ca.pem" \
+          -h 127.0.0.1 -p "$PORT" --user distlock ping 2>/dev/null) == PONG ]]
+      else
+        [[ $(timeout 2 redis-cli -h 127.0.0.1 -p "$PORT" ping 2>/dev/null) == PONG ]]
+      fi
+      ;;
     etcd)
-      if [[ -n $MEMBER ]]; then # a cluster member answers status even without quorum
+      if [[ -n $SECURE ]]; then # with auth on, health needs a user; status needs none
+        ETCDCTL_API=3 timeout 3 etcdctl --endpoints="https://127.0.0.1:$PORT" --cacert="$SEC/ca.pem" \
+          --dial-timeout=1s --command-timeout=2s endpoint status >/dev/null 2>&1
+      elif [[ -n $MEMBER ]]; then # a cluster member answers status even without quorum
         ETCDCTL_API=3 timeout 3 etcdctl --endpoints="http://127.0.0.1:$PORT" --dial-timeout=1s \
           --command-timeout=2s endpoint status >/dev/null 2>&1
       else
@@ -325,6 +368,12 @@ write_zk_conf() {
     echo "maxClientCnxns=0"
     echo "admin.enableServer=false"
     echo "4lw.commands.whitelist=*"
+    if [[ -n $SECURE ]]; then
+      # Every request of a session needs digest credentials (addauth); nodes created with the
+      # "creator" ACL are then reachable only with the same user:password.
+      echo "enforce.auth.enabled=true"
+      echo "enforce.auth.schemes=digest"
+    fi
     if [[ -n $MEMBER ]]; then
       local i
       for i in 1 2 3; do
@@ -354,9 +403,23 @@ launch() {
     redis)
       local -a extra=()
       [[ $NAME == redis-replica ]] && extra=(--replicaof 127.0.0.1 "$REDIS_PORT")
+      local -a listen=(--port "$PORT")
+      if [[ -n $SECURE ]]; then
+        # TLS only (no plaintext port), no client certificates; the default user is off and the
+        # ACL user "distlock" may touch only the driver's keys and channels (redis.conf, 0600).
+        listen=(--port 0 --tls-port "$PORT" --tls-cert-file "$SEC/server.pem"
+          --tls-key-file "$SEC/server.key" --tls-ca-cert-file "$SEC/ca.pem" --tls-auth-clients no)
+        (
+          umask 077
+          printf '%s\n' 'user default off' \
+            "user distlock on >$(secret distlock) resetkeys ~distlock:* ~{distlock:* resetchannels &distlock:* +@all -@dangerous" \
+            >"$IDIR/redis.conf"
+        )
+        extra+=(--include "$IDIR/redis.conf")
+      fi
       rm -f "$PIDFILE"
       # shellcheck disable=SC2094 # redis writes its log itself once up; early errors go to stderr
-      (clean_exec redis-server --bind 127.0.0.1 --port "$PORT" --save '' --appendonly no \
+      (clean_exec redis-server --bind 127.0.0.1 "${listen[@]}" --save '' --appendonly no \
         --dir "$IDIR" --daemonize yes --pidfile "$PIDFILE" --logfile "$LOG" \
         --repl-diskless-sync yes --repl-diskless-sync-delay 0 \
         --enable-debug-command local "${extra[@]}") </dev/null >>"$LOG" 2>&1 ||
@@ -381,11 +444,18 @@ launch() {
         cluster=$NAME=http://127.0.0.1:$PEER_PORT
         token=distlock-etcd
       fi
+      local client_scheme=http
+      local -a tls=()
+      if [[ -n $SECURE ]]; then # clients: TLS only (server certificate, no client certificates)
+        client_scheme=https
+        tls=(--cert-file "$SEC/server.pem" --key-file "$SEC/server.key")
+      fi
       mkdir -p "$IDIR/data"
       chmod 700 "$IDIR/data"
       # The trailing "--logger zap" keeps "--data-dir DIR " followed by a space in the cmdline.
       (clean_exec setsid etcd --name "$NAME" --data-dir "$IDIR/data" --logger zap --log-outputs stderr \
-        --listen-client-urls "http://127.0.0.1:$PORT" --advertise-client-urls "http://127.0.0.1:$PORT" \
+        --listen-client-urls "$client_scheme://127.0.0.1:$PORT" \
+        --advertise-client-urls "$client_scheme://127.0.0.1:$PORT" "${tls[@]}" \
         --listen-peer-urls "http://127.0.0.1:$PEER_PORT" \
         --initial-advertise-peer-urls "http://127.0.0.1:$PEER_PORT" \
         --initial-cluster "$cluster" --initial-cluster-token "$token" --initial-cluster-state new \
@@ -432,6 +502,25 @@ port = $PORT
 unix_socket_directories = '$IDIR'
 max_connections = 300
 EOF
+    if [[ -n $SECURE ]]; then
+      # TLS with the test CA's server certificate; over TCP only hostssl + scram-sha-256 for the
+      # user distlock (no plaintext host line at all). The admin uses the Unix socket in $IDIR.
+      install -m 600 "$SEC/server.key" "$IDIR/data/server.key"
+      install -m 644 "$SEC/server.pem" "$IDIR/data/server.crt"
+      [[ $IS_ROOT -eq 0 ]] || chown postgres: "$IDIR/data/server.key" "$IDIR/data/server.crt"
+      cat >>"$IDIR/data/postgresql.conf" <<EOF
+ssl = on
+ssl_cert_file = 'server.crt'
+ssl_key_file = 'server.key'
+password_encryption = 'scram-sha-256'
+EOF
+      cat >"$IDIR/data/pg_hba.conf" <<EOF
+# distlock secured test instance (scripts/backends.sh up-secure)
+# TYPE   DATABASE  USER      ADDRESS       METHOD
+local    all       postgres                trust
+hostssl  distlock  distlock  127.0.0.1/32  scram-sha-256
+EOF
+    fi
   fi
   # After a crash (kill) the dead postmaster may linger as a zombie (an init that reaps late), and
   # postgres then refuses its lock files as "already exists". They are stale when the pid they
@@ -456,10 +545,148 @@ EOF
 pg_ensure_db() {
   local bin
   bin=$(pg_bindir)
+  if [[ -n $SECURE ]]; then
+    pg_secure_setup
+    return
+  fi
   if [[ $("$bin/psql" -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -XtAq \
     -c "SELECT 1 FROM pg_database WHERE datname = 'distlock'") != 1 ]]; then
     "$bin/psql" -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -Xq -c 'CREATE DATABASE distlock' >/dev/null
   fi
+}
+
+# ---------------------------------------------------------------------------------------------
+# secured instances: certificates, passwords, users
+
+# secret NAME: the generated password NAME (distlock, or etcd-root), created on first use.
+secret() {
+  local file=$SEC/$1.password
+  if [[ ! -s $file ]]; then
+    mkdir -p "$SEC"
+    (
+      umask 077
+      openssl rand -hex 16 >"$file.tmp" && mv "$file.tmp" "$file"
+    ) || die "cannot write $file"
+  fi
+  cat "$file"
+}
+
+# cert_ok FILE: FILE is a certificate valid for at least another day.
+cert_ok() { [[ -s $1 ]] && openssl x509 -in "$1" -noout -checkend 86400 >/dev/null 2>&1; }
+
+# ensure_certs: the test CA, the server certificate it signed (127.0.0.1, localhost) and an
+# unrelated "wrong" CA, under $SEC. Kept while valid; regenerated (after stopping the secured
+# servers, which would keep serving the old ones) when missing or about to expire.
+ensure_certs() {
+  if cert_ok "$SEC/ca.pem" && cert_ok "$SEC/server.pem" && cert_ok "$SEC/wrong-ca.pem" &&
+    [[ -s $SEC/server.key ]]; then
+    return 0
+  fi
+  command -v openssl >/dev/null 2>&1 || die "openssl not found"
+  local n
+  for n in "${SECURED[@]}"; do
+    inst "$n"
+    do_stop
+  done
+  mkdir -p "$SEC"
+  local t=$SEC/tmp
+  rm -rf "$t"
+  mkdir -p "$t"
+  cat >"$t/ca.cnf" <<'EOF'
+[req]
+distinguished_name = dn
+prompt = no
+x509_extensions = v3_ca
+[dn]
+CN = distlock test CA
+[v3_ca]
+basicConstraints = critical, CA:TRUE
+keyUsage = critical, keyCertSign, cRLSign
+subjectKeyIdentifier = hash
+EOF
+  cat >"$t/server.ext" <<'EOF'
+basicConstraints = critical, CA:FALSE
+keyUsage = critical, digitalSignature, keyEncipherment
+extendedKeyUsage = serverAuth
+subjectAltName = IP:127.0.0.1, DNS:localhost
+subjectKeyIdentifier = hash
+authorityKeyIdentifier = keyid
+EOF
+  local ec=(-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes)
+  (
+    umask 077
+    set -e
+    openssl req -x509 "${ec[@]}" -days 365 -config "$t/ca.cnf" -keyout "$t/ca.key" -out "$t/ca.pem"
+    sed 's/distlock test CA/distlock wrong CA (unrelated)/' "$t/ca.cnf" >"$t/wrong-ca.cnf"
+    openssl req -x509 "${ec[@]}" -days 365 -config "$t/wrong-ca.cnf" -keyout "$t/wrong-ca.key" \
+      -out "$t/wrong-ca.pem"
+    openssl req "${ec[@]}" -subj /CN=localhost -keyout "$t/server.key" -out "$t/server.csr"
+    openssl x509 -req -in "$t/server.csr" -CA "$t/ca.pem" -CAkey "$t/ca.key" -CAcreateserial \
+      -days 365 -extfile "$t/server.ext" -out "$t/server.pem"
+    chmod 644 "$t/ca.pem" "$t/wrong-ca.pem" "$t/server.pem"
+    mv "$t/ca.pem" "$t/ca.key" "$t/wrong-ca.pem" "$t/wrong-ca.key" "$t/server.pem" "$t/server.key" "$SEC/"
+  ) >"$SEC/openssl.log" 2>&1 || {
+    cat "$SEC/openssl.log" >&2
+    die "generating the test certificates failed"
+  }
+  rm -rf "$t"
+  # the server key is copied into each instance at start; drop stale copies
+  rm -f "$DIR/pg-secure/data/server.key" "$DIR/pg-secure/data/server.crt"
+  say "certificates: new test CA, server certificate and wrong CA in $SEC"
+}
+
+# etcd_ensure_auth: users root and distlock, role distlock (read/write on the key prefix
+# "distlock/" only), then auth enable. Done once per data dir.
+etcd_ensure_auth() {
+  [[ -f $IDIR/auth-enabled ]] && return 0
+  local -a e=(etcdctl --endpoints="https://127.0.0.1:$PORT" --cacert="$SEC/ca.pem" --dial-timeout=2s
+    --command-timeout=5s)
+  local root_pw pw
+  root_pw=$(secret etcd-root)
+  pw=$(secret distlock)
+  {
+    ETCDCTL_API=3 "${e[@]}" user get root >/dev/null 2>&1 ||
+      ETCDCTL_API=3 "${e[@]}" user add root --new-user-password="$root_pw"
+    ETCDCTL_API=3 "${e[@]}" role get root >/dev/null 2>&1 || ETCDCTL_API=3 "${e[@]}" role add root
+    ETCDCTL_API=3 "${e[@]}" user grant-role root root
+    ETCDCTL_API=3 "${e[@]}" role get distlock >/dev/null 2>&1 || ETCDCTL_API=3 "${e[@]}" role add distlock
+    ETCDCTL_API=3 "${e[@]}" role grant-permission distlock --prefix=true readwrite distlock/
+    ETCDCTL_API=3 "${e[@]}" user get distlock >/dev/null 2>&1 ||
+      ETCDCTL_API=3 "${e[@]}" user add distlock --new-user-password="$pw"
+    ETCDCTL_API=3 "${e[@]}" user grant-role distlock distlock
+    ETCDCTL_API=3 "${e[@]}" auth enable
+  } >>"$IDIR/setup.log" 2>&1 || {
+    tail -n 20 "$IDIR/setup.log" >&2
+    die "$NAME: setting up users and auth failed"
+  }
+  touch "$IDIR/auth-enabled"
+}
+
+# pg_secure_setup: the login role distlock (scram-sha-256 password) owning the database distlock.
+pg_secure_setup() {
+  local bin pw
+  bin=$(pg_bindir)
+  pw=$(secret distlock)
+  # the password goes through stdin, not the command line (it is hex: no quoting needed)
+  "$bin/psql" -h "$IDIR" -p "$PORT" -U postgres -d postgres -Xq -v ON_ERROR_STOP=1 \
+    >/dev/null <<EOF || die "$NAME: creating the role and database failed"
+\\set pw '$pw'
+SELECT 'CREATE ROLE distlock LOGIN' WHERE NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'distlock')
+\gexec
+ALTER ROLE distlock PASSWORD :'pw';
+SELECT 'CREATE DATABASE distlock OWNER distlock'
+  WHERE NOT EXISTS (SELECT 1 FROM pg_database WHERE datname = 'distlock')
+\gexec
+EOF
+}
+
+# secure_setup: what a secured instance needs once it answers.
+secure_setup() {
+  case $KIND in
+    etcd) etcd_ensure_auth ;;
+    pg) pg_secure_setup ;;
+  esac
+  return 0
 }
 
 # child_pids PID: the processes whose parent is PID. (PostgreSQL's children each call setsid(),
@@ -516,6 +743,7 @@ ensure_up() {
   fi
   wait_answers || return 1
   if [[ $KIND == pg ]]; then pg_ensure_db; fi
+  if [[ $KIND == etcd && -n $SECURE ]]; then etcd_ensure_auth; fi
   if [[ -n $MEMBER ]]; then wait_rejoined || return 1; fi
   return 0
 }
@@ -698,6 +926,45 @@ cmd_up3() {
   say "up3: etcd cluster healthy, zk ensemble has a leader, redis replica linked ($(($(now_ms) - t0)) ms)"
 }
 
+cmd_up_secure() {
+  take_lock
+  local t0 n rc=0
+  local -A launched=()
+  t0=$(now_ms)
+  command -v openssl >/dev/null 2>&1 || die "up-secure needs openssl"
+  ensure_certs
+  for n in "${SECURED[@]}"; do
+    inst "$n"
+    if ! running_pid >/dev/null; then
+      launch
+      launched[$n]=1
+    fi
+  done
+  for n in "${SECURED[@]}"; do
+    inst "$n"
+    if [[ -n ${launched[$n]:-} ]]; then
+      { wait_answers && secure_setup; } || rc=1
+    else
+      ensure_up || rc=1
+    fi
+  done
+  [[ $rc -eq 0 ]] || die "up-secure failed"
+  say "up-secure: redis (TLS + ACL), etcd (TLS + auth), zk (digest), pg (TLS + scram) answer ($(($(now_ms) - t0)) ms)"
+}
+
+cmd_down_secure() {
+  take_lock
+  local n
+  for n in "${SECURED[@]}"; do
+    inst "$n"
+    do_stop
+  done
+  if [[ ${1:-} == --purge ]]; then
+    for n in "${SECURED[@]}"; do purge_dirs "$DIR/$n"; done
+    purge_dirs "$SEC"
+  fi
+}
+
 purge_dirs() {
   local d
   for d in "$@"; do
@@ -722,6 +989,7 @@ cmd_down() {
   local purge=${1:-}
   [[ -z $purge || $purge == --purge ]] || die "down: unknown option $purge"
   cmd_down3
+  cmd_down_secure
   local n
   for n in redis etcd zk pg; do
     inst "$n"
@@ -729,7 +997,8 @@ cmd_down() {
   done
   if [[ $purge == --purge ]]; then
     # only what this script creates in $DIR
-    for n in "${SINGLES[@]}" "${CLUSTER[@]}"; do purge_dirs "$DIR/$n"; done
+    for n in "${SINGLES[@]}" "${CLUSTER[@]}" "${SECURED[@]}"; do purge_dirs "$DIR/$n"; done
+    purge_dirs "$SEC"
     rm -f "$DIR/.lock" "$DIR/.up3"
     rmdir "$DIR" 2>/dev/null || true
     say "purged $DIR"
@@ -739,7 +1008,7 @@ cmd_down() {
 cmd_status() {
   local n all=0
   local -a names=("${SINGLES[@]}")
-  for n in "${CLUSTER[@]}"; do [[ -d $DIR/$n ]] && names+=("$n"); done
+  for n in "${CLUSTER[@]}" "${SECURED[@]}"; do [[ -d $DIR/$n ]] && names+=("$n"); done
   for n in "${names[@]}"; do
     inst "$n"
     state_of
@@ -784,12 +1053,28 @@ cmd_env() {
         DISTLOCK_TEST_REDIS_REPLICA_URL "redis://127.0.0.1:$REDIS_REPLICA_PORT"
     fi
   fi
+  local n alive=0
+  for n in "${SECURED[@]}"; do
+    inst "$n"
+    running_pid >/dev/null && alive=1
+  done
+  if [[ $alive -eq 1 && -s $SEC/ca.pem ]]; then
+    local pw ca=$SEC/ca.pem
+    pw=$(secret distlock)
+    export_line \
+      DISTLOCK_TEST_REDIS_SECURE_URL "rediss://distlock:$pw@127.0.0.1:$REDIS_SECURE_PORT/0?ca=$ca" \
+      DISTLOCK_TEST_ETCD_SECURE_URL "etcds://distlock:$pw@127.0.0.1:$ETCD_SECURE_PORT?ca=$ca" \
+      DISTLOCK_TEST_ZK_SECURE_URL "zk://distlock:$pw@127.0.0.1:$ZK_SECURE_PORT?acl=creator" \
+      DISTLOCK_TEST_PG_SECURE_URL "postgres://distlock:$pw@127.0.0.1:$PG_SECURE_PORT/distlock?sslmode=verify-full&sslrootcert=$ca" \
+      DISTLOCK_TEST_SECURE_CA "$ca" \
+      DISTLOCK_TEST_SECURE_WRONG_CA "$SEC/wrong-ca.pem"
+  fi
   export_line DISTLOCK_BACKENDS_SH "$SCRIPT_PATH" DISTLOCK_BACKENDS_DIR "$DIR"
 }
 
 cmd_one() { # cmd_one ACTION NAME
   local action=$1
-  [[ -n ${2:-} ]] || die "$action: which instance? (one of: ${SINGLES[*]} ${CLUSTER[*]})"
+  [[ -n ${2:-} ]] || die "$action: which instance? (one of: ${SINGLES[*]} ${CLUSTER[*]} ${SECURED[*]})"
   inst "$2"
   [[ $action == is-up ]] || take_lock
   case $action in
@@ -826,6 +1111,8 @@ main() {
       ;;
     up3) cmd_up3 ;;
     down3) cmd_down3 "$@" ;;
+    up-secure) cmd_up_secure ;;
+    down-secure) cmd_down_secure "$@" ;;
     status) cmd_status ;;
     env) cmd_env ;;
     start | stop | kill | pause | resume | is-up) cmd_one "$cmd" "$@" ;;
