@@ -79,11 +79,18 @@ while read -r name state _; do
     redis | etcd | zk | pg) [[ $state == down ]] && STARTED+=("$name") ;;
   esac
 done < <("$BACKENDS" status || true)
+# The secured servers (up-secure) follow the same rule; status lists one only once it has a data
+# directory, so one it does not list is down.
+SECURE_STATUS=$("$BACKENDS" status 2>/dev/null || true)
+for name in redis-secure etcd-secure zk-secure pg-secure; do
+  if ! grep -Eq "^$name +(up|paused|unresponsive) " <<<"$SECURE_STATUS"; then STARTED+=("$name"); fi
+done
 if [[ ${#STARTED[@]} -eq 0 ]]; then
   echo "test.sh: all servers were already running; they will be left running"
 fi
 
 step backends "$BACKENDS" up
+step secure "$BACKENDS" up-secure
 eval "$("$BACKENDS" env)"
 export DISTLOCK_REQUIRE_BACKENDS=1
 env | grep '^DISTLOCK_' | sort
