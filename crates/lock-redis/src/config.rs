@@ -1,6 +1,6 @@
 //! Connection and driver options, all settable from the URL.
 
-use std::{fmt, time::Duration};
+use std::{fmt, path::PathBuf, time::Duration};
 
 use lock_core::{Error, Result};
 
@@ -11,6 +11,7 @@ use lock_core::{Error, Result};
 ///
 /// ```text
 /// redis://[user:password@]host[:port][/db][?option=value&...]
+/// rediss://[user:password@]host[:port][/db][?ca=/path/ca.pem&option=value&...]   (TLS)
 /// ```
 ///
 /// | option | default | meaning |
@@ -20,10 +21,14 @@ use lock_core::{Error, Result};
 /// | `response_timeout` | `1s` | a sent command without a reply is "outcome unknown" after this |
 /// | `reconnect_retries` | `2` | connection attempts retried per (re)connect before a request fails |
 /// | `max_poll_interval` | `500ms` | cap of the jittered fallback poll of a waiting `acquire` |
+/// | `ca` | system roots | `rediss://` only: PEM file of the CA(s) the server certificate must chain to |
 ///
 /// Durations are `250ms`, `2s`, `1m` or a bare number of milliseconds. Unknown or malformed
-/// options are an [`Error::Config`]. `rediss://` (TLS) is rejected: this build has no TLS
-/// support.
+/// options are an [`Error::Config`], and so is `ca` on a plain `redis://` URL (a TLS setting
+/// never silently runs unencrypted). With `rediss://` the connection is TLS only: the server
+/// certificate is verified against `ca` (or the system roots) and the host name, with no
+/// plaintext fallback. `user:password@` is sent with `AUTH` (an ACL user, or only a password
+/// for `requirepass`).
 #[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedisLockConfig {
@@ -37,6 +42,10 @@ pub struct RedisLockConfig {
     pub username: Option<String>,
     /// Password (redacted in `Debug`).
     pub password: Option<String>,
+    /// TLS (`rediss://`): the connection is encrypted and the server certificate verified.
+    pub tls: bool,
+    /// PEM file of the CA certificate(s) to trust for TLS instead of the system roots (`ca=`).
+    pub ca_file: Option<PathBuf>,
     /// Prefix of every lock key: the lock for name `N` lives at exactly `<namespace>N`.
     pub namespace: String,
     /// Timeout of one connection attempt.
@@ -61,19 +70,15 @@ impl RedisLockConfig {
     /// malformed options. No I/O is done.
     pub fn from_url(url: &str) -> Result<Self> {
         let parsed = url::Url::parse(url).map_err(|e| config_err(format!("bad redis url: {e}")))?;
-        match parsed.scheme() {
-            "redis" => {}
-            "rediss" => {
-                return Err(config_err(
-                    "rediss:// (TLS) is not supported by this build of lock-redis",
-                ));
-            }
+        let tls = match parsed.scheme() {
+            "redis" => false,
+            "rediss" => true,
             other => {
                 return Err(config_err(format!(
-                    "unsupported scheme {other:?}: expected redis://"
+                    "unsupported scheme {other:?}: expected redis:// or rediss://"
                 )));
             }
-        }
+        };
         if parsed.fragment().is_some() {
             return Err(config_err("a redis url has no #fragment"));
         }
@@ -85,6 +90,7 @@ impl RedisLockConfig {
                 _ => return Err(config_err("the redis url has no host")),
             },
             port: parsed.port().unwrap_or(6379),
+            tls,
             ..Self::default()
         };
         config.db = match parsed.path().trim_matches('/') {
@@ -120,6 +126,17 @@ impl RedisLockConfig {
             "connect_timeout" => self.connect_timeout = positive_duration(name, value)?,
             "response_timeout" => self.response_timeout = positive_duration(name, value)?,
             "max_poll_interval" => self.max_poll_interval = positive_duration(name, value)?,
+            "ca" | "ca_file" => {
+                if !self.tls {
+                    return Err(config_err(format!(
+                        "the option {name:?} needs a rediss:// (TLS) url"
+                    )));
+                }
+                if value.is_empty() {
+                    return Err(config_err(format!("the option {name:?} is empty")));
+                }
+                self.ca_file = Some(PathBuf::from(value));
+            }
             "reconnect_retries" => {
                 self.reconnect_retries =
                     value.parse().ok().filter(|n| *n <= 100).ok_or_else(|| {
@@ -130,7 +147,7 @@ impl RedisLockConfig {
             }
             other => {
                 return Err(config_err(format!(
-                    "unknown option {other:?} (known: namespace, connect_timeout, response_timeout, reconnect_retries, max_poll_interval)"
+                    "unknown option {other:?} (known: namespace, connect_timeout, response_timeout, reconnect_retries, max_poll_interval, ca)"
                 )));
             }
         }
@@ -159,6 +176,9 @@ impl RedisLockConfig {
         if self.db < 0 {
             return Err(config_err("the database number must not be negative"));
         }
+        if self.ca_file.is_some() && !self.tls {
+            return Err(config_err("ca_file needs tls (rediss://)"));
+        }
         Ok(())
     }
 
@@ -181,6 +201,8 @@ impl Default for RedisLockConfig {
             db: 0,
             username: None,
             password: None,
+            tls: false,
+            ca_file: None,
             namespace: Self::DEFAULT_NAMESPACE.to_owned(),
             connect_timeout: Duration::from_secs(1),
             response_timeout: Duration::from_secs(1),
@@ -198,6 +220,8 @@ impl fmt::Debug for RedisLockConfig {
             .field("db", &self.db)
             .field("username", &self.username)
             .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("tls", &self.tls)
+            .field("ca_file", &self.ca_file)
             .field("namespace", &self.namespace)
             .field("connect_timeout", &self.connect_timeout)
             .field("response_timeout", &self.response_timeout)
@@ -304,7 +328,8 @@ mod tests {
     fn rejects_bad_urls_and_options() {
         for url in [
             "http://localhost",
-            "rediss://localhost",
+            "redis://localhost?ca=/tmp/ca.pem",
+            "rediss://localhost?ca=",
             "redis://",
             "redis://h/x",
             "redis://h/-1",
@@ -322,6 +347,17 @@ mod tests {
                 "{url}"
             );
         }
+    }
+
+    #[test]
+    fn tls_url_and_ca() {
+        let c = RedisLockConfig::from_url("rediss://u:p@h:6390/1?ca=/etc/ca.pem").unwrap();
+        assert!(c.tls);
+        assert_eq!(c.ca_file, Some(PathBuf::from("/etc/ca.pem")));
+        assert_eq!((c.port, c.db), (6390, 1));
+        let c = RedisLockConfig::from_url("rediss://h").unwrap();
+        assert!(c.tls && c.ca_file.is_none());
+        assert!(!RedisLockConfig::from_url("redis://h").unwrap().tls);
     }
 
     #[test]

@@ -57,8 +57,10 @@ impl RedisLock {
     /// Connects to the server and checks that it answers.
     ///
     /// # Errors
-    /// [`Error::Config`] for invalid settings; [`Error::Unavailable`] when the server cannot be
-    /// reached or refuses the credentials.
+    /// [`Error::Config`] for invalid settings or an unreadable CA file; [`Error::Backend`] when
+    /// the server refuses the credentials (`WRONGPASS`, `NOAUTH`, `NOPERM`) or its TLS
+    /// certificate is not trusted; [`Error::Unavailable`] when it cannot be reached (including
+    /// a TLS handshake with a server that does not speak TLS).
     pub async fn connect(config: RedisLockConfig) -> Result<Self> {
         let lock = Self::connect_lazy(config)?;
         let mut conn = lock.inner.conn.clone();
@@ -69,6 +71,8 @@ impl RedisLock {
                 BACKEND,
                 "servers without RESP3 (Redis 6 or newer is required; 7.0 is supported)",
             )),
+            // Rejected credentials or an untrusted server certificate: retrying cannot help.
+            Ok(Err(e)) if is_refused_security(&e) => Err(Error::backend(BACKEND, "connect", e)),
             Ok(Err(e)) => Err(Error::unavailable(BACKEND, "connect", e)),
             Err(_) => Err(Error::Unavailable {
                 backend: BACKEND,
@@ -103,11 +107,40 @@ impl RedisLock {
         if let Some(password) = &config.password {
             redis_info = redis_info.set_password(password);
         }
-        let info = ConnectionAddr::Tcp(config.host.clone(), config.port)
+        let addr = if config.tls {
+            // Verified TLS only: `insecure: false`, no plaintext fallback.
+            ConnectionAddr::TcpTls {
+                host: config.host.clone(),
+                port: config.port,
+                insecure: false,
+                tls_params: None,
+            }
+        } else {
+            ConnectionAddr::Tcp(config.host.clone(), config.port)
+        };
+        let info = addr
             .into_connection_info()
             .map_err(|e| Error::Config(e.to_string()))?
             .set_redis_settings(redis_info);
-        let client = redis::Client::open(info).map_err(|e| Error::Config(e.to_string()))?;
+        let client = if config.tls {
+            install_crypto_provider();
+            let root_cert = match &config.ca_file {
+                Some(path) => Some(std::fs::read(path).map_err(|e| {
+                    Error::Config(format!("cannot read the CA file {}: {e}", path.display()))
+                })?),
+                None => None,
+            };
+            redis::Client::build_with_tls(
+                info,
+                redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert,
+                },
+            )
+            .map_err(|e| Error::Config(format!("TLS settings: {e}")))?
+        } else {
+            redis::Client::open(info).map_err(|e| Error::Config(e.to_string()))?
+        };
         let wakeups = Arc::new(Registry::default());
         let manager_config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(config.connect_timeout))
@@ -336,6 +369,37 @@ fn owner_prefix(token: &OwnershipToken) -> String {
     let mut s = token.expose_hex();
     s.push(':');
     s
+}
+
+/// A connect failure that retrying cannot fix: the server refused the credentials or the
+/// permissions, or TLS did not trust the server's certificate.
+fn is_refused_security(e: &RedisError) -> bool {
+    if e.kind() == ErrorKind::AuthenticationFailed
+        || matches!(e.code(), Some("WRONGPASS" | "NOAUTH" | "NOPERM"))
+    {
+        return true;
+    }
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        let tls = err.downcast_ref::<rustls::Error>().or_else(|| {
+            err.downcast_ref::<std::io::Error>()
+                .and_then(|io| io.get_ref())
+                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        });
+        if let Some(rustls::Error::InvalidCertificate(_)) = tls {
+            return true;
+        }
+        source = err.source();
+    }
+    e.to_string().contains("invalid peer certificate")
+}
+
+/// rustls needs a process-wide crypto provider; install ring's unless the application already
+/// chose one (losing a race to another installer is fine).
+fn install_crypto_provider() {
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
 }
 
 fn ttl_millis(ttl: Duration) -> u64 {
