@@ -6,27 +6,40 @@
 //! distlock-drill-holder --url memory:// --key orders --ttl-ms 500 [--no-watchdog] [--write-every-ms 50]
 //! ```
 //!
+//! Any `distlock::connect` URL works when the crate is built with its `drivers` feature
+//! (`cargo build -p distlock-conformance --features drivers --bins`); without it only `memory://`.
+//! With `--write-every-ms` it reports a write only while the lease is trusted: not lost and
+//! before the guard's local deadline.
+//!
 //! Exit codes: 0 released after stdin closed; 2 usage, connection or acquire error; 3 the lease
 //! was lost.
 
-use std::{process::ExitCode, sync::Arc, time::Duration};
+use std::{process::ExitCode, time::Duration};
 
 use conformance::drill::holder::HolderEvent;
-use lock_core::{DistributedLockExt, DynLock, Error, InMemoryLock, LockKey, Result};
+use lock_core::{DistributedLockExt, DynLock, LockKey, Result};
 use tokio::{
     io::AsyncReadExt,
     time::{Instant, sleep_until},
 };
 
-/// Turns a backend URL into a client: the one place to extend when drivers land (switch to
-/// `distlock::connect(url)`). Until then only `memory://` (a coordinator inside this process).
+/// Turns a backend URL into a client through the distlock facade (every coordinator), or — when
+/// this crate is built without its `drivers` feature — only `memory://` (a coordinator inside this
+/// process).
+#[cfg(feature = "drivers")]
+async fn connect(url: &str) -> Result<DynLock> {
+    distlock::connect(url).await
+}
+
+#[cfg(not(feature = "drivers"))]
 async fn connect(url: &str) -> Result<DynLock> {
     let scheme = url.split_once("://").map_or(url, |(scheme, _)| scheme);
     match scheme {
-        "memory" => Ok(Arc::new(InMemoryLock::new())),
+        "memory" => Ok(std::sync::Arc::new(lock_core::InMemoryLock::new())),
         // Never echo the URL itself: it may carry a password.
-        other => Err(Error::Config(format!(
-            "the drill holder cannot connect to {other}:// URLs yet"
+        other => Err(lock_core::Error::Config(format!(
+            "this drill holder was built without the `drivers` feature of distlock-conformance \
+             and cannot connect to {other}:// URLs"
         ))),
     }
 }
@@ -154,7 +167,11 @@ async fn main() -> ExitCode {
             }
             () = sleep_until(next_write) => {
                 next_write = Instant::now() + args.write_every.unwrap_or(far);
-                if !guard.is_lost() {
+                // Write only while the lease is trusted: not reported lost AND inside its local
+                // deadline. A process resumed after a pause sees its write timer and the
+                // watchdog's deadline fire together; whichever task runs first, a lapsed
+                // deadline means no write (the lost branch reports the loss right after).
+                if !guard.is_lost() && Instant::now() < guard.local_deadline() {
                     writes += 1;
                     emit(&HolderEvent::Write {
                         fencing: guard.fencing_token().map(|f| f.get()),

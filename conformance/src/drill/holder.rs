@@ -270,6 +270,16 @@ impl HolderProcess {
         .cloned()
     }
 
+    /// A cursor over this holder's events, in order, that can be moved to another task (a
+    /// drill's pump that turns events into history records while the drill signals the
+    /// process).
+    pub fn feed(&self) -> EventFeed {
+        EventFeed {
+            log: self.log.clone(),
+            next: 0,
+        }
+    }
+
     /// Waits up to `timeout` for the grant; returns `(fencing, token digest, receive time)`.
     pub async fn wait_acquired(&self, timeout: Duration) -> Option<(Option<u64>, String, Instant)> {
         match self
@@ -382,6 +392,41 @@ impl Drop for HolderProcess {
     fn drop(&mut self) {
         // kill_on_drop sends SIGKILL to the child; stop reading its output.
         self.reader.abort();
+    }
+}
+
+/// The events of a [`HolderProcess`], one by one (see [`HolderProcess::feed`]).
+pub struct EventFeed {
+    log: Arc<watch::Sender<Log>>,
+    next: usize,
+}
+
+impl EventFeed {
+    /// The next event with its receive time, waiting up to `timeout`. `None` on timeout, or once
+    /// the holder's stdout closed and every event was returned.
+    pub async fn next(&mut self, timeout: Duration) -> Option<(Instant, HolderEvent)> {
+        let mut rx = self.log.subscribe();
+        let next = self.next;
+        let event = tokio::time::timeout(
+            timeout,
+            rx.wait_for(|log| log.closed || log.events.len() > next),
+        )
+        .await
+        .ok()?
+        .ok()?
+        .events
+        .get(next)
+        .cloned()?;
+        self.next += 1;
+        Some(event)
+    }
+}
+
+impl std::fmt::Debug for EventFeed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventFeed")
+            .field("next", &self.next)
+            .finish_non_exhaustive()
     }
 }
 

@@ -30,5 +30,5 @@ pub use history::{
     ClientRecorder, FaultHandle, History, HistoryFile, Hold, Kind, Op, PendingOp, Record,
     ResourceKind, SavedFiles,
 };
-pub use holder::{HolderEvent, HolderProcess};
+pub use holder::{EventFeed, HolderEvent, HolderProcess};
 pub use proxy::{Fault, Proxy};

@@ -1,0 +1,466 @@
+//! Shared by the per-backend drills (`drill_backends.rs`, `drill_restart.rs`, `drill_cluster.rs`):
+//! which servers to use, an in-process client's recorded operations, a holder process whose
+//! events are pumped into the history, a fenced log resource, and the final check.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::{
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use conformance::drill::Hold;
+use conformance::drill::{
+    CheckOptions, ClientRecorder, History, HolderEvent, HolderProcess, PendingOp, ResourceKind,
+    Rule, Violation, check, holder::HolderOptions,
+};
+use lock_core::{DistributedLockExt, DynLock, FencingToken, LockGuard, LockKey, TokenDigest};
+use tokio::{task::JoinHandle, time::Instant};
+
+/// The bound on anything that must happen (process start, failover, a loaded 2-core machine).
+pub const SOON: Duration = Duration::from_secs(20);
+/// Every drill's lease TTL: the smallest every backend here honours (etcd's 1 s lease with the
+/// test servers' 500 ms election timeout; ZooKeeper's 1 s session).
+pub const TTL: Duration = Duration::from_secs(1);
+/// The fenced resource every drill writes to.
+pub const RESOURCE: &str = "log";
+/// The holder binary (built with this package's `drivers` feature by `--all-features`).
+pub const HOLDER_BIN: &str = env!("CARGO_BIN_EXE_distlock-drill-holder");
+
+/// The coordinators.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    Redis,
+    Etcd,
+    Zk,
+    Pg,
+}
+
+impl Backend {
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Redis => "redis",
+            Backend::Etcd => "etcd",
+            Backend::Zk => "zk",
+            Backend::Pg => "pg",
+        }
+    }
+
+    fn env_var(self) -> &'static str {
+        match self {
+            Backend::Redis => "DISTLOCK_TEST_REDIS_URL",
+            Backend::Etcd => "DISTLOCK_TEST_ETCD_URL",
+            Backend::Zk => "DISTLOCK_TEST_ZK_URL",
+            Backend::Pg => "DISTLOCK_TEST_PG_URL",
+        }
+    }
+
+    /// Short client-side timeouts, so a lost reply becomes an error within a drill's budget.
+    pub fn options(self) -> &'static str {
+        match self {
+            Backend::Redis => "response_timeout=500ms&connect_timeout=500ms",
+            Backend::Etcd => "request_timeout=500ms&dial_timeout=1s",
+            Backend::Zk => "session_timeout=1s&op_timeout=500ms&connect_timeout=1s",
+            Backend::Pg => "op_timeout=500ms&connect_timeout=1s",
+        }
+    }
+
+    /// The shared single-node server's URL with [`Backend::options`], or `None` (skip; fails
+    /// under `DISTLOCK_REQUIRE_BACKENDS=1`).
+    pub fn shared_url(self) -> Option<String> {
+        let url = conformance::backend_url(self.env_var())?;
+        if !cfg!(feature = "drivers") {
+            panic!(
+                "the drills need the holder binary built with the `drivers` feature: \
+                 cargo test -p distlock-conformance --features drivers"
+            );
+        }
+        Some(with_query(&url, self.options()))
+    }
+}
+
+/// `url` with `query` appended to its query string.
+pub fn with_query(url: &str, query: &str) -> String {
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}{query}")
+}
+
+/// Says why a drill does not run on a backend (visible with `--nocapture` and in the test log).
+pub fn skip(drill: &str, backend: Backend, why: &str) {
+    println!("SKIP {drill} on {}: {why}", backend.name());
+    eprintln!("SKIP {drill} on {}: {why}", backend.name());
+}
+
+pub async fn client(url: &str) -> DynLock {
+    tokio::time::timeout(SOON, distlock::connect(url))
+        .await
+        .expect("connect timed out")
+        .expect("connect")
+}
+
+/// (the newest accepted fencing token and its owner, every accepted value)
+type LogState = (Option<(u64, String)>, Vec<String>);
+
+/// An append-only log that checks fencing: a write is accepted iff its fencing token is newer
+/// than every accepted one, or equal to the newest with the same owner (that holder writing
+/// again).
+#[derive(Debug, Default)]
+pub struct FencedLog {
+    state: Mutex<LogState>,
+}
+
+impl FencedLog {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    /// `Err(highest)` when stale.
+    pub fn write(&self, fencing: u64, owner: &str, value: String) -> Result<(), u64> {
+        let mut state = self.state.lock().unwrap();
+        if let Some((highest, who)) = &state.0
+            && (fencing < *highest || (fencing == *highest && who != owner))
+        {
+            return Err(*highest);
+        }
+        state.0 = Some((fencing, owner.to_owned()));
+        state.1.push(value);
+        Ok(())
+    }
+
+    pub fn values(&self) -> Vec<String> {
+        self.state.lock().unwrap().1.clone()
+    }
+}
+
+/// Writes `value` to `log` with `hold`'s tokens, recorded; `true` when accepted.
+pub fn write(rec: &ClientRecorder, hold: &Hold, log: &FencedLog, value: &str) -> bool {
+    let op = rec.write(hold.clone(), RESOURCE, value);
+    let fencing = hold.fencing.map_or(0, FencingToken::get);
+    match log.write(fencing, &hold.token.to_string(), value.to_owned()) {
+        Ok(()) => {
+            op.ok();
+            true
+        }
+        Err(highest) => {
+            op.rejected(Some(FencingToken(highest)));
+            false
+        }
+    }
+}
+
+/// An in-process client: a lock client and its recorder.
+#[derive(Clone)]
+pub struct Client {
+    pub rec: ClientRecorder,
+    pub lock: DynLock,
+}
+
+/// A guard and the task recording its loss.
+pub struct Held {
+    pub guard: LockGuard,
+    pub hold: Hold,
+    loss: JoinHandle<()>,
+    lost_at: Arc<Mutex<Option<Instant>>>,
+}
+
+impl Held {
+    /// When the guard's `lost()` fired, if it did.
+    pub fn lost_at(&self) -> Option<Instant> {
+        *self.lost_at.lock().unwrap()
+    }
+
+    /// Waits (up to `timeout`) for the loss to be recorded.
+    pub async fn wait_lost(&self, timeout: Duration) -> Option<Instant> {
+        let deadline = Instant::now() + timeout;
+        tokio::time::timeout_at(deadline, self.guard.lost())
+            .await
+            .ok()?;
+        // The recorder task runs right after the token is cancelled.
+        while self.lost_at().is_none() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        self.lost_at()
+    }
+}
+
+impl Client {
+    pub async fn new(history: &History, id: &str, url: &str) -> Self {
+        Self {
+            rec: history.client(id),
+            lock: client(url).await,
+        }
+    }
+
+    /// Records the invoke now and returns a future doing the acquisition (`wait` up to
+    /// `wait`), so a drill can spawn it after the invoke is in the history.
+    pub fn start_acquire(
+        &self,
+        key: &LockKey,
+        wait: Duration,
+    ) -> impl Future<Output = Option<Held>> + Send + 'static {
+        let op = self.rec.acquire(key, TTL);
+        let (rec, lock, key) = (self.rec.clone(), self.lock.clone(), key.clone());
+        async move { finish_acquire(op, &rec, &lock, &key, wait).await }
+    }
+
+    pub async fn acquire(&self, key: &LockKey, wait: Duration) -> Option<Held> {
+        self.start_acquire(key, wait).await
+    }
+
+    /// Releases `held` (recorded); returns what the release returned.
+    pub async fn release(&self, held: Held) -> Option<bool> {
+        let Held {
+            guard, hold, loss, ..
+        } = held;
+        let op = self.rec.release(hold);
+        loss.abort();
+        match tokio::time::timeout(SOON, guard.release()).await {
+            Ok(Ok(released)) => {
+                op.released(released);
+                Some(released)
+            }
+            Ok(Err(e)) => {
+                op.error(&e);
+                None
+            }
+            Err(_) => {
+                op.unknown("release timed out");
+                None
+            }
+        }
+    }
+}
+
+async fn finish_acquire(
+    op: PendingOp,
+    rec: &ClientRecorder,
+    lock: &DynLock,
+    key: &LockKey,
+    wait: Duration,
+) -> Option<Held> {
+    let acquired = tokio::time::timeout(
+        wait + SOON,
+        lock.lock(key.as_str()).ttl(TTL).wait(wait).acquire(),
+    )
+    .await;
+    let guard = match acquired {
+        Ok(Ok(guard)) => guard,
+        Ok(Err(e)) => {
+            op.error(&e);
+            return None;
+        }
+        Err(_) => {
+            op.unknown("acquire did not return by its deadline");
+            return None;
+        }
+    };
+    op.granted(&guard);
+    let hold = Hold::from(&guard);
+    let lost_at = Arc::new(Mutex::new(None));
+    let loss = tokio::spawn({
+        let (lost, rec, hold, lost_at) = (guard.lost(), rec.clone(), hold.clone(), lost_at.clone());
+        async move {
+            lost.await;
+            rec.lost(hold, "the guard's lost() fired");
+            *lost_at.lock().unwrap() = Some(Instant::now());
+        }
+    });
+    Some(Held {
+        guard,
+        hold,
+        loss,
+        lost_at,
+    })
+}
+
+/// What a holder process did, as seen by its pump.
+#[derive(Debug, Default)]
+pub struct HolderSeen {
+    pub hold: Option<Hold>,
+    pub writes: u64,
+    pub rejected: u64,
+    /// Receive times of the holder's writes and of its loss report.
+    pub write_times: Vec<Instant>,
+    pub lost_at: Option<Instant>,
+}
+
+/// A holder process whose events are recorded as they arrive: its grant, each write (applied to
+/// the fenced log), its loss, its release.
+pub struct Holder {
+    pub process: HolderProcess,
+    pub rec: ClientRecorder,
+    pub seen: Arc<Mutex<HolderSeen>>,
+    release: Arc<Mutex<Option<PendingOp>>>,
+    pump: JoinHandle<()>,
+}
+
+impl Holder {
+    pub async fn spawn(
+        history: &History,
+        id: &str,
+        url: &str,
+        key: &LockKey,
+        write_every: Option<Duration>,
+        log: Arc<FencedLog>,
+    ) -> Self {
+        let rec = history.client(id);
+        let mut options = HolderOptions::new(url, key.clone(), TTL);
+        options.write_every = write_every;
+        let acquire = rec.acquire(key, TTL);
+        let process = HolderProcess::spawn_with(HOLDER_BIN.as_ref(), &options)
+            .await
+            .expect("start the holder");
+        let seen = Arc::new(Mutex::new(HolderSeen::default()));
+        let release: Arc<Mutex<Option<PendingOp>>> = Arc::new(Mutex::new(None));
+        let mut feed = process.feed();
+        let pump = tokio::spawn({
+            let (seen, release, key, rec) =
+                (seen.clone(), release.clone(), key.clone(), rec.clone());
+            async move {
+                let mut acquire = Some(acquire);
+                while let Some((at, event)) = feed.next(Duration::from_secs(600)).await {
+                    let hold = seen.lock().unwrap().hold.clone();
+                    match event {
+                        HolderEvent::Acquired { fencing, token, .. } => {
+                            // The holder reports a digest; a stand-in with the same identity
+                            // (the checker only compares tokens for equality).
+                            let hold = Hold {
+                                key: key.clone(),
+                                token: TokenDigest::of(token.as_bytes()),
+                                fencing: fencing.map(FencingToken),
+                                ttl: TTL,
+                            };
+                            if let Some(op) = acquire.take() {
+                                op.granted(hold.clone());
+                            }
+                            seen.lock().unwrap().hold = Some(hold);
+                        }
+                        HolderEvent::Write { seq, .. } => {
+                            let hold = hold.expect("a write before the grant");
+                            let ok = write(&rec, &hold, &log, &format!("{}#{seq}", rec.id()));
+                            let mut seen = seen.lock().unwrap();
+                            seen.writes += 1;
+                            seen.rejected += u64::from(!ok);
+                            seen.write_times.push(at);
+                        }
+                        HolderEvent::Lost { reason } => {
+                            if let Some(hold) = hold {
+                                rec.lost(hold, reason);
+                            }
+                            seen.lock().unwrap().lost_at = Some(at);
+                        }
+                        HolderEvent::Released { released } => {
+                            if let Some(op) = release.lock().unwrap().take() {
+                                op.released(released);
+                            }
+                        }
+                        HolderEvent::Error { message } => {
+                            if let Some(op) = acquire.take() {
+                                op.fail(&message);
+                            } else if let Some(op) = release.lock().unwrap().take() {
+                                op.fail(&message);
+                            }
+                        }
+                        HolderEvent::Started { .. } | HolderEvent::Renewed { .. } => {}
+                    }
+                }
+                // Killed before its grant was reported: the outcome is unknown.
+                drop(acquire);
+            }
+        });
+        Self {
+            process,
+            rec,
+            seen,
+            release,
+            pump,
+        }
+    }
+
+    /// Waits for the grant; returns its fencing token.
+    pub async fn wait_acquired(&self) -> u64 {
+        let (fencing, _, _) =
+            self.process.wait_acquired(SOON).await.unwrap_or_else(|| {
+                panic!("the holder did not acquire: {:?}", self.process.events())
+            });
+        // Let the pump record it.
+        while self.seen.lock().unwrap().hold.is_none() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        fencing.expect("every backend here mints fencing tokens")
+    }
+
+    /// Waits until the pump has applied `n` writes.
+    pub async fn wait_writes(&self, n: u64) {
+        let deadline = Instant::now() + SOON;
+        while self.seen.lock().unwrap().writes < n {
+            assert!(
+                Instant::now() < deadline,
+                "the holder wrote only {} times: {:?}",
+                self.seen.lock().unwrap().writes,
+                self.process.events()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Closes the holder's stdin (it releases and exits), recording the release.
+    pub fn release(&mut self) {
+        let hold = self.seen.lock().unwrap().hold.clone().expect("held");
+        *self.release.lock().unwrap() = Some(self.rec.release(hold));
+        self.process.release();
+    }
+
+    /// Waits until the holder exited and its events are all recorded.
+    pub async fn finish(mut self) -> std::process::ExitStatus {
+        let status = self
+            .process
+            .wait_exit(SOON)
+            .await
+            .expect("the holder should exit");
+        tokio::time::timeout(SOON, &mut self.pump)
+            .await
+            .expect("the pump should end with the holder's output")
+            .expect("pump panicked");
+        status
+    }
+}
+
+/// Records the log's final state, checks the history, saves it, and fails on any violation
+/// whose rule is not in `expected` (documented limits measured by the drill). Returns every
+/// violation.
+pub fn finish(history: &History, log: &FencedLog, expected: &[Rule]) -> Vec<Violation> {
+    history.final_state(RESOURCE, ResourceKind::Log, log.values());
+    let violations = check(
+        &history.snapshot(),
+        &CheckOptions {
+            ttl: Some(TTL),
+            liveness_margin: Duration::from_secs(5),
+            ..CheckOptions::default()
+        },
+    );
+    let files = history.save(&violations).expect("save the drill's history");
+    eprintln!(
+        "{}: {} records, {} violation(s); {} {}",
+        history.name(),
+        history.snapshot().len(),
+        violations.len(),
+        files.json.display(),
+        files.svg.display()
+    );
+    let unexpected: Vec<&Violation> = violations
+        .iter()
+        .filter(|v| !expected.contains(&v.rule))
+        .collect();
+    assert!(
+        unexpected.is_empty(),
+        "{}: the checker found violations (timeline: {}): {unexpected:#?}",
+        history.name(),
+        files.svg.display()
+    );
+    violations
+}
+
+/// The seq of the first record matching `f`.
+pub fn seq_of(history: &History, f: impl Fn(&conformance::drill::Record) -> bool) -> Option<u64> {
+    history.snapshot().iter().find(|r| f(r)).map(|r| r.seq)
+}
