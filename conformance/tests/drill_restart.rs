@@ -1,0 +1,156 @@
+//! Drill 5: the server is killed (SIGKILL; PostgreSQL: a crash of the whole server) and
+//! restarted while a lock is held — on a private instance per backend (`backends.sh` with its
+//! own data directory and a port from the drills' ranges; the shared servers are never touched).
+//!
+//! PostgreSQL, etcd and ZooKeeper claim durable fencing: the checker must find the history
+//! clean (fencing tokens keep increasing across the crash). The test Redis has no persistence, so
+//! its fence counter restarts — the limit lock-redis's README documents ("the server restarts
+//! without `appendonly yes`…"). The drill measures it: the only violation allowed is
+//! `FencingNotIncreasing`, the README must say so, the new holder's writes are rejected by the
+//! fenced resource (which remembers the higher token), and the old holder must be told it lost —
+//! a lock silently trusted after the restart fails the drill.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed expectation is a failed test
+
+mod drill_support;
+
+use conformance::drill::{History, Rule};
+use drill_support::{Backend, Client, FencedLog, PrivateServer, TTL, finish, write};
+use lock_core::FencingToken;
+use std::time::Duration;
+use tokio::time::Instant;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+async fn restart_while_held(backend: Backend, port: u16) {
+    let server = PrivateServer::start(backend, port).await;
+    let url = server.url();
+    let history = History::new(format!("{}_server_restart", backend.name()));
+    let key = conformance::fresh_key("drill-restart");
+    let log = FencedLog::new();
+    let c1 = Client::new(&history, "c1", &url).await;
+    let c2 = Client::new(&history, "c2", &url).await;
+
+    // A few grants first, so a counter that restarts from zero shows.
+    for n in 0..3 {
+        let held = c1.acquire(&key, WAIT).await.expect("c1 acquires");
+        assert!(write(&c1.rec, &held.hold, &log, &format!("c1#warmup{n}")));
+        assert_eq!(c1.release(held).await, Some(true));
+    }
+    let held1 = c1.acquire(&key, WAIT).await.expect("c1 acquires");
+    let f1 = held1.hold.fencing.map_or(0, FencingToken::get);
+    assert!(write(&c1.rec, &held1.hold, &log, "c1#1"));
+
+    let fault = history.fault("server killed and restarted", Some(backend.name()));
+    let killed = Instant::now();
+    server.ctl("kill").await;
+    server.ctl("start").await;
+    fault.heal();
+    let restarted = killed.elapsed();
+
+    // Either the holder kept its lease through the restart (renewed against the restored
+    // state) or it was told it lost it. For Redis (state gone) it must be told.
+    let lost = held1.wait_lost(2 * TTL + Duration::from_secs(3)).await;
+    let durable = backend != Backend::Redis;
+    if !durable {
+        assert!(
+            lost.is_some(),
+            "redis: after a restart that lost the lock, the holder must be told it lost"
+        );
+    }
+    let kept = lost.is_none();
+    let released = c1.release(held1).await;
+    if kept {
+        assert_eq!(released, Some(true), "a kept lease releases");
+    }
+
+    let held2 = c2
+        .acquire(&key, WAIT)
+        .await
+        .expect("c2 acquires after the restart");
+    let f2 = held2.hold.fencing.map_or(0, FencingToken::get);
+    let accepted = write(&c2.rec, &held2.hold, &log, "c2#1");
+    eprintln!(
+        "{}: restart took {restarted:?}; holder {}; fence {f1} before, {f2} after; c2's write {}",
+        history.name(),
+        if kept {
+            "kept its lease"
+        } else {
+            "was told it lost"
+        },
+        if accepted { "accepted" } else { "rejected" }
+    );
+    history.note(format!(
+        "fence {f1} before the restart, {f2} after; holder {}",
+        if kept { "kept its lease" } else { "lost" }
+    ));
+    assert_eq!(c2.release(held2).await, Some(true));
+    // Liveness after the heal.
+    let again = c1.acquire(&key, WAIT).await.expect("c1 acquires again");
+    let _ = write(&c1.rec, &again.hold, &log, "c1#2");
+    assert_eq!(c1.release(again).await, Some(true));
+
+    if durable {
+        assert!(f2 > f1, "fencing must survive the restart: {f1} then {f2}");
+        assert!(accepted);
+        finish(&history, &log, &[]);
+    } else {
+        let violations = finish(&history, &log, &[Rule::FencingNotIncreasing]);
+        assert!(
+            f2 <= f1 && !accepted,
+            "the test Redis has no persistence: the counter restarts ({f1} then {f2}) and the \
+             fenced resource rejects the new holder's write"
+        );
+        assert!(
+            violations
+                .iter()
+                .any(|v| v.rule == Rule::FencingNotIncreasing),
+            "the measured limit must show in the history"
+        );
+        let readme = include_str!("../../crates/lock-redis/README.md");
+        assert!(
+            readme.contains("the server restarts without `appendonly yes`"),
+            "lock-redis's README must document that a restart without persistence resets fencing"
+        );
+        eprintln!(
+            "{}: documented limit measured: fencing went {f1} -> {f2} (README: \"the server restarts without `appendonly yes`\")",
+            history.name()
+        );
+    }
+}
+
+fn run(backend: Backend, port: u16) {
+    if std::env::var_os("DISTLOCK_TEST_REDIS_URL").is_none() && !conformance::backends_required() {
+        drill_support::skip(
+            "server_restart",
+            backend,
+            "the servers are not installed here (DISTLOCK_TEST_*_URL unset)",
+        );
+        return;
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(restart_while_held(backend, port));
+}
+
+#[test]
+fn redis() {
+    run(Backend::Redis, 26391);
+}
+
+#[test]
+fn etcd() {
+    run(Backend::Etcd, 22701);
+}
+
+#[test]
+fn zk() {
+    run(Backend::Zk, 22801);
+}
+
+#[test]
+fn pg() {
+    run(Backend::Pg, 25501);
+}
