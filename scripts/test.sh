@@ -51,6 +51,10 @@ step() {
 STARTED=() # the single-node servers this run started (and will stop)
 finish() {
   local rc=$? n i
+  if [[ ${UP3_STARTED:-0} -eq 1 && ${DISTLOCK_KEEP_BACKENDS:-0} != 1 ]]; then
+    echo "test.sh: stopping the clusters this run started (down3)" >&2
+    "$BACKENDS" down3 || echo "test.sh: could not stop the clusters" >&2
+  fi
   if [[ ${#STARTED[@]} -gt 0 ]]; then
     if [[ ${DISTLOCK_KEEP_BACKENDS:-0} == 1 ]]; then
       echo "test.sh: DISTLOCK_KEEP_BACKENDS=1: leaving ${STARTED[*]} running" >&2
@@ -91,6 +95,13 @@ fi
 
 step backends "$BACKENDS" up
 step secure "$BACKENDS" up-secure
+# The 3-member etcd and ZooKeeper clusters and the Redis replica (up3) for the fault drills;
+# stopped on exit (down3) if this run started them.
+UP3_STARTED=0
+for name in etcd3-1 etcd3-2 etcd3-3 zk3-1 zk3-2 zk3-3 redis-replica; do
+  "$BACKENDS" is-up "$name" || UP3_STARTED=1
+done
+step up3 "$BACKENDS" up3
 eval "$("$BACKENDS" env)"
 export DISTLOCK_REQUIRE_BACKENDS=1
 env | grep '^DISTLOCK_' | sort
