@@ -67,8 +67,13 @@ impl EtcdLockConfig {
     /// (`etcds://` for TLS).
     ///
     /// Options: `prefix` (may be empty), `dial_timeout`, `request_timeout`, `min_ttl`
-    /// (durations such as `500ms`, `3s`, `1m`), and for `etcds://` only `ca_file`, `cert_file`,
-    /// `key_file`, `tls_domain`. User and password are percent-decoded.
+    /// (durations such as `500ms`, `3s`, `1m`), and for `etcds://` only `ca_file` (alias `ca`),
+    /// `cert_file`, `key_file`, `tls_domain`. User and password are percent-decoded.
+    ///
+    /// `etcds://` is TLS only (the server certificate is verified against `ca_file`, or the
+    /// client library's default roots, and the host name), never a plaintext fallback. With
+    /// `user:password@` the client authenticates when connecting; wrong credentials fail
+    /// `connect`.
     ///
     /// # Errors
     /// [`Error::Config`] for another scheme, no endpoint, a bad port, an unknown, repeated or
@@ -133,8 +138,11 @@ impl EtcdLockConfig {
                 "dial_timeout" => cfg.dial_timeout = parse_duration(&name, &value)?,
                 "request_timeout" => cfg.request_timeout = parse_duration(&name, &value)?,
                 "min_ttl" => cfg.min_ttl = Some(parse_duration(&name, &value)?),
-                "ca_file" => {
+                "ca_file" | "ca" => {
                     tls_only(&name)?;
+                    if tls_cfg.ca_file.is_some() {
+                        return Err(config("give the CA file once (ca or ca_file)"));
+                    }
                     tls_cfg.ca_file = Some(non_empty(&name, &value)?.into());
                 }
                 "cert_file" => {
@@ -327,6 +335,8 @@ mod tests {
             "etcd://h:1?ca_file=/ca.pem",
             "etcds://h:1?cert_file=/c.pem",
             "etcds://h:1?ca_file=",
+            "etcd://h:1?ca=/ca.pem",
+            "etcds://h:1?ca=/a.pem&ca_file=/b.pem",
             "etcd://:pw@h:1",
             "etcd://u:%zz@h:1",
         ] {
@@ -335,6 +345,13 @@ mod tests {
                 "{url}"
             );
         }
+    }
+
+    #[test]
+    fn ca_is_an_alias_of_ca_file() {
+        let c = EtcdLockConfig::from_url("etcds://h:1?ca=/ca.pem").unwrap();
+        let tls = c.tls.unwrap();
+        assert_eq!(tls.ca_file, Some(PathBuf::from("/ca.pem")));
     }
 
     #[test]
