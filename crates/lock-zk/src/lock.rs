@@ -238,7 +238,9 @@ impl Contender {
                     return Ok(());
                 }
                 Err(zk::Error::NoNode) => {
-                    let parents = zk::CreateMode::Container.with_acls(zk::Acls::anyone_all());
+                    // With acl=creator the lock directories (and a missing root) belong to our
+                    // digest identity too: other credentials can neither queue nor look in.
+                    let parents = zk::CreateMode::Container.with_acls(self.lock.acls());
                     match self.lock.call(client.mkdir(&self.dir, &parents)).await {
                         Ok(()) => {}
                         Err(e) if outcome_unknown(&e) => last = Some(e),
