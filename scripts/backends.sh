@@ -67,7 +67,7 @@ Commands:
                      zk     127.0.0.1:$ZK_PORT   (ZooKeeper standalone, tickTime ${ZK_TICK_MS} ms)
                      pg     127.0.0.1:$PG_PORT   (PostgreSQL, database "distlock", user postgres, trust)
                    Idempotent: a running instance is left alone (a paused one is resumed).
-  down [--purge]   stop every server this script started (singles and clusters). --purge also
+  down [--purge]   stop every server this script started (singles, clusters, secured). --purge also
                    deletes the data directory; without it data is kept (PostgreSQL and etcd restart
                    from it, Redis has none).
   status           one line per server: name, state (up/down/paused/unresponsive), port, pid.
