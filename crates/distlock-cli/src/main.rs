@@ -22,6 +22,10 @@ struct Cli {
     #[arg(long, env = "DISTLOCK_URL", global = true, hide_env_values = true)]
     url: Option<String>,
 
+    /// Print a Prometheus text snapshot of distlock's metrics to stderr on exit.
+    #[arg(long, global = true)]
+    metrics: bool,
+
     #[command(subcommand)]
     command: Command,
 }
@@ -105,6 +109,17 @@ fn main() -> ExitCode {
         eprintln!("distlock: no coordinator URL: pass --url URL or set DISTLOCK_URL");
         return ExitCode::from(exit::USAGE);
     };
+    let metrics = if cli.metrics {
+        match metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder() {
+            Ok(handle) => Some(handle),
+            Err(e) => {
+                eprintln!("distlock: cannot install the metrics recorder: {e}");
+                return ExitCode::from(exit::UNAVAILABLE);
+            }
+        }
+    } else {
+        None
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -133,5 +148,8 @@ fn main() -> ExitCode {
     });
     // Do not wait for the drivers' background tasks (reconnects, keepalives) to wind down.
     runtime.shutdown_background();
+    if let Some(metrics) = metrics {
+        eprint!("{}", metrics.render());
+    }
     ExitCode::from(code)
 }

@@ -238,3 +238,18 @@ fn help_documents_the_exit_codes() {
         assert!(text.contains(code), "{code} missing from --help:\n{text}");
     }
 }
+
+#[test]
+fn metrics_flag_prints_a_prometheus_snapshot_without_tokens() {
+    let out = output(distlock().args(["--url", "memory://metrics", "--metrics", "check"]));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("distlock_acquire_total{backend=\"memory\""),
+        "{err}"
+    );
+    assert!(err.contains("distlock_release_total"), "{err}");
+    assert!(err.contains("distlock_hold_seconds"), "{err}");
+    let quiet = output(distlock().args(["--url", "memory://metrics", "check"]));
+    assert!(!stderr(&quiet).contains("distlock_acquire_total"));
+}

@@ -44,47 +44,68 @@ const ORDERS: u32 = 7;
 const DUE_AT_START: u32 = 4;
 
 fn main() -> ExitCode {
-    let url = match parse_args() {
-        Ok(Some(url)) => url,
+    let (url, metrics) = match parse_args() {
+        Ok(Some(args)) => args,
         Ok(None) => return ExitCode::SUCCESS,
         Err(message) => {
             eprintln!("order_timeout: {message}");
             return ExitCode::from(2);
         }
     };
-    match run(&url, Output::Print) {
+    let metrics = match metrics
+        .then(|| metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder())
+        .transpose()
+    {
+        Ok(handle) => handle,
+        Err(e) => {
+            eprintln!("order_timeout: cannot install the metrics recorder: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let code = match run(&url, Output::Print) {
         Ok(report) if report.every_order_closed_once() => ExitCode::SUCCESS,
         Ok(_) => ExitCode::FAILURE,
         Err(message) => {
             eprintln!("order_timeout: {message}");
             ExitCode::from(2)
         }
+    };
+    if let Some(metrics) = metrics {
+        println!(
+            "\n# distlock metrics (Prometheus text format)\n{}",
+            metrics.render()
+        );
     }
+    code
 }
 
-fn parse_args() -> Result<Option<String>, String> {
+fn parse_args() -> Result<Option<(String, bool)>, String> {
     let mut url = std::env::var("DISTLOCK_URL").ok();
+    let mut metrics = false;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "-h" | "--help" => {
                 println!(
-                    "usage: order_timeout [--url URL]\n\n\
+                    "usage: order_timeout [--url URL] [--metrics]\n\n\
                      Runs the order-timeout scenario against the coordinator at URL\n\
-                     (default: $DISTLOCK_URL, else memory://order-timeout)."
+                     (default: $DISTLOCK_URL, else memory://order-timeout);\n\
+                     --metrics prints distlock's metrics (Prometheus text) at the end."
                 );
                 return Ok(None);
             }
             "--url" => url = Some(args.next().ok_or("--url needs a value")?),
+            "--metrics" => metrics = true,
             other => match other.strip_prefix("--url=") {
                 Some(value) => url = Some(value.to_owned()),
                 None => return Err(format!("unexpected argument `{other}` (try --help)")),
             },
         }
     }
-    Ok(Some(
+    Ok(Some((
         url.unwrap_or_else(|| "memory://order-timeout".to_owned()),
-    ))
+        metrics,
+    )))
 }
 
 /// Where the timeline goes.
@@ -189,6 +210,7 @@ impl OrderStore {
         };
         if order.last_fencing_token >= token.get() {
             self.stale_rejected.fetch_add(1, Ordering::SeqCst);
+            distlock::record_fencing_rejection("order_store");
             return Err(Refused::StaleToken {
                 seen: order.last_fencing_token,
             });

@@ -6,7 +6,7 @@ use std::{
     sync::{Arc, LazyLock, Mutex, PoisonError},
 };
 
-use lock_core::{DynLock, Error, InMemoryLock, Result};
+use lock_core::{DynLock, Error, InMemoryLock, Observed, Result};
 
 /// The coordinators [`connect`] knows, by URL scheme.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -177,7 +177,19 @@ fn supported_schemes_sentence() -> String {
 /// invalid option — all before any I/O; otherwise the driver's connection errors
 /// ([`Error::Unavailable`] when the coordinator cannot be reached). Messages never contain the
 /// URL's password.
+///
+/// The client is wrapped in [`Observed`], so it reports distlock's metrics (through the
+/// `metrics` facade, a no-op until the application installs a recorder) and tracing spans.
 pub async fn connect(url: &str) -> Result<DynLock> {
+    let inner = connect_unobserved(url).await?;
+    Ok(Arc::new(Observed::new(inner)))
+}
+
+/// [`connect`] without the metrics/tracing wrapper.
+///
+/// # Errors
+/// As [`connect`].
+pub async fn connect_unobserved(url: &str) -> Result<DynLock> {
     match Backend::for_url(url)? {
         Backend::Memory => connect_memory(url),
         #[cfg(feature = "redis")]

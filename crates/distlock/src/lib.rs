@@ -4,7 +4,7 @@
 
 mod connect;
 
-pub use connect::{Backend, connect, supported_schemes};
+pub use connect::{Backend, connect, connect_unobserved, supported_schemes};
 /// The core: the [`DistributedLock`] trait, its types, the guard and the in-memory backend.
 pub use lock_core::*;
 
