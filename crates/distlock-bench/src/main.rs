@@ -1,0 +1,408 @@
+#![doc = include_str!("../README.md")]
+#![deny(missing_docs)]
+#![forbid(unsafe_code)]
+
+mod backends;
+mod report;
+mod scenario;
+mod stats;
+mod system;
+
+use std::{path::PathBuf, sync::Arc, time::Duration};
+
+use clap::Parser;
+use lock_core::DynLock;
+
+use crate::{
+    backends::{Backend, Res},
+    report::{BackendReport, Meta, Report, WatchdogCost},
+};
+
+/// Measures distlock against the bare protocols and peer libraries on the local servers.
+#[derive(Debug, Parser)]
+#[command(name = "distlock-bench", version)]
+struct Args {
+    /// Comma-separated backends to run, in order (redis, etcd, zk, pg).
+    #[arg(long, value_delimiter = ',', default_value = "redis,etcd,zk,pg")]
+    backends: Vec<String>,
+    /// A short run (< 1 min): fewer cycles and handoffs, shorter windows, 1,000 held locks only.
+    #[arg(long)]
+    quick: bool,
+    /// Measured uncontended rounds per variant (default 1000, or 150 with --quick).
+    #[arg(long)]
+    cycles: Option<usize>,
+    /// Numbers of held locks for the watchdog measurement (default 1000,10000, or 1000 with
+    /// --quick).
+    #[arg(long, value_delimiter = ',')]
+    held: Option<Vec<usize>>,
+    /// Use a tokio current-thread runtime instead of a multi-thread one with one worker per CPU.
+    #[arg(long)]
+    current_thread: bool,
+    /// Where results.md, results.json and results.svg go (default: the workspace's target/bench).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Internal: run only the watchdog measurement of one backend and one size, print it as
+    /// JSON. The main run starts one such child per measurement so that its memory and CPU
+    /// figures are not blurred by earlier phases.
+    #[arg(long, hide = true)]
+    watchdog_child: bool,
+    /// Internal: the run id (key prefix) a watchdog child uses.
+    #[arg(long, hide = true)]
+    run: Option<String>,
+}
+
+/// The sizes of one run.
+#[derive(Clone, Copy, Debug)]
+struct Plan {
+    warmup: usize,
+    cycles: usize,
+    handoffs: usize,
+    waiters: usize,
+    clients: usize,
+    window: Duration,
+    watchdog_ttl: Duration,
+    ticks: u32,
+}
+
+impl Plan {
+    fn new(args: &Args) -> Self {
+        let quick = args.quick;
+        Self {
+            warmup: if quick { 50 } else { 200 },
+            cycles: args.cycles.unwrap_or(if quick { 150 } else { 1000 }),
+            handoffs: if quick { 40 } else { 200 },
+            waiters: 8,
+            clients: 16,
+            window: Duration::from_millis(if quick { 1500 } else { 5000 }),
+            watchdog_ttl: Duration::from_secs(if quick { 3 } else { 6 }),
+            ticks: if quick { 2 } else { 3 },
+        }
+    }
+}
+
+/// The lease TTL of every measurement except the watchdog's (long: nothing expires mid-run).
+const TTL: Duration = Duration::from_secs(30);
+
+fn env_url(var: &str) -> Option<String> {
+    std::env::var(var).ok().filter(|v| !v.is_empty())
+}
+
+fn backend(name: &str, plan: &Plan) -> Result<Box<dyn Backend>, String> {
+    let need = |var: &str| {
+        env_url(var).ok_or_else(|| {
+            format!("{var} is not set (run `scripts/backends.sh up` and `eval \"$(scripts/backends.sh env)\"`)")
+        })
+    };
+    let built: Res<Box<dyn Backend>> =
+        match name {
+            "redis" => backends::redis::Redis::new(&need("DISTLOCK_TEST_REDIS_URL")?)
+                .map(|b| Box::new(b) as _),
+            "etcd" => backends::etcd::Etcd::new(&need("DISTLOCK_TEST_ETCD_URL")?)
+                .map(|b| Box::new(b) as _),
+            "zk" => backends::zk::Zk::new(&need("DISTLOCK_TEST_ZK_URL")?, plan.watchdog_ttl)
+                .map(|b| Box::new(b) as _),
+            "pg" => backends::pg::Pg::new(&need("DISTLOCK_TEST_PG_URL")?).map(|b| Box::new(b) as _),
+            other => return Err(format!("unknown backend {other:?} (redis, etcd, zk, pg)")),
+        };
+    built.map_err(|e| e.to_string())
+}
+
+fn progress(msg: impl AsRef<str>) {
+    eprintln!("[distlock-bench] {}", msg.as_ref());
+}
+
+async fn run_backend(
+    b: &dyn Backend,
+    args: &Args,
+    plan: &Plan,
+    held: &[usize],
+    run: &str,
+) -> BackendReport {
+    let mut report = BackendReport {
+        name: b.name().to_owned(),
+        server: b.server(),
+        wait_notify: false,
+        uncontended: Vec::new(),
+        handoff: None,
+        throughput: Vec::new(),
+        watchdog: Vec::new(),
+        notes: b.notes(),
+    };
+    let name = b.name();
+    if let Err(e) = b.prepare().await {
+        report.notes.push(format!("setup failed: {e}"));
+        return report;
+    }
+
+    progress(format!(
+        "{name}: uncontended cycles ({} + {} warm-up rounds)",
+        plan.cycles, plan.warmup
+    ));
+    match b.cycles(run, TTL).await {
+        Ok(mut variants) => {
+            report.uncontended =
+                scenario::uncontended(&mut variants, plan.warmup, plan.cycles).await;
+        }
+        Err(e) => {
+            report
+                .notes
+                .push(format!("uncontended variants could not be set up: {e}"));
+        }
+    }
+
+    progress(format!("{name}: connecting {} clients", plan.clients));
+    let clients: Res<Vec<DynLock>> =
+        futures::future::try_join_all((0..plan.clients).map(|_| b.client())).await;
+    match clients {
+        Ok(clients) => {
+            report.wait_notify = clients
+                .first()
+                .is_some_and(|c| c.capabilities().wait_notify);
+            progress(format!("{name}: handoff, {} waiters", plan.waiters));
+            let rtt = report.rtt().copied();
+            match lock_core::LockKey::new(format!("bench/{run}/handoff")) {
+                Ok(key) => match scenario::handoff(
+                    &clients[..plan.waiters],
+                    &key,
+                    TTL,
+                    plan.handoffs,
+                    rtt.as_ref(),
+                )
+                .await
+                {
+                    Ok(h) => report.handoff = Some(h),
+                    Err(e) => report.notes.push(format!("handoff failed: {e}")),
+                },
+                Err(e) => report.notes.push(format!("handoff failed: {e}")),
+            }
+            for keys in [1, plan.clients] {
+                progress(format!(
+                    "{name}: throughput, {} clients on {keys} key(s)",
+                    plan.clients
+                ));
+                match scenario::throughput(&clients, run, keys, TTL, plan.window).await {
+                    Ok(t) => report.throughput.push(t),
+                    Err(e) => report
+                        .notes
+                        .push(format!("throughput on {keys} key(s) failed: {e}")),
+                }
+            }
+        }
+        Err(e) => report.notes.push(format!("clients could not connect: {e}")),
+    }
+
+    for &n in held {
+        progress(format!(
+            "{name}: watchdog cost with {n} held locks (child process)"
+        ));
+        match watchdog_in_child(args, name, n, run).await {
+            Ok(w) => {
+                if w.lost > 0 {
+                    report.notes.push(format!(
+                        "{} of {n} held locks were lost during the watchdog window: this backend does not keep up with {n} renewals per interval here",
+                        w.lost
+                    ));
+                }
+                report.watchdog.push(w);
+            }
+            Err(e) => report
+                .notes
+                .push(format!("watchdog with {n} held locks failed: {e}")),
+        }
+    }
+    report
+}
+
+/// Runs the watchdog measurement in a fresh process of this binary (see `--watchdog-child`).
+async fn watchdog_in_child(
+    args: &Args,
+    backend: &str,
+    held: usize,
+    run: &str,
+) -> Res<WatchdogCost> {
+    let mut cmd = tokio::process::Command::new(std::env::current_exe()?);
+    cmd.args(["--watchdog-child", "--backends", backend, "--run", run])
+        .arg(format!("--held={held}"))
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::inherit())
+        .kill_on_drop(true);
+    if args.quick {
+        cmd.arg("--quick");
+    }
+    if args.current_thread {
+        cmd.arg("--current-thread");
+    }
+    // A backend that cannot keep up is reported as such, not waited for indefinitely.
+    let limit = Duration::from_secs(if args.quick { 40 } else { 120 });
+    let out = tokio::time::timeout(limit, cmd.output())
+        .await
+        .map_err(|_| {
+            format!("not measured: did not finish within {limit:?} (the child was killed)")
+        })??;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .last()
+        .ok_or_else(|| format!("the watchdog child printed nothing ({})", out.status))?;
+    let result: Result<WatchdogCost, String> = serde_json::from_str(line)?;
+    Ok(result?)
+}
+
+/// The body of a watchdog child: one backend, one size, JSON on stdout.
+async fn watchdog_child(args: &Args, plan: &Plan, run: &str) -> Result<WatchdogCost, String> {
+    let [name] = args.backends.as_slice() else {
+        return Err("a watchdog child takes exactly one backend".into());
+    };
+    let Some([held]) = args.held.as_deref() else {
+        return Err("a watchdog child takes exactly one --held".into());
+    };
+    let b = backend(name.trim(), plan)?;
+    let (client, counter) = b.watchdog_client().await.map_err(|e| e.to_string())?;
+    scenario::watchdog(
+        &client,
+        counter.as_ref(),
+        run,
+        *held,
+        plan.watchdog_ttl,
+        plan.ticks,
+    )
+    .await
+    .map_err(|e| e.to_string())
+}
+
+fn command_line() -> String {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut cmd = "cargo run --release -p distlock-bench".to_owned();
+    if !args.is_empty() {
+        cmd.push_str(" -- ");
+        cmd.push_str(&args.join(" "));
+    }
+    cmd
+}
+
+fn default_out() -> PathBuf {
+    // crates/distlock-bench → the workspace root.
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join("target/bench")
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    let plan = Plan::new(&args);
+    let held = args.held.clone().unwrap_or_else(|| {
+        if args.quick {
+            vec![1000]
+        } else {
+            vec![1000, 10_000]
+        }
+    });
+    let machine = system::Machine::detect();
+    let (runtime, flavour) = if args.current_thread {
+        (
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build(),
+            "tokio current-thread".to_owned(),
+        )
+    } else {
+        (
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(machine.nproc)
+                .enable_all()
+                .build(),
+            format!("tokio multi-thread, {} workers", machine.nproc),
+        )
+    };
+    let runtime = match runtime {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("cannot start the tokio runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    if args.watchdog_child {
+        let run = args.run.clone().unwrap_or_else(|| "child".to_owned());
+        let result = runtime.block_on(watchdog_child(&args, &plan, &run));
+        runtime.shutdown_timeout(Duration::from_secs(2));
+        return match serde_json::to_string(&result) {
+            Ok(line) => {
+                println!("{line}");
+                std::process::ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("cannot encode the watchdog result: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        };
+    }
+    let started = std::time::SystemTime::now();
+    let t0 = std::time::Instant::now();
+    let run = format!("{:08x}", rand::random::<u32>());
+    let mut reports = Vec::new();
+    for name in &args.backends {
+        let name = name.trim();
+        match backend(name, &plan) {
+            Ok(b) => {
+                let b: Arc<dyn Backend> = Arc::from(b);
+                reports.push(runtime.block_on(run_backend(b.as_ref(), &args, &plan, &held, &run)));
+            }
+            Err(e) => reports.push(BackendReport {
+                name: name.to_owned(),
+                server: String::new(),
+                wait_notify: false,
+                uncontended: Vec::new(),
+                handoff: None,
+                throughput: Vec::new(),
+                watchdog: Vec::new(),
+                notes: vec![format!("skipped: {e}")],
+            }),
+        }
+    }
+    // Background releases of dropped clients finish or are abandoned here.
+    runtime.shutdown_timeout(Duration::from_secs(2));
+
+    let report = Report {
+        meta: Meta {
+            command: command_line(),
+            profile: if cfg!(debug_assertions) {
+                "debug"
+            } else {
+                "release"
+            },
+            runtime: flavour,
+            machine,
+            quick: args.quick,
+            started_unix: started
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            duration_s: t0.elapsed().as_secs_f64(),
+            cycles: plan.cycles,
+            warmup: plan.warmup,
+        },
+        backends: reports,
+    };
+    let md = report::markdown(&report);
+    println!("{md}");
+    let out = args.out.clone().unwrap_or_else(default_out);
+    let written = std::fs::create_dir_all(&out)
+        .and_then(|()| std::fs::write(out.join("results.md"), &md))
+        .and_then(|()| {
+            let json = report::json(&report).map_err(std::io::Error::other)?;
+            std::fs::write(out.join("results.json"), json)
+        })
+        .and_then(|()| std::fs::write(out.join("results.svg"), report::svg(&report)));
+    match written {
+        Ok(()) => {
+            progress(format!(
+                "wrote results.md, results.json and results.svg to {}",
+                out.display()
+            ));
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("cannot write the results to {}: {e}", out.display());
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
