@@ -85,8 +85,27 @@ fn is_connection_error(e: &sqlx::Error) -> bool {
     }
 }
 
+/// A TLS handshake that rejected the server's certificate (unknown CA, wrong host name,
+/// expired): retrying cannot help, so it is a permanent error rather than `Unavailable`.
+fn is_untrusted_server(e: &sqlx::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        let tls = err.downcast_ref::<rustls::Error>().or_else(|| {
+            err.downcast_ref::<std::io::Error>()
+                .and_then(|io| io.get_ref())
+                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        });
+        if let Some(rustls::Error::InvalidCertificate(_)) = tls {
+            return true;
+        }
+        source = err.source();
+    }
+    false
+}
+
 fn exec_error(op: &'static str, key: &LockKey, e: ExecError) -> Error {
     match e {
+        ExecError::NotSent(e) if is_untrusted_server(&e) => Error::backend(BACKEND, op, e),
         ExecError::NotSent(e) => Error::unavailable(BACKEND, op, e),
         ExecError::Rejected(e) if is_connection_error(&e) => Error::unavailable(BACKEND, op, e),
         ExecError::Rejected(e) => Error::backend(BACKEND, op, e),
@@ -114,8 +133,9 @@ impl PgLock {
     /// Connects the pool and makes sure the lease table exists (creating it when allowed).
     ///
     /// # Errors
-    /// [`Error::Unavailable`] when the server cannot be reached, [`Error::Backend`] when the
-    /// table cannot be created or checked.
+    /// [`Error::Unavailable`] when the server cannot be reached (or does not offer the TLS the
+    /// URL requires), [`Error::Backend`] when it refuses the credentials, its TLS certificate is
+    /// not trusted, or the table cannot be created or checked.
     pub async fn connect(config: PgLockConfig) -> Result<Self> {
         let lock = Self::connect_lazy(config);
         lock.inner.ensure_table().await?;
@@ -194,7 +214,9 @@ impl Inner {
                     _ => false,
                 };
                 let map = |e: sqlx::Error| {
-                    if is_connection_error(&e) || matches!(e, sqlx::Error::PoolTimedOut) {
+                    if is_untrusted_server(&e) {
+                        Error::backend(BACKEND, op, e)
+                    } else if is_connection_error(&e) || matches!(e, sqlx::Error::PoolTimedOut) {
                         Error::unavailable(BACKEND, op, e)
                     } else {
                         Error::backend(BACKEND, op, e)

@@ -136,8 +136,12 @@ async fn wrong_password_fails_closed() {
 async fn wrong_ca_fails_closed() {
     let Some(s) = secure() else { return };
     let url = with_option(&s.url, "sslrootcert", Some(&s.wrong_ca));
-    let (_, shown) = must_fail(url.as_str(), &[&s.password]).await;
+    let (err, shown) = must_fail(url.as_str(), &[&s.password]).await;
     assert!(shown.contains("certificate"), "{shown}");
+    assert!(
+        !err.is_temporary(),
+        "an untrusted server is permanent: {err:?}"
+    );
     // verify-ca checks the chain too.
     let url = with_option(&url, "sslmode", Some("verify-ca"));
     let (_, shown) = must_fail(url.as_str(), &[&s.password]).await;
