@@ -104,7 +104,8 @@ done
 step up3 "$BACKENDS" up3
 eval "$("$BACKENDS" env)"
 export DISTLOCK_REQUIRE_BACKENDS=1
-env | grep '^DISTLOCK_' | sort
+# Show the test URLs without their (throwaway) passwords.
+env | grep '^DISTLOCK_' | sed -E 's#(://[^:/@]*:)[^@]*@#\1***@#' | sort
 
 step fmt cargo fmt --all -- --check
 step clippy cargo clippy --workspace --all-targets --all-features -- -D warnings
