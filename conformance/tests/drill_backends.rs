@@ -254,12 +254,13 @@ async fn lost_acquire_reply(backend: Backend, url: String) {
         if typed {
             ""
         } else {
-            " — not Indeterminate: a deviation from the trait's contract (reported, not a safety failure)"
+            " — neither Indeterminate nor Unavailable: a deviation from the trait's contract"
         }
     );
     eprintln!("{}: {note}", history.name());
-    history.note(note);
-    assert!(matches!(outcome, Ok(Err(_))), "{outcome:?}");
+    history.note(note.clone());
+    // Indeterminate, or Unavailable when the driver verified that nothing was applied.
+    assert!(typed, "{note}");
     proxy.pass();
     fault.heal();
 

@@ -171,9 +171,14 @@ async fn call<T>(limit: Duration, fut: impl Future<Output = ZkResult<T>>) -> ZkR
     timeout(limit, fut).await.unwrap_or(Err(zk::Error::Timeout))
 }
 
-/// The request may or may not have been applied.
+/// The request may or may not have been applied. zookeeper-client fails in-flight requests with
+/// a custom error ("no response from connection in …ms", I/O errors) when it gives up on a
+/// connection: the request may have reached the server, so that is an unknown outcome too.
 fn outcome_unknown(e: &zk::Error) -> bool {
-    matches!(e, zk::Error::ConnectionLoss | zk::Error::Timeout)
+    matches!(
+        e,
+        zk::Error::ConnectionLoss | zk::Error::Timeout | zk::Error::Custom(_)
+    )
 }
 
 /// The session is gone, and with it every ephemeral node it owned.
