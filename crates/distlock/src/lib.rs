@@ -4,6 +4,11 @@
 
 mod connect;
 
+/// The root README's examples, compiled as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct RootReadme;
+
 pub use connect::{Backend, connect, connect_unobserved, supported_schemes};
 /// The core: the [`DistributedLock`] trait, its types, the guard and the in-memory backend.
 pub use lock_core::*;
