@@ -233,7 +233,7 @@ async fn watchdog_in_child(
         cmd.arg("--current-thread");
     }
     // A backend that cannot keep up is reported as such, not waited for indefinitely.
-    let limit = Duration::from_secs(if args.quick { 40 } else { 120 });
+    let limit = Duration::from_secs(if args.quick { 40 } else { 90 });
     let out = tokio::time::timeout(limit, cmd.output())
         .await
         .map_err(|_| {

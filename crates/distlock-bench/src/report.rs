@@ -123,6 +123,8 @@ pub struct WatchdogCost {
     pub counter: String,
     /// The request kinds that grew most, per tick (not net of background).
     pub request_mix: Vec<(String, f64)>,
+    /// Client state once the locks were held, where the backend tells (e.g. sessions in use).
+    pub details: Option<String>,
     /// Successful renewals per tick, summed over the guards.
     pub renewals_per_tick: f64,
     /// Process CPU time per tick in milliseconds.
@@ -326,14 +328,18 @@ pub fn markdown(r: &Report) -> String {
                 fmt_opt(w.cpu_ms_per_tick, 1),
                 fmt_bytes(w.rss_bytes_per_lock),
                 w.lost,
-                if w.request_mix.is_empty() {
-                    "–".to_owned()
-                } else {
-                    w.request_mix
+                {
+                    let mut mix: Vec<String> = w
+                        .request_mix
                         .iter()
                         .map(|(k, n)| format!("{k} {n:.0}"))
-                        .collect::<Vec<_>>()
-                        .join(", ")
+                        .collect();
+                    mix.extend(w.details.iter().map(|d| format!("({d})")));
+                    if mix.is_empty() {
+                        "–".to_owned()
+                    } else {
+                        mix.join(", ")
+                    }
                 },
                 w.counter
             );
@@ -409,13 +415,13 @@ pub fn svg(r: &Report) -> String {
         }
     }
 
-    const W: f64 = 1100.0;
-    const LABEL_W: f64 = 430.0;
+    const W: f64 = 1280.0;
+    const LABEL_W: f64 = 610.0;
     const PLOT_W: f64 = 560.0;
     const BAR_H: f64 = 16.0;
     const GAP: f64 = 6.0;
     const GROUP_HEAD: f64 = 26.0;
-    const TOP: f64 = 70.0;
+    const TOP: f64 = 86.0;
     let max = groups
         .iter()
         .flat_map(|(_, b)| b.iter().map(|b| b.p99.max(b.median)))
@@ -436,6 +442,13 @@ pub fn svg(r: &Report) -> String {
     let rows: usize = groups.iter().map(|(_, b)| b.len()).sum();
     let h = TOP + groups.len() as f64 * GROUP_HEAD + rows as f64 * (BAR_H + GAP) + 60.0;
 
+    let colour = |k: &str| match k {
+        "distlock" => "#1f77b4",
+        "bare" => "#7f7f7f",
+        "peer" => "#ff7f0e",
+        "handoff" => "#2ca02c",
+        _ => "#bcbd22",
+    };
     let mut s = String::new();
     let _ = writeln!(
         s,
@@ -449,12 +462,34 @@ pub fn svg(r: &Report) -> String {
     );
     let _ = writeln!(
         s,
-        r##"<text x="10" y="44" fill="#555">{}; {}; {} profile; {} × {}</text>"##,
+        r##"<text x="10" y="62" fill="#555">{}; {}; {} profile; {} × {}</text>"##,
         xml_escape(&r.meta.runtime),
         if r.meta.quick { "--quick" } else { "full run" },
         r.meta.profile,
         r.meta.machine.nproc,
         xml_escape(&r.meta.machine.cpu_model)
+    );
+    // Legend.
+    let mut lx = LABEL_W;
+    for (kind, text) in [
+        ("distlock", "distlock"),
+        ("bare", "bare protocol"),
+        ("peer", "peer library"),
+        ("rtt", "1 round trip"),
+        ("handoff", "handoff"),
+    ] {
+        let _ = writeln!(
+            s,
+            r#"<rect x="{lx:.0}" y="34" width="12" height="12" fill="{}"/><text x="{:.0}" y="45">{text}</text>"#,
+            colour(kind),
+            lx + 16.0
+        );
+        lx += 24.0 + 7.5 * text.len() as f64;
+    }
+    let _ = writeln!(
+        s,
+        r##"<text x="{:.0}" y="45" fill="#555">numbers: median / p99 µs</text>"##,
+        lx + 10.0
     );
     // Grid: every decade, labelled.
     let grid_bottom = h - 40.0;
@@ -484,13 +519,6 @@ pub fn svg(r: &Report) -> String {
         LABEL_W + PLOT_W / 2.0,
         grid_bottom + 32.0
     );
-    let colour = |k: &str| match k {
-        "distlock" => "#1f77b4",
-        "bare" => "#7f7f7f",
-        "peer" => "#ff7f0e",
-        "handoff" => "#2ca02c",
-        _ => "#bcbd22",
-    };
     let mut y = TOP;
     for (name, bars) in &groups {
         let _ = writeln!(
@@ -501,8 +529,8 @@ pub fn svg(r: &Report) -> String {
         );
         y += GROUP_HEAD;
         for b in bars {
-            let label: String = if b.label.chars().count() > 64 {
-                b.label.chars().take(63).chain(['…']).collect()
+            let label: String = if b.label.chars().count() > 92 {
+                b.label.chars().take(91).chain(['…']).collect()
             } else {
                 b.label.clone()
             };
@@ -622,6 +650,7 @@ mod tests {
                     requests_per_tick: Some(1000.3),
                     counter: "INFO commandstats".into(),
                     request_mix: vec![("evalsha".into(), 990.0), ("publish".into(), 2.4)],
+                    details: None,
                     renewals_per_tick: 1000.0,
                     cpu_ms_per_tick: Some(12.5),
                     rss_bytes_per_lock: Some(2048.0),
@@ -669,8 +698,9 @@ mod tests {
         assert!(svg.starts_with("<svg"));
         assert!(svg.trim_end().ends_with("</svg>"));
         assert!(svg.contains("Test CPU &lt;x&gt;"));
-        // Three bars with numbers: distlock, bare, handoff (the failed peer has none).
-        assert_eq!(svg.matches("<rect x=").count(), 3);
+        // Five legend swatches, then three bars: distlock, bare, handoff (the failed peer has
+        // no numbers, so no bar).
+        assert_eq!(svg.matches("<rect x=").count(), 5 + 3);
         assert_eq!(svg.matches('<').count(), svg.matches('>').count());
     }
 }

@@ -229,6 +229,7 @@ pub async fn watchdog(
         .try_collect()
         .await?;
     let acquire_s = start.elapsed().as_secs_f64();
+    let details = counter.details();
     sleep(interval).await;
     let rss1 = system::resident_bytes();
 
@@ -267,6 +268,7 @@ pub async fn watchdog(
         requests_per_tick: Some(requests.max(0.0) / observed_ticks),
         counter: counter.source(),
         request_mix,
+        details,
         renewals_per_tick: (r1 - r0) as f64 / observed_ticks,
         cpu_ms_per_tick: match (cpu0, cpu1) {
             (Some(a), Some(b)) => Some((b - a).as_secs_f64() * 1e3 / observed_ticks),

@@ -175,6 +175,13 @@ impl RequestCounter for DriverCounts {
         true
     }
 
+    fn details(&self) -> Option<String> {
+        Some(format!(
+            "{} etcd lease(s) in use",
+            self.lock.session_count()
+        ))
+    }
+
     async fn read(&self) -> Res<Counts> {
         let c = self.lock.request_counts();
         Ok(Counts {

@@ -67,6 +67,10 @@ pub trait RequestCounter: Send + Sync {
     fn exclusive(&self) -> bool;
     /// The current count.
     async fn read(&self) -> Res<Counts>;
+    /// Client state worth reporting once the locks are held (e.g. sessions in use).
+    fn details(&self) -> Option<String> {
+        None
+    }
 }
 
 /// One coordinator under test.
