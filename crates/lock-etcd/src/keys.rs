@@ -69,3 +69,30 @@ mod tests {
         assert_eq!(entry_key(b"m/", 255), b"m/ff".to_vec());
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod proptests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn key() -> impl Strategy<Value = LockKey> {
+        prop_oneof!["[ab/%2F5 .]{1,10}", "\\PC{1,30}"]
+            .prop_filter_map("valid key", |s| LockKey::new(s).ok())
+    }
+
+    proptest! {
+        /// A key's contender range never contains (or equals) another key's range, so locks never
+        /// collide or queue behind each other.
+        #[test]
+        fn distinct_keys_get_disjoint_ranges(prefix in "[a-z/]{0,6}", a in key(), b in key()) {
+            let ra = name_prefix(&prefix, &a);
+            let rb = name_prefix(&prefix, &b);
+            if a != b {
+                prop_assert!(!rb.starts_with(&ra), "{:?} contains {:?}", rb, ra);
+                prop_assert!(!entry_key(&rb, 0x694d_1234).starts_with(&ra));
+            }
+        }
+    }
+}

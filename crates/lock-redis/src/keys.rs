@@ -231,3 +231,35 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod proptests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// An alphabet dense in the characters that matter to the mapping.
+    fn key() -> impl Strategy<Value = LockKey> {
+        prop_oneof!["[a{}/:% .\u{1f}x-]{1,10}", "\\PC{1,30}",]
+            .prop_filter_map("valid key", |s| LockKey::new(s).ok())
+    }
+
+    proptest! {
+        #[test]
+        fn distinct_keys_get_distinct_names_and_fences_share_the_slot(
+            ns in "[a-z:{}]{0,4}", a in key(), b in key(),
+        ) {
+            let na = KeyNames::new(&ns, &a, 0);
+            let nb = KeyNames::new(&ns, &b, 0);
+            prop_assert_eq!(key_slot(&na.lock), key_slot(&na.fence));
+            prop_assert_ne!(&na.lock, &nb.fence);
+            prop_assert_ne!(&na.fence, &na.lock);
+            if a != b {
+                prop_assert_ne!(&na.lock, &nb.lock);
+                prop_assert_ne!(&na.fence, &nb.fence);
+                prop_assert_ne!(&na.channel, &nb.channel);
+            }
+        }
+    }
+}

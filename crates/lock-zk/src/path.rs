@@ -165,3 +165,30 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod proptests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn key() -> impl Strategy<Value = LockKey> {
+        prop_oneof!["[a/%.2EF ]{1,8}", "\\PC{1,30}"]
+            .prop_filter_map("valid key", |s| LockKey::new(s).ok())
+    }
+
+    proptest! {
+        /// Every key maps to one legal path segment, and distinct keys to distinct segments.
+        #[test]
+        fn keys_map_to_distinct_legal_segments(a in key(), b in key()) {
+            let sa = escape_segment(a.as_str());
+            prop_assert!(!sa.is_empty() && !sa.contains('/') && sa != "." && sa != "..");
+            let illegal = |c: char| c == '\0' || ('\u{e000}'..='\u{f8ff}').contains(&c) || c >= '\u{fff0}';
+            prop_assert!(!sa.chars().any(illegal), "illegal character in {:?}", sa);
+            if a != b {
+                prop_assert_ne!(lock_dir("/distlock", &a), lock_dir("/distlock", &b));
+            }
+        }
+    }
+}
