@@ -14,7 +14,7 @@ use conformance::drill::{
     Rule, Violation, check, holder::HolderOptions,
 };
 use lock_core::{DistributedLockExt, DynLock, FencingToken, LockGuard, LockKey, TokenDigest};
-use tokio::{task::JoinHandle, time::Instant};
+use tokio::{sync::watch, task::JoinHandle, time::Instant};
 
 /// The bound on anything that must happen (process start, failover, a loaded 2-core machine).
 pub const SOON: Duration = Duration::from_secs(20);
@@ -128,6 +128,11 @@ impl FencedLog {
 
     pub fn values(&self) -> Vec<String> {
         self.state.lock().unwrap().1.clone()
+    }
+
+    /// The newest accepted fencing token.
+    pub fn highest(&self) -> Option<u64> {
+        self.state.lock().unwrap().0.as_ref().map(|(h, _)| *h)
     }
 }
 
@@ -567,5 +572,252 @@ impl Drop for PrivateServer {
             .envs(self.envs.iter().cloned())
             .output();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reliability drills (`drill_jobs.rs`, `drill_soak.rs`): every backend including `memory://`,
+// each client behind its own fault link.
+
+/// The backends of the reliability drills: `memory://` (a fresh in-process coordinator) and the
+/// shared single-node servers (`None`: no URL set, skip).
+pub fn drill_targets() -> Vec<(&'static str, Option<String>)> {
+    let mut targets = vec![(
+        "memory",
+        Some(format!("memory://drill-{:016x}", rand::random::<u64>())),
+    )];
+    for backend in [Backend::Redis, Backend::Etcd, Backend::Zk, Backend::Pg] {
+        targets.push((backend.name(), backend.shared_url()));
+    }
+    targets
+}
+
+/// The URL of the reliability drills' backend `name` (see [`drill_targets`]).
+pub fn drill_target(name: &str) -> Option<String> {
+    drill_targets()
+        .into_iter()
+        .find(|(n, _)| *n == name)
+        .and_then(|(_, url)| url)
+}
+
+/// How long the in-process fault link lets a request wait before the "client" gives up (the
+/// servers' drills use the drivers' 500 ms operation timeouts).
+const LOCAL_OP_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// A client's fault link: the drill [`conformance::drill::Proxy`] for a server, or — for
+/// `memory://`, which has no connection — a wrapper around the client that applies the same
+/// faults to its calls ([`SwitchLock`]).
+pub enum Link {
+    Proxy(conformance::drill::Proxy),
+    Local(watch::Sender<conformance::drill::Fault>),
+}
+
+impl Link {
+    pub fn set(&self, fault: conformance::drill::Fault) {
+        match self {
+            Link::Proxy(p) => p.set(fault),
+            Link::Local(tx) => {
+                tx.send_replace(fault);
+            }
+        }
+    }
+
+    pub fn pass(&self) {
+        self.set(conformance::drill::Fault::Pass);
+    }
+
+    /// Resets the connections open now (a no-op in process: there are none).
+    pub fn reset(&self) {
+        if let Link::Proxy(p) = self {
+            p.reset();
+        }
+    }
+}
+
+/// A client connected through its own fault link.
+pub async fn linked_client(history: &History, id: &str, url: &str) -> (Client, Link) {
+    if url.starts_with("memory://") {
+        let inner = client(url).await;
+        let (tx, rx) = watch::channel(conformance::drill::Fault::Pass);
+        let lock: DynLock = Arc::new(SwitchLock { inner, fault: rx });
+        let client = Client {
+            rec: history.client(id),
+            lock,
+        };
+        (client, Link::Local(tx))
+    } else {
+        let (proxy, proxied) = conformance::drill::Proxy::start_for_url(url)
+            .await
+            .expect("start a proxy");
+        (Client::new(history, id, &proxied).await, Link::Proxy(proxy))
+    }
+}
+
+/// An in-process client whose calls suffer the proxy's faults: blackholed calls wait for the
+/// heal (and give up after [`LOCAL_OP_TIMEOUT`] without effect, reported as an unknown
+/// outcome), dropped replies apply the call and then report an unknown outcome (an acquire's
+/// grant is undone by a compare-and-release first, as a driver does), delays delay both ways.
+#[derive(Debug)]
+pub struct SwitchLock {
+    inner: DynLock,
+    fault: watch::Receiver<conformance::drill::Fault>,
+}
+
+enum Gate {
+    Go,
+    DropReply,
+    TimedOut,
+}
+
+impl SwitchLock {
+    async fn gate(&self) -> Gate {
+        use conformance::drill::Fault;
+        let fault = *self.fault.borrow();
+        match fault {
+            Fault::Pass => Gate::Go,
+            Fault::Delay(d) => {
+                tokio::time::sleep(d).await;
+                Gate::Go
+            }
+            Fault::DropReplies => Gate::DropReply,
+            Fault::Blackhole => {
+                let mut rx = self.fault.clone();
+                match tokio::time::timeout(
+                    LOCAL_OP_TIMEOUT,
+                    rx.wait_for(|f| *f != Fault::Blackhole),
+                )
+                .await
+                {
+                    Ok(_) => Gate::Go,
+                    Err(_) => Gate::TimedOut,
+                }
+            }
+        }
+    }
+
+    async fn reply(&self) {
+        let fault = *self.fault.borrow();
+        if let conformance::drill::Fault::Delay(d) = fault {
+            tokio::time::sleep(d).await;
+        }
+    }
+
+    fn unknown(&self, op: &'static str, key: &LockKey, why: &str) -> lock_core::Error {
+        lock_core::Error::Indeterminate {
+            backend: "memory",
+            op,
+            key: key.to_string(),
+            message: format!("{why} (in-process fault link)"),
+        }
+    }
+}
+
+#[conformance::async_trait]
+impl lock_core::DistributedLock for SwitchLock {
+    fn backend_name(&self) -> &'static str {
+        self.inner.backend_name()
+    }
+
+    fn capabilities(&self) -> lock_core::Capabilities {
+        self.inner.capabilities()
+    }
+
+    async fn try_acquire(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+    ) -> lock_core::Result<Option<lock_core::Lease>> {
+        self.inner.capabilities().check_ttl(ttl)?;
+        match self.gate().await {
+            Gate::Go => {
+                let r = self.inner.try_acquire(key, ttl).await;
+                self.reply().await;
+                r
+            }
+            Gate::TimedOut => Err(self.unknown("try_acquire", key, "no reply")),
+            Gate::DropReply => {
+                if let Ok(Some(lease)) = self.inner.try_acquire(key, ttl).await {
+                    let _ = self.inner.release(&lease).await;
+                }
+                tokio::time::sleep(LOCAL_OP_TIMEOUT).await;
+                Err(self.unknown("try_acquire", key, "reply lost"))
+            }
+        }
+    }
+
+    async fn renew(&self, lease: &mut lock_core::Lease, ttl: Duration) -> lock_core::Result<()> {
+        self.inner.capabilities().check_ttl(ttl)?;
+        match self.gate().await {
+            Gate::Go => {
+                let r = self.inner.renew(lease, ttl).await;
+                self.reply().await;
+                r
+            }
+            Gate::TimedOut => Err(self.unknown("renew", lease.key(), "no reply")),
+            Gate::DropReply => {
+                // Applied on the coordinator; the client never learns it.
+                let mut copy = lease.clone();
+                let _ = self.inner.renew(&mut copy, ttl).await;
+                tokio::time::sleep(LOCAL_OP_TIMEOUT).await;
+                Err(self.unknown("renew", lease.key(), "reply lost"))
+            }
+        }
+    }
+
+    async fn release(&self, lease: &lock_core::Lease) -> lock_core::Result<bool> {
+        match self.gate().await {
+            Gate::Go => {
+                let r = self.inner.release(lease).await;
+                self.reply().await;
+                r
+            }
+            Gate::TimedOut => Err(self.unknown("release", lease.key(), "no reply")),
+            Gate::DropReply => {
+                let _ = self.inner.release(lease).await;
+                tokio::time::sleep(LOCAL_OP_TIMEOUT).await;
+                Err(self.unknown("release", lease.key(), "reply lost"))
+            }
+        }
+    }
+
+    async fn inspect(&self, key: &LockKey) -> lock_core::Result<Option<lock_core::HolderInfo>> {
+        match self.gate().await {
+            Gate::Go => self.inner.inspect(key).await,
+            _ => Err(self.unknown("inspect", key, "no reply")),
+        }
+    }
+
+    fn watch_lost(
+        &self,
+        lease: &lock_core::Lease,
+    ) -> futures::future::BoxFuture<'static, lock_core::LossReason> {
+        self.inner.watch_lost(lease)
+    }
+}
+
+/// Writes `value` to `log` with `held`'s tokens unless its guard already reports the loss (a
+/// correct client checks before writing; the fence catches what slips through). Recorded;
+/// `Some(accepted)`, or `None` when the client did not write.
+pub fn write_if_held(
+    rec: &ClientRecorder,
+    held: &Held,
+    log: &FencedLog,
+    value: &str,
+) -> Option<bool> {
+    let op = rec.write(held.hold.clone(), RESOURCE, value);
+    if held.guard.is_lost() {
+        op.fail("ownership lost before the write: not written");
+        return None;
+    }
+    let fencing = held.hold.fencing.map_or(0, FencingToken::get);
+    match log.write(fencing, &held.hold.token.to_string(), value.to_owned()) {
+        Ok(()) => {
+            op.ok();
+            Some(true)
+        }
+        Err(highest) => {
+            op.rejected(Some(FencingToken(highest)));
+            Some(false)
+        }
     }
 }

@@ -1,0 +1,538 @@
+//! Job drills on every backend (`memory://` and the shared single-node servers, all through
+//! `distlock::connect`), each recording a history that the checker must find clean (kept with
+//! its timeline under `target/drill-histories/<backend>_<drill>.{json,svg}`):
+//!
+//! 1. `slow_downstream_kept`: a job under `run_exclusive` whose downstream call takes 3 × TTL.
+//!    The watchdog keeps the lease: a contender polling meanwhile always finds the key busy, and
+//!    the job's fenced write is accepted.
+//! 2. `slow_downstream_cancelled`: the same job, but its client's link is blackholed right after
+//!    the grant, so no renewal can reach the coordinator. The loss cancels the job
+//!    (`run_exclusive` returns `Err(NotHeld)`) and is recorded before a contender is granted;
+//!    the downstream request that was already in flight (it escaped the cancellation) answers
+//!    after the contender's write and its write is rejected by the fence.
+//! 3. `delivered_twice_skip` / `delivered_twice_wait`: two instances receive the same job id at
+//!    the same moment and both call `run_exclusive` on `job/<id>`; the job's effect is a
+//!    conditional update of its status (`pending → done`, fenced). With no wait the second
+//!    instance skips because the key is held (or, if it came late, runs and finds the job done);
+//!    with a wait it runs after the first released and finds the job done. Exactly one effect.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed expectation is a failed test
+
+mod drill_support;
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use conformance::drill::{Fault, History, Hold, Kind};
+use drill_support::{Client, FencedLog, RESOURCE, SOON, TTL, finish, linked_client, seq_of, write};
+use lock_core::{DistributedLockExt, Error, FencingToken, JobContext, LockKey, LockOptions};
+use tokio::{
+    sync::{Barrier, Notify, oneshot},
+    time::{Instant, sleep, timeout},
+};
+
+/// The downstream call's duration: three TTLs.
+const SLOW: Duration = Duration::from_secs(3);
+const WAIT: Duration = Duration::from_secs(20);
+
+fn hold_of(ctx: &JobContext) -> Hold {
+    Hold {
+        key: ctx.key().clone(),
+        token: ctx.token_digest(),
+        fencing: ctx.fencing_token(),
+        ttl: TTL,
+    }
+}
+
+fn fencing(hold: &Hold) -> u64 {
+    hold.fencing.map_or(0, FencingToken::get)
+}
+
+/// 1. The watchdog keeps the lease through a downstream call of 3 × TTL.
+async fn slow_downstream_kept(backend: &str, url: String) {
+    assert!(SLOW >= 3 * TTL);
+    let history = History::new(format!("{backend}_slow_downstream_kept"));
+    let key = conformance::fresh_key("drill-slow-kept");
+    let log = FencedLog::new();
+    let c1 = Client::new(&history, "c1", &url).await;
+    let c2 = Client::new(&history, "c2", &url).await;
+
+    let (started_tx, started_rx) = oneshot::channel();
+    let release_op = Arc::new(Mutex::new(None));
+    let acquire = c1.rec.acquire(&key, TTL);
+    let job = {
+        let (rec, log, release_op) = (c1.rec.clone(), log.clone(), release_op.clone());
+        c1.lock.run_exclusive(
+            key.as_str(),
+            LockOptions::with_ttl(TTL),
+            move |ctx: JobContext| async move {
+                let hold = hold_of(&ctx);
+                acquire.granted(hold.clone());
+                let _ = started_tx.send(());
+                // The slow downstream call.
+                sleep(SLOW).await;
+                let op = rec.write(hold.clone(), RESOURCE, "c1#after-slow-call");
+                let accepted = if ctx.is_lost() {
+                    op.fail("ownership lost before the write");
+                    false
+                } else {
+                    match log.write(
+                        fencing(&hold),
+                        &hold.token.to_string(),
+                        "c1#after-slow-call".into(),
+                    ) {
+                        Ok(()) => {
+                            op.ok();
+                            true
+                        }
+                        Err(h) => {
+                            op.rejected(Some(FencingToken(h)));
+                            false
+                        }
+                    }
+                };
+                *release_op.lock().unwrap() = Some(rec.release(hold));
+                accepted
+            },
+        )
+    };
+    let job = tokio::spawn(job);
+    timeout(SOON, started_rx)
+        .await
+        .expect("the job starts")
+        .expect("the job starts");
+
+    // A contender polls while the job runs: the key stays busy the whole time.
+    let mut polls = 0;
+    while !job.is_finished() {
+        let op = c2.rec.acquire(&key, TTL);
+        match timeout(SOON, c2.lock.try_acquire(&key, TTL)).await {
+            Ok(Ok(None)) => op.busy(),
+            Ok(Ok(Some(lease))) => {
+                op.granted(&lease);
+                // Only legitimate once the job has released.
+                if release_op.lock().unwrap().is_none() && !job.is_finished() {
+                    panic!("the contender was granted while the job was running");
+                }
+                let _ = c2.lock.release(&lease).await;
+                break;
+            }
+            Ok(Err(e)) => {
+                op.error(&e);
+                panic!("the contender's try_acquire failed: {e}");
+            }
+            Err(_) => panic!("the contender's try_acquire hung"),
+        }
+        polls += 1;
+        sleep(Duration::from_millis(250)).await;
+    }
+    let outcome = timeout(SOON, job).await.expect("the job ends").unwrap();
+    if let Some(op) = release_op.lock().unwrap().take() {
+        op.ok();
+    }
+    assert!(
+        matches!(outcome, Ok(Some(true))),
+        "the job must complete with its write accepted: {outcome:?}"
+    );
+    assert!(
+        polls >= 6,
+        "the contender polled only {polls} times during the job"
+    );
+    eprintln!(
+        "{}: job completed after {SLOW:?} (ttl {TTL:?}), contender busy {polls} times",
+        history.name()
+    );
+
+    // Liveness: the contender acquires once the job released.
+    let held = c2
+        .acquire(&key, WAIT)
+        .await
+        .expect("c2 acquires after the job");
+    assert!(fencing(&held.hold) > 0);
+    assert!(write(&c2.rec, &held.hold, &log, "c2#1"));
+    assert_eq!(c2.release(held).await, Some(true));
+    finish(&history, &log, &[]);
+}
+
+/// 2. Renewals made impossible: the loss cancels the job before a contender is granted.
+async fn slow_downstream_cancelled(backend: &str, url: String) {
+    let history = History::new(format!("{backend}_slow_downstream_cancelled"));
+    let key = conformance::fresh_key("drill-slow-cancel");
+    let log = FencedLog::new();
+    let (c1, link) = linked_client(&history, "c1", &url).await;
+    let c2 = Client::new(&history, "c2", &url).await;
+
+    let (started_tx, started_rx) = oneshot::channel();
+    let contender_wrote = Arc::new(Notify::new());
+    let (late_tx, late_rx) = oneshot::channel::<Option<bool>>();
+    let c1_hold: Arc<Mutex<Option<Hold>>> = Arc::new(Mutex::new(None));
+    let lost_at: Arc<Mutex<Option<Instant>>> = Arc::new(Mutex::new(None));
+    let dropped_at: Arc<Mutex<Option<Instant>>> = Arc::new(Mutex::new(None));
+    let acquire = c1.rec.acquire(&key, TTL);
+    let job = {
+        let (rec, log, contender_wrote, c1_hold, lost_at, dropped_at) = (
+            c1.rec.clone(),
+            log.clone(),
+            contender_wrote.clone(),
+            c1_hold.clone(),
+            lost_at.clone(),
+            dropped_at.clone(),
+        );
+        c1.lock.run_exclusive(
+            key.as_str(),
+            LockOptions::with_ttl(TTL),
+            move |ctx: JobContext| async move {
+                // Notes when the job's future is dropped (cancelled).
+                let _cancelled = OnDrop(dropped_at);
+                let hold = hold_of(&ctx);
+                acquire.granted(hold.clone());
+                *c1_hold.lock().unwrap() = Some(hold.clone());
+                // Record the loss the moment the guard reports it.
+                tokio::spawn({
+                    let (lost, rec, hold) = (ctx.lost(), rec.clone(), hold.clone());
+                    async move {
+                        lost.await;
+                        rec.lost(hold, "run_exclusive's lost signal fired");
+                        *lost_at.lock().unwrap() = Some(Instant::now());
+                    }
+                });
+                let _ = started_tx.send(());
+                // The downstream request is on the wire: cancelling the job does not recall it.
+                // It answers after 3 × TTL (and, to make the order certain, after the contender
+                // wrote) and then applies its write with the token it was sent with.
+                let downstream = tokio::spawn(async move {
+                    let wrote = contender_wrote.notified();
+                    sleep(SLOW).await;
+                    let _ = timeout(SOON, wrote).await;
+                    let op = rec.write(hold.clone(), RESOURCE, "c1#late-downstream");
+                    let accepted = match log.write(
+                        fencing(&hold),
+                        &hold.token.to_string(),
+                        "c1#late-downstream".into(),
+                    ) {
+                        Ok(()) => {
+                            op.ok();
+                            true
+                        }
+                        Err(h) => {
+                            op.rejected(Some(FencingToken(h)));
+                            false
+                        }
+                    };
+                    let _ = late_tx.send(Some(accepted));
+                });
+                // The job waits for the downstream answer; a loss drops this future.
+                let _ = downstream.await;
+                "completed"
+            },
+        )
+    };
+    let job = tokio::spawn(job);
+    timeout(SOON, started_rx)
+        .await
+        .expect("the job starts")
+        .expect("the job starts");
+
+    link.set(Fault::Blackhole);
+    let started = Instant::now();
+    let fault = history.fault("blackholed", Some("c1"));
+    let contender = tokio::spawn(c2.start_acquire(&key, WAIT));
+
+    let outcome = timeout(SOON, job).await.expect("the job ends").unwrap();
+    let cancelled_at = Instant::now();
+    assert!(
+        matches!(outcome, Err(Error::NotHeld { .. })),
+        "the loss must cancel the job with NotHeld: {outcome:?}"
+    );
+    let held2 = contender.await.unwrap().expect("c2 is granted");
+    let granted_at = Instant::now();
+    let lost_at = lost_at.lock().unwrap().expect("the loss was recorded");
+    let dropped_at = dropped_at
+        .lock()
+        .unwrap()
+        .expect("the job's future was dropped");
+    // (run_exclusive itself returns only after its release attempt through the dead link.)
+    assert!(
+        lost_at <= granted_at && dropped_at <= granted_at,
+        "c1 lost at {:?} / its job was dropped at {:?}, after c2 was granted at {:?}",
+        lost_at - started,
+        dropped_at - started,
+        granted_at - started
+    );
+    let hold1 = c1_hold.lock().unwrap().clone().unwrap();
+    assert!(fencing(&held2.hold) > fencing(&hold1));
+    let lost_seq = seq_of(&history, |r| {
+        r.kind == Kind::Lost && r.client.as_deref() == Some("c1")
+    })
+    .unwrap();
+    let grant_seq = seq_of(&history, |r| {
+        r.kind == Kind::Ok && r.granted == Some(true) && r.client.as_deref() == Some("c2")
+    })
+    .unwrap();
+    assert!(
+        lost_seq < grant_seq,
+        "c1's loss must be recorded before c2's grant"
+    );
+    assert!(write(&c2.rec, &held2.hold, &log, "c2#1"));
+    contender_wrote.notify_one();
+
+    // The in-flight downstream answers late; the fence rejects its write.
+    let late = timeout(SOON + SLOW, late_rx)
+        .await
+        .expect("the downstream answers")
+        .unwrap();
+    assert_eq!(
+        late,
+        Some(false),
+        "the cancelled job's late write must be rejected after the contender's"
+    );
+    assert!(
+        !log.values().iter().any(|v| v.starts_with("c1#")),
+        "no write of the cancelled job may be accepted: {:?}",
+        log.values()
+    );
+
+    let until = started + 2 * TTL;
+    tokio::time::sleep_until(until).await;
+    link.pass();
+    fault.heal();
+    eprintln!(
+        "{}: c1 lost after {:?}, job dropped after {:?}, run_exclusive returned after {:?}, c2 granted after {:?}",
+        history.name(),
+        lost_at - started,
+        dropped_at - started,
+        cancelled_at - started,
+        granted_at - started
+    );
+    assert_eq!(c2.release(held2).await, Some(true));
+    // Liveness: c1 acquires again through the healed link.
+    let again = c1
+        .acquire(&key, WAIT)
+        .await
+        .expect("c1 acquires after the heal");
+    assert!(write(&c1.rec, &again.hold, &log, "c1#2"));
+    assert_eq!(c1.release(again).await, Some(true));
+    drop(link);
+    finish(&history, &log, &[]);
+}
+
+/// Sets the instant it is dropped.
+struct OnDrop(Arc<Mutex<Option<Instant>>>);
+
+impl Drop for OnDrop {
+    fn drop(&mut self) {
+        *self.0.lock().unwrap() = Some(Instant::now());
+    }
+}
+
+/// The jobs table: each job's status, changed only by a conditional, fenced update
+/// (`UPDATE jobs SET status = 'done' WHERE id = $1 AND status = 'pending'`, with the fencing
+/// token checked by the fenced log that carries the job's effect).
+#[derive(Default)]
+struct Jobs {
+    done: Mutex<HashMap<String, String>>,
+}
+
+enum Update {
+    Applied,
+    AlreadyDone,
+    Stale(u64),
+}
+
+impl Jobs {
+    fn complete(&self, id: &str, hold: &Hold, log: &FencedLog, value: &str) -> Update {
+        let mut done = self.done.lock().unwrap();
+        if done.contains_key(id) {
+            return Update::AlreadyDone;
+        }
+        match log.write(fencing(hold), &hold.token.to_string(), value.to_owned()) {
+            Ok(()) => {
+                done.insert(id.to_owned(), value.to_owned());
+                Update::Applied
+            }
+            Err(h) => Update::Stale(h),
+        }
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum Delivery {
+    Skipped,
+    Applied,
+    FoundDone,
+}
+
+/// 3. The same job delivered twice at the same moment.
+async fn delivered_twice(backend: &str, url: String, wait: bool) {
+    let variant = if wait { "wait" } else { "skip" };
+    let history = History::new(format!("{backend}_delivered_twice_{variant}"));
+    let job_id = format!("{:016x}", rand::random::<u64>());
+    let key = LockKey::new(format!("conformance/drill-job/{job_id}")).unwrap();
+    let log = FencedLog::new();
+    let jobs = Arc::new(Jobs::default());
+    let i1 = Client::new(&history, "i1", &url).await;
+    let i2 = Client::new(&history, "i2", &url).await;
+    let barrier = Arc::new(Barrier::new(2));
+
+    let deliver = |instance: Client| {
+        let (key, log, jobs, barrier, job_id) = (
+            key.clone(),
+            log.clone(),
+            jobs.clone(),
+            barrier.clone(),
+            job_id.clone(),
+        );
+        async move {
+            let mut opts = LockOptions::with_ttl(TTL);
+            if wait {
+                opts = opts.wait(WAIT);
+            }
+            barrier.wait().await;
+            let acquire = Arc::new(Mutex::new(Some(instance.rec.acquire(&key, TTL))));
+            let release = Arc::new(Mutex::new(None));
+            let rec = instance.rec.clone();
+            let (acq, rel) = (acquire.clone(), release.clone());
+            let outcome = instance
+                .lock
+                .run_exclusive(key.as_str(), opts, move |ctx: JobContext| async move {
+                    let hold = hold_of(&ctx);
+                    acq.lock().unwrap().take().unwrap().granted(hold.clone());
+                    // The job's work before its effect.
+                    sleep(Duration::from_millis(200)).await;
+                    let value = format!("{job_id} done by {}", rec.id());
+                    let op = rec.write(hold.clone(), RESOURCE, &value);
+                    let result = if ctx.is_lost() {
+                        op.fail("ownership lost before the update");
+                        None
+                    } else {
+                        match jobs.complete(&job_id, &hold, &log, &value) {
+                            Update::Applied => {
+                                op.ok();
+                                Some(Delivery::Applied)
+                            }
+                            Update::AlreadyDone => {
+                                op.fail("conditional update matched no row: the job is done");
+                                Some(Delivery::FoundDone)
+                            }
+                            Update::Stale(h) => {
+                                op.rejected(Some(FencingToken(h)));
+                                None
+                            }
+                        }
+                    };
+                    *rel.lock().unwrap() = Some(rec.release(hold));
+                    result
+                })
+                .await;
+            if let Some(op) = release.lock().unwrap().take() {
+                op.ok();
+            }
+            match outcome {
+                Ok(None) => {
+                    acquire.lock().unwrap().take().unwrap().busy();
+                    Delivery::Skipped
+                }
+                Ok(Some(Some(d))) => d,
+                other => panic!("{}: the delivery failed: {other:?}", instance.rec.id()),
+            }
+        }
+    };
+    let (d1, d2) = tokio::join!(
+        tokio::spawn(deliver(i1.clone())),
+        tokio::spawn(deliver(i2.clone()))
+    );
+    let (d1, d2) = (d1.unwrap(), d2.unwrap());
+    eprintln!("{}: i1 {d1:?}, i2 {d2:?}", history.name());
+    let applied = [&d1, &d2]
+        .iter()
+        .filter(|d| ***d == Delivery::Applied)
+        .count();
+    assert_eq!(
+        applied, 1,
+        "exactly one delivery applies the job: {d1:?} {d2:?}"
+    );
+    assert_eq!(
+        log.values().len(),
+        1,
+        "exactly one effect: {:?}",
+        log.values()
+    );
+    if wait {
+        assert!(
+            [&d1, &d2].contains(&&Delivery::FoundDone),
+            "with a wait, the second delivery runs and finds the job done: {d1:?} {d2:?}"
+        );
+    }
+    // Liveness: the key is free again for both instances.
+    for instance in [&i1, &i2] {
+        let held = instance
+            .acquire(&key, WAIT)
+            .await
+            .expect("the job's key is free again");
+        assert_eq!(instance.release(held).await, Some(true));
+    }
+    finish(&history, &log, &[]);
+}
+
+async fn delivered_twice_skip(backend: &str, url: String) {
+    delivered_twice(backend, url, false).await;
+}
+
+async fn delivered_twice_wait(backend: &str, url: String) {
+    delivered_twice(backend, url, true).await;
+}
+
+/// One `#[test]` per backend for a drill, each on its own runtime.
+macro_rules! drill {
+    ($drill:ident) => {
+        mod $drill {
+            fn run(backend: &'static str) {
+                let Some(url) = super::drill_support::drill_target(backend) else {
+                    println!(
+                        "SKIP {} on {backend}: no server URL set",
+                        stringify!($drill)
+                    );
+                    return;
+                };
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .build()
+                    .unwrap()
+                    .block_on(super::$drill(backend, url));
+            }
+
+            #[test]
+            fn memory() {
+                run("memory");
+            }
+
+            #[test]
+            fn redis() {
+                run("redis");
+            }
+
+            #[test]
+            fn etcd() {
+                run("etcd");
+            }
+
+            #[test]
+            fn zk() {
+                run("zk");
+            }
+
+            #[test]
+            fn pg() {
+                run("pg");
+            }
+        }
+    };
+}
+
+drill!(slow_downstream_kept);
+drill!(slow_downstream_cancelled);
+drill!(delivered_twice_skip);
+drill!(delivered_twice_wait);
