@@ -421,7 +421,7 @@ pub fn svg(r: &Report) -> String {
     const BAR_H: f64 = 16.0;
     const GAP: f64 = 6.0;
     const GROUP_HEAD: f64 = 26.0;
-    const TOP: f64 = 86.0;
+    const TOP: f64 = 100.0;
     let max = groups
         .iter()
         .flat_map(|(_, b)| b.iter().map(|b| b.p99.max(b.median)))
@@ -462,15 +462,15 @@ pub fn svg(r: &Report) -> String {
     );
     let _ = writeln!(
         s,
-        r##"<text x="10" y="62" fill="#555">{}; {}; {} profile; {} × {}</text>"##,
+        r##"<text x="10" y="44" fill="#555">{}; {}; {} profile; {} × {}</text>"##,
         xml_escape(&r.meta.runtime),
         if r.meta.quick { "--quick" } else { "full run" },
         r.meta.profile,
         r.meta.machine.nproc,
         xml_escape(&r.meta.machine.cpu_model)
     );
-    // Legend.
-    let mut lx = LABEL_W;
+    // Legend, on its own line under the subtitle.
+    let mut lx = 10.0;
     for (kind, text) in [
         ("distlock", "distlock"),
         ("bare", "bare protocol"),
@@ -480,7 +480,7 @@ pub fn svg(r: &Report) -> String {
     ] {
         let _ = writeln!(
             s,
-            r#"<rect x="{lx:.0}" y="34" width="12" height="12" fill="{}"/><text x="{:.0}" y="45">{text}</text>"#,
+            r#"<rect x="{lx:.0}" y="60" width="12" height="12" fill="{}"/><text x="{:.0}" y="71">{text}</text>"#,
             colour(kind),
             lx + 16.0
         );
@@ -488,7 +488,7 @@ pub fn svg(r: &Report) -> String {
     }
     let _ = writeln!(
         s,
-        r##"<text x="{:.0}" y="45" fill="#555">numbers: median / p99 µs</text>"##,
+        r##"<text x="{:.0}" y="71" fill="#555">numbers: median / p99 µs</text>"##,
         lx + 10.0
     );
     // Grid: every decade, labelled.

@@ -190,7 +190,7 @@ pub async fn throughput(
 }
 
 /// Takes `held` locks on one client with guard watchdogs (renewing every `ttl / 3`), lets them
-/// settle for one interval, then counts requests, renewals, CPU and memory over `ticks`
+/// settle for one and a half intervals, then counts requests, renewals, CPU and memory over `ticks`
 /// intervals. Releases everything afterwards.
 pub async fn watchdog(
     client: &DynLock,
@@ -230,7 +230,9 @@ pub async fn watchdog(
         .await?;
     let acquire_s = start.elapsed().as_secs_f64();
     let details = counter.details();
-    sleep(interval).await;
+    // Locks taken together renew together: start the window half an interval off the renewal
+    // bursts so that it holds exactly `ticks` of them.
+    sleep(interval + interval / 2).await;
     let rss1 = system::resident_bytes();
 
     let c0 = counter.read().await?;
