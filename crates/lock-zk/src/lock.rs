@@ -548,6 +548,18 @@ impl DistributedLock for ZkLock {
                 Ok(()) => return Ok(true),
                 // After a lost reply, NoNode most likely means our own delete was applied.
                 Err(zk::Error::NoNode) => return Ok(lost_once),
+                // The session ended, taking our ephemeral node with it. If a delete of ours went
+                // unanswered first, we cannot tell whether it or the session end released it.
+                Err(e) if session_gone(&e) && lost_once => {
+                    return Err(Error::Indeterminate {
+                        backend: BACKEND,
+                        op: "release",
+                        key: lease.key().as_str().to_owned(),
+                        message: format!(
+                            "the delete went unanswered and then the session ended ({e}); the node is gone with the session"
+                        ),
+                    });
+                }
                 Err(e) if session_gone(&e) => return Ok(false),
                 Err(zk::Error::BadVersion) => {
                     // Somebody wrote to our node; it is still ours if it is the same node.
