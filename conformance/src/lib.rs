@@ -11,11 +11,13 @@
 pub mod drill;
 mod harness;
 pub mod properties;
+mod url_props;
 
 pub use harness::{
     Harness, Outcome, TestBackend, backend_url, backends_required, fresh_key, run_property,
 };
 pub use lock_core::async_trait;
+pub use url_props::check_url_parser;
 
 /// Expands into one `#[test]` per conformance property, each running on its own multi-threaded
 /// tokio runtime against the [`Harness`] returned by `$setup` (an `async fn() -> Option<Harness>`).
