@@ -11,6 +11,7 @@
 pub mod drill;
 mod harness;
 pub mod properties;
+pub mod security;
 mod url_props;
 
 pub use harness::{

@@ -11,7 +11,7 @@ use std::time::Duration;
 use conformance::{backend_url, fresh_key};
 use lock_core::{DistributedLock, Error};
 use lock_pg::{PgLock, PgLockConfig};
-use tokio::time::{Instant, timeout};
+use tokio::time::timeout;
 use url::Url;
 
 /// Far above the driver's own bound (the 5 s connect timeout); hitting it is a hang.
@@ -53,26 +53,9 @@ fn with_option(url: &Url, name: &str, value: Option<&str>) -> Url {
     url
 }
 
-/// Connects to `url` and expects a failure within [`BOUND`]; checks that neither the error's
-/// `Display` nor its `Debug` (with the source chain) shows a secret. Returns the error and its
-/// lower-cased text.
+/// Connects to `url` and expects it to fail closed within [`BOUND`] without showing a secret.
 async fn must_fail(url: &str, secrets: &[&str]) -> (Error, String) {
-    let started = Instant::now();
-    let result = timeout(HANG, PgLock::connect_url(url))
-        .await
-        .unwrap_or_else(|_| panic!("connect hung for {HANG:?} instead of failing"));
-    let elapsed = started.elapsed();
-    let err = match result {
-        Ok(lock) => panic!("connected where it must fail: {lock:?}"),
-        Err(e) => e,
-    };
-    let shown = format!("{err} | {err:?}");
-    for secret in secrets {
-        assert!(!shown.contains(secret), "a secret leaked: {shown}");
-    }
-    assert!(elapsed < BOUND, "failing took {elapsed:?}: {shown}");
-    eprintln!("failed closed in {elapsed:?}: {err}");
-    (err, shown.to_lowercase())
+    conformance::security::fails_closed(PgLock::connect_url(url), secrets, BOUND, HANG).await
 }
 
 #[tokio::test]
