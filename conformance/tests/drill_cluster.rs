@@ -171,7 +171,9 @@ async fn leader_loss(backend: Backend, url: String) {
         },
     );
     history.note(format!("killed leader {leader}; c1 kept its lease: {kept}"));
-    assert_eq!(c2.release(held2).await, Some(true));
+    // Right after the member's return a release may still fail with a temporary error (recorded;
+    // the lease then ends by its TTL), but it must never report that c2 had lost the lock.
+    assert_ne!(c2.release(held2).await, Some(false), "c2 lost its lock");
     // Liveness after re-election and the member's return.
     let again = c1.acquire(&key, WAIT).await.expect("c1 acquires again");
     assert!(write(&c1.rec, &again.hold, &log, "c1#3"));

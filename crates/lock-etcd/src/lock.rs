@@ -927,10 +927,19 @@ impl DistributedLock for EtcdLock {
                 held.rev,
             )])
             .and_then([TxnOp::delete(held.key.clone(), None)]);
-        let deleted = error::request(inner.timeout(), inner.client.kv_client().txn(txn))
-            .await
-            .map_err(|e| e.into_error("release"))?
-            .succeeded();
+        // A request that was never sent (e.g. routed to a member that just restarted) applied
+        // nothing, so it is retried on the client's other connections a few times.
+        let mut attempt = 0;
+        let deleted = loop {
+            attempt += 1;
+            match error::request(inner.timeout(), inner.client.kv_client().txn(txn.clone())).await {
+                Ok(resp) => break resp.succeeded(),
+                Err(e) if e.failure == Failure::NotSent && attempt < 3 => {
+                    tokio::time::sleep(Duration::from_millis(50 * attempt)).await;
+                }
+                Err(e) => return Err(e.into_error("release")),
+            }
+        };
         if held.claim() {
             held.stop.cancel();
             inner.drop_user(&held.session, &held.name).await;
