@@ -201,15 +201,16 @@ impl PgLock {
 
 impl Inner {
     /// Creates the table on first use. Safe when several processes start at once:
-    /// `CREATE TABLE IF NOT EXISTS` can still fail with a unique violation on the catalog when
-    /// two sessions race, which means the other one created it.
+    /// `CREATE TABLE IF NOT EXISTS` can still fail when two sessions race — with a unique
+    /// violation on the catalog (23505), "relation exists" (42P07) or "type exists" (42710, the
+    /// table's row type) — which all mean the other one created it.
     async fn ensure_table(&self) -> Result<()> {
         self.table_ready
             .get_or_try_init(|| async {
                 let op = "create table";
                 let exists = |e: &sqlx::Error| match e {
                     sqlx::Error::Database(db) => {
-                        matches!(db.code().as_deref(), Some("23505" | "42P07"))
+                        matches!(db.code().as_deref(), Some("23505" | "42P07" | "42710"))
                     }
                     _ => false,
                 };
