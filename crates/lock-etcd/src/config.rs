@@ -135,9 +135,15 @@ impl EtcdLockConfig {
             };
             match &*name {
                 "prefix" => cfg.prefix = value.into_owned(),
-                "dial_timeout" => cfg.dial_timeout = parse_duration(&name, &value)?,
-                "request_timeout" => cfg.request_timeout = parse_duration(&name, &value)?,
-                "min_ttl" => cfg.min_ttl = Some(parse_duration(&name, &value)?),
+                "dial_timeout" => {
+                    cfg.dial_timeout = lock_core::parse_duration_option(&name, &value, None)?
+                }
+                "request_timeout" => {
+                    cfg.request_timeout = lock_core::parse_duration_option(&name, &value, None)?
+                }
+                "min_ttl" => {
+                    cfg.min_ttl = Some(lock_core::parse_duration_option(&name, &value, None)?)
+                }
                 "ca_file" | "ca" => {
                     tls_only(&name)?;
                     if tls_cfg.ca_file.is_some() {
@@ -216,29 +222,6 @@ fn parse_endpoint(hostport: &str) -> Result<String> {
         return Err(config(format!("endpoint {hostport:?} has port 0")));
     }
     Ok(format!("{host}:{port}"))
-}
-
-fn parse_duration(name: &str, value: &str) -> Result<Duration> {
-    let bad = || {
-        config(format!(
-            "the option {name:?} must be a duration like 500ms, 3s or 1m, not {value:?}"
-        ))
-    };
-    let (digits, unit) = value
-        .find(|c: char| !c.is_ascii_digit())
-        .map(|i| value.split_at(i))
-        .ok_or_else(bad)?;
-    let n: u64 = digits.parse().map_err(|_| bad())?;
-    let d = match unit {
-        "ms" => Duration::from_millis(n),
-        "s" => Duration::from_secs(n),
-        "m" => Duration::from_secs(n.checked_mul(60).ok_or_else(bad)?),
-        _ => return Err(bad()),
-    };
-    if d.is_zero() {
-        return Err(bad());
-    }
-    Ok(d)
 }
 
 fn percent_decode(s: &str) -> Result<String> {

@@ -260,9 +260,18 @@ impl PgLockConfig {
                         .filter(|n| *n > 0)
                         .ok_or_else(|| bad(&k, &v, "a positive integer"))?;
                 }
-                "connect_timeout" => config.connect_timeout = parse_duration(&k, &v)?,
-                "op_timeout" => config.op_timeout = parse_duration(&k, &v)?,
-                "poll_interval" => config.poll_interval = parse_duration(&k, &v)?,
+                "connect_timeout" => {
+                    config.connect_timeout =
+                        lock_core::parse_duration_option(&k, &v, Some(Duration::from_secs(1)))?
+                }
+                "op_timeout" => {
+                    config.op_timeout =
+                        lock_core::parse_duration_option(&k, &v, Some(Duration::from_secs(1)))?
+                }
+                "poll_interval" => {
+                    config.poll_interval =
+                        lock_core::parse_duration_option(&k, &v, Some(Duration::from_secs(1)))?
+                }
                 "listen" => config.listen = parse_bool(&k, &v)?,
                 "async_release" => config.async_release = parse_bool(&k, &v)?,
                 "create_table" => config.create_table = parse_bool(&k, &v)?,
@@ -336,27 +345,6 @@ fn parse_bool(key: &str, value: &str) -> Result<bool> {
         "false" | "0" | "off" | "no" => Ok(false),
         _ => Err(bad(key, value, "true or false")),
     }
-}
-
-/// `250ms`, `5s`, `2m`, or a bare number of seconds (libpq's `connect_timeout` convention).
-fn parse_duration(key: &str, value: &str) -> Result<Duration> {
-    let (digits, unit) = match value.find(|c: char| !c.is_ascii_digit()) {
-        Some(at) => value.split_at(at),
-        None => (value, "s"),
-    };
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| bad(key, value, "a duration such as 500ms, 5s or 1m"))?;
-    let d = match unit {
-        "ms" => Duration::from_millis(n),
-        "s" => Duration::from_secs(n),
-        "m" => Duration::from_secs(n.saturating_mul(60)),
-        _ => return Err(bad(key, value, "a duration such as 500ms, 5s or 1m")),
-    };
-    if d.is_zero() {
-        return Err(bad(key, value, "a positive duration"));
-    }
-    Ok(d)
 }
 
 #[cfg(test)]

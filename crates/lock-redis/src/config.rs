@@ -123,9 +123,18 @@ impl RedisLockConfig {
                 }
                 self.namespace = value.to_owned();
             }
-            "connect_timeout" => self.connect_timeout = positive_duration(name, value)?,
-            "response_timeout" => self.response_timeout = positive_duration(name, value)?,
-            "max_poll_interval" => self.max_poll_interval = positive_duration(name, value)?,
+            "connect_timeout" => {
+                self.connect_timeout =
+                    lock_core::parse_duration_option(name, value, Some(Duration::from_millis(1)))?
+            }
+            "response_timeout" => {
+                self.response_timeout =
+                    lock_core::parse_duration_option(name, value, Some(Duration::from_millis(1)))?
+            }
+            "max_poll_interval" => {
+                self.max_poll_interval =
+                    lock_core::parse_duration_option(name, value, Some(Duration::from_millis(1)))?
+            }
             "ca" | "ca_file" => {
                 if !self.tls {
                     return Err(config_err(format!(
@@ -257,32 +266,6 @@ fn percent_decode(s: &str) -> Option<String> {
         }
     }
     String::from_utf8(out).ok()
-}
-
-/// Parses `250ms`, `2s`, `1m` or a bare number of milliseconds.
-pub(crate) fn parse_duration(value: &str) -> Option<Duration> {
-    let value = value.trim();
-    let (digits, unit) = match value.find(|c: char| !c.is_ascii_digit()) {
-        Some(at) => value.split_at(at),
-        None => (value, "ms"),
-    };
-    let n: u64 = digits.parse().ok()?;
-    match unit {
-        "ms" => Some(Duration::from_millis(n)),
-        "s" => Some(Duration::from_secs(n)),
-        "m" => n.checked_mul(60).map(Duration::from_secs),
-        _ => None,
-    }
-}
-
-fn positive_duration(name: &str, value: &str) -> Result<Duration> {
-    parse_duration(value)
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| {
-            config_err(format!(
-                "{name} must be a positive duration like 250ms, 2s or 1m, not {value:?}"
-            ))
-        })
 }
 
 #[cfg(test)]

@@ -117,9 +117,27 @@ impl ZkLockConfig {
         };
         for (name, value) in url::form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
             match &*name {
-                "session_timeout" => cfg.session_timeout = parse_duration(&name, &value)?,
-                "connect_timeout" => cfg.connect_timeout = parse_duration(&name, &value)?,
-                "op_timeout" => cfg.op_timeout = parse_duration(&name, &value)?,
+                "session_timeout" => {
+                    cfg.session_timeout = lock_core::parse_duration_option(
+                        &name,
+                        &value,
+                        Some(Duration::from_millis(1)),
+                    )?
+                }
+                "connect_timeout" => {
+                    cfg.connect_timeout = lock_core::parse_duration_option(
+                        &name,
+                        &value,
+                        Some(Duration::from_millis(1)),
+                    )?
+                }
+                "op_timeout" => {
+                    cfg.op_timeout = lock_core::parse_duration_option(
+                        &name,
+                        &value,
+                        Some(Duration::from_millis(1)),
+                    )?
+                }
                 "root" => cfg.root = value.into_owned(),
                 "acl" => {
                     cfg.acl = match &*value {
@@ -202,25 +220,6 @@ fn validate_path(what: &str, path: &str) -> Result<String> {
         Err(config(format!(
             "{what} {path:?} is not an absolute ZooKeeper path"
         )))
-    }
-}
-
-fn parse_duration(name: &str, value: &str) -> Result<Duration> {
-    let bad = || {
-        config(format!(
-            "{name}={value:?} is not a duration (e.g. 500ms, 10s)"
-        ))
-    };
-    let (num, unit) = match value.find(|c: char| !c.is_ascii_digit()) {
-        Some(i) => value.split_at(i),
-        None => (value, "ms"),
-    };
-    let n: u64 = num.parse().map_err(|_| bad())?;
-    match unit {
-        "ms" => Ok(Duration::from_millis(n)),
-        "s" => Ok(Duration::from_secs(n)),
-        "m" => Ok(Duration::from_secs(n.saturating_mul(60))),
-        _ => Err(bad()),
     }
 }
 

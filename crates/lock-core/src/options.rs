@@ -1,0 +1,84 @@
+//! Helpers for the drivers' URL options, so every driver reads them the same way.
+
+use std::time::Duration;
+
+use crate::{Error, Result};
+
+/// Parses the duration option `name=value`: a whole number with a unit `ms`, `s` or `m`
+/// (`500ms`, `3s`, `1m`), positive. A bare number is read in `bare_unit` when the driver follows a
+/// convention that has one (libpq's `connect_timeout` is in seconds), and refused when it is `None`.
+///
+/// # Errors
+/// [`Error::Config`] naming the option, for anything else (before any I/O).
+pub fn parse_duration_option(
+    name: &str,
+    value: &str,
+    bare_unit: Option<Duration>,
+) -> Result<Duration> {
+    let bad = || {
+        Error::Config(format!(
+            "the option {name}={value:?} must be a positive duration like 500ms, 3s or 1m"
+        ))
+    };
+    let (digits, unit) = match value.find(|c: char| !c.is_ascii_digit()) {
+        Some(at) => value.split_at(at),
+        None => (value, ""),
+    };
+    let n: u32 = digits.parse().map_err(|_| bad())?;
+    let d = match (unit, bare_unit) {
+        ("ms", _) => Duration::from_millis(n.into()),
+        ("s", _) => Duration::from_secs(n.into()),
+        ("m", _) => Duration::from_secs(u64::from(n) * 60),
+        ("", Some(bare)) => bare * n,
+        _ => return Err(bad()),
+    };
+    if d.is_zero() {
+        return Err(bad());
+    }
+    Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_need_a_unit_or_the_drivers_bare_unit() {
+        let ms = Some(Duration::from_millis(1));
+        assert_eq!(
+            parse_duration_option("t", "500ms", None).unwrap(),
+            Duration::from_millis(500)
+        );
+        assert_eq!(
+            parse_duration_option("t", "3s", None).unwrap(),
+            Duration::from_secs(3)
+        );
+        assert_eq!(
+            parse_duration_option("t", "2m", None).unwrap(),
+            Duration::from_secs(120)
+        );
+        assert_eq!(
+            parse_duration_option("t", "250", ms).unwrap(),
+            Duration::from_millis(250)
+        );
+        assert_eq!(
+            parse_duration_option("t", "2", Some(Duration::from_secs(1))).unwrap(),
+            Duration::from_secs(2)
+        );
+        for bad in [
+            "",
+            "0",
+            "0s",
+            "3",
+            "s",
+            "1h",
+            "-1s",
+            "1.5s",
+            "99999999999s",
+            " 1s",
+        ] {
+            let err = parse_duration_option("t", bad, if bad == "3" { None } else { ms });
+            assert!(matches!(err, Err(Error::Config(_))), "{bad:?} was accepted");
+        }
+    }
+}
