@@ -26,7 +26,7 @@ pub use lease::{HolderInfo, Lease, drift_margin};
 pub use lock::{DistributedLock, DynLock, LossReason, poll_acquire};
 pub use memory::InMemoryLock;
 pub use observe::{Observed, record_fencing_rejection};
-pub use options::parse_duration_option;
+pub use options::{decode_url_credential, parse_duration_option};
 pub use token::{FencingToken, OwnershipToken, TokenDigest};
 
 /// Re-exported so drivers implement the trait with the same macro version.

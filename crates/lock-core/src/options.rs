@@ -38,6 +38,35 @@ pub fn parse_duration_option(
     Ok(d)
 }
 
+/// Decodes a percent-encoded user name or password taken from a URL (`Url::username()` and
+/// `Url::password()` return them encoded). Strict: a malformed escape is an error rather than
+/// passed through, so a typo never silently becomes a different credential.
+///
+/// # Errors
+/// [`Error::Config`] for a malformed escape or non-UTF-8 result; the value is never echoed.
+pub fn decode_url_credential(s: &str) -> Result<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let byte = bytes
+                .get(i + 1..i + 3)
+                .and_then(|h| std::str::from_utf8(h).ok())
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .ok_or_else(|| {
+                    Error::Config("bad percent-escape in the URL's credentials".into())
+                })?;
+            out.push(byte);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| Error::Config("the URL's credentials are not UTF-8".into()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -79,6 +108,17 @@ mod tests {
         ] {
             let err = parse_duration_option("t", bad, if bad == "3" { None } else { ms });
             assert!(matches!(err, Err(Error::Config(_))), "{bad:?} was accepted");
+        }
+    }
+
+    #[test]
+    fn credentials_decode_strictly() {
+        assert_eq!(
+            decode_url_credential("p%40ss%3Aw%C3%B6rd").unwrap(),
+            "p@ss:wörd"
+        );
+        for bad in ["%", "%4", "%zz", "%ff", "%C3"] {
+            assert!(decode_url_credential(bad).is_err(), "{bad:?}");
         }
     }
 }

@@ -116,8 +116,8 @@ impl EtcdLockConfig {
             if user.is_empty() {
                 return Err(config("the URL has credentials but an empty user name"));
             }
-            cfg.user = Some(percent_decode(user)?);
-            cfg.password = password.map(percent_decode).transpose()?;
+            cfg.user = Some(lock_core::decode_url_credential(user)?);
+            cfg.password = password.map(lock_core::decode_url_credential).transpose()?;
         }
         let mut tls_cfg = EtcdTlsConfig::default();
         let mut seen = Vec::new();
@@ -222,26 +222,6 @@ fn parse_endpoint(hostport: &str) -> Result<String> {
         return Err(config(format!("endpoint {hostport:?} has port 0")));
     }
     Ok(format!("{host}:{port}"))
-}
-
-fn percent_decode(s: &str) -> Result<String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = s
-                .get(i + 1..i + 3)
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| config("bad percent-escape in the URL's credentials"))?;
-            out.push(hex);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).map_err(|_| config("the URL's credentials are not UTF-8"))
 }
 
 impl fmt::Debug for EtcdLockConfig {

@@ -109,7 +109,10 @@ impl ZkLockConfig {
             let (user, password) = userinfo
                 .split_once(':')
                 .ok_or_else(|| config("credentials must be user:password"))?;
-            cfg.auth = Some((percent_decode(user)?, percent_decode(password)?));
+            cfg.auth = Some((
+                lock_core::decode_url_credential(user)?,
+                lock_core::decode_url_credential(password)?,
+            ));
         }
         cfg.chroot = match chroot {
             None | Some("/") => None,
@@ -221,27 +224,6 @@ fn validate_path(what: &str, path: &str) -> Result<String> {
             "{what} {path:?} is not an absolute ZooKeeper path"
         )))
     }
-}
-
-fn percent_decode(s: &str) -> Result<String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = bytes
-                .get(i + 1..i + 3)
-                .and_then(|h| std::str::from_utf8(h).ok())
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| config("bad percent-encoding in the credentials"))?;
-            out.push(hex);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).map_err(|_| config("credentials are not UTF-8"))
 }
 
 impl fmt::Debug for ZkLockConfig {
