@@ -20,25 +20,10 @@ const HANG: Duration = Duration::from_secs(40);
 const BOUND: Duration = Duration::from_secs(20);
 const TTL: Duration = Duration::from_secs(10);
 
-struct Secure {
-    url: Url,
-    password: String,
-    wrong_ca: String,
-}
+use conformance::security::SecureServer as Secure;
 
 fn secure() -> Option<Secure> {
-    let url = Url::parse(&backend_url("DISTLOCK_TEST_ETCD_SECURE_URL")?).unwrap();
-    let password = url
-        .password()
-        .expect("the secure URL has a password")
-        .to_owned();
-    let wrong_ca = std::env::var("DISTLOCK_TEST_SECURE_WRONG_CA")
-        .expect("DISTLOCK_TEST_SECURE_WRONG_CA is set with the secure URLs");
-    Some(Secure {
-        url,
-        password,
-        wrong_ca,
-    })
+    conformance::security::secure_server("DISTLOCK_TEST_ETCD_SECURE_URL")
 }
 
 fn with_query(url: &Url, pairs: &[(&str, &str)]) -> String {
