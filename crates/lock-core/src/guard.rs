@@ -2,7 +2,7 @@
 
 use std::{
     fmt,
-    sync::{Arc, Mutex, PoisonError},
+    sync::{Arc, Mutex, OnceLock, PoisonError},
     time::Duration,
 };
 
@@ -203,6 +203,29 @@ impl fmt::Debug for LockGuard {
     }
 }
 
+/// When to renew next: `interval` after `now`, moved *earlier* onto a process-wide grid of
+/// `interval / 4`, so that every guard of the process with the same interval renews at the
+/// same instants and a driver can batch them ([`crate::Batcher`]): a tick of any number of held
+/// locks then costs a few round trips instead of one per lock. Renewing early is always safe;
+/// the gap between renewals stays between ¾ and 1 interval.
+fn renewal_time(now: Instant, interval: Duration) -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    let nominal = now + interval;
+    let grid = interval / 4;
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    let Some(since) = nominal.checked_duration_since(epoch) else {
+        return nominal;
+    };
+    if grid.is_zero() {
+        return nominal;
+    }
+    let aligned = since.as_nanos() - since.as_nanos() % grid.as_nanos();
+    match u64::try_from(aligned) {
+        Ok(nanos) => epoch + Duration::from_nanos(nanos),
+        Err(_) => nominal,
+    }
+}
+
 struct Supervisor {
     lock: DynLock,
     shared: Arc<Shared>,
@@ -220,7 +243,7 @@ enum Step {
 impl Supervisor {
     async fn run(self, mut lease: Lease) -> Lease {
         let mut pushed = self.lock.watch_lost(&lease);
-        let mut next_renew = self.interval.map(|i| Instant::now() + i);
+        let mut next_renew = self.interval.map(|i| renewal_time(Instant::now(), i));
         let mut retry = self
             .interval
             .map(|i| Backoff::new(i / 8, i / 2))
@@ -273,7 +296,7 @@ impl Supervisor {
                         .lock()
                         .unwrap_or_else(PoisonError::into_inner) += 1;
                     retry.reset();
-                    next_renew = Some(Instant::now() + interval);
+                    next_renew = Some(renewal_time(Instant::now(), interval));
                 }
                 Some(Ok(Err(e))) if e.is_temporary() => {
                     tracing::warn!(key = %lease.key(), error = %e, "lease renewal failed; retrying until the local deadline");
@@ -302,5 +325,26 @@ impl Supervisor {
         crate::observe::record_loss(self.lock.backend_name(), reason);
         tracing::warn!(key = %lease.key(), token = %lease.token(), fencing = ?lease.fencing_token(), %reason, "lock ownership lost");
         self.lost.cancel();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renewal_times_share_a_grid_and_are_never_late() {
+        let interval = Duration::from_millis(2000);
+        let base = Instant::now();
+        let mut seen = std::collections::BTreeSet::new();
+        for offset_ms in (0..2000).step_by(7) {
+            let now = base + Duration::from_millis(offset_ms);
+            let at = renewal_time(now, interval);
+            assert!(at <= now + interval, "never later than one interval");
+            assert!(at > now + interval * 3 / 4, "at most a quarter early");
+            seen.insert(at);
+        }
+        // 2 s of acquisition times land on at most 5 distinct renewal instants.
+        assert!(seen.len() <= 5, "{} distinct renewal times", seen.len());
     }
 }

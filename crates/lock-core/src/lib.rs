@@ -2,6 +2,7 @@
 #![deny(missing_docs)]
 
 mod backoff;
+pub mod batch;
 mod capabilities;
 mod error;
 mod ext;
@@ -16,6 +17,7 @@ mod options;
 mod token;
 
 pub use backoff::{AcquireWait, Backoff};
+pub use batch::Batcher;
 pub use capabilities::{Capabilities, FencingGuarantee};
 pub use error::{BoxError, Error, Result};
 pub use ext::{BoxedFuture, DistributedLockExt, JobContext, LockBuilder, LockOptions, Watchdog};
