@@ -160,6 +160,7 @@ async fn run_backend(
                 .is_some_and(|c| c.capabilities().wait_notify);
             progress(format!("{name}: handoff, {} waiters", plan.waiters));
             let rtt = report.rtt().copied();
+            let write_rtt = report.write_rtt().copied();
             match lock_core::LockKey::new(format!("bench/{run}/handoff")) {
                 Ok(key) => match scenario::handoff(
                     &clients[..plan.waiters],
@@ -167,6 +168,7 @@ async fn run_backend(
                     TTL,
                     plan.handoffs,
                     rtt.as_ref(),
+                    write_rtt.as_ref(),
                 )
                 .await
                 {

@@ -53,6 +53,9 @@ pub enum Kind {
     Peer,
     /// One bare request: the round-trip floor.
     Rtt,
+    /// One bare write as durable as the backend's acquire (Redis `SET`, etcd put, ZooKeeper
+    /// setData, a committed PostgreSQL `UPDATE`): the floor of any step that changes the lock.
+    Write,
 }
 
 impl Kind {
@@ -62,6 +65,7 @@ impl Kind {
             Kind::Bare => "bare",
             Kind::Peer => "peer",
             Kind::Rtt => "1 round trip",
+            Kind::Write => "1 write round trip",
         }
     }
 }
@@ -88,6 +92,9 @@ pub struct Handoff {
     pub latency: Summary,
     /// Handoff median in units of the backend's bare round trip median.
     pub median_in_rtts: Option<f64>,
+    /// Handoff median in units of the backend's bare write round trip median (a hand-off
+    /// needs at least the releasing write and a notification).
+    pub median_in_write_rtts: Option<f64>,
 }
 
 /// Contended throughput.
@@ -168,9 +175,18 @@ impl BackendReport {
 
     /// The bare round trip's latency.
     pub fn rtt(&self) -> Option<&Summary> {
+        self.latency_of(Kind::Rtt)
+    }
+
+    /// The bare write round trip's latency.
+    pub fn write_rtt(&self) -> Option<&Summary> {
+        self.latency_of(Kind::Write)
+    }
+
+    fn latency_of(&self, kind: Kind) -> Option<&Summary> {
         self.uncontended
             .iter()
-            .find(|v| v.kind == Kind::Rtt)?
+            .find(|v| v.kind == kind)?
             .latency
             .as_ref()
     }
@@ -275,9 +291,9 @@ pub fn markdown(r: &Report) -> String {
     let _ = writeln!(out, "\n### 3. Handoff and contended throughput\n");
     let _ = writeln!(
         out,
-        "| backend | wait_notify | handoff median µs | handoff p99 µs | median in round trips | handoffs (waiters) | 16 clients, 1 key: acq/s | 16 clients, 16 keys: acq/s |"
+        "| backend | wait_notify | handoff median µs | handoff p99 µs | median in round trips | median in write round trips | handoffs (waiters) | 16 clients, 1 key: acq/s | 16 clients, 16 keys: acq/s |"
     );
-    let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|---:|");
     for b in &r.backends {
         let tp = |keys: usize| {
             b.throughput.iter().find(|t| t.keys == keys).map_or_else(
@@ -285,18 +301,19 @@ pub fn markdown(r: &Report) -> String {
                 |t| format!("{:.0}", t.acquisitions_per_s),
             )
         };
-        let (hm, hp, hr, hn) = match &b.handoff {
+        let (hm, hp, hr, hw, hn) = match &b.handoff {
             Some(h) => (
                 fmt_us(h.latency.median_us),
                 fmt_us(h.latency.p99_us),
                 fmt_opt(h.median_in_rtts, 1),
+                fmt_opt(h.median_in_write_rtts, 1),
                 format!("{} ({})", h.latency.n, h.waiters),
             ),
-            None => ("–".into(), "–".into(), "–".into(), "–".into()),
+            None => ("–".into(), "–".into(), "–".into(), "–".into(), "–".into()),
         };
         let _ = writeln!(
             out,
-            "| {} | {} | {hm} | {hp} | {hr} | {hn} | {} | {} |",
+            "| {} | {} | {hm} | {hp} | {hr} | {hw} | {hn} | {} | {} |",
             b.name,
             if b.wait_notify { "yes" } else { "no" },
             tp(1),
@@ -396,6 +413,7 @@ pub fn svg(r: &Report) -> String {
                         Kind::Bare => "bare",
                         Kind::Peer => "peer",
                         Kind::Rtt => "rtt",
+                        Kind::Write => "write",
                     },
                     median: s.median_us,
                     p99: s.p99_us,
@@ -447,6 +465,7 @@ pub fn svg(r: &Report) -> String {
         "bare" => "#7f7f7f",
         "peer" => "#ff7f0e",
         "handoff" => "#2ca02c",
+        "write" => "#9467bd",
         _ => "#bcbd22",
     };
     let mut s = String::new();
@@ -476,6 +495,7 @@ pub fn svg(r: &Report) -> String {
         ("bare", "bare protocol"),
         ("peer", "peer library"),
         ("rtt", "1 round trip"),
+        ("write", "1 write"),
         ("handoff", "handoff"),
     ] {
         let _ = writeln!(
@@ -634,6 +654,7 @@ mod tests {
                     waiters: 8,
                     latency: summary(300.0, 900.0),
                     median_in_rtts: Some(3.0),
+                    median_in_write_rtts: Some(1.5),
                 }),
                 throughput: vec![Throughput {
                     clients: 16,

@@ -77,6 +77,7 @@ pub async fn handoff(
     ttl: Duration,
     handoffs: usize,
     rtt: Option<&Summary>,
+    write_rtt: Option<&Summary>,
 ) -> Res<Handoff> {
     let released_at: Arc<Mutex<Option<Instant>>> = Arc::default();
     let samples: Arc<Mutex<Vec<Duration>>> = Arc::default();
@@ -142,6 +143,7 @@ pub async fn handoff(
     Ok(Handoff {
         waiters: clients.len(),
         median_in_rtts: rtt.and_then(|r| ratio(latency.median_us, r.median_us)),
+        median_in_write_rtts: write_rtt.and_then(|r| ratio(latency.median_us, r.median_us)),
         latency,
     })
 }

@@ -160,6 +160,28 @@ impl Cycle for Get {
     }
 }
 
+/// One plain put (a raft write, like every lock step).
+struct Put {
+    client: Client,
+    key: String,
+}
+
+#[async_trait]
+impl Cycle for Put {
+    fn kind(&self) -> Kind {
+        Kind::Write
+    }
+
+    fn label(&self) -> String {
+        "Put (one key)".into()
+    }
+
+    async fn run(&mut self) -> Res<()> {
+        self.client.put(self.key.clone(), "1", None).await?;
+        Ok(())
+    }
+}
+
 /// The driver's own count of the requests it sent (exactly this client's).
 struct DriverCounts {
     lock: Arc<EtcdLock>,
@@ -250,8 +272,12 @@ impl Backend for Etcd {
                 reused_lease: Some(reused),
             }),
             Box::new(Get {
-                client,
+                client: client.clone(),
                 key: format!("{prefix}-rtt"),
+            }),
+            Box::new(Put {
+                client,
+                key: format!("{prefix}-write"),
             }),
         ])
     }

@@ -187,6 +187,35 @@ impl Cycle for Select1 {
     }
 }
 
+/// One durable write: a one-row `UPDATE` of the lease table, committed.
+struct Update {
+    conn: PgConnection,
+    name: String,
+}
+
+#[async_trait]
+impl Cycle for Update {
+    fn kind(&self) -> Kind {
+        Kind::Write
+    }
+
+    fn label(&self) -> String {
+        "one-row UPDATE, durable commit".into()
+    }
+
+    async fn run(&mut self) -> Res<()> {
+        let updated =
+            sqlx::query("UPDATE distlock_leases SET expires_at = expires_at WHERE name = $1")
+                .bind(&self.name)
+                .execute(&mut self.conn)
+                .await?;
+        if updated.rows_affected() != 1 {
+            return Err("the bench row is missing".into());
+        }
+        Ok(())
+    }
+}
+
 /// Committed + rolled back transactions of the bench database.
 struct Transactions {
     admin_url: String,
@@ -274,6 +303,10 @@ impl Backend for Pg {
             }),
             Box::new(Select1 {
                 conn: self.connection().await?,
+            }),
+            Box::new(Update {
+                conn: self.connection().await?,
+                name: warm.as_str().to_owned(),
             }),
         ])
     }

@@ -127,6 +127,35 @@ impl Cycle for Ping {
     }
 }
 
+/// One plain write: `SET key value PX ttl`.
+struct Write {
+    conn: MultiplexedConnection,
+    key: String,
+    ttl_ms: u64,
+}
+
+#[async_trait]
+impl Cycle for Write {
+    fn kind(&self) -> Kind {
+        Kind::Write
+    }
+
+    fn label(&self) -> String {
+        "SET PX".into()
+    }
+
+    async fn run(&mut self) -> Res<()> {
+        redis::cmd("SET")
+            .arg(&self.key)
+            .arg("1")
+            .arg("PX")
+            .arg(self.ttl_ms)
+            .query_async::<()>(&mut self.conn)
+            .await?;
+        Ok(())
+    }
+}
+
 /// `EVAL`, `EVALSHA` and their read-only variants.
 fn is_script_call(command: &str) -> bool {
     matches!(command, "eval" | "evalsha" | "eval_ro" | "evalsha_ro")
@@ -204,6 +233,11 @@ impl Backend for Redis {
             }),
             Box::new(Ping {
                 conn: self.connection().await?,
+            }),
+            Box::new(Write {
+                conn: self.connection().await?,
+                key: format!("distlock-bench:{run}:write"),
+                ttl_ms,
             }),
         ])
     }

@@ -138,6 +138,28 @@ impl Cycle for Exists {
     }
 }
 
+/// One plain write: setData on an ephemeral node of the bench's session.
+struct SetData {
+    client: zk::Client,
+    path: String,
+}
+
+#[async_trait]
+impl Cycle for SetData {
+    fn kind(&self) -> Kind {
+        Kind::Write
+    }
+
+    fn label(&self) -> String {
+        "setData (one node)".into()
+    }
+
+    async fn run(&mut self) -> Res<()> {
+        self.client.set_data(&self.path, b"1", None).await?;
+        Ok(())
+    }
+}
+
 /// The `cons` four-letter word: packets received on our session's connection.
 struct SessionPackets {
     host: String,
@@ -204,6 +226,13 @@ impl Backend for Zk {
         let peer_dir = format!("/distlock-bench/{run}-peer");
         raw.mkdir(&bare_dir, &container).await?;
         raw.mkdir(&peer_dir, &container).await?;
+        let write_path = format!("/distlock-bench/{run}-write");
+        raw.create(
+            &write_path,
+            b"",
+            &zk::CreateMode::Ephemeral.with_acls(open_acls()),
+        )
+        .await?;
         Ok(vec![
             Box::new(DistlockCycle {
                 lock: self.client().await?,
@@ -220,7 +249,13 @@ impl Backend for Zk {
                 client: raw.clone(),
                 dir: peer_dir,
             }),
-            Box::new(Exists { client: raw }),
+            Box::new(Exists {
+                client: raw.clone(),
+            }),
+            Box::new(SetData {
+                client: raw,
+                path: write_path,
+            }),
         ])
     }
 
