@@ -693,7 +693,7 @@ mod tests {
             "{md}"
         );
         assert!(md.contains("| redis | peer | rslock | failed: boom |"));
-        assert!(md.contains("| redis | yes | 300 | 900 | 3.0 | 100 (8) | 1234 | – |"));
+        assert!(md.contains("| redis | yes | 300 | 900 | 3.0 | 1.5 | 100 (8) | 1234 | – |"));
         assert!(md.contains(
             "| redis | 1000 | 6 s / 2 s | 0.5 | 1000.3 | 1000 | 12.5 | 2048 B | 0 | evalsha 990, publish 2 | INFO commandstats |"
         ));
@@ -719,9 +719,9 @@ mod tests {
         assert!(svg.starts_with("<svg"));
         assert!(svg.trim_end().ends_with("</svg>"));
         assert!(svg.contains("Test CPU &lt;x&gt;"));
-        // Five legend swatches, then three bars: distlock, bare, handoff (the failed peer has
+        // Six legend swatches, then three bars: distlock, bare, handoff (the failed peer has
         // no numbers, so no bar).
-        assert_eq!(svg.matches("<rect x=").count(), 5 + 3);
+        assert_eq!(svg.matches("<rect x=").count(), 6 + 3);
         assert_eq!(svg.matches('<').count(), svg.matches('>').count());
     }
 }
