@@ -8,9 +8,9 @@ use std::{
 
 use async_trait::async_trait;
 use etcd_client::{
-    Certificate, Client, Compare, CompareOp, ConnectOptions, GetOptions, Identity, KeyValue,
-    PutOptions, SortOrder, SortTarget, TlsOptions, Txn, TxnOp, TxnOpResponse, TxnResponse,
-    WatchFilterType, WatchOptions,
+    Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, Identity,
+    KeyValue, PutOptions, SortOrder, SortTarget, TlsOptions, Txn, TxnOp, TxnOpResponse,
+    TxnResponse, WatchFilterType, WatchOptions,
 };
 use futures::future::BoxFuture;
 use lock_core::{
@@ -56,6 +56,8 @@ struct Inner {
     config: EtcdLockConfig,
     caps: Capabilities,
     sessions: Mutex<Vec<Arc<Session>>>,
+    /// Serializes lease grants (see `session_for`).
+    granting: tokio::sync::Mutex<()>,
     counters: Arc<Counters>,
 }
 
@@ -332,6 +334,7 @@ impl EtcdLock {
                 config,
                 caps,
                 sessions: Mutex::new(Vec::new()),
+                granting: tokio::sync::Mutex::new(()),
                 counters,
             }),
         })
@@ -473,12 +476,23 @@ impl Inner {
     /// confirmed alive (the lease lives at least until then plus its TTL).
     async fn session_for(&self, name: &[u8], ttl: Duration) -> Result<(Arc<Session>, Instant)> {
         let secs = ttl_secs(ttl);
+        // Held while granting, so acquisitions that start together share one new lease
+        // instead of granting one each.
+        let mut granting = None;
         loop {
             let existing = lock(&self.sessions)
                 .iter()
                 .find(|s| s.requested_secs == secs && s.try_add_user(name))
                 .cloned();
-            let Some(session) = existing else { break };
+            let Some(session) = existing else {
+                if granting.is_none() {
+                    granting = Some(self.granting.lock().await);
+                    // Someone may have granted while we waited: look again.
+                    continue;
+                }
+                break;
+            };
+            drop(granting.take());
             match session.keep_alive(ttl / 8, None).await {
                 Ok(base) => return Ok((session, base)),
                 Err(KeepAliveError::Gone) => {
@@ -679,9 +693,17 @@ impl Inner {
         lease
     }
 
-    /// Waits until every entry created before ours is gone (Go's `waitDeletes`), watching only
-    /// the immediate predecessor, keeping our lease alive meanwhile; then checks that our own
-    /// entry still exists (the check etcd#11456 is about).
+    /// Waits until every entry created before ours is gone (Go's `waitDeletes`), keeping our
+    /// lease alive meanwhile, and makes sure our own entry still exists (the check etcd#11456 is
+    /// about).
+    ///
+    /// Behind several entries, a waiter watches only its immediate predecessor (no herd); when
+    /// that one goes it reads the queue again, and finally reads its own key. Next in line (the
+    /// predecessor query found exactly one earlier entry), it instead watches the whole queue
+    /// prefix from just after its own creation: events arrive in revision order, so when the
+    /// predecessor's deletion arrives with no deletion of our own key before it, at that revision
+    /// no earlier entry existed (create revisions only grow, so none can appear) and ours did —
+    /// the lock is ours without another read. This saves the hand-off two round trips.
     async fn wait_turn(
         &self,
         entry: &Entry,
@@ -693,6 +715,8 @@ impl Inner {
         let mut next_keepalive = Instant::now() + keepalive_every;
         let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(1));
         let session = &entry.session;
+        // Cleared when a queue watch from our creation revision was refused (compacted).
+        let mut queue_watch_ok = true;
         'queue: loop {
             if Instant::now() >= wait.deadline() {
                 return Err(wait.timeout());
@@ -711,7 +735,11 @@ impl Inner {
             let pred = match pred {
                 Ok(resp) => match (resp.kvs().first(), resp.header()) {
                     (None, _) => break 'queue,
-                    (Some(kv), Some(h)) => Some((kv.key().to_vec(), h.revision() + 1)),
+                    // `more` is computed after the create-revision filter: false means this is
+                    // the only earlier entry.
+                    (Some(kv), Some(h)) => {
+                        Some((kv.key().to_vec(), h.revision() + 1, !resp.more()))
+                    }
                     (Some(_), None) => None,
                 },
                 Err(e) => {
@@ -719,8 +747,29 @@ impl Inner {
                     None
                 }
             };
+            // `Some(pred_key)` while watching the whole queue for the shortcut.
+            let mut next_in_line: Option<Vec<u8>> = None;
             let mut stream = match pred {
-                Some((pred_key, from)) => {
+                Some((pred_key, _, true)) if queue_watch_ok => {
+                    Counters::bump(&self.counters.watch);
+                    let opts = WatchOptions::new()
+                        .with_prefix()
+                        .with_start_revision(entry.rev + 1)
+                        .with_filters([WatchFilterType::NoPut]);
+                    let stream = error::request(
+                        self.timeout(),
+                        self.client
+                            .watch_client()
+                            .watch(entry.name.clone(), Some(opts)),
+                    )
+                    .await
+                    .ok();
+                    if stream.is_some() {
+                        next_in_line = Some(pred_key);
+                    }
+                    stream
+                }
+                Some((pred_key, from, _)) => {
                     Counters::bump(&self.counters.watch);
                     let opts = WatchOptions::new()
                         .with_start_revision(from)
@@ -754,9 +803,29 @@ impl Inner {
                     msg = async { match stream.as_mut() { Some(s) => s.message().await, None => std::future::pending().await } } => {
                         match msg {
                             Ok(Some(resp)) if resp.events().is_empty() && !resp.canceled() => {}
-                            Ok(Some(_)) => {
-                                backoff.reset();
-                                continue 'queue;
+                            Ok(Some(resp)) => {
+                                let Some(pred_key) = &next_in_line else {
+                                    backoff.reset();
+                                    continue 'queue;
+                                };
+                                if resp.canceled() {
+                                    // Most likely compacted past our creation: fall back to the
+                                    // predecessor watch and the final read.
+                                    queue_watch_ok = false;
+                                    continue 'queue;
+                                }
+                                for event in resp.events() {
+                                    let Some(kv) = event.kv() else { continue };
+                                    if event.event_type() != EventType::Delete {
+                                        continue;
+                                    }
+                                    if kv.key() == entry.key.as_slice() {
+                                        return Err(queue_entry_lost(key));
+                                    }
+                                    if kv.key() == pred_key.as_slice() {
+                                        return Ok(());
+                                    }
+                                }
                             }
                             Ok(None) | Err(_) => stream = None,
                         }

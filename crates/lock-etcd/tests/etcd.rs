@@ -384,3 +384,126 @@ fn an_unrenewed_lock_expires_even_while_its_neighbour_on_the_shared_lease_is_ren
         assert!(b.release(&got).await.unwrap());
     });
 }
+
+/// Waits until `key` has `n` queue entries.
+async fn queued(env: &Env, key: &LockKey, n: usize) -> Vec<(String, i64)> {
+    let until = Instant::now() + SLACK;
+    loop {
+        let e = env.entries(key).await;
+        if e.len() == n || Instant::now() > until {
+            assert_eq!(e.len(), n, "queue entries of {key}");
+            return e;
+        }
+        sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[test]
+fn the_next_in_line_takes_over_without_reading_again() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let (a, b) = (env.client().await, env.client().await);
+        let key = fresh("next-in-line");
+        let held = a.try_acquire(&key, LONG).await.unwrap().unwrap();
+        let before = b.request_counts();
+        let waiter = {
+            let (b, key) = (b.clone(), key.clone());
+            tokio::spawn(async move { b.acquire(&key, LONG, Instant::now() + LONG).await })
+        };
+        queued(&env, &key, 2).await;
+        assert!(a.release(&held).await.unwrap());
+        let lease = timeout(SLACK, waiter).await.unwrap().unwrap().unwrap();
+        let after = b.request_counts();
+        // One read of the queue before watching; none after the predecessor went.
+        assert_eq!(after.range - before.range, 1, "{before:?} -> {after:?}");
+        assert!(lease.fencing_token() > held.fencing_token());
+        assert!(b.release(&lease).await.unwrap());
+    });
+}
+
+#[test]
+fn a_next_in_line_waiter_whose_key_is_deleted_never_returns_ok() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let (a, b) = (env.client().await, env.client().await);
+        let key = fresh("deleted-waiter");
+        let held = a.try_acquire(&key, LONG).await.unwrap().unwrap();
+        let waiter = {
+            let (b, key) = (b.clone(), key.clone());
+            tokio::spawn(async move { b.acquire(&key, LONG, Instant::now() + LONG).await })
+        };
+        let entries = queued(&env, &key, 2).await;
+        // Only the waiter's key goes (its lease stays alive); then the holder releases.
+        env.admin
+            .kv_client()
+            .delete(entries[1].0.clone(), None)
+            .await
+            .unwrap();
+        assert!(a.release(&held).await.unwrap());
+        let result = timeout(SLACK, waiter)
+            .await
+            .expect("the waiter must give up, not hang")
+            .unwrap();
+        result.expect_err("a waiter whose queue entry is gone must not get the lock");
+        let l = b.try_acquire(&key, LONG).await.unwrap().unwrap();
+        assert!(b.release(&l).await.unwrap());
+    });
+}
+
+#[test]
+fn a_waiter_behind_one_that_gives_up_waits_for_the_holder() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let (a, b, c) = (env.client().await, env.client().await, env.client().await);
+        let key = fresh("middle-gives-up");
+        let held = a.try_acquire(&key, LONG).await.unwrap().unwrap();
+        let middle = {
+            let (b, key) = (b.clone(), key.clone());
+            tokio::spawn(async move { b.acquire(&key, LONG, Instant::now() + LONG).await })
+        };
+        queued(&env, &key, 2).await;
+        let last = {
+            let (c, key) = (c.clone(), key.clone());
+            tokio::spawn(async move { c.acquire(&key, LONG, Instant::now() + LONG).await })
+        };
+        queued(&env, &key, 3).await;
+        // The middle waiter gives up: its entry goes, the holder still holds.
+        middle.abort();
+        queued(&env, &key, 2).await;
+        sleep(Duration::from_millis(300)).await;
+        assert!(
+            !last.is_finished(),
+            "the last waiter took the lock while it was held"
+        );
+        assert!(a.release(&held).await.unwrap());
+        let lease = timeout(SLACK, last).await.unwrap().unwrap().unwrap();
+        assert!(lease.fencing_token() > held.fencing_token());
+        assert!(c.release(&lease).await.unwrap());
+    });
+}
+
+#[test]
+fn concurrent_first_acquisitions_share_one_new_lease() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let a = env.client().await;
+        let keys: Vec<LockKey> = (0..32).map(|i| fresh(&format!("together{i}"))).collect();
+        let before = a.request_counts();
+        let leases = futures::future::join_all(keys.iter().map(|k| {
+            let a = a.clone();
+            async move { a.try_acquire(k, LONG).await.unwrap().unwrap() }
+        }))
+        .await;
+        let after = a.request_counts();
+        assert_eq!(
+            after.lease_grant - before.lease_grant,
+            1,
+            "{before:?} -> {after:?}"
+        );
+        assert_eq!(a.session_count(), 1);
+        for l in &leases {
+            assert!(a.release(l).await.unwrap());
+        }
+        assert_eq!(a.session_count(), 0);
+    });
+}
