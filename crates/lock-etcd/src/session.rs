@@ -137,16 +137,22 @@ impl Session {
         users.names.insert(name.to_vec())
     }
 
-    /// Unregisters `name`. Returns `true` when that left the session empty: it is then retired
-    /// and the caller revokes its lease.
+    /// Unregisters `name`. Returns `true` when that left the session empty; it stays usable
+    /// until [`Session::retire_if_idle`] retires it.
     pub(crate) fn remove_user(&self, name: &[u8]) -> bool {
         let mut users = lock(&self.users);
         let removed = users.names.remove(name);
-        if removed && users.names.is_empty() && !users.retired {
-            users.retired = true;
-            return true;
+        removed && users.names.is_empty() && !users.retired
+    }
+
+    /// Retires the session if nothing uses it (returns `true`; the caller revokes the lease).
+    pub(crate) fn retire_if_idle(&self) -> bool {
+        let mut users = lock(&self.users);
+        if users.retired || !users.names.is_empty() {
+            return false;
         }
-        false
+        users.retired = true;
+        true
     }
 
     /// If `name` is the only user, unregisters it and retires the session (returns `true`; the

@@ -341,11 +341,11 @@ fn locks_of_one_client_share_a_lease_and_release_independently() {
         assert!(ttl_left.ttl() > 0, "the shared lease was revoked early");
         assert!(b.release(&l0).await.unwrap());
 
-        // The last release revokes the shared lease.
+        // After the last release the idle lease is revoked once its grace period ends.
         for l in &leases[1..] {
             assert!(a.release(l).await.unwrap());
         }
-        assert_eq!(a.session_count(), 0);
+        no_sessions_left(&a).await;
         let ttl_left = env
             .admin
             .lease_client()
@@ -504,6 +504,49 @@ fn concurrent_first_acquisitions_share_one_new_lease() {
         for l in &leases {
             assert!(a.release(l).await.unwrap());
         }
-        assert_eq!(a.session_count(), 0);
+        no_sessions_left(&a).await;
+    });
+}
+
+/// Waits (bounded) until the client's idle leases were revoked.
+async fn no_sessions_left(a: &EtcdLock) {
+    let until = Instant::now() + SLACK;
+    while a.session_count() > 0 {
+        assert!(Instant::now() < until, "an idle lease was never revoked");
+        sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[test]
+fn a_lock_taken_and_released_in_a_loop_reuses_its_lease() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let (a, b) = (env.client().await, env.client().await);
+        let ttl = Duration::from_secs(10);
+        let key = fresh("loop");
+        let first = a.try_acquire(&key, ttl).await.unwrap().unwrap();
+        assert!(a.release(&first).await.unwrap());
+        let before = a.request_counts();
+        for _ in 0..10 {
+            let l = a.try_acquire(&key, ttl).await.unwrap().unwrap();
+            assert!(a.release(&l).await.unwrap());
+        }
+        let after = a.request_counts();
+        // A put and a delete per cycle on the lease kept from the first cycle.
+        assert_eq!(
+            after.lease_grant, before.lease_grant,
+            "{before:?} -> {after:?}"
+        );
+        assert_eq!(after.txn - before.txn, 20, "{before:?} -> {after:?}");
+        assert_eq!(
+            after.lease_revoke, before.lease_revoke,
+            "{before:?} -> {after:?}"
+        );
+        // The released lock is free for others meanwhile, and the idle lease goes in the end.
+        let l = b.try_acquire(&key, ttl).await.unwrap().unwrap();
+        assert!(b.release(&l).await.unwrap());
+        no_sessions_left(&a).await;
+        no_sessions_left(&b).await;
+        assert_eq!(a.request_counts().lease_revoke, before.lease_revoke + 1);
     });
 }
