@@ -716,8 +716,9 @@ impl Inner {
     /// lease alive meanwhile, and makes sure our own entry still exists (the check etcd#11456 is
     /// about).
     ///
-    /// Behind several entries, a waiter watches only its immediate predecessor (no herd); when
-    /// that one goes it reads the queue again, and finally reads its own key. Next in line (the
+    /// Each look at the queue is one read-only transaction that also reads our own entry (gone →
+    /// error, never `Ok`). Behind several entries, a waiter watches only its immediate
+    /// predecessor (no herd) and looks again when that one goes. Next in line (the
     /// predecessor query found exactly one earlier entry), it instead watches the whole queue
     /// prefix from just after its own creation: events arrive in revision order, so when the
     /// predecessor's deletion arrives with no deletion of our own key before it, at that revision
@@ -740,27 +741,38 @@ impl Inner {
             if Instant::now() >= wait.deadline() {
                 return Err(wait.timeout());
             }
-            Counters::bump(&self.counters.range);
+            // One read-only transaction: the newest entry older than ours, and our own entry.
+            Counters::bump(&self.counters.txn);
             let opts = GetOptions::new()
                 .with_prefix()
                 .with_sort(SortTarget::Create, SortOrder::Descend)
                 .with_max_create_revision(entry.rev - 1)
                 .with_limit(1);
-            let pred = error::request(
-                self.timeout(),
-                self.client.kv_client().get(entry.name.clone(), Some(opts)),
-            )
-            .await;
-            let pred = match pred {
-                Ok(resp) => match (resp.kvs().first(), resp.header()) {
-                    (None, _) => break 'queue,
-                    // `more` is computed after the create-revision filter: false means this is
-                    // the only earlier entry.
-                    (Some(kv), Some(h)) => {
-                        Some((kv.key().to_vec(), h.revision() + 1, !resp.more()))
+            let read = Txn::new().and_then([
+                TxnOp::get(entry.name.clone(), Some(opts)),
+                TxnOp::get(entry.key.clone(), None),
+            ]);
+            let read = error::request(self.timeout(), self.client.kv_client().txn(read)).await;
+            let pred = match read {
+                Ok(resp) => {
+                    let (Some(queue), Some(own)) = (txn_get(&resp, 0), txn_get(&resp, 1)) else {
+                        return Err(protocol("acquire", "etcd's txn reply lacks a read"));
+                    };
+                    match own.kvs().first() {
+                        Some(kv) if kv.create_revision() == entry.rev => {}
+                        _ => return Err(queue_entry_lost(key)),
                     }
-                    (Some(_), None) => None,
-                },
+                    match (queue.kvs().first(), resp.header()) {
+                        // No earlier entry and ours exists, at one revision: the lock is ours.
+                        (None, _) => return Ok(()),
+                        // `more` is computed after the create-revision filter: false means this
+                        // is the only earlier entry.
+                        (Some(kv), Some(h)) => {
+                            Some((kv.key().to_vec(), h.revision() + 1, !queue.more()))
+                        }
+                        (Some(_), None) => None,
+                    }
+                }
                 Err(e) => {
                     tracing::debug!(%key, error = %e.source, "reading the lock queue failed; retrying");
                     None
@@ -828,8 +840,8 @@ impl Inner {
                                     continue 'queue;
                                 };
                                 if resp.canceled() {
-                                    // Most likely compacted past our creation: fall back to the
-                                    // predecessor watch and the final read.
+                                    // Most likely compacted past our creation: fall back to
+                                    // watching the predecessor and reading again.
                                     queue_watch_ok = false;
                                     continue 'queue;
                                 }
@@ -851,17 +863,6 @@ impl Inner {
                     }
                 }
             }
-        }
-        Counters::bump(&self.counters.range);
-        let own = error::request(
-            self.timeout(),
-            self.client.kv_client().get(entry.key.clone(), None),
-        )
-        .await
-        .map_err(|e| e.into_error("acquire"))?;
-        match own.kvs().first() {
-            Some(kv) if kv.create_revision() == entry.rev => Ok(()),
-            _ => Err(queue_entry_lost(key)),
         }
     }
 }

@@ -414,8 +414,9 @@ fn the_next_in_line_takes_over_without_reading_again() {
         assert!(a.release(&held).await.unwrap());
         let lease = timeout(SLACK, waiter).await.unwrap().unwrap().unwrap();
         let after = b.request_counts();
-        // One read of the queue before watching; none after the predecessor went.
-        assert_eq!(after.range - before.range, 1, "{before:?} -> {after:?}");
+        // The put, one read of the queue before watching, none after the predecessor went.
+        assert_eq!(after.txn - before.txn, 2, "{before:?} -> {after:?}");
+        assert_eq!(after.range, before.range, "{before:?} -> {after:?}");
         assert!(lease.fencing_token() > held.fencing_token());
         assert!(b.release(&lease).await.unwrap());
     });
@@ -548,5 +549,39 @@ fn a_lock_taken_and_released_in_a_loop_reuses_its_lease() {
         no_sessions_left(&a).await;
         no_sessions_left(&b).await;
         assert_eq!(a.request_counts().lease_revoke, before.lease_revoke + 1);
+    });
+}
+
+#[test]
+fn a_waiter_further_back_whose_key_is_deleted_never_returns_ok() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let (a, b, c) = (env.client().await, env.client().await, env.client().await);
+        let key = fresh("deleted-further-back");
+        let held = a.try_acquire(&key, LONG).await.unwrap().unwrap();
+        let second = {
+            let (b, key) = (b.clone(), key.clone());
+            tokio::spawn(async move { b.acquire(&key, LONG, Instant::now() + LONG).await })
+        };
+        queued(&env, &key, 2).await;
+        let third = {
+            let (c, key) = (c.clone(), key.clone());
+            tokio::spawn(async move { c.acquire(&key, LONG, Instant::now() + LONG).await })
+        };
+        let entries = queued(&env, &key, 3).await;
+        // Only the last waiter's key goes (its lease lives); then the lock passes down the queue.
+        env.admin
+            .kv_client()
+            .delete(entries[2].0.clone(), None)
+            .await
+            .unwrap();
+        assert!(a.release(&held).await.unwrap());
+        let lease = timeout(SLACK, second).await.unwrap().unwrap().unwrap();
+        assert!(b.release(&lease).await.unwrap());
+        let result = timeout(SLACK, third)
+            .await
+            .expect("the waiter must give up, not hang")
+            .unwrap();
+        result.expect_err("a waiter whose queue entry is gone must not get the lock");
     });
 }
