@@ -5,6 +5,7 @@ mod config;
 mod lock;
 mod path;
 mod session;
+mod watch;
 
 pub use config::{ZkAcl, ZkLockConfig};
 pub use lock::ZkLock;

@@ -2,17 +2,18 @@
 
 use std::{
     fmt,
-    future::Future,
+    future::{Future, poll_fn},
     sync::{Arc, Mutex, PoisonError},
+    task::Poll,
     time::Duration,
 };
 
-use futures::future::BoxFuture;
+use futures::{StreamExt, future::BoxFuture, stream::FuturesUnordered};
 use lock_core::{
     AcquireWait, Backoff, Capabilities, DistributedLock, Error, FencingGuarantee, FencingToken,
     HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result, async_trait,
 };
-use tokio::time::{Instant, sleep, sleep_until, timeout};
+use tokio::time::{Instant, sleep, timeout};
 use tokio_util::sync::CancellationToken;
 use zookeeper_client as zk;
 
@@ -20,6 +21,7 @@ use crate::{
     BACKEND, ZkAcl, ZkLockConfig,
     path::{self, lock_dir, node_prefix, protected_marker, sorted_contenders},
     session::Session,
+    watch::{Change, Check, NodeWatch},
 };
 
 type ZkResult<T> = std::result::Result<T, zk::Error>;
@@ -27,6 +29,11 @@ type ZkResult<T> = std::result::Result<T, zk::Error>;
 /// How many times one attempt re-creates its node after a container was reaped or the
 /// connection was lost mid-create.
 const CREATE_ATTEMPTS: usize = 5;
+
+/// A waiter watches every contender ahead of it when there are at most this many (and knows
+/// without a read when the last one is gone); behind a longer queue it watches only its
+/// predecessor and lists again when that is deleted.
+const MAX_WATCHED_AHEAD: usize = 16;
 
 /// A ZooKeeper lock client: one session shared by every lock it takes.
 ///
@@ -58,6 +65,9 @@ struct ZkLease {
     path: String,
     czxid: i64,
     version: i32,
+    /// The deletion watch on our node, shared by renewals and `watch_lost` (and armed while
+    /// waiting, when the lock was waited for).
+    watch: Arc<NodeWatch>,
 }
 
 impl ZkLock {
@@ -161,6 +171,7 @@ impl ZkLock {
             dir: lock_dir(self.inner.config.root(), key),
             token,
             node: None,
+            watch: Arc::new(NodeWatch::new()),
             done: false,
         }
     }
@@ -201,10 +212,21 @@ fn to_error(op: &'static str, e: zk::Error) -> Error {
 enum Position {
     /// Ours is the first contender: we hold the lock (as of a list sent at this instant).
     First(Instant),
-    /// Behind this contender (its full path).
-    Behind(String),
+    /// Behind these contenders (full paths, in lock order: the holder first, our predecessor
+    /// last), as of one listing.
+    Behind(Vec<String>),
     /// Our node no longer exists (deleted from outside, or the session expired).
     Gone,
+}
+
+/// What waiting in the queue ended with.
+enum Waited {
+    /// We hold the lock: every contender that was ahead of us is gone, and our node exists
+    /// (see [`Contender::wait_behind`]). The lease counts from this instant (a request sent
+    /// then was answered on the session).
+    Granted(Instant),
+    /// Something changed (or a safety re-check is due): list the contenders again.
+    Relist,
 }
 
 /// One acquisition attempt's node. Dropped without `done`, it deletes the node (or, when the
@@ -218,6 +240,8 @@ struct Contender {
     token: OwnershipToken,
     /// Our node's name and the Stat of its creation, once known.
     node: Option<(String, zk::Stat)>,
+    /// The deletion watch on our node, armed while we wait in the queue; handed to the lease.
+    watch: Arc<NodeWatch>,
     done: bool,
 }
 
@@ -323,8 +347,126 @@ impl Contender {
         Ok(match sorted.iter().position(|c| c == name) {
             None => Position::Gone,
             Some(0) => Position::First(sent),
-            Some(i) => Position::Behind(format!("{}/{}", self.dir, sorted[i - 1])),
+            Some(i) => Position::Behind(
+                sorted[..i]
+                    .iter()
+                    .map(|c| format!("{}/{c}", self.dir))
+                    .collect(),
+            ),
         })
+    }
+
+    /// Waits until the contenders `ahead` of us (as of one listing) are gone, our own node is
+    /// deleted, or the backoff asks for a safety re-check.
+    ///
+    /// When at most [`MAX_WATCHED_AHEAD`] contenders are ahead, all of them are watched (one
+    /// `exists` each, pipelined with one arming the watch on our own node when that is not armed
+    /// yet). Once all are deleted we hold the lock without listing again: no contender can sort
+    /// before ours any more — every node created after that listing has a larger sequence
+    /// number (the directory's counter only grows while it has children, and ours keeps it
+    /// alive), and the listing showed every node that sorted before ours — *provided our own
+    /// node still exists*. That is what the watch on our node establishes (see
+    /// [`crate::watch`]): armed before the others on the same connection, without an event
+    /// and without a reconnection since, our node was not deleted before the last of them
+    /// was (the server sends the events of one session in the order of the changes, and the
+    /// client hands them over in that order). Otherwise (a longer queue: only the predecessor
+    /// is watched, as in Curator; a data-change event; a reconnection; the session no longer
+    /// vouched for) we list again. Each deletion wakes at most `MAX_WATCHED_AHEAD` waiters,
+    /// and none of them sends a request unless it becomes the holder.
+    async fn wait_behind(&self, ahead: &[String], wait: &mut AcquireWait) -> Result<Waited> {
+        let (Some(own), Some((_, created))) = (self.path(), &self.node) else {
+            return Ok(Waited::Relist);
+        };
+        let exact = ahead.len() <= MAX_WATCHED_AHEAD;
+        let watched = if exact {
+            ahead
+        } else {
+            &ahead[ahead.len() - 1..]
+        };
+        let session = &self.session;
+        let client = &session.client;
+        let limit = self.lock.inner.config.op_timeout;
+        // Every request is queued on the connection when created, ours first.
+        let states = client.state_watcher();
+        let sent = Instant::now();
+        let arm_own = matches!(self.watch.check(), Check::Unreliable)
+            .then(|| client.check_and_watch_stat(&own));
+        let arm_ahead: Vec<_> = watched
+            .iter()
+            .map(|path| client.check_and_watch_stat(path))
+            .collect();
+        if let Some(arm_own) = arm_own {
+            match call(limit, arm_own).await {
+                Ok((Some(stat), watcher))
+                    if stat.czxid == created.czxid && stat.ephemeral_owner == session.id =>
+                {
+                    self.watch.install(watcher, states);
+                }
+                // Our node is gone: the listing will say so.
+                Ok(_) => self.watch.set_lost(LossReason::Revoked),
+                // No watch on our node: no shortcut this time.
+                Err(_) => {}
+            }
+        }
+        let mut events = FuturesUnordered::new();
+        for arm in arm_ahead {
+            match call(limit, arm).await {
+                // Already gone.
+                Ok((None, _)) => {}
+                Ok((Some(_), watcher)) => events.push(watcher.changed()),
+                Err(e) => return Err(to_error("acquire", e)),
+            }
+        }
+        session.confirm(sent);
+        let all_gone = if events.is_empty() {
+            true
+        } else {
+            let mut all_gone = false;
+            let own_lost = poll_fn(|cx| match self.watch.poll_changed(cx) {
+                Poll::Ready(Change::Lost(_)) => Poll::Ready(()),
+                // Not armed (a data change consumed it): nothing to wait for on our node.
+                Poll::Ready(Change::Unarmed) | Poll::Pending => Poll::Pending,
+            });
+            let ahead_gone = async {
+                while let Some(event) = events.next().await {
+                    if event.event_type != zk::EventType::NodeDeleted {
+                        return false;
+                    }
+                }
+                true
+            };
+            wait.wait(async {
+                tokio::select! {
+                    biased;
+                    gone = ahead_gone => all_gone = gone,
+                    () = own_lost => {}
+                }
+            })
+            .await?;
+            all_gone
+        };
+        Ok(if exact && all_gone {
+            self.granted_when_first()
+        } else {
+            Waited::Relist
+        })
+    }
+
+    /// Once every contender that was ahead of us is known to be gone: do we hold the lock
+    /// without listing again? Only if our node's watch is reliable and silent (our node
+    /// exists) and the session is alive and vouched for.
+    fn granted_when_first(&self) -> Waited {
+        if self.session.is_ended() {
+            return Waited::Relist;
+        }
+        let Check::Reliable(_) = self.watch.check() else {
+            return Waited::Relist;
+        };
+        let now = Instant::now();
+        if self.session.vouched_until() <= now {
+            return Waited::Relist;
+        }
+        Waited::Granted(self.session.last_confirmed_send().min(now))
     }
 
     fn into_lease(mut self, key: &LockKey, ttl: Duration, sent: Instant) -> Option<Lease> {
@@ -335,6 +477,7 @@ impl Contender {
             path: format!("{}/{name}", self.dir),
             czxid: stat.czxid,
             version: stat.version,
+            watch: self.watch.clone(),
         };
         let fencing = u64::try_from(stat.czxid).ok().map(FencingToken);
         Some(Lease::new(key.clone(), self.token, fencing, ttl, sent).with_backend_state(state))
@@ -434,7 +577,7 @@ impl DistributedLock for ZkLock {
         c.create("try_acquire").await?;
         match c.position("try_acquire").await? {
             Position::First(_) => Ok(c.into_lease(key, ttl, sent)),
-            Position::Behind(_) => {
+            Position::Behind { .. } => {
                 c.remove().await;
                 Ok(None)
             }
@@ -475,18 +618,16 @@ impl DistributedLock for ZkLock {
                         break;
                     }
                     Ok(Position::Gone) => break,
-                    Ok(Position::Behind(pred)) => {
-                        match self.call(session.client.check_and_watch_stat(&pred)).await {
-                            Ok((None, _)) => Ok(()),
-                            Ok((Some(_), watcher)) => {
-                                wait.wait(async move {
-                                    watcher.changed().await;
-                                })
-                                .await
+                    Ok(Position::Behind(ahead)) => match c.wait_behind(&ahead, &mut wait).await {
+                        Ok(Waited::Granted(sent)) => {
+                            if let Some(lease) = c.into_lease(key, ttl, sent) {
+                                return Ok(lease);
                             }
-                            Err(e) => Err(to_error("acquire", e)),
+                            break;
                         }
-                    }
+                        Ok(Waited::Relist) => Ok(()),
+                        Err(e) => Err(e),
+                    },
                     Err(e) => Err(e),
                 };
                 if let Err(e) = step {
@@ -511,6 +652,14 @@ impl DistributedLock for ZkLock {
         }
     }
 
+    // Confirms that our node still exists under the live session.
+    //
+    // With the deletion watch on our node armed and reliable (see `crate::watch`), that
+    // takes no request of its own: one batched read of the session (`Session::check_in`,
+    // shared by every renewal in flight) sent after this call began, and a look at the watch
+    // after its reply — a deletion before the server processed that read would have been
+    // delivered first. Otherwise (no watch yet, a data-change event consumed it, a
+    // reconnection since it was armed) one `exists` on the node, which re-arms the watch.
     async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
         self.capabilities().check_ttl(ttl)?;
         let not_held = || Error::not_held(lease.key());
@@ -520,14 +669,40 @@ impl DistributedLock for ZkLock {
         let Some(session) = self.session_of(state) else {
             return Err(not_held());
         };
+        let (watch, path, czxid) = (state.watch.clone(), state.path.clone(), state.czxid);
         let sent = Instant::now();
-        match self.call(session.client.check_stat(&state.path)).await {
-            Ok(Some(stat)) if stat.czxid == state.czxid && stat.ephemeral_owner == session.id => {
+        match watch.check() {
+            Check::Lost(_) => return Err(not_held()),
+            Check::Reliable(armed) => match session.check_in(self.inner.config.op_timeout).await {
+                Ok(()) => match watch.check() {
+                    Check::Reliable(still) if still == armed => {
+                        lease.renewed(ttl, sent);
+                        return Ok(());
+                    }
+                    Check::Lost(_) => return Err(not_held()),
+                    // Re-armed or consumed meanwhile: read the node.
+                    _ => {}
+                },
+                Err(e) if session_gone(&e) => return Err(not_held()),
+                Err(e) => return Err(to_error("renew", e)),
+            },
+            Check::Unreliable => {}
+        }
+        let states = session.client.state_watcher();
+        let sent = Instant::now();
+        match self.call(session.client.check_and_watch_stat(&path)).await {
+            Ok((Some(stat), watcher))
+                if stat.czxid == czxid && stat.ephemeral_owner == session.id =>
+            {
                 session.confirm(sent);
+                watch.install(watcher, states);
                 lease.renewed(ttl, sent);
                 Ok(())
             }
-            Ok(_) => Err(not_held()),
+            Ok(_) => {
+                watch.set_lost(LossReason::Revoked);
+                Err(not_held())
+            }
             Err(e) if session_gone(&e) => Err(not_held()),
             Err(e) => Err(to_error("renew", e)),
         }
@@ -545,7 +720,10 @@ impl DistributedLock for ZkLock {
         let mut lost_once = false;
         for _ in 0..4 {
             match self.call(client.delete(&state.path, Some(version))).await {
-                Ok(()) => return Ok(true),
+                Ok(()) => {
+                    state.watch.set_lost(LossReason::Revoked);
+                    return Ok(true);
+                }
                 // After a lost reply, NoNode most likely means our own delete was applied.
                 Err(zk::Error::NoNode) => return Ok(lost_once),
                 // The session ended, taking our ephemeral node with it. If a delete of ours went
@@ -652,53 +830,46 @@ impl DistributedLock for ZkLock {
         let Some(session) = self.session_of(state) else {
             return Box::pin(std::future::ready(LossReason::SessionExpired));
         };
-        let path = state.path.clone();
-        let czxid = state.czxid;
+        // The session-level lapse signal: one task watches the vouched instant for every held
+        // lock (taken before the check below, so a lapse in between cancels it).
+        let lapse = session.lapse_token();
+        if session.vouched_until() <= Instant::now() {
+            // The session can no longer be vouched for: it may have expired on the server.
+            return Box::pin(std::future::ready(LossReason::DeadlinePassed));
+        }
+        let (watch, path, czxid) = (state.watch.clone(), state.path.clone(), state.czxid);
+        let limit = self.inner.config.op_timeout;
         Box::pin(async move {
-            let mut vouched = session.vouched();
             let node_gone = async {
                 let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
                 loop {
-                    match session.client.check_and_watch_stat(&path).await {
-                        Ok((Some(stat), watcher)) if stat.czxid == czxid => {
-                            let event = watcher.changed().await;
-                            match event.event_type {
-                                zk::EventType::NodeDeleted => return LossReason::Revoked,
-                                zk::EventType::Session if event.session_state.is_terminated() => {
-                                    return LossReason::SessionExpired;
-                                }
-                                _ => {}
-                            }
+                    match poll_fn(|cx| watch.poll_changed(cx)).await {
+                        Change::Lost(reason) => return reason,
+                        Change::Unarmed => {}
+                    }
+                    let states = session.client.state_watcher();
+                    let sent = Instant::now();
+                    match call(limit, session.client.check_and_watch_stat(&path)).await {
+                        Ok((Some(stat), watcher))
+                            if stat.czxid == czxid && stat.ephemeral_owner == session.id =>
+                        {
+                            session.confirm(sent);
+                            watch.install(watcher, states);
                         }
-                        Ok(_) => return LossReason::Revoked,
+                        Ok(_) => {
+                            watch.set_lost(LossReason::Revoked);
+                            return LossReason::Revoked;
+                        }
                         Err(e) if session_gone(&e) => return LossReason::SessionExpired,
                         Err(_) => sleep(backoff.next_delay()).await,
-                    }
-                }
-            };
-            // The session can no longer be vouched for: it may have expired on the server.
-            let unvouched = async {
-                loop {
-                    let until = *vouched.borrow_and_update();
-                    tokio::select! {
-                        () = sleep_until(until) => {
-                            if *vouched.borrow() <= Instant::now() {
-                                return LossReason::DeadlinePassed;
-                            }
-                        }
-                        changed = vouched.changed() => {
-                            if changed.is_err() {
-                                return LossReason::SessionExpired;
-                            }
-                        }
                     }
                 }
             };
             tokio::select! {
                 biased;
                 () = session.ended.cancelled() => LossReason::SessionExpired,
+                () = lapse.cancelled() => LossReason::DeadlinePassed,
                 reason = node_gone => reason,
-                reason = unvouched => reason,
             }
         })
     }

@@ -1,0 +1,203 @@
+//! The deletion watch on one of our lock nodes, shared by the lease's renewals, its
+//! `watch_lost` future and the waiter that owns the node.
+//!
+//! # Why a watch can stand in for a read of the node
+//!
+//! ZooKeeper sends a client the event of a watch it set *before* the reply to any request of
+//! the same session that the server processes after the change (watch events and replies leave
+//! the server in the order the changes were applied, on the session's one connection), and
+//! zookeeper-client dispatches events and replies from one task in the order they arrive: the
+//! event lands in the watcher's channel before the reply is handed to the caller. So if
+//!
+//! 1. an `exists` with a watch on our node returned our node (same czxid, our session as its
+//!    ephemeral owner): the server had the node and registered the watch when it processed it;
+//! 2. a later request of the session was sent after that `exists` was answered, and answered;
+//! 3. the watcher's channel, polled synchronously after that reply arrived, holds no event;
+//! 4. the connection did not change between sending 1 and receiving 2's reply (no reconnection,
+//!    hence no re-registration of the watch through `SetWatches`, whose re-fired events are not
+//!    ordered among themselves);
+//!
+//! then the node still existed when the server processed request 2 — exactly what an `exists` on
+//! the node sent at the same moment would have told us, without sending it. Node paths are never
+//! reused (the name carries a fresh uuid and a sequence number), so "exists" cannot mean "was
+//! recreated". When any of 1–4 does not hold, the caller falls back to an `exists` on the node
+//! (which re-arms the watch).
+
+use std::{
+    future::Future,
+    pin::Pin,
+    sync::{Mutex, PoisonError},
+    task::{Context, Poll, Waker},
+};
+
+use futures::FutureExt;
+use lock_core::LossReason;
+use zookeeper_client as zk;
+
+type EventFuture = Pin<Box<dyn Future<Output = zk::WatchedEvent> + Send>>;
+
+/// The watch on one of our nodes (see the module documentation).
+pub(crate) struct NodeWatch {
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    /// The armed watch, if any.
+    armed: Option<Armed>,
+    /// Set once the node is known to be gone (deleted, or the session ended): final.
+    lost: Option<LossReason>,
+    /// Bumped whenever a watch is installed or consumed, so a caller can tell that the watch it
+    /// checked before a request is the one it checks after.
+    generation: u64,
+    /// The task waiting in [`NodeWatch::poll_changed`], woken when the state changes.
+    waiter: Option<Waker>,
+}
+
+struct Armed {
+    event: EventFuture,
+    /// The session's state as of just before the arming request was sent: any change since
+    /// (a disconnection, a reconnection) makes the watch unreliable for ordering arguments.
+    states: zk::StateWatcher,
+    /// A change of `states` was seen.
+    reconnected: bool,
+}
+
+/// What a synchronous look at the watch says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Check {
+    /// Armed on the node, no event received, no reconnection since it was armed: the node
+    /// existed when the server processed any request whose reply has arrived (conditions 1, 3
+    /// and 4 of the module documentation). The number identifies the armed watch.
+    Reliable(u64),
+    /// No usable watch: read the node instead.
+    Unreliable,
+    /// The node is gone (deleted from outside or by our release), or the session ended.
+    Lost(LossReason),
+}
+
+/// What [`NodeWatch::poll_changed`] wakes its waiter for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Change {
+    /// No watch is armed (never armed, or the last one fired for a data change): arm one.
+    Unarmed,
+    /// The node is gone, or the session ended.
+    Lost(LossReason),
+}
+
+impl NodeWatch {
+    pub(crate) fn new() -> Self {
+        Self {
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Looks at the watch now, without waiting: consumes an event already delivered to the
+    /// watcher's channel.
+    pub(crate) fn check(&self) -> Check {
+        let mut guard = self.state();
+        let state = &mut *guard;
+        state.poll(None);
+        if let Some(reason) = state.lost {
+            return Check::Lost(reason);
+        }
+        match &mut state.armed {
+            Some(armed) if !armed.reconnected => {
+                if armed.states.changed().now_or_never().is_some() {
+                    armed.reconnected = true;
+                    Check::Unreliable
+                } else {
+                    Check::Reliable(state.generation)
+                }
+            }
+            _ => Check::Unreliable,
+        }
+    }
+
+    /// Installs a watch set by an `exists` that found our node. `states` must have been taken
+    /// (`Client::state_watcher`) before that request was sent.
+    pub(crate) fn install(&self, watcher: zk::OneshotWatcher, states: zk::StateWatcher) {
+        let mut state = self.state();
+        if state.lost.is_some() {
+            return;
+        }
+        // Replacing an older watch drops it, which only unregisters that watcher locally.
+        state.armed = Some(Armed {
+            event: Box::pin(watcher.changed()),
+            states,
+            reconnected: false,
+        });
+        state.generation += 1;
+        state.wake();
+    }
+
+    /// Records that the node is gone (a read found it missing or replaced, or we deleted it).
+    pub(crate) fn set_lost(&self, reason: LossReason) {
+        let mut state = self.state();
+        if state.lost.is_none() {
+            state.lost = Some(reason);
+        }
+        state.armed = None;
+        state.generation += 1;
+        state.wake();
+    }
+
+    /// Ready when the watch needs arming or the node is gone; registers `cx` to be woken then.
+    pub(crate) fn poll_changed(&self, cx: &mut Context<'_>) -> Poll<Change> {
+        let mut state = self.state();
+        state.poll(Some(cx));
+        if let Some(reason) = state.lost {
+            return Poll::Ready(Change::Lost(reason));
+        }
+        if state.armed.is_none() {
+            return Poll::Ready(Change::Unarmed);
+        }
+        Poll::Pending
+    }
+}
+
+impl State {
+    /// Polls the armed watch's event, with the waiter's waker so the waiter stays registered
+    /// however the poll was triggered, and records what fired.
+    fn poll(&mut self, cx: Option<&mut Context<'_>>) {
+        let by_waiter = cx.is_some();
+        if let Some(cx) = cx
+            && !self
+                .waiter
+                .as_ref()
+                .is_some_and(|w| w.will_wake(cx.waker()))
+        {
+            self.waiter = Some(cx.waker().clone());
+        }
+        let Some(armed) = &mut self.armed else {
+            return;
+        };
+        let waker = self.waiter.as_ref().unwrap_or(Waker::noop());
+        let Poll::Ready(event) = armed.event.as_mut().poll(&mut Context::from_waker(waker)) else {
+            return;
+        };
+        self.armed = None;
+        self.generation += 1;
+        match event.event_type {
+            zk::EventType::NodeDeleted => self.lost = Some(LossReason::Revoked),
+            zk::EventType::Session if event.session_state.is_terminated() => {
+                self.lost = Some(LossReason::SessionExpired);
+            }
+            // A data change consumed the watch; the node is still there (for now): re-arm.
+            _ => {}
+        }
+        if !by_waiter {
+            self.wake();
+        }
+    }
+
+    fn wake(&self) {
+        if let Some(waker) = &self.waiter {
+            waker.wake_by_ref();
+        }
+    }
+}
