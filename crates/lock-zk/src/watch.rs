@@ -26,11 +26,14 @@
 use std::{
     future::Future,
     pin::Pin,
-    sync::{Mutex, PoisonError},
+    sync::{Arc, Mutex, PoisonError},
     task::{Context, Poll, Waker},
 };
 
-use futures::FutureExt;
+use futures::{
+    FutureExt,
+    task::{ArcWake, waker_ref},
+};
 use lock_core::LossReason;
 use zookeeper_client as zk;
 
@@ -50,8 +53,33 @@ struct State {
     /// Bumped whenever a watch is installed or consumed, so a caller can tell that the watch it
     /// checked before a request is the one it checks after.
     generation: u64,
-    /// The task waiting in [`NodeWatch::poll_changed`], woken when the state changes.
-    waiter: Option<Waker>,
+    /// The tasks waiting in [`NodeWatch::poll_changed`] (a lease's `watch_lost` futures, a
+    /// waiter), all woken when the state changes.
+    waiters: Arc<Wakers>,
+}
+
+/// Every registered waker; the armed event is polled with a waker that wakes them all, so no
+/// waiting task depends on another one still being polled.
+#[derive(Default)]
+struct Wakers(Mutex<Vec<Waker>>);
+
+impl Wakers {
+    fn register(&self, waker: &Waker) {
+        let mut wakers = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if !wakers.iter().any(|w| w.will_wake(waker)) {
+            wakers.push(waker.clone());
+        }
+    }
+}
+
+impl ArcWake for Wakers {
+    fn wake_by_ref(arc_self: &Arc<Self>) {
+        let wakers =
+            std::mem::take(&mut *arc_self.0.lock().unwrap_or_else(PoisonError::into_inner));
+        for waker in wakers {
+            waker.wake();
+        }
+    }
 }
 
 struct Armed {
@@ -161,23 +189,17 @@ impl NodeWatch {
 }
 
 impl State {
-    /// Polls the armed watch's event, with the waiter's waker so the waiter stays registered
-    /// however the poll was triggered, and records what fired.
+    /// Polls the armed watch's event with a waker that wakes every registered waiter (so they
+    /// stay registered however the poll was triggered), and records what fired.
     fn poll(&mut self, cx: Option<&mut Context<'_>>) {
-        let by_waiter = cx.is_some();
-        if let Some(cx) = cx
-            && !self
-                .waiter
-                .as_ref()
-                .is_some_and(|w| w.will_wake(cx.waker()))
-        {
-            self.waiter = Some(cx.waker().clone());
+        if let Some(cx) = cx {
+            self.waiters.register(cx.waker());
         }
         let Some(armed) = &mut self.armed else {
             return;
         };
-        let waker = self.waiter.as_ref().unwrap_or(Waker::noop());
-        let Poll::Ready(event) = armed.event.as_mut().poll(&mut Context::from_waker(waker)) else {
+        let waker = waker_ref(&self.waiters);
+        let Poll::Ready(event) = armed.event.as_mut().poll(&mut Context::from_waker(&waker)) else {
             return;
         };
         self.armed = None;
@@ -190,14 +212,11 @@ impl State {
             // A data change consumed the watch; the node is still there (for now): re-arm.
             _ => {}
         }
-        if !by_waiter {
-            self.wake();
-        }
+        // Every waiter looks again (the one polling now gets a harmless spurious wake-up).
+        self.wake();
     }
 
     fn wake(&self) {
-        if let Some(waker) = &self.waiter {
-            waker.wake_by_ref();
-        }
+        ArcWake::wake_by_ref(&self.waiters);
     }
 }

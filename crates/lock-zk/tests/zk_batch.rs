@@ -390,3 +390,26 @@ async fn waiters_that_give_up_in_the_middle_do_not_let_their_successors_jump_the
     let expected: Vec<usize> = (0..W).filter(|i| !gave_up.contains(i)).collect();
     assert_eq!(*order.lock().unwrap(), expected);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_watch_lost_future_of_a_lease_fires_when_its_node_is_deleted() {
+    let Some(config) = config() else { return };
+    let raw = raw_client(&config).await;
+    let a = ZkLock::connect(config.clone()).await.unwrap();
+    let key = plain_key();
+    let lease = a.try_acquire(&key, SESSION).await.unwrap().unwrap();
+    // Three independent watchers of one lease, each polled by its own task.
+    let watchers: Vec<_> = (0..3).map(|_| tokio::spawn(a.watch_lost(&lease))).collect();
+    // Let every watcher register (and arm the node watch) before the deletion.
+    sleep(Duration::from_millis(200)).await;
+    let dir = format!("{ROOT}/{key}");
+    let node = children(&raw, &dir).await.remove(0);
+    raw.delete(&format!("{dir}/{node}"), None).await.unwrap();
+    for w in watchers {
+        let reason = timeout(SLACK, w)
+            .await
+            .expect("a watch_lost future was never woken")
+            .unwrap();
+        assert_eq!(reason, LossReason::Revoked);
+    }
+}
