@@ -6,6 +6,7 @@ mod error;
 mod keys;
 mod lock;
 mod session;
+mod watch;
 
 pub use config::{EtcdLockConfig, EtcdTlsConfig};
 pub use lock::{EtcdLock, EtcdRequestCounts};

@@ -25,6 +25,7 @@ use crate::{
     error::{self, BACKEND, Failure, RequestError, protocol},
     keys,
     session::{Counters, Grant, KeepAliveError, Session, lock},
+    watch::{Outcome, WatchMux},
 };
 
 /// The longest lease TTL etcd accepts (`MaxLeaseTTL`, 9,000,000,000 s).
@@ -60,6 +61,8 @@ struct Inner {
     sessions: Mutex<Vec<Arc<Session>>>,
     /// Serializes lease grants (see `session_for`).
     granting: tokio::sync::Mutex<()>,
+    /// The deletion watches of held locks, on one stream.
+    watches: WatchMux,
     counters: Arc<Counters>,
 }
 
@@ -330,6 +333,7 @@ impl EtcdLock {
             ttl_granularity: Duration::from_secs(1),
             ..Default::default()
         };
+        let watches = WatchMux::new(client.clone(), counters.clone());
         Ok(Self {
             inner: Arc::new_cyclic(|me| Inner {
                 me: me.clone(),
@@ -338,6 +342,7 @@ impl EtcdLock {
                 caps,
                 sessions: Mutex::new(Vec::new()),
                 granting: tokio::sync::Mutex::new(()),
+                watches,
                 counters,
             }),
         })
@@ -1113,67 +1118,47 @@ impl DistributedLock for EtcdLock {
         let Some(held) = lease.backend_state::<Arc<Held>>().cloned() else {
             return Box::pin(std::future::pending());
         };
-        let client = self.inner.client.clone();
-        let counters = self.inner.counters.clone();
-        let timeout = self.inner.timeout();
+        let inner = self.inner.clone();
         Box::pin(async move {
             tokio::select! {
                 biased;
                 () = held.stop.cancelled() => std::future::pending().await,
-                reason = watch_entry(&client, &counters, timeout, &held) => reason,
+                reason = watch_entry(&inner, &held) => reason,
             }
         })
     }
 }
 
 /// Completes when `held`'s entry is deleted (lease expired or revoked, key deleted).
-async fn watch_entry(
-    client: &Client,
-    counters: &Counters,
-    timeout: Duration,
-    held: &Held,
-) -> LossReason {
+async fn watch_entry(inner: &Inner, held: &Held) -> LossReason {
     let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
     let mut from = held.rev + 1;
     loop {
         let lost = async {
-            Counters::bump(&counters.watch);
-            let opts = WatchOptions::new()
-                .with_start_revision(from)
-                .with_filters([WatchFilterType::NoPut]);
-            let mut stream = match error::request(
-                timeout,
-                client.watch_client().watch(held.key.clone(), Some(opts)),
-            )
-            .await
-            {
-                Ok(s) => s,
-                Err(_) => return false,
-            };
-            loop {
-                match stream.message().await {
-                    Ok(Some(resp)) if !resp.events().is_empty() => return true,
-                    Ok(Some(resp)) if resp.canceled() => {
-                        // Compacted past our revision: look at the key itself.
-                        Counters::bump(&counters.range);
-                        let Ok(now) =
-                            error::request(timeout, client.kv_client().get(held.key.clone(), None))
-                                .await
-                        else {
-                            return false;
-                        };
-                        if now
-                            .kvs()
-                            .first()
-                            .is_none_or(|kv| kv.create_revision() != held.rev)
-                        {
-                            return true;
-                        }
-                        from = now.header().map_or(from, |h| h.revision() + 1);
+            let mut watch = inner.watches.watch_delete(held.key.clone(), from);
+            match watch.ended().await {
+                Outcome::Deleted => true,
+                Outcome::Broken => false,
+                Outcome::Canceled => {
+                    // Compacted past our revision: look at the key itself.
+                    Counters::bump(&inner.counters.range);
+                    let Ok(now) = error::request(
+                        inner.timeout(),
+                        inner.client.kv_client().get(held.key.clone(), None),
+                    )
+                    .await
+                    else {
                         return false;
+                    };
+                    if now
+                        .kvs()
+                        .first()
+                        .is_none_or(|kv| kv.create_revision() != held.rev)
+                    {
+                        return true;
                     }
-                    Ok(Some(_)) => backoff.reset(),
-                    Ok(None) | Err(_) => return false,
+                    from = now.header().map_or(from, |h| h.revision() + 1);
+                    false
                 }
             }
         };

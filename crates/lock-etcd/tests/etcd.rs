@@ -585,3 +585,45 @@ fn a_waiter_further_back_whose_key_is_deleted_never_returns_ok() {
         result.expect_err("a waiter whose queue entry is gone must not get the lock");
     });
 }
+
+#[test]
+fn held_locks_share_one_watch_stream_and_each_deletion_reaches_only_its_guard() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let a = env.client().await;
+        let ttl = Duration::from_secs(10);
+        let keys: Vec<LockKey> = (0..40).map(|i| fresh(&format!("watched{i}"))).collect();
+        let mut guards = Vec::new();
+        for k in &keys {
+            guards.push(a.lock(k).ttl(ttl).try_acquire().await.unwrap().unwrap());
+        }
+        // Half of them go at once: their watches are forgotten, some while still being created.
+        let kept = guards.split_off(20);
+        for g in guards {
+            assert!(g.release().await.unwrap());
+        }
+        // Two of the rest are deleted from outside: exactly those two are lost.
+        for victim in [3, 17] {
+            env.admin
+                .kv_client()
+                .delete(
+                    EtcdLock::entry_key(kept[victim].granted_lease()).unwrap(),
+                    None,
+                )
+                .await
+                .unwrap();
+        }
+        for victim in [3, 17] {
+            timeout(SLACK, kept[victim].lost())
+                .await
+                .expect("the deleted lock's guard must be told");
+        }
+        sleep(Duration::from_millis(300)).await;
+        for (i, g) in kept.iter().enumerate() {
+            assert_eq!(g.is_lost(), i == 3 || i == 17, "guard {i}");
+        }
+        for (i, g) in kept.into_iter().enumerate() {
+            assert_eq!(g.release().await.unwrap(), i != 3 && i != 17, "guard {i}");
+        }
+    });
+}
