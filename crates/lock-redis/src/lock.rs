@@ -3,8 +3,8 @@
 use std::{fmt, future::Future, sync::Arc, time::Duration};
 
 use lock_core::{
-    AcquireWait, Backoff, Capabilities, DistributedLock, Error, FencingGuarantee, FencingToken,
-    HolderInfo, Lease, LockKey, OwnershipToken, Result, TokenDigest, async_trait,
+    AcquireWait, Backoff, Batcher, Capabilities, DistributedLock, Error, FencingGuarantee,
+    FencingToken, HolderInfo, Lease, LockKey, OwnershipToken, Result, TokenDigest, async_trait,
 };
 use redis::{
     ConnectionAddr, ErrorKind, IntoConnectionInfo, ProtocolVersion, RedisConnectionInfo,
@@ -34,6 +34,23 @@ struct Inner {
     conn: ConnectionManager,
     scripts: Scripts,
     wakeups: Arc<Registry>,
+    /// Renewals submitted together (the watchdogs of one process renew on a shared grid) go
+    /// out together: one script call per [`RENEW_CHUNK`] locks.
+    renewals: Batcher<RenewItem, Result<bool, Failure>>,
+}
+
+/// At most this many renewals are handed to one run of the batch function (its chunks are
+/// sent concurrently on the multiplexed connection).
+const RENEW_BATCH: usize = 16 * RENEW_CHUNK;
+/// At most this many keys per renew script call, so that one call keeps the server busy for
+/// well under a millisecond and other clients' commands interleave between chunks.
+const RENEW_CHUNK: usize = 500;
+
+/// One lock's part in a batched renewal.
+struct RenewItem {
+    lock: Vec<u8>,
+    prefix: String,
+    ttl_ms: u64,
 }
 
 /// What one acquisition attempt found.
@@ -44,6 +61,7 @@ enum Attempt {
 }
 
 /// How a failed request ended, as far as the lock is concerned.
+#[derive(Clone)]
 enum Failure {
     /// Nothing reached the server (connection refused, server loading, …).
     NotSent(RedisError),
@@ -158,6 +176,7 @@ impl RedisLock {
                 conn,
                 scripts: Scripts::new(),
                 wakeups,
+                renewals: Batcher::new(RENEW_BATCH),
             }),
         })
     }
@@ -303,6 +322,59 @@ async fn release_by_prefix(inner: &Inner, names: &KeyNames, prefix: &str) -> Res
         Ok(Err(e)) => Err(classify(e)),
         Err(_) => Err(Failure::Unknown(format!("no reply within {budget:?}"))),
     }
+}
+
+/// Renews a batch: one script call per [`RENEW_CHUNK`] locks, all sent at once. Every item of
+/// a failed call gets that call's failure; the other chunks are unaffected.
+async fn renew_batch(inner: Arc<Inner>, mut items: Vec<RenewItem>) -> Vec<Result<bool, Failure>> {
+    if items.len() <= RENEW_CHUNK {
+        return renew_chunk(&inner, &items).await;
+    }
+    // Several chunks: each in its own task so that they are in flight together.
+    let mut chunks = Vec::new();
+    while !items.is_empty() {
+        let rest = items.split_off(items.len().min(RENEW_CHUNK));
+        let chunk = std::mem::replace(&mut items, rest);
+        let len = chunk.len();
+        let inner = inner.clone();
+        let task = tokio::spawn(async move { renew_chunk(&inner, &chunk).await });
+        chunks.push((len, task));
+    }
+    let mut answers = Vec::new();
+    for (len, task) in chunks {
+        match task.await {
+            Ok(chunk_answers) => answers.extend(chunk_answers),
+            // The chunk's task died (runtime shutdown): its request may have been sent.
+            Err(e) => answers.extend(vec![Err(Failure::Unknown(e.to_string())); len]),
+        }
+    }
+    answers
+}
+
+async fn renew_chunk(inner: &Inner, chunk: &[RenewItem]) -> Vec<Result<bool, Failure>> {
+    let mut invocation = inner.scripts.renew.prepare_invoke();
+    for item in chunk {
+        invocation.key(&item.lock);
+    }
+    for item in chunk {
+        invocation.arg(&item.prefix).arg(item.ttl_ms);
+    }
+    let budget = inner.config.request_budget();
+    let mut conn = inner.conn.clone();
+    let failure = match timeout(budget, invocation.invoke_async::<Vec<i64>>(&mut conn)).await {
+        Ok(Ok(replies)) if replies.len() == chunk.len() => {
+            return replies.into_iter().map(|n| Ok(n == 1)).collect();
+        }
+        // Cannot happen with our script; whatever it did, the renewals are not confirmed.
+        Ok(Ok(replies)) => Failure::Unknown(format!(
+            "the renew script answered {} values for {} locks",
+            replies.len(),
+            chunk.len()
+        )),
+        Ok(Err(e)) => classify(e),
+        Err(_) => Failure::Unknown(format!("no reply within {budget:?}")),
+    };
+    vec![Err(failure); chunk.len()]
 }
 
 /// Background compare-and-delete. With `once`, stops after the first answered request (the
@@ -525,28 +597,38 @@ impl DistributedLock for RedisLock {
         }
     }
 
+    /// Renewals are batched: while one batch is in flight, the renewals that arrive are queued
+    /// and go out together in the next (a lone renewal is sent at once).
     async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
         self.capabilities().check_ttl(ttl)?;
-        let names = self.names(lease.key());
-        let prefix = owner_prefix(lease.token());
+        let item = RenewItem {
+            lock: self.names(lease.key()).lock,
+            prefix: owner_prefix(lease.token()),
+            ttl_ms: ttl_millis(ttl),
+        };
+        // Taken before queueing: time spent waiting for an earlier batch only makes the new
+        // local deadline earlier (conservative).
         let sent_at = Instant::now();
-        let reply = self
-            .run(
-                self.inner
-                    .scripts
-                    .renew
-                    .key(&names.lock)
-                    .arg(&prefix)
-                    .arg(ttl_millis(ttl))
-                    .invoke_async::<i64>(&mut self.inner.conn.clone()),
-            )
-            .await
-            .map_err(|f| Self::map_failure("renew", lease.key(), f))?;
-        if reply == 1 {
-            lease.renewed(ttl, sent_at);
-            Ok(())
-        } else {
-            Err(Error::not_held(lease.key()))
+        let inner = self.inner.clone();
+        let answer = self
+            .inner
+            .renewals
+            .submit(item, move |items| renew_batch(inner.clone(), items))
+            .await;
+        match answer {
+            Some(Ok(true)) => {
+                lease.renewed(ttl, sent_at);
+                Ok(())
+            }
+            Some(Ok(false)) => Err(Error::not_held(lease.key())),
+            Some(Err(failure)) => Err(Self::map_failure("renew", lease.key(), failure)),
+            // The batch task died (runtime shutdown): the request may have been sent.
+            None => Err(Error::Indeterminate {
+                backend: BACKEND,
+                op: "renew",
+                key: lease.key().as_str().to_owned(),
+                message: "the renewal batch ended without an answer".to_owned(),
+            }),
         }
     }
 

@@ -23,13 +23,22 @@ end
 return {0, redis.call('PTTL', KEYS[1])}
 ";
 
-/// KEYS: lock. ARGV: owner prefix, ttl in ms. Returns 1 when extended, 0 when not ours.
+/// KEYS: the locks to renew. ARGV: for each key in order, its owner prefix and its ttl in ms.
+/// Returns one value per key: 1 when extended, 0 when not ours (missing, another owner's value,
+/// not a string). One call renews a whole batch of a client's locks; the driver caps the number
+/// of keys per call so that one script never keeps the server busy for long.
 const RENEW: &str = r"
-local value = redis.pcall('GET', KEYS[1])
-if type(value) == 'string' and string.sub(value, 1, #ARGV[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local out = {}
+for i = 1, #KEYS do
+  local prefix = ARGV[2 * i - 1]
+  local value = redis.pcall('GET', KEYS[i])
+  if type(value) == 'string' and string.sub(value, 1, #prefix) == prefix then
+    out[i] = redis.call('PEXPIRE', KEYS[i], ARGV[2 * i])
+  else
+    out[i] = 0
+  end
 end
-return 0
+return out
 ";
 
 /// KEYS: lock. ARGV: owner prefix, channel. Returns 1 when deleted (and waiters were told),

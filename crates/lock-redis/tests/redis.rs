@@ -492,3 +492,175 @@ async fn an_unreachable_server_is_unavailable_and_fails_fast() {
         Err(Error::Unavailable { .. })
     ));
 }
+
+/// Polls all `futures` in one task, in order, until every one is done: the first poll of each
+/// happens before any of them can complete, so their requests are submitted together.
+async fn join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
+    let mut futures: Vec<_> = futures.into_iter().map(Box::pin).collect();
+    let mut outputs: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (future, output) in futures.iter_mut().zip(outputs.iter_mut()) {
+            if output.is_none() {
+                match future.as_mut().poll(cx) {
+                    std::task::Poll::Ready(value) => *output = Some(value),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    outputs.into_iter().map(Option::unwrap).collect()
+}
+
+/// `calls` of `cmdstat_<command>` in `INFO commandstats` (0 when the command never ran).
+async fn command_calls(admin: &mut MultiplexedConnection, command: &str) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(admin)
+        .await
+        .unwrap();
+    let prefix = format!("cmdstat_{command}:calls=");
+    info.lines()
+        .find_map(|line| line.strip_prefix(&prefix))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_guarded_locks_renew_with_a_few_script_calls_per_tick() {
+    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+        return;
+    }
+    // A private server, so the command counters are ours alone.
+    let server = OwnRedis::start(26394).await;
+    let lock = Arc::new(RedisLock::connect_url(&server.url()).await.unwrap());
+    let mut admin = admin(&server.url()).await;
+    // More locks than one script call takes (500), so a batch is sent in several chunks.
+    const N: usize = 1200;
+    let ttl = Duration::from_secs(3);
+    let mut guards = Vec::with_capacity(N);
+    for i in 0..N {
+        let key = fresh_key(&format!("batch-{i}"));
+        let guard = lock.lock(&key).ttl(ttl).try_acquire().await.unwrap();
+        guards.push(guard.expect("a fresh key is free"));
+    }
+    redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    // Every successful renewal runs one PEXPIRE inside the script; wait for three ticks' worth.
+    let until = Instant::now() + Duration::from_secs(30);
+    while command_calls(&mut admin, "pexpire").await < 3 * N as u64 {
+        assert!(Instant::now() < until, "the watchdogs do not renew");
+        sleep(Duration::from_millis(100)).await;
+    }
+    let scripts = command_calls(&mut admin, "evalsha").await;
+    let renewed = command_calls(&mut admin, "pexpire").await;
+    assert!(
+        scripts * 50 <= renewed,
+        "{scripts} script calls for {renewed} renewals: not batched"
+    );
+    assert!(guards.iter().all(|g| !g.is_lost()));
+    assert!(guards.iter().all(|g| g.renewals() >= 1));
+    for guard in guards {
+        assert!(guard.release().await.unwrap());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_deleted_from_outside_is_not_held_while_the_rest_of_its_batch_renews() {
+    let Some((_, lock, mut admin)) = shared().await else {
+        return;
+    };
+    let ttl = Duration::from_secs(10);
+    let mut leases = Vec::new();
+    for i in 0..20 {
+        let key = fresh_key(&format!("batch-deleted-{i}"));
+        leases.push(lock.try_acquire(&key, ttl).await.unwrap().unwrap());
+    }
+    let deleted = 10;
+    redis::cmd("DEL")
+        .arg(lock.redis_key(leases[deleted].key()))
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    let longer = Duration::from_secs(60);
+    // Submitted together: the first goes alone, the 19 others (the deleted one among them)
+    // share the next batch.
+    let results = join_all(
+        leases
+            .iter_mut()
+            .map(|lease| lock.renew(lease, longer))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    for (i, result) in results.into_iter().enumerate() {
+        if i == deleted {
+            assert!(matches!(result, Err(Error::NotHeld { .. })), "{result:?}");
+        } else {
+            result.unwrap();
+        }
+    }
+    for (i, lease) in leases.iter().enumerate() {
+        let pttl: i64 = redis::cmd("PTTL")
+            .arg(lock.redis_key(lease.key()))
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        if i == deleted {
+            assert_eq!(pttl, -2, "the deleted lock must stay deleted");
+        } else {
+            assert!(
+                pttl > ttl.as_millis() as i64,
+                "lock {i} not renewed: {pttl}"
+            );
+            assert_eq!(lease.ttl(), longer);
+            assert!(lock.release(lease).await.unwrap());
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_renewal_of_a_batch_without_reply_is_indeterminate() {
+    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+        return;
+    }
+    let server = OwnRedis::start(26395).await;
+    let url = format!(
+        "{}?response_timeout=200ms&reconnect_retries=0",
+        server.url()
+    );
+    let lock = Arc::new(RedisLock::connect_url(&url).await.unwrap());
+    let mut leases = Vec::new();
+    for i in 0..5 {
+        let key = fresh_key(&format!("batch-unknown-{i}"));
+        leases.push(lock.try_acquire(&key, LONG).await.unwrap().unwrap());
+    }
+    let deadlines: Vec<_> = leases.iter().map(|l| l.local_deadline()).collect();
+    server.signal("STOP");
+    let results = join_all(
+        leases
+            .iter_mut()
+            .map(|lease| lock.renew(lease, LONG))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    server.signal("CONT");
+    for result in results {
+        assert!(
+            matches!(result, Err(Error::Indeterminate { .. })),
+            "{result:?}"
+        );
+    }
+    // An unconfirmed renewal never moves the local deadline.
+    for (lease, before) in leases.iter().zip(deadlines) {
+        assert_eq!(lease.local_deadline(), before);
+    }
+}
