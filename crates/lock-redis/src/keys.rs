@@ -20,12 +20,12 @@ use lock_core::LockKey;
 
 const SEP: u8 = 0x1f;
 
-/// The Redis names of one lock.
+/// The Redis names of one lock: the lock key, and the fence counter and release channel
+/// derived from it on demand (each request needs only some of them).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct KeyNames {
     pub(crate) lock: Vec<u8>,
-    pub(crate) fence: Vec<u8>,
-    pub(crate) channel: Vec<u8>,
+    db: i64,
 }
 
 impl KeyNames {
@@ -33,15 +33,22 @@ impl KeyNames {
         let mut lock = Vec::with_capacity(namespace.len() + key.as_str().len());
         lock.extend_from_slice(namespace.as_bytes());
         lock.extend_from_slice(key.as_str().as_bytes());
-        let fence = fence_key(&lock);
-        let mut channel = lock.clone();
+        Self { lock, db }
+    }
+
+    /// The fence counter key.
+    pub(crate) fn fence(&self) -> Vec<u8> {
+        fence_key(&self.lock)
+    }
+
+    /// The release channel.
+    pub(crate) fn channel(&self) -> Vec<u8> {
+        let mut channel = Vec::with_capacity(self.lock.len() + 16);
+        channel.extend_from_slice(&self.lock);
         channel.push(SEP);
-        channel.extend_from_slice(format!("released:{db}").as_bytes());
-        Self {
-            lock,
-            fence,
-            channel,
-        }
+        channel.extend_from_slice(b"released:");
+        channel.extend_from_slice(self.db.to_string().as_bytes());
+        channel
     }
 }
 
@@ -186,7 +193,7 @@ mod tests {
         assert_eq!(names("distlock:", "orders").lock, b"distlock:orders");
         assert_eq!(names("", "a b").lock, b"a b");
         assert_eq!(
-            names("distlock:", "orders").fence,
+            names("distlock:", "orders").fence(),
             b"{distlock:orders}\x1ffence"
         );
     }
@@ -197,12 +204,12 @@ mod tests {
             let mut seen = HashSet::new();
             for key in TRICKY {
                 let n = names(ns, key);
-                assert_eq!(key_slot(&n.fence), key_slot(&n.lock), "{ns:?} {key:?}");
-                assert!(n.fence.contains(&SEP), "{ns:?} {key:?}");
+                assert_eq!(key_slot(&n.fence()), key_slot(&n.lock), "{ns:?} {key:?}");
+                assert!(n.fence().contains(&SEP), "{ns:?} {key:?}");
                 assert!(!n.lock.contains(&SEP));
                 assert!(seen.insert(n.lock.clone()), "lock {ns:?} {key:?}");
-                assert!(seen.insert(n.fence.clone()), "fence {ns:?} {key:?}");
-                assert!(seen.insert(n.channel.clone()), "channel {ns:?} {key:?}");
+                assert!(seen.insert(n.fence().clone()), "fence {ns:?} {key:?}");
+                assert!(seen.insert(n.channel()), "channel {ns:?} {key:?}");
             }
         }
     }
@@ -227,7 +234,7 @@ mod tests {
                 .map(|_| alphabet[rand::random_range(0..alphabet.len())])
                 .collect();
             let n = names("", &key);
-            assert_eq!(key_slot(&n.fence), key_slot(&n.lock), "{key:?}");
+            assert_eq!(key_slot(&n.fence()), key_slot(&n.lock), "{key:?}");
         }
     }
 }
@@ -252,13 +259,13 @@ mod proptests {
         ) {
             let na = KeyNames::new(&ns, &a, 0);
             let nb = KeyNames::new(&ns, &b, 0);
-            prop_assert_eq!(key_slot(&na.lock), key_slot(&na.fence));
-            prop_assert_ne!(&na.lock, &nb.fence);
-            prop_assert_ne!(&na.fence, &na.lock);
+            prop_assert_eq!(key_slot(&na.lock), key_slot(&na.fence()));
+            prop_assert_ne!(&na.lock, &nb.fence());
+            prop_assert_ne!(&na.fence(), &na.lock);
             if a != b {
                 prop_assert_ne!(&na.lock, &nb.lock);
-                prop_assert_ne!(&na.fence, &nb.fence);
-                prop_assert_ne!(&na.channel, &nb.channel);
+                prop_assert_ne!(&na.fence(), &nb.fence());
+                prop_assert_ne!(&na.channel(), &nb.channel());
             }
         }
     }

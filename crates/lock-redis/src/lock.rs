@@ -195,8 +195,9 @@ impl RedisLock {
         KeyNames::new(&self.inner.config.namespace, key, self.inner.config.db)
     }
 
-    /// One acquisition attempt.
-    async fn attempt(&self, key: &LockKey, ttl: Duration) -> Result<Attempt> {
+    /// One acquisition attempt. `waiting`: the caller waits for a release when the lock is
+    /// held, so the holder's value is marked for the release to publish.
+    async fn attempt(&self, key: &LockKey, ttl: Duration, waiting: bool) -> Result<Attempt> {
         let names = self.names(key);
         let token = OwnershipToken::generate();
         let prefix = owner_prefix(&token);
@@ -215,9 +216,10 @@ impl RedisLock {
                     .scripts
                     .acquire
                     .key(&names.lock)
-                    .key(&names.fence)
+                    .key(names.fence())
                     .arg(&prefix)
                     .arg(ttl_millis(ttl))
+                    .arg(if waiting { "1" } else { "0" })
                     .invoke_async::<(i64, i64)>(&mut self.inner.conn.clone()),
             )
             .await;
@@ -315,7 +317,7 @@ impl RedisLock {
 async fn release_by_prefix(inner: &Inner, names: &KeyNames, prefix: &str) -> Result<bool, Failure> {
     let budget = inner.config.request_budget();
     let mut invocation = inner.scripts.release.key(&names.lock);
-    invocation.arg(prefix).arg(&names.channel);
+    invocation.arg(prefix).arg(names.channel());
     let mut conn = inner.conn.clone();
     match timeout(budget, invocation.invoke_async::<i64>(&mut conn)).await {
         Ok(Ok(n)) => Ok(n == 1),
@@ -497,9 +499,11 @@ fn classify(e: RedisError) -> Failure {
     }
 }
 
-/// Parses a stored value `<32 hex>:<fence>` written by this driver.
+/// Parses a stored value `<32 hex>:<fence>` written by this driver (with the suffix `:w` once
+/// a waiter marked it).
 fn parse_owner(value: &[u8]) -> Option<(OwnershipToken, FencingToken)> {
     let value = std::str::from_utf8(value).ok()?;
+    let value = value.strip_suffix(":w").unwrap_or(value);
     let (hex, fence) = value.split_once(':')?;
     let token = OwnershipToken::from_hex(hex).ok()?;
     if hex.bytes().any(|b| b.is_ascii_uppercase()) {
@@ -532,7 +536,7 @@ impl DistributedLock for RedisLock {
     /// Dropping the future mid-request removes a possible grant in the background.
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
         self.capabilities().check_ttl(ttl)?;
-        match self.attempt(key, ttl).await? {
+        match self.attempt(key, ttl, false).await? {
             Attempt::Granted(lease) => Ok(Some(lease)),
             Attempt::Held(_) => Ok(None),
         }
@@ -551,7 +555,7 @@ impl DistributedLock for RedisLock {
         let mut watch = None;
         let mut subscribed_once = false;
         loop {
-            let holder_ttl = match self.attempt(key, ttl).await {
+            let holder_ttl = match self.attempt(key, ttl, true).await {
                 Ok(Attempt::Granted(lease)) => return Ok(lease),
                 Ok(Attempt::Held(holder_ttl)) => holder_ttl,
                 Err(e) => {
@@ -561,7 +565,7 @@ impl DistributedLock for RedisLock {
             };
             if !subscribed_once {
                 subscribed_once = true;
-                let channel = self.names(key).channel;
+                let channel = self.names(key).channel();
                 match timeout_at(
                     deadline,
                     self.inner.wakeups.watch(&self.inner.conn, &channel),
@@ -647,7 +651,7 @@ impl DistributedLock for RedisLock {
                     .scripts
                     .inspect
                     .key(&names.lock)
-                    .key(&names.fence)
+                    .key(names.fence())
                     .invoke_async::<Option<(Vec<u8>, i64, Vec<u8>)>>(&mut self.inner.conn.clone()),
             )
             .await
@@ -683,7 +687,7 @@ impl DistributedLock for RedisLock {
                     .scripts
                     .force_release
                     .key(&names.lock)
-                    .arg(&names.channel)
+                    .arg(names.channel())
                     .invoke_async::<i64>(&mut self.inner.conn.clone()),
             )
             .await
@@ -721,6 +725,8 @@ mod tests {
         let t = OwnershipToken::generate();
         let value = format!("{}7", owner_prefix(&t));
         assert_eq!(parse_owner(value.as_bytes()), Some((t, FencingToken(7))));
+        let marked = format!("{}7:w", owner_prefix(&t));
+        assert_eq!(parse_owner(marked.as_bytes()), Some((t, FencingToken(7))));
         assert_eq!(parse_owner(t.expose_hex().as_bytes()), None);
         assert_eq!(parse_owner(b"some-other-client"), None);
         assert_eq!(

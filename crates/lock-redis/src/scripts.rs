@@ -4,21 +4,32 @@
 
 use redis::Script;
 
-/// KEYS: lock, fence counter. ARGV: owner prefix (`<token hex>:`), ttl in ms.
+/// KEYS: lock, fence counter. ARGV: owner prefix (`<token hex>:`), ttl in ms, `1` when the
+/// caller will wait for a release (else `0`).
 /// Returns `{1, fence}` when granted, `{0, pttl of the holder}` when held.
 ///
-/// The counter is incremented only for a grant, in the same atomic step, and the grant stores
-/// `<token hex>:<fence>` so `inspect` can tell our holders (and their fence) from other
-/// clients'. An unusable counter (wrong type, overflow) fails the script before anything is
-/// written.
+/// The counter is incremented first, in the same atomic step as the `SET NX` that grants, and
+/// the grant stores `<token hex>:<fence>` so `inspect` can tell our holders (and their fence)
+/// from other clients'. A refused attempt also consumes a number: grants' fences still strictly
+/// increase, with gaps (one command less than checking `EXISTS` first). An unusable counter
+/// (wrong type, overflow) fails the script before anything is written.
+///
+/// A waiter marks the holder's value with the suffix `:w` (only a value in our format, never
+/// another client's), so that the release publishes only when somebody waits.
 const ACQUIRE: &str = r"
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  local fence = redis.pcall('INCR', KEYS[2])
-  if type(fence) == 'table' then
-    return redis.error_reply('distlock fence counter: ' .. tostring(fence.err))
-  end
-  redis.call('SET', KEYS[1], ARGV[1] .. string.format('%d', fence), 'NX', 'PX', ARGV[2])
+local fence = redis.pcall('INCR', KEYS[2])
+if type(fence) == 'table' then
+  return redis.error_reply('distlock fence counter: ' .. tostring(fence.err))
+end
+if redis.call('SET', KEYS[1], ARGV[1] .. string.format('%d', fence), 'NX', 'PX', ARGV[2]) then
   return {1, fence}
+end
+if ARGV[3] == '1' then
+  local value = redis.pcall('GET', KEYS[1])
+  if type(value) == 'string' and string.find(value, '^%x+:%d+$')
+      and string.sub(value, 33, 33) == ':' and not string.find(value, '%u') then
+    redis.call('APPEND', KEYS[1], ':w')
+  end
 end
 return {0, redis.call('PTTL', KEYS[1])}
 ";
@@ -41,13 +52,16 @@ end
 return out
 ";
 
-/// KEYS: lock. ARGV: owner prefix, channel. Returns 1 when deleted (and waiters were told),
-/// 0 when not ours. Never deletes another owner's lock.
+/// KEYS: lock. ARGV: owner prefix, channel. Returns 1 when deleted, 0 when not ours. Never
+/// deletes another owner's lock. Publishes on the release channel only when a waiter marked
+/// the value (`:w`, see [`ACQUIRE`]): without waiters a release costs no `PUBLISH`.
 const RELEASE: &str = r"
 local value = redis.pcall('GET', KEYS[1])
 if type(value) == 'string' and string.sub(value, 1, #ARGV[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  redis.call('PUBLISH', ARGV[2], 'released')
+  if string.sub(value, -2) == ':w' then
+    redis.call('PUBLISH', ARGV[2], 'released')
+  end
   return 1
 end
 return 0

@@ -664,3 +664,56 @@ async fn every_renewal_of_a_batch_without_reply_is_indeterminate() {
         assert_eq!(lease.local_deadline(), before);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_publishes_only_when_a_waiter_marked_the_lock() {
+    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+        return;
+    }
+    let server = OwnRedis::start(26397).await;
+    // No fallback poll within the test: only the published release can wake the waiter.
+    let url = format!("{}?max_poll_interval=60s", server.url());
+    let lock = Arc::new(RedisLock::connect_url(&url).await.unwrap());
+    let mut admin = admin(&server.url()).await;
+    let key = fresh_key("publish");
+    let redis_key = lock.redis_key(&key);
+
+    let lease = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    assert!(lock.release(&lease).await.unwrap());
+    assert_eq!(
+        command_calls(&mut admin, "publish").await,
+        0,
+        "nobody waits"
+    );
+
+    let holder = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    let waiter = {
+        let (lock, key) = (lock.clone(), key.clone());
+        tokio::spawn(async move { lock.acquire(&key, LONG, Instant::now() + LONG).await })
+    };
+    // The waiter marks the holder's value (keeping its format for inspect and its ttl).
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let value = get(&mut admin, redis_key.as_bytes()).await.unwrap();
+        if value.ends_with(b":w") {
+            break;
+        }
+        assert!(Instant::now() < until, "the waiter never marked the lock");
+        sleep(Duration::from_millis(10)).await;
+    }
+    let info = lock.inspect(&key).await.unwrap().unwrap();
+    assert_eq!(info.fencing_token, holder.fencing_token());
+    assert_eq!(info.token_digest, Some(holder.token().digest()));
+    assert!(info.ttl_remaining.unwrap() > Duration::from_secs(20));
+    // Give the waiter time to go to sleep on its subscription.
+    sleep(Duration::from_millis(100)).await;
+    assert!(lock.release(&holder).await.unwrap());
+    let lease = timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter was not woken by the release")
+        .unwrap()
+        .unwrap();
+    assert_eq!(command_calls(&mut admin, "publish").await, 1);
+    assert!(lease.fencing_token() > holder.fencing_token());
+    assert!(lock.release(&lease).await.unwrap());
+}
