@@ -12,7 +12,8 @@
 //!   - otherwise (a `}` but no usable tag): `{<hex>}\x1f<lock key>\x1ffence`, where `<hex>` is
 //!     the smallest hex number whose hash slot equals the lock key's (two separators tell this
 //!     form apart).
-//! * The release channel is `<lock key>\x1freleased:<db>` (channels are global across databases).
+//! * The waiter queue is derived the same way with `waiters` in place of `fence`
+//!   (`{distlock:orders}\x1fwaiters`, `<lock key>\x1ftagged-waiters`, …).
 
 use std::sync::OnceLock;
 
@@ -20,50 +21,47 @@ use lock_core::LockKey;
 
 const SEP: u8 = 0x1f;
 
-/// The Redis names of one lock: the lock key, and the fence counter and release channel
-/// derived from it on demand (each request needs only some of them).
+/// The Redis names of one lock: the lock key, and the fence counter and waiter queue derived
+/// from it on demand (each request needs only some of them).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct KeyNames {
     pub(crate) lock: Vec<u8>,
-    db: i64,
 }
 
 impl KeyNames {
-    pub(crate) fn new(namespace: &str, key: &LockKey, db: i64) -> Self {
+    pub(crate) fn new(namespace: &str, key: &LockKey) -> Self {
         let mut lock = Vec::with_capacity(namespace.len() + key.as_str().len());
         lock.extend_from_slice(namespace.as_bytes());
         lock.extend_from_slice(key.as_str().as_bytes());
-        Self { lock, db }
+        Self { lock }
     }
 
     /// The fence counter key.
     pub(crate) fn fence(&self) -> Vec<u8> {
-        fence_key(&self.lock)
+        derived_key(&self.lock, b"fence")
     }
 
-    /// The release channel.
-    pub(crate) fn channel(&self) -> Vec<u8> {
-        let mut channel = Vec::with_capacity(self.lock.len() + 16);
-        channel.extend_from_slice(&self.lock);
-        channel.push(SEP);
-        channel.extend_from_slice(b"released:");
-        channel.extend_from_slice(self.db.to_string().as_bytes());
-        channel
+    /// The waiter queue: a sorted set of waiting `acquire`s, each scored by the expiry of its
+    /// registration (server time in milliseconds).
+    pub(crate) fn queue(&self) -> Vec<u8> {
+        derived_key(&self.lock, b"waiters")
     }
 }
 
-fn fence_key(lock: &[u8]) -> Vec<u8> {
+/// A key belonging to the lock (`fence`, `waiters`), in the lock key's hash slot.
+fn derived_key(lock: &[u8], name: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(lock.len() + 24);
     if hash_tag(lock).is_some() {
         out.extend_from_slice(lock);
         out.push(SEP);
-        out.extend_from_slice(b"tagged-fence");
+        out.extend_from_slice(b"tagged-");
+        out.extend_from_slice(name);
     } else if !lock.contains(&b'}') {
         out.push(b'{');
         out.extend_from_slice(lock);
         out.push(b'}');
         out.push(SEP);
-        out.extend_from_slice(b"fence");
+        out.extend_from_slice(name);
     } else {
         let tag = slot_tags()
             .get(usize::from(key_slot(lock)))
@@ -75,7 +73,7 @@ fn fence_key(lock: &[u8]) -> Vec<u8> {
         out.push(SEP);
         out.extend_from_slice(lock);
         out.push(SEP);
-        out.extend_from_slice(b"fence");
+        out.extend_from_slice(name);
     }
     out
 }
@@ -163,7 +161,7 @@ mod tests {
     }
 
     fn names(ns: &str, key: &str) -> KeyNames {
-        KeyNames::new(ns, &LockKey::new(key).unwrap(), 0)
+        KeyNames::new(ns, &LockKey::new(key).unwrap())
     }
 
     const TRICKY: &[&str] = &[
@@ -208,8 +206,9 @@ mod tests {
                 assert!(n.fence().contains(&SEP), "{ns:?} {key:?}");
                 assert!(!n.lock.contains(&SEP));
                 assert!(seen.insert(n.lock.clone()), "lock {ns:?} {key:?}");
-                assert!(seen.insert(n.fence().clone()), "fence {ns:?} {key:?}");
-                assert!(seen.insert(n.channel()), "channel {ns:?} {key:?}");
+                assert!(seen.insert(n.fence()), "fence {ns:?} {key:?}");
+                assert_eq!(key_slot(&n.queue()), key_slot(&n.lock), "{ns:?} {key:?}");
+                assert!(seen.insert(n.queue()), "queue {ns:?} {key:?}");
             }
         }
     }
@@ -257,15 +256,17 @@ mod proptests {
         fn distinct_keys_get_distinct_names_and_fences_share_the_slot(
             ns in "[a-z:{}]{0,4}", a in key(), b in key(),
         ) {
-            let na = KeyNames::new(&ns, &a, 0);
-            let nb = KeyNames::new(&ns, &b, 0);
+            let na = KeyNames::new(&ns, &a);
+            let nb = KeyNames::new(&ns, &b);
             prop_assert_eq!(key_slot(&na.lock), key_slot(&na.fence()));
             prop_assert_ne!(&na.lock, &nb.fence());
             prop_assert_ne!(&na.fence(), &na.lock);
+            prop_assert_ne!(&na.queue(), &nb.fence());
+            prop_assert_eq!(key_slot(&na.lock), key_slot(&na.queue()));
             if a != b {
                 prop_assert_ne!(&na.lock, &nb.lock);
                 prop_assert_ne!(&na.fence(), &nb.fence());
-                prop_assert_ne!(&na.channel(), &nb.channel());
+                prop_assert_ne!(&na.queue(), &nb.queue());
             }
         }
     }

@@ -13,7 +13,12 @@ use redis::{
 };
 use tokio::time::{Instant, sleep, sleep_until, timeout, timeout_at};
 
-use crate::{RedisLockConfig, keys::KeyNames, scripts::Scripts, wakeups::Registry};
+use crate::{
+    RedisLockConfig,
+    keys::KeyNames,
+    scripts::Scripts,
+    wakeups::{Registry, WAKE_CHANNEL_PREFIX, Watch},
+};
 
 const BACKEND: &str = "redis";
 
@@ -192,12 +197,12 @@ impl RedisLock {
     }
 
     fn names(&self, key: &LockKey) -> KeyNames {
-        KeyNames::new(&self.inner.config.namespace, key, self.inner.config.db)
+        KeyNames::new(&self.inner.config.namespace, key)
     }
 
-    /// One acquisition attempt. `waiting`: the caller waits for a release when the lock is
-    /// held, so the holder's value is marked for the release to publish.
-    async fn attempt(&self, key: &LockKey, ttl: Duration, waiting: bool) -> Result<Attempt> {
+    /// One acquisition attempt. `waiter`: the member of a waiting `acquire` (subscribed to its
+    /// wake-ups), registered in the lock's waiter queue when the lock is held.
+    async fn attempt(&self, key: &LockKey, ttl: Duration, waiter: Option<&str>) -> Result<Attempt> {
         let names = self.names(key);
         let token = OwnershipToken::generate();
         let prefix = owner_prefix(&token);
@@ -210,18 +215,19 @@ impl RedisLock {
             prefix: prefix.clone(),
             until: sent_at + ttl,
         };
+        let mut invocation = self.inner.scripts.acquire.key(&names.lock);
+        invocation
+            .key(names.fence())
+            .arg(&prefix)
+            .arg(ttl_millis(ttl));
+        if let Some(member) = waiter {
+            invocation
+                .key(names.queue())
+                .arg(member)
+                .arg(ttl_millis(self.registration_lifetime()));
+        }
         let reply = self
-            .run(
-                self.inner
-                    .scripts
-                    .acquire
-                    .key(&names.lock)
-                    .key(names.fence())
-                    .arg(&prefix)
-                    .arg(ttl_millis(ttl))
-                    .arg(if waiting { "1" } else { "0" })
-                    .invoke_async::<(i64, i64)>(&mut self.inner.conn.clone()),
-            )
+            .run(invocation.invoke_async::<(i64, i64)>(&mut self.inner.conn.clone()))
             .await;
         match reply {
             Ok((1, fence)) => {
@@ -268,6 +274,13 @@ impl RedisLock {
                 Err(Error::backend(BACKEND, "try_acquire", e))
             }
         }
+    }
+
+    /// How long a waiter's registration in a queue lives unless its next attempt renews it:
+    /// longer than the longest fallback poll, so a live waiter never drops out, and short, so a
+    /// crashed waiter is skipped soon.
+    fn registration_lifetime(&self) -> Duration {
+        self.inner.config.max_poll_interval * 2 + Duration::from_secs(1)
     }
 
     /// Runs one request under the request budget and classifies its failure.
@@ -317,7 +330,10 @@ impl RedisLock {
 async fn release_by_prefix(inner: &Inner, names: &KeyNames, prefix: &str) -> Result<bool, Failure> {
     let budget = inner.config.request_budget();
     let mut invocation = inner.scripts.release.key(&names.lock);
-    invocation.arg(prefix).arg(names.channel());
+    invocation
+        .key(names.queue())
+        .arg(prefix)
+        .arg(WAKE_CHANNEL_PREFIX);
     let mut conn = inner.conn.clone();
     match timeout(budget, invocation.invoke_async::<i64>(&mut conn)).await {
         Ok(Ok(n)) => Ok(n == 1),
@@ -407,6 +423,39 @@ fn spawn_cleanup(inner: Arc<Inner>, names: KeyNames, prefix: String, until: Inst
             sleep_until(next).await;
         }
     });
+}
+
+/// A waiter's entry in a lock's waiter queue, removed in the background when dropped (the
+/// entry would otherwise be woken in place of a live waiter until it expires).
+struct Registration {
+    inner: Arc<Inner>,
+    names: KeyNames,
+    member: String,
+    /// Cleared when a grant removed the entry already.
+    armed: bool,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let inner = self.inner.clone();
+        let queue = self.names.queue();
+        let member = std::mem::take(&mut self.member);
+        rt.spawn(async move {
+            let mut conn = inner.conn.clone();
+            let budget = inner.config.request_budget();
+            let mut zrem = redis::cmd("ZREM");
+            zrem.arg(&queue).arg(&member);
+            if let Ok(Err(e)) = timeout(budget, zrem.query_async::<i64>(&mut conn)).await {
+                tracing::debug!(error = %e, "removing a waiter registration failed; it expires");
+            }
+        });
+    }
 }
 
 /// Removes the grant of an attempt whose future was dropped mid-request.
@@ -536,15 +585,17 @@ impl DistributedLock for RedisLock {
     /// Dropping the future mid-request removes a possible grant in the background.
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
         self.capabilities().check_ttl(ttl)?;
-        match self.attempt(key, ttl, false).await? {
+        match self.attempt(key, ttl, None).await? {
             Attempt::Granted(lease) => Ok(Some(lease)),
             Attempt::Held(_) => Ok(None),
         }
     }
 
-    /// Tries at once; when the key is held, subscribes to its release channel, tries again (a
-    /// release may have happened in between) and then sleeps until a release is published, the
-    /// holder's TTL runs out, the jittered fallback poll fires or the deadline passes.
+    /// Tries at once; when the key is held, subscribes to the client's wake channel, tries
+    /// again (registering in the lock's waiter queue; a release may have happened in between)
+    /// and then sleeps until a release wakes this waiter, the holder's TTL runs out, the
+    /// jittered fallback poll fires or the deadline passes. Each wake-up or poll is an attempt
+    /// that renews the registration.
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
         self.capabilities().check_ttl(ttl)?;
         let backoff = Backoff::new(
@@ -554,9 +605,26 @@ impl DistributedLock for RedisLock {
         let mut wait = AcquireWait::new(key, deadline, backoff)?;
         let mut watch = None;
         let mut subscribed_once = false;
+        // Removes this waiter from the queue when the call ends without the lock (timeout,
+        // error, dropped future); a grant removes it in the same script.
+        let mut registration: Option<Registration> = None;
         loop {
-            let holder_ttl = match self.attempt(key, ttl, true).await {
-                Ok(Attempt::Granted(lease)) => return Ok(lease),
+            let member = watch.as_ref().map(Watch::member);
+            if let (Some(member), None) = (member, &registration) {
+                registration = Some(Registration {
+                    inner: self.inner.clone(),
+                    names: self.names(key),
+                    member: member.to_owned(),
+                    armed: true,
+                });
+            }
+            let holder_ttl = match self.attempt(key, ttl, member).await {
+                Ok(Attempt::Granted(lease)) => {
+                    if let Some(r) = &mut registration {
+                        r.armed = false;
+                    }
+                    return Ok(lease);
+                }
                 Ok(Attempt::Held(holder_ttl)) => holder_ttl,
                 Err(e) => {
                     wait.retry_after(e).await?;
@@ -565,19 +633,13 @@ impl DistributedLock for RedisLock {
             };
             if !subscribed_once {
                 subscribed_once = true;
-                let channel = self.names(key).channel();
-                match timeout_at(
-                    deadline,
-                    self.inner.wakeups.watch(&self.inner.conn, &channel),
-                )
-                .await
-                {
+                match timeout_at(deadline, self.inner.wakeups.watch(&self.inner.conn)).await {
                     Ok(Ok(w)) => {
                         watch = Some(w);
                         continue;
                     }
                     Ok(Err(e)) => {
-                        tracing::debug!(%key, error = %e, "cannot subscribe to releases; polling");
+                        tracing::debug!(%key, error = %e, "cannot subscribe to wake-ups; polling");
                     }
                     Err(_) => return Err(wait.timeout()),
                 }
@@ -687,7 +749,8 @@ impl DistributedLock for RedisLock {
                     .scripts
                     .force_release
                     .key(&names.lock)
-                    .arg(names.channel())
+                    .key(names.queue())
+                    .arg(WAKE_CHANNEL_PREFIX)
                     .invoke_async::<i64>(&mut self.inner.conn.clone()),
             )
             .await

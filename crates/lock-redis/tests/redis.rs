@@ -665,16 +665,76 @@ async fn every_renewal_of_a_batch_without_reply_is_indeterminate() {
     }
 }
 
+/// A RESP3 connection that receives every wake-up published on `url`'s server.
+async fn wake_listener(
+    url: &str,
+) -> (
+    MultiplexedConnection,
+    tokio::sync::mpsc::UnboundedReceiver<redis::PushInfo>,
+) {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let config = redis::AsyncConnectionConfig::new().set_push_sender(tx);
+    let mut conn = redis::Client::open(format!("{url}?protocol=resp3").as_str())
+        .unwrap()
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+        .unwrap();
+    conn.psubscribe("distlock\x1fwake:*").await.unwrap();
+    (conn, rx)
+}
+
+/// The next wake-up message (channel, payload), skipping subscription confirmations.
+async fn next_wake(
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<redis::PushInfo>,
+) -> (Vec<u8>, Vec<u8>) {
+    loop {
+        let info = timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .expect("no wake-up was published")
+            .unwrap();
+        if info.kind == redis::PushKind::PMessage
+            && let [
+                _,
+                redis::Value::BulkString(channel),
+                redis::Value::BulkString(payload),
+            ] = &info.data[..]
+        {
+            return (channel.clone(), payload.clone());
+        }
+    }
+}
+
+async fn wait_for_mark(admin: &mut MultiplexedConnection, redis_key: &str) {
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let value = get(admin, redis_key.as_bytes()).await.unwrap();
+        if value.ends_with(b":w") {
+            return;
+        }
+        assert!(Instant::now() < until, "no waiter marked the lock");
+        sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn queued(admin: &mut MultiplexedConnection, redis_key: &str) -> i64 {
+    redis::cmd("ZCARD")
+        .arg(format!("{{{redis_key}}}\x1fwaiters"))
+        .query_async(admin)
+        .await
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_release_publishes_only_when_a_waiter_marked_the_lock() {
+async fn a_release_wakes_only_when_a_waiter_marked_the_lock() {
     if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
         return;
     }
     let server = OwnRedis::start(26397).await;
-    // No fallback poll within the test: only the published release can wake the waiter.
+    // No fallback poll within the test: only the published wake-up can wake the waiter.
     let url = format!("{}?max_poll_interval=60s", server.url());
     let lock = Arc::new(RedisLock::connect_url(&url).await.unwrap());
     let mut admin = admin(&server.url()).await;
+    let (_listener, mut wakes) = wake_listener(&server.url()).await;
     let key = fresh_key("publish");
     let redis_key = lock.redis_key(&key);
 
@@ -692,28 +752,135 @@ async fn a_release_publishes_only_when_a_waiter_marked_the_lock() {
         tokio::spawn(async move { lock.acquire(&key, LONG, Instant::now() + LONG).await })
     };
     // The waiter marks the holder's value (keeping its format for inspect and its ttl).
-    let until = Instant::now() + Duration::from_secs(10);
-    loop {
-        let value = get(&mut admin, redis_key.as_bytes()).await.unwrap();
-        if value.ends_with(b":w") {
-            break;
-        }
-        assert!(Instant::now() < until, "the waiter never marked the lock");
-        sleep(Duration::from_millis(10)).await;
-    }
+    wait_for_mark(&mut admin, &redis_key).await;
+    assert_eq!(queued(&mut admin, &redis_key).await, 1);
     let info = lock.inspect(&key).await.unwrap().unwrap();
     assert_eq!(info.fencing_token, holder.fencing_token());
     assert_eq!(info.token_digest, Some(holder.token().digest()));
     assert!(info.ttl_remaining.unwrap() > Duration::from_secs(20));
-    // Give the waiter time to go to sleep on its subscription.
-    sleep(Duration::from_millis(100)).await;
     assert!(lock.release(&holder).await.unwrap());
+    let (channel, _waiter_id) = next_wake(&mut wakes).await;
+    assert!(channel.starts_with(b"distlock\x1fwake:"), "{channel:?}");
     let lease = timeout(Duration::from_secs(10), waiter)
         .await
         .expect("the waiter was not woken by the release")
         .unwrap()
         .unwrap();
     assert_eq!(command_calls(&mut admin, "publish").await, 1);
+    assert_eq!(queued(&mut admin, &redis_key).await, 0);
     assert!(lease.fencing_token() > holder.fencing_token());
     assert!(lock.release(&lease).await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_release_wakes_one_waiter_and_skips_dead_registrations() {
+    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+        return;
+    }
+    let server = OwnRedis::start(26398).await;
+    let url = format!("{}?max_poll_interval=60s", server.url());
+    let holder_client = RedisLock::connect_url(&url).await.unwrap();
+    let mut admin = admin(&server.url()).await;
+    let (_listener, mut wakes) = wake_listener(&server.url()).await;
+    let key = fresh_key("wake-one");
+    let redis_key = holder_client.redis_key(&key);
+    let holder = holder_client
+        .try_acquire(&key, LONG)
+        .await
+        .unwrap()
+        .unwrap();
+
+    // Two waiters, each on a client of its own.
+    let mut waiters = Vec::new();
+    for expected in 1..=2 {
+        let client = Arc::new(RedisLock::connect_url(&url).await.unwrap());
+        let key = key.clone();
+        let task = tokio::spawn(async move {
+            let lease = client
+                .acquire(&key, LONG, Instant::now() + LONG)
+                .await
+                .unwrap();
+            (client, lease)
+        });
+        let until = Instant::now() + Duration::from_secs(10);
+        while queued(&mut admin, &redis_key).await < expected {
+            assert!(Instant::now() < until, "waiter {expected} never queued");
+            sleep(Duration::from_millis(10)).await;
+        }
+        waiters.push(task);
+    }
+    // A registration whose waiter died long ago (expired score) is skipped, and a live
+    // registration of a waiter that no longer listens only costs its own turn.
+    redis::cmd("ZADD")
+        .arg(format!("{{{redis_key}}}\x1fwaiters"))
+        .arg(1)
+        .arg("00000000000000aa:1")
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    assert!(holder_client.release(&holder).await.unwrap());
+    let (first_channel, _) = next_wake(&mut wakes).await;
+    assert!(!first_channel.ends_with(b"00000000000000aa"));
+    // Exactly one waiter gets the lock; the other stays queued, not woken.
+    let (winner, rest) = loop {
+        if waiters[0].is_finished() {
+            break (waiters.remove(0), waiters.remove(0));
+        }
+        if waiters[1].is_finished() {
+            break (waiters.remove(1), waiters.remove(0));
+        }
+        sleep(Duration::from_millis(5)).await;
+    };
+    let (winner_client, lease) = winner.await.unwrap();
+    assert_eq!(
+        queued(&mut admin, &redis_key).await,
+        1,
+        "the other waiter stays queued"
+    );
+    assert_eq!(
+        command_calls(&mut admin, "publish").await,
+        1,
+        "one wake-up per release"
+    );
+    assert!(!rest.is_finished());
+    // Its release wakes the other one.
+    assert!(winner_client.release(&lease).await.unwrap());
+    let (second_channel, _) = next_wake(&mut wakes).await;
+    assert_ne!(first_channel, second_channel);
+    let (other_client, lease) = timeout(Duration::from_secs(10), rest)
+        .await
+        .expect("the second waiter was not woken")
+        .unwrap();
+    assert!(other_client.release(&lease).await.unwrap());
+    assert_eq!(queued(&mut admin, &redis_key).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_or_timed_out_waiter_leaves_the_queue() {
+    let Some((url, _, mut admin)) = shared().await else {
+        return;
+    };
+    // Registrations then live 11 s: only an explicit removal empties the queue in time.
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let lock = RedisLock::connect_url(&format!("{url}{separator}max_poll_interval=5s"))
+        .await
+        .unwrap();
+    let key = fresh_key("queue-cleanup");
+    let redis_key = lock.redis_key(&key);
+    let holder = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    // Timed out.
+    let err = lock
+        .acquire(&key, LONG, Instant::now() + Duration::from_millis(300))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    // Dropped.
+    let waiting = lock.acquire(&key, LONG, Instant::now() + LONG);
+    assert!(timeout(Duration::from_millis(300), waiting).await.is_err());
+    let until = Instant::now() + Duration::from_secs(5);
+    while queued(&mut admin, &redis_key).await > 0 {
+        assert!(Instant::now() < until, "a gone waiter stays registered");
+        sleep(Duration::from_millis(10)).await;
+    }
+    assert!(lock.release(&holder).await.unwrap());
 }
