@@ -23,7 +23,7 @@ const SEP: u8 = 0x1f;
 
 /// The Redis names of one lock: the lock key, and the fence counter and waiter queue derived
 /// from it on demand (each request needs only some of them).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct KeyNames {
     pub(crate) lock: Vec<u8>,
 }

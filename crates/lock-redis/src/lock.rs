@@ -203,35 +203,33 @@ impl RedisLock {
     /// One acquisition attempt. `waiter`: the member of a waiting `acquire` (subscribed to its
     /// wake-ups), registered in the lock's waiter queue when the lock is held.
     async fn attempt(&self, key: &LockKey, ttl: Duration, waiter: Option<&str>) -> Result<Attempt> {
-        let names = self.names(key);
         let token = OwnershipToken::generate();
-        let prefix = owner_prefix(&token);
         let sent_at = Instant::now();
         // Should this future be dropped while the request is in flight, the guard removes a
         // grant that nobody would ever renew or release.
-        let mut inflight = Inflight {
+        let inflight = Inflight {
             inner: Some(self.inner.clone()),
-            names: names.clone(),
-            prefix: prefix.clone(),
+            names: self.names(key),
+            prefix: owner_prefix(&token),
             until: sent_at + ttl,
         };
-        let mut invocation = self.inner.scripts.acquire.key(&names.lock);
+        let mut invocation = self.inner.scripts.acquire.key(&inflight.names.lock);
         invocation
-            .key(names.fence())
-            .arg(&prefix)
+            .key(inflight.names.fence())
+            .arg(&inflight.prefix)
             .arg(ttl_millis(ttl));
         if let Some(member) = waiter {
             invocation
-                .key(names.queue())
+                .key(inflight.names.queue())
                 .arg(member)
                 .arg(ttl_millis(self.registration_lifetime()));
         }
         let reply = self
-            .run(invocation.invoke_async::<(i64, i64)>(&mut self.inner.conn.clone()))
+            .run(invocation.invoke_async::<redis::Value>(&mut self.inner.conn.clone()))
             .await;
+        let (names, prefix) = inflight.disarm();
         match reply {
-            Ok((1, fence)) => {
-                inflight.disarm();
+            Ok(redis::Value::Int(fence)) => {
                 let Ok(fence) = u64::try_from(fence) else {
                     self.cleanup(names, prefix, sent_at + ttl).await;
                     return Err(Error::Backend {
@@ -249,14 +247,23 @@ impl RedisLock {
                     sent_at,
                 )))
             }
-            Ok((_, pttl)) => {
-                inflight.disarm();
-                Ok(Attempt::Held(
-                    u64::try_from(pttl).ok().map(Duration::from_millis),
-                ))
+            Ok(redis::Value::BulkString(pttl)) => {
+                let pttl = std::str::from_utf8(&pttl)
+                    .ok()
+                    .and_then(|p| p.parse::<u64>().ok());
+                Ok(Attempt::Held(pttl.map(Duration::from_millis)))
+            }
+            Ok(_) => {
+                // Not an answer of our script: whatever happened, take no grant home.
+                self.cleanup(names, prefix, sent_at + ttl).await;
+                Err(Error::Backend {
+                    backend: BACKEND,
+                    op: "try_acquire",
+                    message: "unexpected reply type from the acquire script".to_owned(),
+                    source: None,
+                })
             }
             Err(Failure::Unknown(message)) => {
-                inflight.disarm();
                 self.cleanup(names, prefix, sent_at + ttl).await;
                 Err(Error::Indeterminate {
                     backend: BACKEND,
@@ -265,14 +272,8 @@ impl RedisLock {
                     message,
                 })
             }
-            Err(Failure::NotSent(e)) => {
-                inflight.disarm();
-                Err(Error::unavailable(BACKEND, "try_acquire", e))
-            }
-            Err(Failure::Server(e)) => {
-                inflight.disarm();
-                Err(Error::backend(BACKEND, "try_acquire", e))
-            }
+            Err(Failure::NotSent(e)) => Err(Error::unavailable(BACKEND, "try_acquire", e)),
+            Err(Failure::Server(e)) => Err(Error::backend(BACKEND, "try_acquire", e)),
         }
     }
 
@@ -467,8 +468,14 @@ struct Inflight {
 }
 
 impl Inflight {
-    fn disarm(&mut self) {
+    /// The reply came (or failed in a way the caller handles): hands back the names and the
+    /// owner prefix without cleaning up.
+    fn disarm(mut self) -> (KeyNames, String) {
         self.inner = None;
+        (
+            std::mem::take(&mut self.names),
+            std::mem::take(&mut self.prefix),
+        )
     }
 }
 

@@ -7,7 +7,8 @@ use redis::Script;
 /// KEYS: lock, fence counter, and the waiter queue when the caller waits. ARGV: owner prefix
 /// (`<token hex>:`), ttl in ms, and when the caller waits: its member `<client id>:<waiter id>`
 /// and the registration's lifetime in ms.
-/// Returns `{1, fence}` when granted, `{0, pttl of the holder}` when held.
+/// Returns the fence (an integer) when granted, the holder's pttl as a string when held (one
+/// scalar reply instead of a two-element array: measurably cheaper to build and to parse).
 ///
 /// The counter is incremented first, in the same atomic step as the `SET NX` that grants, and
 /// the grant stores `<token hex>:<fence>` so `inspect` can tell our holders (and their fence)
@@ -32,7 +33,7 @@ if redis.call('SET', KEYS[1], ARGV[1] .. string.format('%d', fence), 'NX', 'PX',
       redis.call('APPEND', KEYS[1], ':w')
     end
   end
-  return {1, fence}
+  return fence
 end
 if KEYS[3] then
   local value = redis.pcall('GET', KEYS[1])
@@ -45,7 +46,7 @@ if KEYS[3] then
   redis.call('ZADD', KEYS[3], ms + tonumber(ARGV[4]), ARGV[3])
   redis.call('PEXPIRE', KEYS[3], ARGV[4])
 end
-return {0, redis.call('PTTL', KEYS[1])}
+return tostring(redis.call('PTTL', KEYS[1]))
 ";
 
 /// Wakes the oldest live waiter of the queue `KEYS[2]`: drops expired registrations, pops the
