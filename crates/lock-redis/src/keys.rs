@@ -12,7 +12,8 @@
 //!   - otherwise (a `}` but no usable tag): `{<hex>}\x1f<lock key>\x1ffence`, where `<hex>` is
 //!     the smallest hex number whose hash slot equals the lock key's (two separators tell this
 //!     form apart).
-//! * The release channel is `<lock key>\x1freleased:<db>` (channels are global across databases).
+//! * The waiter queue is derived the same way with `waiters` in place of `fence`
+//!   (`{distlock:orders}\x1fwaiters`, `<lock key>\x1ftagged-waiters`, …).
 
 use std::sync::OnceLock;
 
@@ -20,43 +21,47 @@ use lock_core::LockKey;
 
 const SEP: u8 = 0x1f;
 
-/// The Redis names of one lock.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// The Redis names of one lock: the lock key, and the fence counter and waiter queue derived
+/// from it on demand (each request needs only some of them).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct KeyNames {
     pub(crate) lock: Vec<u8>,
-    pub(crate) fence: Vec<u8>,
-    pub(crate) channel: Vec<u8>,
 }
 
 impl KeyNames {
-    pub(crate) fn new(namespace: &str, key: &LockKey, db: i64) -> Self {
+    pub(crate) fn new(namespace: &str, key: &LockKey) -> Self {
         let mut lock = Vec::with_capacity(namespace.len() + key.as_str().len());
         lock.extend_from_slice(namespace.as_bytes());
         lock.extend_from_slice(key.as_str().as_bytes());
-        let fence = fence_key(&lock);
-        let mut channel = lock.clone();
-        channel.push(SEP);
-        channel.extend_from_slice(format!("released:{db}").as_bytes());
-        Self {
-            lock,
-            fence,
-            channel,
-        }
+        Self { lock }
+    }
+
+    /// The fence counter key.
+    pub(crate) fn fence(&self) -> Vec<u8> {
+        derived_key(&self.lock, b"fence")
+    }
+
+    /// The waiter queue: a sorted set of waiting `acquire`s, each scored by the expiry of its
+    /// registration (server time in milliseconds).
+    pub(crate) fn queue(&self) -> Vec<u8> {
+        derived_key(&self.lock, b"waiters")
     }
 }
 
-fn fence_key(lock: &[u8]) -> Vec<u8> {
+/// A key belonging to the lock (`fence`, `waiters`), in the lock key's hash slot.
+fn derived_key(lock: &[u8], name: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(lock.len() + 24);
     if hash_tag(lock).is_some() {
         out.extend_from_slice(lock);
         out.push(SEP);
-        out.extend_from_slice(b"tagged-fence");
+        out.extend_from_slice(b"tagged-");
+        out.extend_from_slice(name);
     } else if !lock.contains(&b'}') {
         out.push(b'{');
         out.extend_from_slice(lock);
         out.push(b'}');
         out.push(SEP);
-        out.extend_from_slice(b"fence");
+        out.extend_from_slice(name);
     } else {
         let tag = slot_tags()
             .get(usize::from(key_slot(lock)))
@@ -68,7 +73,7 @@ fn fence_key(lock: &[u8]) -> Vec<u8> {
         out.push(SEP);
         out.extend_from_slice(lock);
         out.push(SEP);
-        out.extend_from_slice(b"fence");
+        out.extend_from_slice(name);
     }
     out
 }
@@ -156,7 +161,7 @@ mod tests {
     }
 
     fn names(ns: &str, key: &str) -> KeyNames {
-        KeyNames::new(ns, &LockKey::new(key).unwrap(), 0)
+        KeyNames::new(ns, &LockKey::new(key).unwrap())
     }
 
     const TRICKY: &[&str] = &[
@@ -186,7 +191,7 @@ mod tests {
         assert_eq!(names("distlock:", "orders").lock, b"distlock:orders");
         assert_eq!(names("", "a b").lock, b"a b");
         assert_eq!(
-            names("distlock:", "orders").fence,
+            names("distlock:", "orders").fence(),
             b"{distlock:orders}\x1ffence"
         );
     }
@@ -197,12 +202,13 @@ mod tests {
             let mut seen = HashSet::new();
             for key in TRICKY {
                 let n = names(ns, key);
-                assert_eq!(key_slot(&n.fence), key_slot(&n.lock), "{ns:?} {key:?}");
-                assert!(n.fence.contains(&SEP), "{ns:?} {key:?}");
+                assert_eq!(key_slot(&n.fence()), key_slot(&n.lock), "{ns:?} {key:?}");
+                assert!(n.fence().contains(&SEP), "{ns:?} {key:?}");
                 assert!(!n.lock.contains(&SEP));
                 assert!(seen.insert(n.lock.clone()), "lock {ns:?} {key:?}");
-                assert!(seen.insert(n.fence.clone()), "fence {ns:?} {key:?}");
-                assert!(seen.insert(n.channel.clone()), "channel {ns:?} {key:?}");
+                assert!(seen.insert(n.fence()), "fence {ns:?} {key:?}");
+                assert_eq!(key_slot(&n.queue()), key_slot(&n.lock), "{ns:?} {key:?}");
+                assert!(seen.insert(n.queue()), "queue {ns:?} {key:?}");
             }
         }
     }
@@ -227,7 +233,7 @@ mod tests {
                 .map(|_| alphabet[rand::random_range(0..alphabet.len())])
                 .collect();
             let n = names("", &key);
-            assert_eq!(key_slot(&n.fence), key_slot(&n.lock), "{key:?}");
+            assert_eq!(key_slot(&n.fence()), key_slot(&n.lock), "{key:?}");
         }
     }
 }
@@ -250,15 +256,17 @@ mod proptests {
         fn distinct_keys_get_distinct_names_and_fences_share_the_slot(
             ns in "[a-z:{}]{0,4}", a in key(), b in key(),
         ) {
-            let na = KeyNames::new(&ns, &a, 0);
-            let nb = KeyNames::new(&ns, &b, 0);
-            prop_assert_eq!(key_slot(&na.lock), key_slot(&na.fence));
-            prop_assert_ne!(&na.lock, &nb.fence);
-            prop_assert_ne!(&na.fence, &na.lock);
+            let na = KeyNames::new(&ns, &a);
+            let nb = KeyNames::new(&ns, &b);
+            prop_assert_eq!(key_slot(&na.lock), key_slot(&na.fence()));
+            prop_assert_ne!(&na.lock, &nb.fence());
+            prop_assert_ne!(&na.fence(), &na.lock);
+            prop_assert_ne!(&na.queue(), &nb.fence());
+            prop_assert_eq!(key_slot(&na.lock), key_slot(&na.queue()));
             if a != b {
                 prop_assert_ne!(&na.lock, &nb.lock);
-                prop_assert_ne!(&na.fence, &nb.fence);
-                prop_assert_ne!(&na.channel, &nb.channel);
+                prop_assert_ne!(&na.fence(), &nb.fence());
+                prop_assert_ne!(&na.queue(), &nb.queue());
             }
         }
     }

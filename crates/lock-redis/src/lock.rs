@@ -3,8 +3,8 @@
 use std::{fmt, future::Future, sync::Arc, time::Duration};
 
 use lock_core::{
-    AcquireWait, Backoff, Capabilities, DistributedLock, Error, FencingGuarantee, FencingToken,
-    HolderInfo, Lease, LockKey, OwnershipToken, Result, TokenDigest, async_trait,
+    AcquireWait, Backoff, Batcher, Capabilities, DistributedLock, Error, FencingGuarantee,
+    FencingToken, HolderInfo, Lease, LockKey, OwnershipToken, Result, TokenDigest, async_trait,
 };
 use redis::{
     ConnectionAddr, ErrorKind, IntoConnectionInfo, ProtocolVersion, RedisConnectionInfo,
@@ -13,7 +13,12 @@ use redis::{
 };
 use tokio::time::{Instant, sleep, sleep_until, timeout, timeout_at};
 
-use crate::{RedisLockConfig, keys::KeyNames, scripts::Scripts, wakeups::Registry};
+use crate::{
+    RedisLockConfig,
+    keys::KeyNames,
+    scripts::Scripts,
+    wakeups::{Registry, WAKE_CHANNEL_PREFIX, Watch},
+};
 
 const BACKEND: &str = "redis";
 
@@ -34,6 +39,23 @@ struct Inner {
     conn: ConnectionManager,
     scripts: Scripts,
     wakeups: Arc<Registry>,
+    /// Renewals submitted together (the watchdogs of one process renew on a shared grid) go
+    /// out together: one script call per [`RENEW_CHUNK`] locks.
+    renewals: Batcher<RenewItem, Result<bool, Failure>>,
+}
+
+/// At most this many renewals are handed to one run of the batch function (its chunks are
+/// sent concurrently on the multiplexed connection).
+const RENEW_BATCH: usize = 16 * RENEW_CHUNK;
+/// At most this many keys per renew script call, so that one call keeps the server busy for
+/// well under a millisecond and other clients' commands interleave between chunks.
+const RENEW_CHUNK: usize = 500;
+
+/// One lock's part in a batched renewal.
+struct RenewItem {
+    lock: Vec<u8>,
+    prefix: String,
+    ttl_ms: u64,
 }
 
 /// What one acquisition attempt found.
@@ -44,6 +66,7 @@ enum Attempt {
 }
 
 /// How a failed request ended, as far as the lock is concerned.
+#[derive(Clone)]
 enum Failure {
     /// Nothing reached the server (connection refused, server loading, …).
     NotSent(RedisError),
@@ -158,6 +181,7 @@ impl RedisLock {
                 conn,
                 scripts: Scripts::new(),
                 wakeups,
+                renewals: Batcher::new(RENEW_BATCH),
             }),
         })
     }
@@ -173,38 +197,39 @@ impl RedisLock {
     }
 
     fn names(&self, key: &LockKey) -> KeyNames {
-        KeyNames::new(&self.inner.config.namespace, key, self.inner.config.db)
+        KeyNames::new(&self.inner.config.namespace, key)
     }
 
-    /// One acquisition attempt.
-    async fn attempt(&self, key: &LockKey, ttl: Duration) -> Result<Attempt> {
-        let names = self.names(key);
+    /// One acquisition attempt. `waiter`: the member of a waiting `acquire` (subscribed to its
+    /// wake-ups), registered in the lock's waiter queue when the lock is held.
+    async fn attempt(&self, key: &LockKey, ttl: Duration, waiter: Option<&str>) -> Result<Attempt> {
         let token = OwnershipToken::generate();
-        let prefix = owner_prefix(&token);
         let sent_at = Instant::now();
         // Should this future be dropped while the request is in flight, the guard removes a
         // grant that nobody would ever renew or release.
-        let mut inflight = Inflight {
+        let inflight = Inflight {
             inner: Some(self.inner.clone()),
-            names: names.clone(),
-            prefix: prefix.clone(),
+            names: self.names(key),
+            prefix: owner_prefix(&token),
             until: sent_at + ttl,
         };
+        let mut invocation = self.inner.scripts.acquire.key(&inflight.names.lock);
+        invocation
+            .key(inflight.names.fence())
+            .arg(&inflight.prefix)
+            .arg(ttl_millis(ttl));
+        if let Some(member) = waiter {
+            invocation
+                .key(inflight.names.queue())
+                .arg(member)
+                .arg(ttl_millis(self.registration_lifetime()));
+        }
         let reply = self
-            .run(
-                self.inner
-                    .scripts
-                    .acquire
-                    .key(&names.lock)
-                    .key(&names.fence)
-                    .arg(&prefix)
-                    .arg(ttl_millis(ttl))
-                    .invoke_async::<(i64, i64)>(&mut self.inner.conn.clone()),
-            )
+            .run(invocation.invoke_async::<redis::Value>(&mut self.inner.conn.clone()))
             .await;
+        let (names, prefix) = inflight.disarm();
         match reply {
-            Ok((1, fence)) => {
-                inflight.disarm();
+            Ok(redis::Value::Int(fence)) => {
                 let Ok(fence) = u64::try_from(fence) else {
                     self.cleanup(names, prefix, sent_at + ttl).await;
                     return Err(Error::Backend {
@@ -222,14 +247,23 @@ impl RedisLock {
                     sent_at,
                 )))
             }
-            Ok((_, pttl)) => {
-                inflight.disarm();
-                Ok(Attempt::Held(
-                    u64::try_from(pttl).ok().map(Duration::from_millis),
-                ))
+            Ok(redis::Value::BulkString(pttl)) => {
+                let pttl = std::str::from_utf8(&pttl)
+                    .ok()
+                    .and_then(|p| p.parse::<u64>().ok());
+                Ok(Attempt::Held(pttl.map(Duration::from_millis)))
+            }
+            Ok(_) => {
+                // Not an answer of our script: whatever happened, take no grant home.
+                self.cleanup(names, prefix, sent_at + ttl).await;
+                Err(Error::Backend {
+                    backend: BACKEND,
+                    op: "try_acquire",
+                    message: "unexpected reply type from the acquire script".to_owned(),
+                    source: None,
+                })
             }
             Err(Failure::Unknown(message)) => {
-                inflight.disarm();
                 self.cleanup(names, prefix, sent_at + ttl).await;
                 Err(Error::Indeterminate {
                     backend: BACKEND,
@@ -238,15 +272,16 @@ impl RedisLock {
                     message,
                 })
             }
-            Err(Failure::NotSent(e)) => {
-                inflight.disarm();
-                Err(Error::unavailable(BACKEND, "try_acquire", e))
-            }
-            Err(Failure::Server(e)) => {
-                inflight.disarm();
-                Err(Error::backend(BACKEND, "try_acquire", e))
-            }
+            Err(Failure::NotSent(e)) => Err(Error::unavailable(BACKEND, "try_acquire", e)),
+            Err(Failure::Server(e)) => Err(Error::backend(BACKEND, "try_acquire", e)),
         }
+    }
+
+    /// How long a waiter's registration in a queue lives unless its next attempt renews it:
+    /// longer than the longest fallback poll, so a live waiter never drops out, and short, so a
+    /// crashed waiter is skipped soon.
+    fn registration_lifetime(&self) -> Duration {
+        self.inner.config.max_poll_interval * 2 + Duration::from_secs(1)
     }
 
     /// Runs one request under the request budget and classifies its failure.
@@ -296,13 +331,69 @@ impl RedisLock {
 async fn release_by_prefix(inner: &Inner, names: &KeyNames, prefix: &str) -> Result<bool, Failure> {
     let budget = inner.config.request_budget();
     let mut invocation = inner.scripts.release.key(&names.lock);
-    invocation.arg(prefix).arg(&names.channel);
+    invocation
+        .key(names.queue())
+        .arg(prefix)
+        .arg(WAKE_CHANNEL_PREFIX);
     let mut conn = inner.conn.clone();
     match timeout(budget, invocation.invoke_async::<i64>(&mut conn)).await {
         Ok(Ok(n)) => Ok(n == 1),
         Ok(Err(e)) => Err(classify(e)),
         Err(_) => Err(Failure::Unknown(format!("no reply within {budget:?}"))),
     }
+}
+
+/// Renews a batch: one script call per [`RENEW_CHUNK`] locks, all sent at once. Every item of
+/// a failed call gets that call's failure; the other chunks are unaffected.
+async fn renew_batch(inner: Arc<Inner>, mut items: Vec<RenewItem>) -> Vec<Result<bool, Failure>> {
+    if items.len() <= RENEW_CHUNK {
+        return renew_chunk(&inner, &items).await;
+    }
+    // Several chunks: each in its own task so that they are in flight together.
+    let mut chunks = Vec::new();
+    while !items.is_empty() {
+        let rest = items.split_off(items.len().min(RENEW_CHUNK));
+        let chunk = std::mem::replace(&mut items, rest);
+        let len = chunk.len();
+        let inner = inner.clone();
+        let task = tokio::spawn(async move { renew_chunk(&inner, &chunk).await });
+        chunks.push((len, task));
+    }
+    let mut answers = Vec::new();
+    for (len, task) in chunks {
+        match task.await {
+            Ok(chunk_answers) => answers.extend(chunk_answers),
+            // The chunk's task died (runtime shutdown): its request may have been sent.
+            Err(e) => answers.extend(vec![Err(Failure::Unknown(e.to_string())); len]),
+        }
+    }
+    answers
+}
+
+async fn renew_chunk(inner: &Inner, chunk: &[RenewItem]) -> Vec<Result<bool, Failure>> {
+    let mut invocation = inner.scripts.renew.prepare_invoke();
+    for item in chunk {
+        invocation.key(&item.lock);
+    }
+    for item in chunk {
+        invocation.arg(&item.prefix).arg(item.ttl_ms);
+    }
+    let budget = inner.config.request_budget();
+    let mut conn = inner.conn.clone();
+    let failure = match timeout(budget, invocation.invoke_async::<Vec<i64>>(&mut conn)).await {
+        Ok(Ok(replies)) if replies.len() == chunk.len() => {
+            return replies.into_iter().map(|n| Ok(n == 1)).collect();
+        }
+        // Cannot happen with our script; whatever it did, the renewals are not confirmed.
+        Ok(Ok(replies)) => Failure::Unknown(format!(
+            "the renew script answered {} values for {} locks",
+            replies.len(),
+            chunk.len()
+        )),
+        Ok(Err(e)) => classify(e),
+        Err(_) => Failure::Unknown(format!("no reply within {budget:?}")),
+    };
+    vec![Err(failure); chunk.len()]
 }
 
 /// Background compare-and-delete. With `once`, stops after the first answered request (the
@@ -335,6 +426,39 @@ fn spawn_cleanup(inner: Arc<Inner>, names: KeyNames, prefix: String, until: Inst
     });
 }
 
+/// A waiter's entry in a lock's waiter queue, removed in the background when dropped (the
+/// entry would otherwise be woken in place of a live waiter until it expires).
+struct Registration {
+    inner: Arc<Inner>,
+    names: KeyNames,
+    member: String,
+    /// Cleared when a grant removed the entry already.
+    armed: bool,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let inner = self.inner.clone();
+        let queue = self.names.queue();
+        let member = std::mem::take(&mut self.member);
+        rt.spawn(async move {
+            let mut conn = inner.conn.clone();
+            let budget = inner.config.request_budget();
+            let mut zrem = redis::cmd("ZREM");
+            zrem.arg(&queue).arg(&member);
+            if let Ok(Err(e)) = timeout(budget, zrem.query_async::<i64>(&mut conn)).await {
+                tracing::debug!(error = %e, "removing a waiter registration failed; it expires");
+            }
+        });
+    }
+}
+
 /// Removes the grant of an attempt whose future was dropped mid-request.
 struct Inflight {
     inner: Option<Arc<Inner>>,
@@ -344,8 +468,14 @@ struct Inflight {
 }
 
 impl Inflight {
-    fn disarm(&mut self) {
+    /// The reply came (or failed in a way the caller handles): hands back the names and the
+    /// owner prefix without cleaning up.
+    fn disarm(mut self) -> (KeyNames, String) {
         self.inner = None;
+        (
+            std::mem::take(&mut self.names),
+            std::mem::take(&mut self.prefix),
+        )
     }
 }
 
@@ -425,9 +555,11 @@ fn classify(e: RedisError) -> Failure {
     }
 }
 
-/// Parses a stored value `<32 hex>:<fence>` written by this driver.
+/// Parses a stored value `<32 hex>:<fence>` written by this driver (with the suffix `:w` once
+/// a waiter marked it).
 fn parse_owner(value: &[u8]) -> Option<(OwnershipToken, FencingToken)> {
     let value = std::str::from_utf8(value).ok()?;
+    let value = value.strip_suffix(":w").unwrap_or(value);
     let (hex, fence) = value.split_once(':')?;
     let token = OwnershipToken::from_hex(hex).ok()?;
     if hex.bytes().any(|b| b.is_ascii_uppercase()) {
@@ -460,15 +592,17 @@ impl DistributedLock for RedisLock {
     /// Dropping the future mid-request removes a possible grant in the background.
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
         self.capabilities().check_ttl(ttl)?;
-        match self.attempt(key, ttl).await? {
+        match self.attempt(key, ttl, None).await? {
             Attempt::Granted(lease) => Ok(Some(lease)),
             Attempt::Held(_) => Ok(None),
         }
     }
 
-    /// Tries at once; when the key is held, subscribes to its release channel, tries again (a
-    /// release may have happened in between) and then sleeps until a release is published, the
-    /// holder's TTL runs out, the jittered fallback poll fires or the deadline passes.
+    /// Tries at once; when the key is held, subscribes to the client's wake channel, tries
+    /// again (registering in the lock's waiter queue; a release may have happened in between)
+    /// and then sleeps until a release wakes this waiter, the holder's TTL runs out, the
+    /// jittered fallback poll fires or the deadline passes. Each wake-up or poll is an attempt
+    /// that renews the registration.
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
         self.capabilities().check_ttl(ttl)?;
         let backoff = Backoff::new(
@@ -478,9 +612,26 @@ impl DistributedLock for RedisLock {
         let mut wait = AcquireWait::new(key, deadline, backoff)?;
         let mut watch = None;
         let mut subscribed_once = false;
+        // Removes this waiter from the queue when the call ends without the lock (timeout,
+        // error, dropped future); a grant removes it in the same script.
+        let mut registration: Option<Registration> = None;
         loop {
-            let holder_ttl = match self.attempt(key, ttl).await {
-                Ok(Attempt::Granted(lease)) => return Ok(lease),
+            let member = watch.as_ref().map(Watch::member);
+            if let (Some(member), None) = (member, &registration) {
+                registration = Some(Registration {
+                    inner: self.inner.clone(),
+                    names: self.names(key),
+                    member: member.to_owned(),
+                    armed: true,
+                });
+            }
+            let holder_ttl = match self.attempt(key, ttl, member).await {
+                Ok(Attempt::Granted(lease)) => {
+                    if let Some(r) = &mut registration {
+                        r.armed = false;
+                    }
+                    return Ok(lease);
+                }
                 Ok(Attempt::Held(holder_ttl)) => holder_ttl,
                 Err(e) => {
                     wait.retry_after(e).await?;
@@ -489,19 +640,13 @@ impl DistributedLock for RedisLock {
             };
             if !subscribed_once {
                 subscribed_once = true;
-                let channel = self.names(key).channel;
-                match timeout_at(
-                    deadline,
-                    self.inner.wakeups.watch(&self.inner.conn, &channel),
-                )
-                .await
-                {
+                match timeout_at(deadline, self.inner.wakeups.watch(&self.inner.conn)).await {
                     Ok(Ok(w)) => {
                         watch = Some(w);
                         continue;
                     }
                     Ok(Err(e)) => {
-                        tracing::debug!(%key, error = %e, "cannot subscribe to releases; polling");
+                        tracing::debug!(%key, error = %e, "cannot subscribe to wake-ups; polling");
                     }
                     Err(_) => return Err(wait.timeout()),
                 }
@@ -525,28 +670,38 @@ impl DistributedLock for RedisLock {
         }
     }
 
+    /// Renewals are batched: while one batch is in flight, the renewals that arrive are queued
+    /// and go out together in the next (a lone renewal is sent at once).
     async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
         self.capabilities().check_ttl(ttl)?;
-        let names = self.names(lease.key());
-        let prefix = owner_prefix(lease.token());
+        let item = RenewItem {
+            lock: self.names(lease.key()).lock,
+            prefix: owner_prefix(lease.token()),
+            ttl_ms: ttl_millis(ttl),
+        };
+        // Taken before queueing: time spent waiting for an earlier batch only makes the new
+        // local deadline earlier (conservative).
         let sent_at = Instant::now();
-        let reply = self
-            .run(
-                self.inner
-                    .scripts
-                    .renew
-                    .key(&names.lock)
-                    .arg(&prefix)
-                    .arg(ttl_millis(ttl))
-                    .invoke_async::<i64>(&mut self.inner.conn.clone()),
-            )
-            .await
-            .map_err(|f| Self::map_failure("renew", lease.key(), f))?;
-        if reply == 1 {
-            lease.renewed(ttl, sent_at);
-            Ok(())
-        } else {
-            Err(Error::not_held(lease.key()))
+        let inner = self.inner.clone();
+        let answer = self
+            .inner
+            .renewals
+            .submit(item, move |items| renew_batch(inner.clone(), items))
+            .await;
+        match answer {
+            Some(Ok(true)) => {
+                lease.renewed(ttl, sent_at);
+                Ok(())
+            }
+            Some(Ok(false)) => Err(Error::not_held(lease.key())),
+            Some(Err(failure)) => Err(Self::map_failure("renew", lease.key(), failure)),
+            // The batch task died (runtime shutdown): the request may have been sent.
+            None => Err(Error::Indeterminate {
+                backend: BACKEND,
+                op: "renew",
+                key: lease.key().as_str().to_owned(),
+                message: "the renewal batch ended without an answer".to_owned(),
+            }),
         }
     }
 
@@ -565,7 +720,7 @@ impl DistributedLock for RedisLock {
                     .scripts
                     .inspect
                     .key(&names.lock)
-                    .key(&names.fence)
+                    .key(names.fence())
                     .invoke_async::<Option<(Vec<u8>, i64, Vec<u8>)>>(&mut self.inner.conn.clone()),
             )
             .await
@@ -601,7 +756,8 @@ impl DistributedLock for RedisLock {
                     .scripts
                     .force_release
                     .key(&names.lock)
-                    .arg(&names.channel)
+                    .key(names.queue())
+                    .arg(WAKE_CHANNEL_PREFIX)
                     .invoke_async::<i64>(&mut self.inner.conn.clone()),
             )
             .await
@@ -639,6 +795,8 @@ mod tests {
         let t = OwnershipToken::generate();
         let value = format!("{}7", owner_prefix(&t));
         assert_eq!(parse_owner(value.as_bytes()), Some((t, FencingToken(7))));
+        let marked = format!("{}7:w", owner_prefix(&t));
+        assert_eq!(parse_owner(marked.as_bytes()), Some((t, FencingToken(7))));
         assert_eq!(parse_owner(t.expose_hex().as_bytes()), None);
         assert_eq!(parse_owner(b"some-other-client"), None);
         assert_eq!(

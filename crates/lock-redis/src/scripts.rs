@@ -4,55 +4,121 @@
 
 use redis::Script;
 
-/// KEYS: lock, fence counter. ARGV: owner prefix (`<token hex>:`), ttl in ms.
-/// Returns `{1, fence}` when granted, `{0, pttl of the holder}` when held.
+/// KEYS: lock, fence counter, and the waiter queue when the caller waits. ARGV: owner prefix
+/// (`<token hex>:`), ttl in ms, and when the caller waits: its member `<client id>:<waiter id>`
+/// and the registration's lifetime in ms.
+/// Returns the fence (an integer) when granted, the holder's pttl as a string when held (one
+/// scalar reply instead of a two-element array: measurably cheaper to build and to parse).
 ///
-/// The counter is incremented only for a grant, in the same atomic step, and the grant stores
-/// `<token hex>:<fence>` so `inspect` can tell our holders (and their fence) from other
-/// clients'. An unusable counter (wrong type, overflow) fails the script before anything is
-/// written.
+/// The counter is incremented first, in the same atomic step as the `SET NX` that grants, and
+/// the grant stores `<token hex>:<fence>` so `inspect` can tell our holders (and their fence)
+/// from other clients'. A refused attempt also consumes a number: grants' fences still strictly
+/// increase, with gaps (one command less than checking `EXISTS` first). An unusable counter
+/// (wrong type, overflow) fails the script before anything is written.
+///
+/// A waiter that finds the lock held registers in the queue (score: its registration's expiry,
+/// server time) and marks the holder's value with the suffix `:w` (only a value in our format,
+/// never another client's; `APPEND` keeps the TTL), so that the release wakes a waiter. A
+/// waiter that gets the lock leaves the queue in the same step, and marks its own value when
+/// others are still queued (they sleep until woken, so nobody else would mark it).
 const ACQUIRE: &str = r"
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  local fence = redis.pcall('INCR', KEYS[2])
-  if type(fence) == 'table' then
-    return redis.error_reply('distlock fence counter: ' .. tostring(fence.err))
+local fence = redis.pcall('INCR', KEYS[2])
+if type(fence) == 'table' then
+  return redis.error_reply('distlock fence counter: ' .. tostring(fence.err))
+end
+if redis.call('SET', KEYS[1], ARGV[1] .. string.format('%d', fence), 'NX', 'PX', ARGV[2]) then
+  if KEYS[3] then
+    redis.call('ZREM', KEYS[3], ARGV[3])
+    if redis.call('ZCARD', KEYS[3]) > 0 then
+      redis.call('APPEND', KEYS[1], ':w')
+    end
   end
-  redis.call('SET', KEYS[1], ARGV[1] .. string.format('%d', fence), 'NX', 'PX', ARGV[2])
-  return {1, fence}
+  return fence
 end
-return {0, redis.call('PTTL', KEYS[1])}
+if KEYS[3] then
+  local value = redis.pcall('GET', KEYS[1])
+  if type(value) == 'string' and string.find(value, '^%x+:%d+$')
+      and string.sub(value, 33, 33) == ':' and not string.find(value, '%u') then
+    redis.call('APPEND', KEYS[1], ':w')
+  end
+  local now = redis.call('TIME')
+  local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+  redis.call('ZADD', KEYS[3], ms + tonumber(ARGV[4]), ARGV[3])
+  redis.call('PEXPIRE', KEYS[3], ARGV[4])
+end
+return tostring(redis.call('PTTL', KEYS[1]))
 ";
 
-/// KEYS: lock. ARGV: owner prefix, ttl in ms. Returns 1 when extended, 0 when not ours.
+/// Wakes the oldest live waiter of the queue `KEYS[2]`: drops expired registrations, pops the
+/// one with the earliest expiry and publishes its waiter id on its client's wake channel
+/// (`ARGV[#ARGV]` is the channel prefix, `distlock\x1fwake:`).
+macro_rules! wake_one {
+    () => {
+        r"
+  local now = redis.call('TIME')
+  local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ms)
+  local first = redis.call('ZPOPMIN', KEYS[2])
+  if first[1] then
+    local client, waiter = string.match(first[1], '^(%x+):(%d+)$')
+    if client then
+      redis.call('PUBLISH', ARGV[#ARGV] .. client, waiter)
+    end
+  end
+"
+    };
+}
+
+/// KEYS: the locks to renew. ARGV: for each key in order, its owner prefix and its ttl in ms.
+/// Returns one value per key: 1 when extended, 0 when not ours (missing, another owner's value,
+/// not a string). One call renews a whole batch of a client's locks; the driver caps the number
+/// of keys per call so that one script never keeps the server busy for long.
 const RENEW: &str = r"
-local value = redis.pcall('GET', KEYS[1])
-if type(value) == 'string' and string.sub(value, 1, #ARGV[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local out = {}
+for i = 1, #KEYS do
+  local prefix = ARGV[2 * i - 1]
+  local value = redis.pcall('GET', KEYS[i])
+  if type(value) == 'string' and string.sub(value, 1, #prefix) == prefix then
+    out[i] = redis.call('PEXPIRE', KEYS[i], ARGV[2 * i])
+  else
+    out[i] = 0
+  end
 end
-return 0
+return out
 ";
 
-/// KEYS: lock. ARGV: owner prefix, channel. Returns 1 when deleted (and waiters were told),
-/// 0 when not ours. Never deletes another owner's lock.
-const RELEASE: &str = r"
+/// KEYS: lock, waiter queue. ARGV: owner prefix, wake channel prefix. Returns 1 when deleted, 0 when not ours.
+/// Never deletes another owner's lock. Wakes one waiter only when a waiter marked the value
+/// (`:w`, see [`ACQUIRE`]): without waiters a release costs no more than `GET` + `DEL`.
+const RELEASE: &str = concat!(
+    r"
 local value = redis.pcall('GET', KEYS[1])
 if type(value) == 'string' and string.sub(value, 1, #ARGV[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  redis.call('PUBLISH', ARGV[2], 'released')
+  if string.sub(value, -2) == ':w' then
+",
+    wake_one!(),
+    r"
+  end
   return 1
 end
 return 0
-";
+"
+);
 
-/// KEYS: lock. ARGV: channel. The operator override: deletes whoever holds the lock (any
-/// client's value) and wakes waiters. Returns 1 when something was deleted.
-const FORCE_RELEASE: &str = r"
+/// KEYS: lock, waiter queue. ARGV: wake channel prefix. The operator override: deletes whoever holds the lock (any
+/// client's value) and wakes one waiter. Returns 1 when something was deleted.
+const FORCE_RELEASE: &str = concat!(
+    r"
 if redis.call('DEL', KEYS[1]) == 1 then
-  redis.call('PUBLISH', ARGV[1], 'released')
+",
+    wake_one!(),
+    r"
   return 1
 end
 return 0
-";
+"
+);
 
 /// KEYS: lock, fence counter. Returns nil when free, else `{value, pttl, counter}` (value is
 /// empty when the key is not a string, counter empty when unset).

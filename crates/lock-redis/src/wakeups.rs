@@ -1,10 +1,12 @@
-//! Release notifications for waiting `acquire`s.
+//! Wake-ups for waiting `acquire`s: one waiter per release, not a herd.
 //!
-//! The client's one RESP3 connection carries the subscriptions too (push messages), so waiting
-//! costs no extra connection. Each channel is subscribed once per client however many tasks
-//! wait on it (reference counted; SUBSCRIBE/UNSUBSCRIBE are serialized so a leaving waiter can
-//! never unsubscribe a newer one). A disconnect wakes every waiter so it retries at once; the
-//! connection manager re-subscribes after reconnecting.
+//! Each client has a random id and subscribes (once, on its first wait) to its own wake channel
+//! `distlock\x1fwake:<client id>` on its one RESP3 connection (push messages, no extra
+//! connection). A waiting `acquire` gets a waiter id; its member `<client id>:<waiter id>` is
+//! registered in the lock's waiter queue by its attempts (see the scripts). A release pops the
+//! oldest live registration and publishes the waiter id on that client's channel, which wakes
+//! exactly that waiter. A disconnect wakes every waiter of the client so each retries at once;
+//! the connection manager re-subscribes after reconnecting.
 
 use std::{
     collections::HashMap,
@@ -17,72 +19,81 @@ use std::{
 use redis::{PushInfo, PushKind, Value, aio::ConnectionManager};
 use tokio::sync::Notify;
 
-/// The waiters of each channel: (waiter id, its wake-up).
-type Waiters = HashMap<Vec<u8>, Vec<(u64, Arc<Notify>)>>;
+/// The prefix of every client's wake channel (the release script builds the same name).
+pub(crate) const WAKE_CHANNEL_PREFIX: &[u8] = b"distlock\x1fwake:";
 
-/// Who waits on which channel. Fed by the connection's push messages.
-#[derive(Debug, Default)]
+/// Who waits in this client. Fed by the connection's push messages.
+#[derive(Debug)]
 pub(crate) struct Registry {
-    waiters: Mutex<Waiters>,
-    subscriptions: tokio::sync::Mutex<HashMap<Vec<u8>, usize>>,
+    /// 16 lowercase hex digits, random per client.
+    client_id: String,
+    channel: Vec<u8>,
+    waiters: Mutex<HashMap<u64, Arc<Notify>>>,
+    /// Whether the wake channel subscription was confirmed (serialized: one SUBSCRIBE).
+    subscribed: tokio::sync::Mutex<bool>,
     next_id: AtomicU64,
 }
 
+impl Default for Registry {
+    fn default() -> Self {
+        let client_id = lock_core::OwnershipToken::generate().expose_hex()[..16].to_owned();
+        let mut channel = WAKE_CHANNEL_PREFIX.to_vec();
+        channel.extend_from_slice(client_id.as_bytes());
+        Self {
+            client_id,
+            channel,
+            waiters: Mutex::default(),
+            subscribed: tokio::sync::Mutex::new(false),
+            next_id: AtomicU64::new(1),
+        }
+    }
+}
+
 impl Registry {
-    fn waiters(&self) -> MutexGuard<'_, Waiters> {
+    fn waiters(&self) -> MutexGuard<'_, HashMap<u64, Arc<Notify>>> {
         self.waiters.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn dispatch(&self, info: PushInfo) {
         match info.kind {
             PushKind::Message => {
-                if let Some(Value::BulkString(channel)) = info.data.first()
-                    && let Some(list) = self.waiters().get(channel)
+                if let [Value::BulkString(channel), Value::BulkString(id), ..] = &info.data[..]
+                    && *channel == self.channel
+                    && let Some(id) = std::str::from_utf8(id)
+                        .ok()
+                        .and_then(|id| id.parse::<u64>().ok())
+                    && let Some(notify) = self.waiters().get(&id)
                 {
-                    list.iter().for_each(|(_, n)| n.notify_one());
+                    notify.notify_one();
                 }
             }
             PushKind::Disconnection => {
-                for list in self.waiters().values() {
-                    list.iter().for_each(|(_, n)| n.notify_one());
-                }
+                self.waiters().values().for_each(|n| n.notify_one());
             }
             _ => {}
         }
     }
 
-    /// Starts listening on `channel`: returns once the server has confirmed the subscription,
-    /// so a release published afterwards is seen.
+    /// Registers a waiter and makes sure the client's wake channel is subscribed: returns once
+    /// the server has confirmed the subscription, so a wake-up published afterwards is seen.
     pub(crate) async fn watch(
         self: &Arc<Self>,
         conn: &ConnectionManager,
-        channel: &[u8],
     ) -> redis::RedisResult<Watch> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let notify = Arc::new(Notify::new());
-        self.waiters()
-            .entry(channel.to_vec())
-            .or_default()
-            .push((id, notify.clone()));
-        let mut watch = Watch {
+        self.waiters().insert(id, notify.clone());
+        let watch = Watch {
             registry: self.clone(),
-            conn: conn.clone(),
-            channel: channel.to_vec(),
+            member: format!("{}:{id}", self.client_id),
             id,
             notify,
-            subscribed: false,
         };
-        let mut subs = self.subscriptions.lock().await;
-        let count = subs.entry(channel.to_vec()).or_insert(0);
-        if *count == 0 {
-            let mut conn = conn.clone();
-            if let Err(e) = conn.subscribe(channel).await {
-                subs.remove(channel);
-                return Err(e);
-            }
+        let mut subscribed = self.subscribed.lock().await;
+        if !*subscribed {
+            conn.clone().subscribe(&self.channel).await?;
+            *subscribed = true;
         }
-        *count += 1;
-        watch.subscribed = true;
         Ok(watch)
     }
 }
@@ -94,58 +105,31 @@ impl redis::aio::AsyncPushSender for Registry {
     }
 }
 
-/// One waiter's subscription; dropping it unsubscribes (in the background) when it was the
-/// channel's last waiter.
+/// One waiting `acquire`; dropping it stops its wake-ups (its queue registration is removed by
+/// the caller, see `lock.rs`).
 #[derive(Debug)]
 pub(crate) struct Watch {
     registry: Arc<Registry>,
-    conn: ConnectionManager,
-    channel: Vec<u8>,
+    member: String,
     id: u64,
     notify: Arc<Notify>,
-    subscribed: bool,
 }
 
 impl Watch {
-    /// Completes when a release was published on the channel (or the connection dropped) since
-    /// the last call; a notification that arrived meanwhile is kept, never lost.
+    /// Completes when a release woke this waiter (or the connection dropped) since the last
+    /// call; a wake-up that arrived meanwhile is kept, never lost.
     pub(crate) async fn woken(&self) {
         self.notify.notified().await;
+    }
+
+    /// This waiter's member in a lock's waiter queue: `<client id>:<waiter id>`.
+    pub(crate) fn member(&self) -> &str {
+        &self.member
     }
 }
 
 impl Drop for Watch {
     fn drop(&mut self) {
-        {
-            let mut waiters = self.registry.waiters();
-            if let Some(list) = waiters.get_mut(&self.channel) {
-                list.retain(|(id, _)| *id != self.id);
-                if list.is_empty() {
-                    waiters.remove(&self.channel);
-                }
-            }
-        }
-        if !self.subscribed {
-            return;
-        }
-        let registry = self.registry.clone();
-        let mut conn = self.conn.clone();
-        let channel = std::mem::take(&mut self.channel);
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        rt.spawn(async move {
-            let mut subs = registry.subscriptions.lock().await;
-            let Some(count) = subs.get_mut(&channel) else {
-                return;
-            };
-            *count = count.saturating_sub(1);
-            if *count == 0 {
-                subs.remove(&channel);
-                if let Err(e) = conn.unsubscribe(&channel).await {
-                    tracing::debug!(error = %e, "unsubscribe of a lock release channel failed");
-                }
-            }
-        });
+        self.registry.waiters().remove(&self.id);
     }
 }

@@ -492,3 +492,395 @@ async fn an_unreachable_server_is_unavailable_and_fails_fast() {
         Err(Error::Unavailable { .. })
     ));
 }
+
+/// Polls all `futures` in one task, in order, until every one is done: the first poll of each
+/// happens before any of them can complete, so their requests are submitted together.
+async fn join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
+    let mut futures: Vec<_> = futures.into_iter().map(Box::pin).collect();
+    let mut outputs: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (future, output) in futures.iter_mut().zip(outputs.iter_mut()) {
+            if output.is_none() {
+                match future.as_mut().poll(cx) {
+                    std::task::Poll::Ready(value) => *output = Some(value),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    outputs.into_iter().map(Option::unwrap).collect()
+}
+
+/// `calls` of `cmdstat_<command>` in `INFO commandstats` (0 when the command never ran).
+async fn command_calls(admin: &mut MultiplexedConnection, command: &str) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(admin)
+        .await
+        .unwrap();
+    let prefix = format!("cmdstat_{command}:calls=");
+    info.lines()
+        .find_map(|line| line.strip_prefix(&prefix))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_guarded_locks_renew_with_a_few_script_calls_per_tick() {
+    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+        return;
+    }
+    // A private server, so the command counters are ours alone.
+    let server = OwnRedis::start(26394).await;
+    let lock = Arc::new(RedisLock::connect_url(&server.url()).await.unwrap());
+    let mut admin = admin(&server.url()).await;
+    // More locks than one script call takes (500), so a batch is sent in several chunks.
+    const N: usize = 1200;
+    let ttl = Duration::from_secs(3);
+    let mut guards = Vec::with_capacity(N);
+    for i in 0..N {
+        let key = fresh_key(&format!("batch-{i}"));
+        let guard = lock.lock(&key).ttl(ttl).try_acquire().await.unwrap();
+        guards.push(guard.expect("a fresh key is free"));
+    }
+    redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    // Every successful renewal runs one PEXPIRE inside the script; wait for three ticks' worth.
+    let until = Instant::now() + Duration::from_secs(30);
+    while command_calls(&mut admin, "pexpire").await < 3 * N as u64 {
+        assert!(Instant::now() < until, "the watchdogs do not renew");
+        sleep(Duration::from_millis(100)).await;
+    }
+    let scripts = command_calls(&mut admin, "evalsha").await;
+    let renewed = command_calls(&mut admin, "pexpire").await;
+    assert!(
+        scripts * 50 <= renewed,
+        "{scripts} script calls for {renewed} renewals: not batched"
+    );
+    assert!(guards.iter().all(|g| !g.is_lost()));
+    assert!(guards.iter().all(|g| g.renewals() >= 1));
+    for guard in guards {
+        assert!(guard.release().await.unwrap());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_deleted_from_outside_is_not_held_while_the_rest_of_its_batch_renews() {
+    let Some((_, lock, mut admin)) = shared().await else {
+        return;
+    };
+    let ttl = Duration::from_secs(10);
+    let mut leases = Vec::new();
+    for i in 0..20 {
+        let key = fresh_key(&format!("batch-deleted-{i}"));
+        leases.push(lock.try_acquire(&key, ttl).await.unwrap().unwrap());
+    }
+    let deleted = 10;
+    redis::cmd("DEL")
+        .arg(lock.redis_key(leases[deleted].key()))
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    let longer = Duration::from_secs(60);
+    // Submitted together: the first goes alone, the 19 others (the deleted one among them)
+    // share the next batch.
+    let results = join_all(
+        leases
+            .iter_mut()
+            .map(|lease| lock.renew(lease, longer))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    for (i, result) in results.into_iter().enumerate() {
+        if i == deleted {
+            assert!(matches!(result, Err(Error::NotHeld { .. })), "{result:?}");
+        } else {
+            result.unwrap();
+        }
+    }
+    for (i, lease) in leases.iter().enumerate() {
+        let pttl: i64 = redis::cmd("PTTL")
+            .arg(lock.redis_key(lease.key()))
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        if i == deleted {
+            assert_eq!(pttl, -2, "the deleted lock must stay deleted");
+        } else {
+            assert!(
+                pttl > ttl.as_millis() as i64,
+                "lock {i} not renewed: {pttl}"
+            );
+            assert_eq!(lease.ttl(), longer);
+            assert!(lock.release(lease).await.unwrap());
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_renewal_of_a_batch_without_reply_is_indeterminate() {
+    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+        return;
+    }
+    let server = OwnRedis::start(26395).await;
+    let url = format!(
+        "{}?response_timeout=200ms&reconnect_retries=0",
+        server.url()
+    );
+    let lock = Arc::new(RedisLock::connect_url(&url).await.unwrap());
+    let mut leases = Vec::new();
+    for i in 0..5 {
+        let key = fresh_key(&format!("batch-unknown-{i}"));
+        leases.push(lock.try_acquire(&key, LONG).await.unwrap().unwrap());
+    }
+    let deadlines: Vec<_> = leases.iter().map(|l| l.local_deadline()).collect();
+    server.signal("STOP");
+    let results = join_all(
+        leases
+            .iter_mut()
+            .map(|lease| lock.renew(lease, LONG))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    server.signal("CONT");
+    for result in results {
+        assert!(
+            matches!(result, Err(Error::Indeterminate { .. })),
+            "{result:?}"
+        );
+    }
+    // An unconfirmed renewal never moves the local deadline.
+    for (lease, before) in leases.iter().zip(deadlines) {
+        assert_eq!(lease.local_deadline(), before);
+    }
+}
+
+/// A RESP3 connection that receives every wake-up published on `url`'s server.
+async fn wake_listener(
+    url: &str,
+) -> (
+    MultiplexedConnection,
+    tokio::sync::mpsc::UnboundedReceiver<redis::PushInfo>,
+) {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let config = redis::AsyncConnectionConfig::new().set_push_sender(tx);
+    let mut conn = redis::Client::open(format!("{url}?protocol=resp3").as_str())
+        .unwrap()
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+        .unwrap();
+    conn.psubscribe("distlock\x1fwake:*").await.unwrap();
+    (conn, rx)
+}
+
+/// The next wake-up message (channel, payload), skipping subscription confirmations.
+async fn next_wake(
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<redis::PushInfo>,
+) -> (Vec<u8>, Vec<u8>) {
+    loop {
+        let info = timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .expect("no wake-up was published")
+            .unwrap();
+        if info.kind == redis::PushKind::PMessage
+            && let [
+                _,
+                redis::Value::BulkString(channel),
+                redis::Value::BulkString(payload),
+            ] = &info.data[..]
+        {
+            return (channel.clone(), payload.clone());
+        }
+    }
+}
+
+async fn wait_for_mark(admin: &mut MultiplexedConnection, redis_key: &str) {
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let value = get(admin, redis_key.as_bytes()).await.unwrap();
+        if value.ends_with(b":w") {
+            return;
+        }
+        assert!(Instant::now() < until, "no waiter marked the lock");
+        sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn queued(admin: &mut MultiplexedConnection, redis_key: &str) -> i64 {
+    redis::cmd("ZCARD")
+        .arg(format!("{{{redis_key}}}\x1fwaiters"))
+        .query_async(admin)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_wakes_only_when_a_waiter_marked_the_lock() {
+    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+        return;
+    }
+    let server = OwnRedis::start(26397).await;
+    // No fallback poll within the test: only the published wake-up can wake the waiter.
+    let url = format!("{}?max_poll_interval=60s", server.url());
+    let lock = Arc::new(RedisLock::connect_url(&url).await.unwrap());
+    let mut admin = admin(&server.url()).await;
+    let (_listener, mut wakes) = wake_listener(&server.url()).await;
+    let key = fresh_key("publish");
+    let redis_key = lock.redis_key(&key);
+
+    let lease = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    assert!(lock.release(&lease).await.unwrap());
+    assert_eq!(
+        command_calls(&mut admin, "publish").await,
+        0,
+        "nobody waits"
+    );
+
+    let holder = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    let waiter = {
+        let (lock, key) = (lock.clone(), key.clone());
+        tokio::spawn(async move { lock.acquire(&key, LONG, Instant::now() + LONG).await })
+    };
+    // The waiter marks the holder's value (keeping its format for inspect and its ttl).
+    wait_for_mark(&mut admin, &redis_key).await;
+    assert_eq!(queued(&mut admin, &redis_key).await, 1);
+    let info = lock.inspect(&key).await.unwrap().unwrap();
+    assert_eq!(info.fencing_token, holder.fencing_token());
+    assert_eq!(info.token_digest, Some(holder.token().digest()));
+    assert!(info.ttl_remaining.unwrap() > Duration::from_secs(20));
+    assert!(lock.release(&holder).await.unwrap());
+    let (channel, _waiter_id) = next_wake(&mut wakes).await;
+    assert!(channel.starts_with(b"distlock\x1fwake:"), "{channel:?}");
+    let lease = timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter was not woken by the release")
+        .unwrap()
+        .unwrap();
+    assert_eq!(command_calls(&mut admin, "publish").await, 1);
+    assert_eq!(queued(&mut admin, &redis_key).await, 0);
+    assert!(lease.fencing_token() > holder.fencing_token());
+    assert!(lock.release(&lease).await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_release_wakes_one_waiter_and_skips_dead_registrations() {
+    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+        return;
+    }
+    let server = OwnRedis::start(26398).await;
+    let url = format!("{}?max_poll_interval=60s", server.url());
+    let holder_client = RedisLock::connect_url(&url).await.unwrap();
+    let mut admin = admin(&server.url()).await;
+    let (_listener, mut wakes) = wake_listener(&server.url()).await;
+    let key = fresh_key("wake-one");
+    let redis_key = holder_client.redis_key(&key);
+    let holder = holder_client
+        .try_acquire(&key, LONG)
+        .await
+        .unwrap()
+        .unwrap();
+
+    // Two waiters, each on a client of its own.
+    let mut waiters = Vec::new();
+    for expected in 1..=2 {
+        let client = Arc::new(RedisLock::connect_url(&url).await.unwrap());
+        let key = key.clone();
+        let task = tokio::spawn(async move {
+            let lease = client
+                .acquire(&key, LONG, Instant::now() + LONG)
+                .await
+                .unwrap();
+            (client, lease)
+        });
+        let until = Instant::now() + Duration::from_secs(10);
+        while queued(&mut admin, &redis_key).await < expected {
+            assert!(Instant::now() < until, "waiter {expected} never queued");
+            sleep(Duration::from_millis(10)).await;
+        }
+        waiters.push(task);
+    }
+    // A registration whose waiter died long ago (expired score) is skipped, and a live
+    // registration of a waiter that no longer listens only costs its own turn.
+    redis::cmd("ZADD")
+        .arg(format!("{{{redis_key}}}\x1fwaiters"))
+        .arg(1)
+        .arg("00000000000000aa:1")
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    assert!(holder_client.release(&holder).await.unwrap());
+    let (first_channel, _) = next_wake(&mut wakes).await;
+    assert!(!first_channel.ends_with(b"00000000000000aa"));
+    // Exactly one waiter gets the lock; the other stays queued, not woken.
+    let (winner, rest) = loop {
+        if waiters[0].is_finished() {
+            break (waiters.remove(0), waiters.remove(0));
+        }
+        if waiters[1].is_finished() {
+            break (waiters.remove(1), waiters.remove(0));
+        }
+        sleep(Duration::from_millis(5)).await;
+    };
+    let (winner_client, lease) = winner.await.unwrap();
+    assert_eq!(
+        queued(&mut admin, &redis_key).await,
+        1,
+        "the other waiter stays queued"
+    );
+    assert_eq!(
+        command_calls(&mut admin, "publish").await,
+        1,
+        "one wake-up per release"
+    );
+    assert!(!rest.is_finished());
+    // Its release wakes the other one.
+    assert!(winner_client.release(&lease).await.unwrap());
+    let (second_channel, _) = next_wake(&mut wakes).await;
+    assert_ne!(first_channel, second_channel);
+    let (other_client, lease) = timeout(Duration::from_secs(10), rest)
+        .await
+        .expect("the second waiter was not woken")
+        .unwrap();
+    assert!(other_client.release(&lease).await.unwrap());
+    assert_eq!(queued(&mut admin, &redis_key).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_or_timed_out_waiter_leaves_the_queue() {
+    let Some((url, _, mut admin)) = shared().await else {
+        return;
+    };
+    // Registrations then live 11 s: only an explicit removal empties the queue in time.
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let lock = RedisLock::connect_url(&format!("{url}{separator}max_poll_interval=5s"))
+        .await
+        .unwrap();
+    let key = fresh_key("queue-cleanup");
+    let redis_key = lock.redis_key(&key);
+    let holder = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    // Timed out.
+    let err = lock
+        .acquire(&key, LONG, Instant::now() + Duration::from_millis(300))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    // Dropped.
+    let waiting = lock.acquire(&key, LONG, Instant::now() + LONG);
+    assert!(timeout(Duration::from_millis(300), waiting).await.is_err());
+    let until = Instant::now() + Duration::from_secs(5);
+    while queued(&mut admin, &redis_key).await > 0 {
+        assert!(Instant::now() < until, "a gone waiter stays registered");
+        sleep(Duration::from_millis(10)).await;
+    }
+    assert!(lock.release(&holder).await.unwrap());
+}
