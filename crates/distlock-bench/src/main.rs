@@ -159,16 +159,22 @@ async fn run_backend(
                 .first()
                 .is_some_and(|c| c.capabilities().wait_notify);
             progress(format!("{name}: handoff, {} waiters", plan.waiters));
-            let rtt = report.rtt().copied();
-            let write_rtt = report.write_rtt().copied();
+            let (rtt, idle_rtt, write_rtt) = (
+                report.rtt().copied(),
+                report.idle_rtt().copied(),
+                report.write_rtt().copied(),
+            );
             match lock_core::LockKey::new(format!("bench/{run}/handoff")) {
                 Ok(key) => match scenario::handoff(
                     &clients[..plan.waiters],
                     &key,
                     TTL,
                     plan.handoffs,
-                    rtt.as_ref(),
-                    write_rtt.as_ref(),
+                    scenario::HandoffFloors {
+                        rtt: rtt.as_ref(),
+                        idle_rtt: idle_rtt.as_ref(),
+                        write_rtt: write_rtt.as_ref(),
+                    },
                 )
                 .await
                 {

@@ -38,6 +38,10 @@ pub async fn uncontended(
             if errors[i].is_some() {
                 continue;
             }
+            let idle = variants[i].idle_before();
+            if !idle.is_zero() {
+                sleep(idle).await;
+            }
             let start = Instant::now();
             let outcome = variants[i].run().await;
             let took = start.elapsed();
@@ -64,6 +68,20 @@ pub async fn uncontended(
         .collect()
 }
 
+/// How long a holder holds in the hand-off measurement.
+pub const HANDOFF_HOLD: Duration = Duration::from_millis(2);
+
+/// The round-trip floors a hand-off is expressed in.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HandoffFloors<'a> {
+    /// Back-to-back bare round trip.
+    pub rtt: Option<&'a Summary>,
+    /// Bare round trip after [`HANDOFF_HOLD`] of idle.
+    pub idle_rtt: Option<&'a Summary>,
+    /// Bare write.
+    pub write_rtt: Option<&'a Summary>,
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -76,8 +94,7 @@ pub async fn handoff(
     key: &LockKey,
     ttl: Duration,
     handoffs: usize,
-    rtt: Option<&Summary>,
-    write_rtt: Option<&Summary>,
+    floors: HandoffFloors<'_>,
 ) -> Res<Handoff> {
     let released_at: Arc<Mutex<Option<Instant>>> = Arc::default();
     let samples: Arc<Mutex<Vec<Duration>>> = Arc::default();
@@ -123,7 +140,7 @@ pub async fn handoff(
                 seen.borrow_and_update();
                 remaining.fetch_sub(1, Ordering::SeqCst);
                 // A short hold, so the other waiters are parked on the wake-up path.
-                sleep(Duration::from_millis(2)).await;
+                sleep(HANDOFF_HOLD).await;
                 *lock(&released_at) = Some(Instant::now());
                 client.release(&lease).await?;
                 if remaining.load(Ordering::SeqCst) == 0 {
@@ -140,10 +157,13 @@ pub async fn handoff(
     }
     let mut samples = std::mem::take(&mut *lock(&samples));
     let latency = Summary::of(&mut samples).ok_or("no handoff was measured")?;
+    let in_units =
+        |floor: Option<&Summary>| floor.and_then(|f| ratio(latency.median_us, f.median_us));
     Ok(Handoff {
         waiters: clients.len(),
-        median_in_rtts: rtt.and_then(|r| ratio(latency.median_us, r.median_us)),
-        median_in_write_rtts: write_rtt.and_then(|r| ratio(latency.median_us, r.median_us)),
+        median_in_rtts: in_units(floors.rtt),
+        median_in_write_rtts: in_units(floors.write_rtt),
+        median_in_idle_rtts: in_units(floors.idle_rtt),
         latency,
     })
 }

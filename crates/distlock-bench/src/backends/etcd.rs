@@ -9,7 +9,7 @@ use etcd_client::{
 use lock_core::{DynLock, LockKey, async_trait};
 use lock_etcd::{EtcdLock, EtcdLockConfig};
 
-use super::{Backend, Counts, Cycle, DistlockCycle, RequestCounter, Res};
+use super::{AfterIdle, Backend, Counts, Cycle, DistlockCycle, RequestCounter, Res};
 use crate::report::Kind;
 
 /// The etcd backend at a URL.
@@ -275,6 +275,10 @@ impl Backend for Etcd {
                 client: client.clone(),
                 key: format!("{prefix}-rtt"),
             }),
+            Box::new(AfterIdle(Box::new(Get {
+                client: client.clone(),
+                key: format!("{prefix}-rtt"),
+            }))),
             Box::new(Put {
                 client,
                 key: format!("{prefix}-write"),

@@ -24,6 +24,36 @@ pub trait Cycle: Send {
     fn label(&self) -> String;
     /// One cycle. Fails if the lock was not free or the server answered an error.
     async fn run(&mut self) -> Res<()>;
+    /// Idle time before each (untimed) cycle.
+    fn idle_before(&self) -> Duration {
+        Duration::ZERO
+    }
+}
+
+/// A bare round trip measured after the hand-off's idle time ([`crate::scenario::HANDOFF_HOLD`]).
+pub struct AfterIdle(pub Box<dyn Cycle>);
+
+#[async_trait]
+impl Cycle for AfterIdle {
+    fn kind(&self) -> Kind {
+        Kind::IdleRtt
+    }
+
+    fn label(&self) -> String {
+        format!(
+            "{} after {:?} idle",
+            self.0.label(),
+            crate::scenario::HANDOFF_HOLD
+        )
+    }
+
+    async fn run(&mut self) -> Res<()> {
+        self.0.run().await
+    }
+
+    fn idle_before(&self) -> Duration {
+        crate::scenario::HANDOFF_HOLD
+    }
 }
 
 /// A request count, in total and by kind.

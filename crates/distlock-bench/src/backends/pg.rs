@@ -11,7 +11,7 @@ use lock_pg::{
     sqlx::{self, Connection, Either, PgConnection, postgres::PgAdvisoryLock},
 };
 
-use super::{Backend, Counts, Cycle, DistlockCycle, RequestCounter, Res};
+use super::{AfterIdle, Backend, Counts, Cycle, DistlockCycle, RequestCounter, Res};
 use crate::report::Kind;
 
 /// The database the bench works in.
@@ -304,6 +304,9 @@ impl Backend for Pg {
             Box::new(Select1 {
                 conn: self.connection().await?,
             }),
+            Box::new(AfterIdle(Box::new(Select1 {
+                conn: self.connection().await?,
+            }))),
             Box::new(Update {
                 conn: self.connection().await?,
                 name: warm.as_str().to_owned(),

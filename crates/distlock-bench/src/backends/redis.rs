@@ -6,7 +6,7 @@ use lock_core::{DynLock, LockKey, OwnershipToken, async_trait};
 use lock_redis::{RedisLock, RedisLockConfig};
 use redis::aio::MultiplexedConnection;
 
-use super::{Backend, Counts, Cycle, DistlockCycle, RequestCounter, Res, info_calls};
+use super::{AfterIdle, Backend, Counts, Cycle, DistlockCycle, RequestCounter, Res, info_calls};
 use crate::report::Kind;
 
 /// The bare release: compare the stored token, then delete.
@@ -234,6 +234,9 @@ impl Backend for Redis {
             Box::new(Ping {
                 conn: self.connection().await?,
             }),
+            Box::new(AfterIdle(Box::new(Ping {
+                conn: self.connection().await?,
+            }))),
             Box::new(Write {
                 conn: self.connection().await?,
                 key: format!("distlock-bench:{run}:write"),

@@ -8,7 +8,7 @@ use lock_zk::{ZkLock, ZkLockConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use zookeeper_client as zk;
 
-use super::{Backend, Counts, Cycle, DistlockCycle, RequestCounter, Res};
+use super::{AfterIdle, Backend, Counts, Cycle, DistlockCycle, RequestCounter, Res};
 use crate::report::Kind;
 
 /// The ZooKeeper backend at a URL.
@@ -252,6 +252,9 @@ impl Backend for Zk {
             Box::new(Exists {
                 client: raw.clone(),
             }),
+            Box::new(AfterIdle(Box::new(Exists {
+                client: raw.clone(),
+            }))),
             Box::new(SetData {
                 client: raw,
                 path: write_path,
