@@ -1,14 +1,18 @@
 //! `PgLock`: the lease-table lock.
 
 use std::{
+    collections::HashSet,
     fmt,
-    sync::{Arc, OnceLock},
+    sync::{
+        Arc, OnceLock,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
 use lock_core::{
-    AcquireWait, Backoff, Capabilities, DistributedLock, Error, FencingGuarantee, FencingToken,
-    HolderInfo, Lease, LockKey, OwnershipToken, Result, async_trait,
+    AcquireWait, Backoff, Batcher, Capabilities, DistributedLock, Error, FencingGuarantee,
+    FencingToken, HolderInfo, Lease, LockKey, OwnershipToken, Result, async_trait,
 };
 use sqlx::{
     PgPool, Postgres, Row,
@@ -55,6 +59,10 @@ struct Inner {
     sql: Statements,
     table_ready: OnceCell<()>,
     notifier: OnceLock<Notifier>,
+    /// Renewals waiting for, or riding in, the next batch statement.
+    renewals: Batcher<Renewal, RenewAnswer>,
+    /// Statements sent on the lock's own connections (each is one transaction).
+    statements: AtomicU64,
 }
 
 /// How a statement ended when it did not return a result.
@@ -103,19 +111,50 @@ fn is_untrusted_server(e: &sqlx::Error) -> bool {
     false
 }
 
-fn exec_error(op: &'static str, key: &LockKey, e: ExecError) -> Error {
-    match e {
-        ExecError::NotSent(e) if is_untrusted_server(&e) => Error::backend(BACKEND, op, e),
-        ExecError::NotSent(e) => Error::unavailable(BACKEND, op, e),
-        ExecError::Rejected(e) if is_connection_error(&e) => Error::unavailable(BACKEND, op, e),
-        ExecError::Rejected(e) => Error::backend(BACKEND, op, e),
-        ExecError::Unknown { message, .. } => Error::Indeterminate {
-            backend: BACKEND,
-            op,
-            key: key.as_str().to_owned(),
-            message,
-        },
+/// Serialization failure (40001) or deadlock (40P01): the server rolled the statement back
+/// to resolve a conflict with another transaction, so nothing was applied and an idempotent
+/// statement may simply run again.
+fn is_transient_conflict(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("40001" | "40P01")))
+}
+
+/// A classified failure that can be handed to every lock of a failed batch.
+#[derive(Clone, Debug)]
+enum Failure {
+    Unavailable(Arc<sqlx::Error>),
+    Backend(Arc<sqlx::Error>),
+    Indeterminate(String),
+}
+
+impl From<ExecError> for Failure {
+    fn from(e: ExecError) -> Self {
+        match e {
+            ExecError::NotSent(e) if is_untrusted_server(&e) => Self::Backend(Arc::new(e)),
+            ExecError::NotSent(e) => Self::Unavailable(Arc::new(e)),
+            ExecError::Rejected(e) if is_connection_error(&e) => Self::Unavailable(Arc::new(e)),
+            ExecError::Rejected(e) => Self::Backend(Arc::new(e)),
+            ExecError::Unknown { message, .. } => Self::Indeterminate(message),
+        }
     }
+}
+
+impl Failure {
+    fn into_error(self, op: &'static str, key: &LockKey) -> Error {
+        match self {
+            Self::Unavailable(e) => Error::unavailable(BACKEND, op, e),
+            Self::Backend(e) => Error::backend(BACKEND, op, e),
+            Self::Indeterminate(message) => Error::Indeterminate {
+                backend: BACKEND,
+                op,
+                key: key.as_str().to_owned(),
+                message,
+            },
+        }
+    }
+}
+
+fn exec_error(op: &'static str, key: &LockKey, e: ExecError) -> Error {
+    Failure::from(e).into_error(op, key)
 }
 
 fn fence_of(row: &PgRow, op: &'static str) -> Result<FencingToken> {
@@ -166,6 +205,8 @@ impl PgLock {
                 sql,
                 table_ready: OnceCell::new(),
                 notifier: OnceLock::new(),
+                renewals: Batcher::new(MAX_RENEW_BATCH),
+                statements: AtomicU64::new(0),
             }),
         }
     }
@@ -190,6 +231,13 @@ impl PgLock {
     /// The `LISTEN`/`NOTIFY` channel a key's releases are announced on.
     pub fn channel(&self, key: &LockKey) -> String {
         channel_name(&self.inner.config.table, key)
+    }
+
+    /// How many statements this client has sent on its own connections so far (each one
+    /// transaction, retries included; not the `LISTEN` connection, not [`PgLock::pool`]).
+    /// Renewals that coincide share one statement.
+    pub fn statements_sent(&self) -> u64 {
+        self.inner.statements.load(Ordering::Relaxed)
     }
 
     fn notifier(&self) -> &Notifier {
@@ -270,18 +318,19 @@ impl Inner {
 
     /// Runs one statement on a pooled connection, bounded by `op_timeout`, and classifies
     /// the failure. A connection that failed mid-statement is closed, never reused.
-    async fn fetch_optional(
+    async fn fetch_all(
         &self,
         query: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
-    ) -> std::result::Result<Option<PgRow>, ExecError> {
+    ) -> std::result::Result<Vec<PgRow>, ExecError> {
         let mut pooled = self.conns.get().await.map_err(ExecError::NotSent)?;
         let Some(conn) = pooled.conn() else {
             return Err(ExecError::NotSent(sqlx::Error::PoolClosed));
         };
-        match timeout(self.config.op_timeout, query.fetch_optional(&mut *conn)).await {
-            Ok(Ok(row)) => {
+        self.statements.fetch_add(1, Ordering::Relaxed);
+        match timeout(self.config.op_timeout, query.fetch_all(&mut *conn)).await {
+            Ok(Ok(rows)) => {
                 pooled.put_back();
-                Ok(row)
+                Ok(rows)
             }
             Ok(Err(e)) if is_connection_error(&e) => Err(ExecError::Unknown {
                 message: e.to_string(),
@@ -299,27 +348,52 @@ impl Inner {
         }
     }
 
+    /// [`Inner::fetch_all`] of a statement that returns at most one row.
+    async fn fetch_optional(
+        &self,
+        query: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
+    ) -> std::result::Result<Option<PgRow>, ExecError> {
+        self.fetch_all(query)
+            .await
+            .map(|rows| rows.into_iter().next())
+    }
+
     /// Runs an idempotent statement, retrying on another connection when the connection died
-    /// under it (e.g. the pool's idle connections were terminated), up to once per pooled
-    /// connection plus one, within `op_timeout`.
-    async fn fetch_idempotent<'q>(
+    /// under it (e.g. the pool's idle connections were terminated), or at once when the server
+    /// rolled it back to break a deadlock or a serialization conflict (nothing was applied),
+    /// up to once per pooled connection plus one, within `op_timeout`.
+    async fn fetch_all_idempotent<'q>(
         &self,
         make: impl Fn() -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
-    ) -> std::result::Result<(Option<PgRow>, Instant), ExecError> {
+    ) -> std::result::Result<Vec<PgRow>, ExecError> {
         let give_up = Instant::now() + self.config.op_timeout;
         let mut attempts = self.config.pool_size.saturating_add(1);
         loop {
-            let sent_at = Instant::now();
-            match self.fetch_optional(make()).await {
-                Ok(row) => return Ok((row, sent_at)),
+            match self.fetch_all(make()).await {
+                Ok(rows) => return Ok(rows),
                 Err(ExecError::Unknown { retry: true, .. })
                     if attempts > 1 && Instant::now() < give_up =>
+                {
+                    attempts -= 1;
+                }
+                Err(ExecError::Rejected(e))
+                    if is_transient_conflict(&e) && attempts > 1 && Instant::now() < give_up =>
                 {
                     attempts -= 1;
                 }
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// [`Inner::fetch_all_idempotent`] of a statement that returns at most one row.
+    async fn fetch_idempotent<'q>(
+        &self,
+        make: impl Fn() -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
+    ) -> std::result::Result<Option<PgRow>, ExecError> {
+        self.fetch_all_idempotent(make)
+            .await
+            .map(|rows| rows.into_iter().next())
     }
 
     async fn try_acquire(self: &Arc<Self>, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
@@ -411,32 +485,87 @@ impl Inner {
                 .bind(channel.clone())
         })
         .await
-        .map(|(row, _)| row.is_some())
+        .map(|row| row.is_some())
         .map_err(|e| exec_error("release", key, e))
     }
 
-    async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
+    /// Renews through the client's [`Batcher`]: a lone renewal is sent at once; renewals that
+    /// arrive while one is in flight go together in the next statement (one transaction, one
+    /// durable commit for up to [`MAX_RENEW_BATCH`] leases).
+    async fn renew(self: &Arc<Self>, lease: &mut Lease, ttl: Duration) -> Result<()> {
         const OP: &str = "renew";
         let key = lease.key().clone();
-        let fence = lease_fence(lease, OP)?;
-        let hex = lease.token().expose_hex();
-        let (row, sent_at) = self
-            .fetch_idempotent(|| {
-                sqlx::query(self.sql.renew.clone())
-                    .bind(key.as_str())
-                    .bind(hex.clone())
-                    .bind(fence)
-                    .bind(micros(ttl))
+        let item = Renewal {
+            name: key.as_str().to_owned(),
+            owner: lease.token().expose_hex(),
+            fence: lease_fence(lease, OP)?,
+            ttl_micros: micros(ttl),
+        };
+        // Taken before queueing: the statement can only start later, so the local deadline
+        // computed from it is conservative.
+        let sent_at = Instant::now();
+        let inner = Arc::clone(self);
+        let answer = self
+            .renewals
+            .submit(item, move |batch| {
+                let inner = Arc::clone(&inner);
+                async move { inner.renew_batch(batch).await }
             })
-            .await
-            .map_err(|e| exec_error(OP, &key, e))?;
-        match row {
-            Some(_) => {
+            .await;
+        match answer {
+            Some(Ok(true)) => {
                 lease.renewed(ttl, sent_at);
                 Ok(())
             }
-            None => Err(Error::not_held(&key)),
+            Some(Ok(false)) => Err(Error::not_held(&key)),
+            Some(Err(failure)) => Err(failure.into_error(OP, &key)),
+            // The batch task died (panic, runtime shutdown): it may have been applied.
+            None => Err(Error::Indeterminate {
+                backend: BACKEND,
+                op: OP,
+                key: key.as_str().to_owned(),
+                message: "the renewal batch ended without an answer".to_owned(),
+            }),
         }
+    }
+
+    /// Renews a batch of leases, one statement per group of distinct names (normally one),
+    /// and answers per lease: renewed, no longer held, or the statement's failure.
+    async fn renew_batch(&self, batch: Vec<Renewal>) -> Vec<RenewAnswer> {
+        let mut answers: Vec<Option<RenewAnswer>> = batch.iter().map(|_| None).collect();
+        for mut group in distinct_name_groups(&batch) {
+            // Bound in name order (the statement also locks in name order).
+            group.sort_by(|&a, &b| batch[a].name.cmp(&batch[b].name));
+            let names: Vec<&str> = group.iter().map(|&i| batch[i].name.as_str()).collect();
+            let owners: Vec<&str> = group.iter().map(|&i| batch[i].owner.as_str()).collect();
+            let fences: Vec<i64> = group.iter().map(|&i| batch[i].fence).collect();
+            let ttls: Vec<i64> = group.iter().map(|&i| batch[i].ttl_micros).collect();
+            let outcome = self
+                .fetch_all_idempotent(|| {
+                    sqlx::query(self.sql.renew.clone())
+                        .bind(&names)
+                        .bind(&owners)
+                        .bind(&fences)
+                        .bind(&ttls)
+                })
+                .await;
+            let renewed = outcome.map_err(Failure::from).and_then(|rows| {
+                rows.iter()
+                    .map(|row| row.try_get::<String, _>(0))
+                    .collect::<std::result::Result<HashSet<String>, _>>()
+                    .map_err(|e| Failure::Backend(Arc::new(e)))
+            });
+            for &i in &group {
+                answers[i] = Some(match &renewed {
+                    Ok(names) => Ok(names.contains(&batch[i].name)),
+                    Err(failure) => Err(failure.clone()),
+                });
+            }
+        }
+        answers
+            .into_iter()
+            .map(|a| a.unwrap_or_else(|| Err(Failure::Indeterminate("not sent".to_owned()))))
+            .collect()
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
@@ -450,7 +579,7 @@ impl Inner {
         } else {
             &self.sql.release
         };
-        let (row, _) = self
+        let row = self
             .fetch_idempotent(|| {
                 sqlx::query(sql.clone())
                     .bind(key.as_str())
@@ -467,7 +596,7 @@ impl Inner {
         const OP: &str = "force_release";
         self.ensure_table().await?;
         let channel = channel_name(&self.config.table, key);
-        let (row, _) = self
+        let row = self
             .fetch_idempotent(|| {
                 sqlx::query(self.sql.force_release.clone())
                     .bind(key.as_str())
@@ -482,7 +611,7 @@ impl Inner {
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         const OP: &str = "inspect";
         self.ensure_table().await?;
-        let (row, _) = self
+        let row = self
             .fetch_idempotent(|| sqlx::query(self.sql.inspect.clone()).bind(key.as_str()))
             .await
             .map_err(|e| match e {
@@ -511,6 +640,40 @@ impl Inner {
             waiters: None,
         }))
     }
+}
+
+/// The most leases renewed by one statement.
+const MAX_RENEW_BATCH: usize = 1000;
+
+/// One lease to renew, as bound into the batch statement.
+struct Renewal {
+    name: String,
+    owner: String,
+    fence: i64,
+    ttl_micros: i64,
+}
+
+/// Renewed (`true`), no longer held (`false`), or the batch statement's failure.
+type RenewAnswer = std::result::Result<bool, Failure>;
+
+/// Splits a batch into groups of distinct names (indices into `batch`, in submission order).
+/// The same lease renewed twice at once (say, by its watchdog and by hand) lands in a second
+/// group, run after the first, so each renewal applies its own TTL and is answered on its own.
+fn distinct_name_groups(batch: &[Renewal]) -> Vec<Vec<usize>> {
+    let mut groups: Vec<(HashSet<&str>, Vec<usize>)> = Vec::new();
+    for (i, item) in batch.iter().enumerate() {
+        match groups
+            .iter_mut()
+            .find(|(names, _)| !names.contains(item.name.as_str()))
+        {
+            Some((names, indices)) => {
+                names.insert(&item.name);
+                indices.push(i);
+            }
+            None => groups.push((HashSet::from([item.name.as_str()]), vec![i])),
+        }
+    }
+    groups.into_iter().map(|(_, indices)| indices).collect()
 }
 
 fn lease_fence(lease: &Lease, op: &'static str) -> Result<i64> {
@@ -668,6 +831,22 @@ mod tests {
         let shown = format!("{lock:?} {:?}", lock.inner.conns);
         assert!(!shown.contains("hunter2"), "{shown}");
         assert!(shown.contains("127.0.0.1"), "{shown}");
+    }
+
+    #[test]
+    fn a_batch_splits_into_groups_of_distinct_names() {
+        let item = |name: &str| Renewal {
+            name: name.to_owned(),
+            owner: String::new(),
+            fence: 1,
+            ttl_micros: 1,
+        };
+        let batch: Vec<Renewal> = ["a", "b", "a", "c", "a", "b"].map(item).into();
+        assert_eq!(
+            distinct_name_groups(&batch),
+            vec![vec![0, 1, 3], vec![2, 5], vec![4]]
+        );
+        assert!(distinct_name_groups(&[]).is_empty());
     }
 
     #[test]

@@ -16,7 +16,8 @@ pub(crate) struct Statements {
     pub(crate) create: SqlStr,
     /// `$1` name, `$2` owner, `$3` ttl µs → `fence` when granted, no row when held.
     pub(crate) acquire: SqlStr,
-    /// `$1` name, `$2` owner, `$3` fence, `$4` ttl µs → `fence` when still ours.
+    /// `$1` names, `$2` owners, `$3` fences, `$4` ttls µs (arrays of one length, names distinct)
+    /// → the `name` of every row renewed; rows are locked in name order.
     pub(crate) renew: SqlStr,
     /// `$1` name, `$2` owner, `$3` fence, `$4` channel → one row when released (and notified).
     pub(crate) release: SqlStr,
@@ -57,10 +58,24 @@ impl Statements {
              WHERE l.owner IS NULL OR l.expires_at <= clock_timestamp() \
              RETURNING l.fence"
         );
+        // Many leases in one statement (one transaction, one durable commit). The rows are
+        // locked first, in name order, whatever join the planner picks, so two batches that
+        // share rows lock them in the same order and cannot deadlock each other. A row that is
+        // no longer this lease's (released, expired, taken over) is simply not returned.
         let renew = format!(
-            "UPDATE {t} SET expires_at = clock_timestamp() + $4::bigint * interval '1 microsecond' \
-             WHERE name = $1 AND owner = $2 AND fence = $3 AND expires_at > clock_timestamp() \
-             RETURNING fence"
+            "WITH r AS (\
+                 SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[]) \
+                     AS r(name, owner, fence, ttl)\
+             ), mine AS MATERIALIZED (\
+                 SELECT l.name, r.ttl FROM {t} AS l JOIN r ON l.name = r.name \
+                 WHERE l.owner = r.owner AND l.fence = r.fence \
+                     AND l.expires_at > clock_timestamp() \
+                 ORDER BY l.name \
+                 FOR NO KEY UPDATE OF l\
+             ) \
+             UPDATE {t} AS l SET expires_at = clock_timestamp() + mine.ttl * interval '1 microsecond' \
+             FROM mine WHERE l.name = mine.name AND l.expires_at > clock_timestamp() \
+             RETURNING l.name"
         );
         let release_where = "l.name = $1 AND l.owner = $2 AND l.fence = $3 \
                              AND l.expires_at > clock_timestamp()";
