@@ -5,7 +5,7 @@ use std::{
     fmt,
     sync::{
         Arc, OnceLock,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::Duration,
 };
@@ -157,11 +157,38 @@ fn exec_error(op: &'static str, key: &LockKey, e: ExecError) -> Error {
     Failure::from(e).into_error(op, key)
 }
 
-fn fence_of(row: &PgRow, op: &'static str) -> Result<FencingToken> {
-    let fence: i64 = row.try_get(0).map_err(|e| Error::backend(BACKEND, op, e))?;
-    u64::try_from(fence)
-        .map(FencingToken)
-        .map_err(|_| Error::backend(BACKEND, op, format!("negative fence {fence} in the table")))
+/// What one acquire statement did (`F`: the fence, then the lease, once granted).
+#[derive(Debug)]
+enum Attempt<F = Lease> {
+    /// Granted, with this fence.
+    Granted(F),
+    /// A live holder was seen, with this much of its lease left.
+    Held(Duration),
+    /// Another acquire of the name was in progress (gated attempts only): its outcome is
+    /// announced by a notification if it wins and later releases, not otherwise.
+    Busy,
+    /// Free in the statement's snapshot, but taken by a grant that committed meanwhile.
+    Lost,
+}
+
+fn attempt_of(row: &PgRow) -> Result<Attempt<FencingToken>> {
+    const OP: &str = "try_acquire";
+    let column = |e| Error::backend(BACKEND, OP, e);
+    let fence: Option<i64> = row.try_get(0).map_err(column)?;
+    let remaining: Option<i64> = row.try_get(1).map_err(column)?;
+    let tried: Option<bool> = row.try_get(2).map_err(column)?;
+    Ok(match (fence, remaining, tried) {
+        (Some(fence), ..) => {
+            Attempt::Granted(FencingToken(u64::try_from(fence).map_err(|_| {
+                Error::backend(BACKEND, OP, format!("negative fence {fence} in the table"))
+            })?))
+        }
+        (None, Some(remaining), _) => {
+            Attempt::Held(Duration::from_micros(u64::try_from(remaining).unwrap_or(0)))
+        }
+        (None, None, Some(false)) => Attempt::Busy,
+        (None, None, _) => Attempt::Lost,
+    })
 }
 
 fn micros(ttl: Duration) -> i64 {
@@ -396,7 +423,15 @@ impl Inner {
             .map(|rows| rows.into_iter().next())
     }
 
-    async fn try_acquire(self: &Arc<Self>, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
+    /// One acquire statement (retried only when its connection died and the attempt was
+    /// provably undone). `gated`: give up at once, with [`Attempt::Busy`], when another acquire
+    /// of the name is in progress, rather than wait on the row for its outcome.
+    async fn attempt(
+        self: &Arc<Self>,
+        key: &LockKey,
+        ttl: Duration,
+        gated: bool,
+    ) -> Result<Attempt> {
         const OP: &str = "try_acquire";
         self.ensure_table().await?;
         let give_up = Instant::now() + self.config.op_timeout;
@@ -415,16 +450,23 @@ impl Inner {
                     sqlx::query(self.sql.acquire.clone())
                         .bind(key.as_str())
                         .bind(token.expose_hex())
-                        .bind(micros(ttl)),
+                        .bind(micros(ttl))
+                        .bind(self.sql.gate_class)
+                        .bind(gated),
                 )
                 .await;
             undo.inner = None;
             match outcome {
-                Ok(None) => return Ok(None),
+                Ok(None) => return Err(Error::backend(BACKEND, OP, "the acquire returned no row")),
                 Ok(Some(row)) => {
-                    let fence = fence_of(&row, OP)?;
+                    let fence = match attempt_of(&row)? {
+                        Attempt::Granted(fence) => fence,
+                        Attempt::Held(remaining) => return Ok(Attempt::Held(remaining)),
+                        Attempt::Busy => return Ok(Attempt::Busy),
+                        Attempt::Lost => return Ok(Attempt::Lost),
+                    };
                     tracing::debug!(%key, token = %token.digest(), %fence, "acquired");
-                    return Ok(Some(Lease::new(
+                    return Ok(Attempt::Granted(Lease::new(
                         key.clone(),
                         token,
                         Some(fence),
@@ -726,14 +768,26 @@ impl DistributedLock for PgLock {
         }
     }
 
+    /// One ungated attempt: when another acquire of the key is in progress, waits on the row
+    /// for its outcome rather than answer `None` while the lock may turn out free.
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
         self.capabilities().check_ttl(ttl)?;
-        self.inner.try_acquire(key, ttl).await
+        match self.inner.attempt(key, ttl, false).await? {
+            Attempt::Granted(lease) => Ok(Some(lease)),
+            Attempt::Held(_) | Attempt::Busy | Attempt::Lost => Ok(None),
+        }
     }
 
     /// Tries once; when the lock is held, `LISTEN`s to the key's channel on the client's shared
-    /// listener connection and tries again when a release is notified, when the holder's
-    /// lease runs out, or after a bounded jittered fallback delay.
+    /// listener connection, tries again, and then waits for a release to be notified, for the
+    /// holder's lease to run out (the acquire statement returns its remaining time), or for a
+    /// bounded jittered fallback delay.
+    ///
+    /// Attempts after the first are gated: of the waiters that one release wakes, only the
+    /// first to reach the server runs the upsert; the others are told at once that a grant is
+    /// in progress and wait for the next notification. Should no notification follow before
+    /// the fallback delay (the grant failed, or an unrelated advisory lock collided with the
+    /// gate), the next attempt is ungated.
     ///
     /// # Cancellation safety
     /// Dropping the future unsubscribes; a grant in flight at that moment is undone in the
@@ -747,45 +801,55 @@ impl DistributedLock for PgLock {
             Backoff::new(Duration::from_millis(10), config.poll_interval),
         )?;
         let mut subscription: Option<Subscription> = None;
+        let mut gated = false;
         loop {
             if let Some(s) = subscription.as_mut() {
                 s.mark_seen();
             }
-            match self.inner.try_acquire(key, ttl).await {
-                Ok(Some(lease)) => return Ok(lease),
-                Ok(None) if config.listen && subscription.is_none() => {
-                    // LISTEN before the next attempt, so a release in between is not missed.
-                    let subscribe = self.notifier().subscribe(self.channel(key));
-                    match timeout_at(deadline, subscribe).await {
-                        Ok(s) => subscription = Some(s),
-                        Err(_) => return Err(wait.timeout()),
+            let attempt = match self.inner.attempt(key, ttl, gated).await {
+                Ok(Attempt::Granted(lease)) => return Ok(lease),
+                Ok(attempt) => attempt,
+                Err(e) => {
+                    wait.retry_after(e).await?;
+                    continue;
+                }
+            };
+            gated = true;
+            if config.listen && subscription.is_none() {
+                // LISTEN, then try again at once, so a release in between is not missed.
+                let subscribe = self.notifier().subscribe(self.channel(key));
+                match timeout_at(deadline, subscribe).await {
+                    Ok(s) => subscription = Some(s),
+                    Err(_) => return Err(wait.timeout()),
+                }
+                continue;
+            }
+            // Also wake when the holder's lease runs out (expiry is not notified).
+            let expires_in = match attempt {
+                Attempt::Held(remaining) => Some(remaining + Duration::from_millis(1)),
+                // Taken by a grant that committed during the statement: look again now.
+                Attempt::Lost => Some(Duration::ZERO),
+                Attempt::Busy | Attempt::Granted(_) => None,
+            };
+            let notified = AtomicBool::new(false);
+            let woken = async {
+                let expiry = async {
+                    match expires_in {
+                        Some(d) => sleep(d).await,
+                        None => std::future::pending().await,
                     }
+                };
+                match subscription.as_mut() {
+                    Some(s) => tokio::select! {
+                        () = s.changed() => notified.store(true, Ordering::Relaxed),
+                        () = expiry => {}
+                    },
+                    None => expiry.await,
                 }
-                Ok(None) => {
-                    // Also wake when the holder's lease runs out (expiry is not notified).
-                    let expires_in = match self.inner.inspect(key).await {
-                        Ok(Some(holder)) => holder.ttl_remaining,
-                        Ok(None) => Some(Duration::ZERO),
-                        Err(_) => None,
-                    };
-                    let woken = async {
-                        let expiry = async {
-                            match expires_in {
-                                Some(d) => sleep(d + Duration::from_millis(1)).await,
-                                None => std::future::pending().await,
-                            }
-                        };
-                        match subscription.as_mut() {
-                            Some(s) => tokio::select! {
-                                () = s.changed() => {}
-                                () = expiry => {}
-                            },
-                            None => expiry.await,
-                        }
-                    };
-                    wait.wait(woken).await?;
-                }
-                Err(e) => wait.retry_after(e).await?,
+            };
+            wait.wait(woken).await?;
+            if matches!(attempt, Attempt::Busy) && !notified.load(Ordering::Relaxed) {
+                gated = false;
             }
         }
     }
@@ -831,6 +895,44 @@ mod tests {
         let shown = format!("{lock:?} {:?}", lock.inner.conns);
         assert!(!shown.contains("hunter2"), "{shown}");
         assert!(shown.contains("127.0.0.1"), "{shown}");
+    }
+
+    /// A foreign session holding the advisory lock that a waiter's gate uses (a collision)
+    /// only delays the waiter: with no notification before its fallback delay, the next
+    /// attempt is ungated and takes the free lock.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_colliding_advisory_lock_only_delays_a_waiter() {
+        use sqlx::Connection;
+        let Some(url) = conformance::backend_url("DISTLOCK_TEST_PG_URL") else {
+            return;
+        };
+        let sep = if url.contains('?') { '&' } else { '?' };
+        let config = PgLockConfig::from_url(&format!("{url}{sep}poll_interval=200ms")).unwrap();
+        let a = PgLock::connect(config.clone()).await.unwrap();
+        let b = Arc::new(PgLock::connect(config).await.unwrap());
+        let ttl = Duration::from_secs(30);
+        let key = conformance::fresh_key("gate-collision");
+        let lease = a.try_acquire(&key, ttl).await.unwrap().expect("free");
+        let waiter = {
+            let (b, key) = (b.clone(), key.clone());
+            tokio::spawn(async move { b.acquire(&key, ttl, Instant::now() + ttl).await })
+        };
+        let mut foreign = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::query("SELECT pg_advisory_lock($1, hashtext($2))")
+            .bind(a.inner.sql.gate_class)
+            .bind(key.as_str())
+            .execute(&mut foreign)
+            .await
+            .unwrap();
+        sleep(Duration::from_millis(300)).await; // the waiter is LISTENing, its attempts gated
+        assert!(a.release(&lease).await.unwrap());
+        let got = timeout(Duration::from_secs(10), waiter)
+            .await
+            .expect("the waiter stayed behind the colliding advisory lock")
+            .unwrap()
+            .unwrap();
+        assert!(got.fencing_token() > lease.fencing_token());
+        assert!(b.release(&got).await.unwrap());
     }
 
     #[test]
