@@ -167,22 +167,46 @@ enum Attempt<F = Lease> {
     /// Another acquire of the name was in progress (gated attempts only): its outcome is
     /// announced by a notification if it wins and later releases, not otherwise.
     Busy,
-    /// Free in the statement's snapshot, but taken by a grant that committed meanwhile.
+    /// Not granted, and no holder seen: taken by a grant that committed during the waiter's
+    /// statement (free in its snapshot), or the bare upsert found the row held.
     Lost,
 }
 
-fn attempt_of(row: &PgRow) -> Result<Attempt<FencingToken>> {
+fn fence_token(fence: i64) -> Result<FencingToken> {
+    u64::try_from(fence).map(FencingToken).map_err(|_| {
+        Error::backend(
+            BACKEND,
+            "try_acquire",
+            format!("negative fence {fence} in the table"),
+        )
+    })
+}
+
+/// Which acquire statement an attempt runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// The bare upsert (`try_acquire`): the cheapest grant; on a held row it takes the row
+    /// lock and commits it, and it tells nothing about the holder.
+    Try,
+    /// The waiter's statement: reads first, returns the holder's remaining time, and when
+    /// `gated` gives up at once while another acquire of the name is in progress.
+    Wait { gated: bool },
+}
+
+fn attempt_of(row: &PgRow, mode: Mode) -> Result<Attempt<FencingToken>> {
     const OP: &str = "try_acquire";
     let column = |e| Error::backend(BACKEND, OP, e);
     let fence: Option<i64> = row.try_get(0).map_err(column)?;
+    if mode == Mode::Try {
+        return match fence {
+            Some(fence) => Ok(Attempt::Granted(fence_token(fence)?)),
+            None => Ok(Attempt::Lost),
+        };
+    }
     let remaining: Option<i64> = row.try_get(1).map_err(column)?;
     let tried: Option<bool> = row.try_get(2).map_err(column)?;
     Ok(match (fence, remaining, tried) {
-        (Some(fence), ..) => {
-            Attempt::Granted(FencingToken(u64::try_from(fence).map_err(|_| {
-                Error::backend(BACKEND, OP, format!("negative fence {fence} in the table"))
-            })?))
-        }
+        (Some(fence), ..) => Attempt::Granted(fence_token(fence)?),
         (None, Some(remaining), _) => {
             Attempt::Held(Duration::from_micros(u64::try_from(remaining).unwrap_or(0)))
         }
@@ -424,13 +448,12 @@ impl Inner {
     }
 
     /// One acquire statement (retried only when its connection died and the attempt was
-    /// provably undone). `gated`: give up at once, with [`Attempt::Busy`], when another acquire
-    /// of the name is in progress, rather than wait on the row for its outcome.
+    /// provably undone). `mode`: the bare upsert, or the waiter's statement, gated or not.
     async fn attempt(
         self: &Arc<Self>,
         key: &LockKey,
         ttl: Duration,
-        gated: bool,
+        mode: Mode,
     ) -> Result<Attempt> {
         const OP: &str = "try_acquire";
         self.ensure_table().await?;
@@ -445,21 +468,26 @@ impl Inner {
                 token,
                 until: sent_at + ttl,
             };
-            let outcome = self
-                .fetch_optional(
-                    sqlx::query(self.sql.acquire.clone())
-                        .bind(key.as_str())
-                        .bind(token.expose_hex())
-                        .bind(micros(ttl))
-                        .bind(self.sql.gate_class)
-                        .bind(gated),
-                )
-                .await;
+            let query = match mode {
+                Mode::Try => sqlx::query(self.sql.acquire.clone())
+                    .bind(key.as_str())
+                    .bind(token.expose_hex())
+                    .bind(micros(ttl)),
+                Mode::Wait { gated } => sqlx::query(self.sql.acquire_waiting.clone())
+                    .bind(key.as_str())
+                    .bind(token.expose_hex())
+                    .bind(micros(ttl))
+                    .bind(self.sql.gate_class)
+                    .bind(gated),
+            };
+            let outcome = self.fetch_optional(query).await;
             undo.inner = None;
             match outcome {
+                // Only the bare upsert returns no row: held (or taken meanwhile).
+                Ok(None) if mode == Mode::Try => return Ok(Attempt::Lost),
                 Ok(None) => return Err(Error::backend(BACKEND, OP, "the acquire returned no row")),
                 Ok(Some(row)) => {
-                    let fence = match attempt_of(&row)? {
+                    let fence = match attempt_of(&row, mode)? {
                         Attempt::Granted(fence) => fence,
                         Attempt::Held(remaining) => return Ok(Attempt::Held(remaining)),
                         Attempt::Busy => return Ok(Attempt::Busy),
@@ -768,11 +796,12 @@ impl DistributedLock for PgLock {
         }
     }
 
-    /// One ungated attempt: when another acquire of the key is in progress, waits on the row
-    /// for its outcome rather than answer `None` while the lock may turn out free.
+    /// One bare upsert, the cheapest grant: when another acquire of the key is in progress, it
+    /// waits on the row for its outcome rather than answer `None` while the lock may turn out
+    /// free.
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
         self.capabilities().check_ttl(ttl)?;
-        match self.inner.attempt(key, ttl, false).await? {
+        match self.inner.attempt(key, ttl, Mode::Try).await? {
             Attempt::Granted(lease) => Ok(Some(lease)),
             Attempt::Held(_) | Attempt::Busy | Attempt::Lost => Ok(None),
         }
@@ -806,7 +835,7 @@ impl DistributedLock for PgLock {
             if let Some(s) = subscription.as_mut() {
                 s.mark_seen();
             }
-            let attempt = match self.inner.attempt(key, ttl, gated).await {
+            let attempt = match self.inner.attempt(key, ttl, Mode::Wait { gated }).await {
                 Ok(Attempt::Granted(lease)) => return Ok(lease),
                 Ok(attempt) => attempt,
                 Err(e) => {

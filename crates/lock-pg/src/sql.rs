@@ -14,11 +14,13 @@ use crate::TableName;
 #[derive(Debug)]
 pub(crate) struct Statements {
     pub(crate) create: SqlStr,
+    /// `$1` name, `$2` owner, `$3` ttl µs → `fence` when granted, no row when held.
+    pub(crate) acquire: SqlStr,
     /// `$1` name, `$2` owner, `$3` ttl µs, `$4` gate class, `$5` gated → one row: `fence` when
     /// granted; else `remaining` µs of the live holder seen, or `tried` = false when another
     /// acquire of the name was in progress (gated only), or `tried` = true when the grant was
     /// lost to a holder that committed during the statement.
-    pub(crate) acquire: SqlStr,
+    pub(crate) acquire_waiting: SqlStr,
     /// The advisory-lock class of this table's acquire gates.
     pub(crate) gate_class: i32,
     /// `$1` names, `$2` owners, `$3` fences, `$4` ttls µs (arrays of one length, names distinct)
@@ -62,7 +64,18 @@ impl Statements {
              )"
         );
         // One statement, on the database's clock: insert a first grant, or take over a free or
-        // expired row while bumping its fence; the upsert's WHERE, evaluated on the latest
+        // expired row while bumping its fence. A held row is left alone (no row returned), but
+        // locked until the statement's transaction commits.
+        let acquire = format!(
+            "INSERT INTO {t} AS l (name, owner, fence, expires_at) \
+             VALUES ($1, $2, 1, clock_timestamp() + $3::bigint * interval '1 microsecond') \
+             ON CONFLICT (name) DO UPDATE \
+             SET owner = excluded.owner, fence = l.fence + 1, \
+                 expires_at = clock_timestamp() + $3::bigint * interval '1 microsecond' \
+             WHERE l.owner IS NULL OR l.expires_at <= clock_timestamp() \
+             RETURNING l.fence"
+        );
+        // The waiter's statement: the same upsert, whose WHERE, evaluated on the latest
         // version of the locked row, is what makes grants exclusive. Two shortcuts spare a
         // loser the row lock (a durable commit) and the wait behind a concurrent grant:
         // * `cur`: when the statement's snapshot shows a live holder, nothing is attempted and
@@ -70,7 +83,7 @@ impl Statements {
         // * `gate` (when `$5`): a transaction-scoped advisory lock on the name, so that of the
         //   waiters woken by one release only the first runs the upsert; the others learn
         //   `tried = false` at once, without blocking on the row until the winner commits.
-        let acquire = format!(
+        let acquire_waiting = format!(
             "WITH cur AS MATERIALIZED (\
                  SELECT GREATEST(0, floor(extract(epoch FROM expires_at - clock_timestamp()) \
                      * 1000000))::bigint AS remaining \
@@ -147,6 +160,7 @@ impl Statements {
             create: sql(create),
             force_release: sql(force_release),
             acquire: sql(acquire),
+            acquire_waiting: sql(acquire_waiting),
             gate_class: gate_class(table),
             renew: sql(renew),
             release: sql(release),
