@@ -1,14 +1,18 @@
 //! `PgLock`: the lease-table lock.
 
 use std::{
+    collections::HashSet,
     fmt,
-    sync::{Arc, OnceLock},
+    sync::{
+        Arc, OnceLock,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
 use lock_core::{
-    AcquireWait, Backoff, Capabilities, DistributedLock, Error, FencingGuarantee, FencingToken,
-    HolderInfo, Lease, LockKey, OwnershipToken, Result, async_trait,
+    AcquireWait, Backoff, Batcher, Capabilities, DistributedLock, Error, FencingGuarantee,
+    FencingToken, HolderInfo, Lease, LockKey, OwnershipToken, Result, async_trait,
 };
 use sqlx::{
     PgPool, Postgres, Row,
@@ -55,6 +59,10 @@ struct Inner {
     sql: Statements,
     table_ready: OnceCell<()>,
     notifier: OnceLock<Notifier>,
+    /// Renewals waiting for, or riding in, the next batch statement.
+    renewals: Batcher<Renewal, RenewAnswer>,
+    /// Statements sent on the lock's own connections (each is one transaction).
+    statements: AtomicU64,
 }
 
 /// How a statement ended when it did not return a result.
@@ -103,26 +111,108 @@ fn is_untrusted_server(e: &sqlx::Error) -> bool {
     false
 }
 
-fn exec_error(op: &'static str, key: &LockKey, e: ExecError) -> Error {
-    match e {
-        ExecError::NotSent(e) if is_untrusted_server(&e) => Error::backend(BACKEND, op, e),
-        ExecError::NotSent(e) => Error::unavailable(BACKEND, op, e),
-        ExecError::Rejected(e) if is_connection_error(&e) => Error::unavailable(BACKEND, op, e),
-        ExecError::Rejected(e) => Error::backend(BACKEND, op, e),
-        ExecError::Unknown { message, .. } => Error::Indeterminate {
-            backend: BACKEND,
-            op,
-            key: key.as_str().to_owned(),
-            message,
-        },
+/// Serialization failure (40001) or deadlock (40P01): the server rolled the statement back
+/// to resolve a conflict with another transaction, so nothing was applied and an idempotent
+/// statement may simply run again.
+fn is_transient_conflict(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("40001" | "40P01")))
+}
+
+/// A classified failure that can be handed to every lock of a failed batch.
+#[derive(Clone, Debug)]
+enum Failure {
+    Unavailable(Arc<sqlx::Error>),
+    Backend(Arc<sqlx::Error>),
+    Indeterminate(String),
+}
+
+impl From<ExecError> for Failure {
+    fn from(e: ExecError) -> Self {
+        match e {
+            ExecError::NotSent(e) if is_untrusted_server(&e) => Self::Backend(Arc::new(e)),
+            ExecError::NotSent(e) => Self::Unavailable(Arc::new(e)),
+            ExecError::Rejected(e) if is_connection_error(&e) => Self::Unavailable(Arc::new(e)),
+            ExecError::Rejected(e) => Self::Backend(Arc::new(e)),
+            ExecError::Unknown { message, .. } => Self::Indeterminate(message),
+        }
     }
 }
 
-fn fence_of(row: &PgRow, op: &'static str) -> Result<FencingToken> {
-    let fence: i64 = row.try_get(0).map_err(|e| Error::backend(BACKEND, op, e))?;
-    u64::try_from(fence)
-        .map(FencingToken)
-        .map_err(|_| Error::backend(BACKEND, op, format!("negative fence {fence} in the table")))
+impl Failure {
+    fn into_error(self, op: &'static str, key: &LockKey) -> Error {
+        match self {
+            Self::Unavailable(e) => Error::unavailable(BACKEND, op, e),
+            Self::Backend(e) => Error::backend(BACKEND, op, e),
+            Self::Indeterminate(message) => Error::Indeterminate {
+                backend: BACKEND,
+                op,
+                key: key.as_str().to_owned(),
+                message,
+            },
+        }
+    }
+}
+
+fn exec_error(op: &'static str, key: &LockKey, e: ExecError) -> Error {
+    Failure::from(e).into_error(op, key)
+}
+
+/// What one acquire statement did (`F`: the fence, then the lease, once granted).
+#[derive(Debug)]
+enum Attempt<F = Lease> {
+    /// Granted, with this fence.
+    Granted(F),
+    /// A live holder was seen, with this much of its lease left.
+    Held(Duration),
+    /// Another acquire of the name was in progress (gated attempts only): its outcome is
+    /// announced by a notification if it wins and later releases, not otherwise.
+    Busy,
+    /// Not granted, and no holder seen: taken by a grant that committed during the waiter's
+    /// statement (free in its snapshot), or the bare upsert found the row held.
+    Lost,
+}
+
+fn fence_token(fence: i64) -> Result<FencingToken> {
+    u64::try_from(fence).map(FencingToken).map_err(|_| {
+        Error::backend(
+            BACKEND,
+            "try_acquire",
+            format!("negative fence {fence} in the table"),
+        )
+    })
+}
+
+/// Which acquire statement an attempt runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// The bare upsert (`try_acquire`): the cheapest grant; on a held row it takes the row
+    /// lock and commits it, and it tells nothing about the holder.
+    Try,
+    /// The waiter's statement: reads first, returns the holder's remaining time, and when
+    /// `gated` gives up at once while another acquire of the name is in progress.
+    Wait { gated: bool },
+}
+
+fn attempt_of(row: &PgRow, mode: Mode) -> Result<Attempt<FencingToken>> {
+    const OP: &str = "try_acquire";
+    let column = |e| Error::backend(BACKEND, OP, e);
+    let fence: Option<i64> = row.try_get(0).map_err(column)?;
+    if mode == Mode::Try {
+        return match fence {
+            Some(fence) => Ok(Attempt::Granted(fence_token(fence)?)),
+            None => Ok(Attempt::Lost),
+        };
+    }
+    let remaining: Option<i64> = row.try_get(1).map_err(column)?;
+    let tried: Option<bool> = row.try_get(2).map_err(column)?;
+    Ok(match (fence, remaining, tried) {
+        (Some(fence), ..) => Attempt::Granted(fence_token(fence)?),
+        (None, Some(remaining), _) => {
+            Attempt::Held(Duration::from_micros(u64::try_from(remaining).unwrap_or(0)))
+        }
+        (None, None, Some(false)) => Attempt::Busy,
+        (None, None, _) => Attempt::Lost,
+    })
 }
 
 fn micros(ttl: Duration) -> i64 {
@@ -166,6 +256,8 @@ impl PgLock {
                 sql,
                 table_ready: OnceCell::new(),
                 notifier: OnceLock::new(),
+                renewals: Batcher::new(MAX_RENEW_BATCH),
+                statements: AtomicU64::new(0),
             }),
         }
     }
@@ -190,6 +282,13 @@ impl PgLock {
     /// The `LISTEN`/`NOTIFY` channel a key's releases are announced on.
     pub fn channel(&self, key: &LockKey) -> String {
         channel_name(&self.inner.config.table, key)
+    }
+
+    /// How many statements this client has sent on its own connections so far (each one
+    /// transaction, retries included; not the `LISTEN` connection, not [`PgLock::pool`]).
+    /// Renewals that coincide share one statement.
+    pub fn statements_sent(&self) -> u64 {
+        self.inner.statements.load(Ordering::Relaxed)
     }
 
     fn notifier(&self) -> &Notifier {
@@ -270,18 +369,19 @@ impl Inner {
 
     /// Runs one statement on a pooled connection, bounded by `op_timeout`, and classifies
     /// the failure. A connection that failed mid-statement is closed, never reused.
-    async fn fetch_optional(
+    async fn fetch_all(
         &self,
         query: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
-    ) -> std::result::Result<Option<PgRow>, ExecError> {
+    ) -> std::result::Result<Vec<PgRow>, ExecError> {
         let mut pooled = self.conns.get().await.map_err(ExecError::NotSent)?;
         let Some(conn) = pooled.conn() else {
             return Err(ExecError::NotSent(sqlx::Error::PoolClosed));
         };
-        match timeout(self.config.op_timeout, query.fetch_optional(&mut *conn)).await {
-            Ok(Ok(row)) => {
+        self.statements.fetch_add(1, Ordering::Relaxed);
+        match timeout(self.config.op_timeout, query.fetch_all(&mut *conn)).await {
+            Ok(Ok(rows)) => {
                 pooled.put_back();
-                Ok(row)
+                Ok(rows)
             }
             Ok(Err(e)) if is_connection_error(&e) => Err(ExecError::Unknown {
                 message: e.to_string(),
@@ -299,21 +399,36 @@ impl Inner {
         }
     }
 
+    /// [`Inner::fetch_all`] of a statement that returns at most one row.
+    async fn fetch_optional(
+        &self,
+        query: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
+    ) -> std::result::Result<Option<PgRow>, ExecError> {
+        self.fetch_all(query)
+            .await
+            .map(|rows| rows.into_iter().next())
+    }
+
     /// Runs an idempotent statement, retrying on another connection when the connection died
-    /// under it (e.g. the pool's idle connections were terminated), up to once per pooled
-    /// connection plus one, within `op_timeout`.
-    async fn fetch_idempotent<'q>(
+    /// under it (e.g. the pool's idle connections were terminated), or at once when the server
+    /// rolled it back to break a deadlock or a serialization conflict (nothing was applied),
+    /// up to once per pooled connection plus one, within `op_timeout`.
+    async fn fetch_all_idempotent<'q>(
         &self,
         make: impl Fn() -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
-    ) -> std::result::Result<(Option<PgRow>, Instant), ExecError> {
+    ) -> std::result::Result<Vec<PgRow>, ExecError> {
         let give_up = Instant::now() + self.config.op_timeout;
         let mut attempts = self.config.pool_size.saturating_add(1);
         loop {
-            let sent_at = Instant::now();
-            match self.fetch_optional(make()).await {
-                Ok(row) => return Ok((row, sent_at)),
+            match self.fetch_all(make()).await {
+                Ok(rows) => return Ok(rows),
                 Err(ExecError::Unknown { retry: true, .. })
                     if attempts > 1 && Instant::now() < give_up =>
+                {
+                    attempts -= 1;
+                }
+                Err(ExecError::Rejected(e))
+                    if is_transient_conflict(&e) && attempts > 1 && Instant::now() < give_up =>
                 {
                     attempts -= 1;
                 }
@@ -322,7 +437,24 @@ impl Inner {
         }
     }
 
-    async fn try_acquire(self: &Arc<Self>, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
+    /// [`Inner::fetch_all_idempotent`] of a statement that returns at most one row.
+    async fn fetch_idempotent<'q>(
+        &self,
+        make: impl Fn() -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
+    ) -> std::result::Result<Option<PgRow>, ExecError> {
+        self.fetch_all_idempotent(make)
+            .await
+            .map(|rows| rows.into_iter().next())
+    }
+
+    /// One acquire statement (retried only when its connection died and the attempt was
+    /// provably undone). `mode`: the bare upsert, or the waiter's statement, gated or not.
+    async fn attempt(
+        self: &Arc<Self>,
+        key: &LockKey,
+        ttl: Duration,
+        mode: Mode,
+    ) -> Result<Attempt> {
         const OP: &str = "try_acquire";
         self.ensure_table().await?;
         let give_up = Instant::now() + self.config.op_timeout;
@@ -336,21 +468,33 @@ impl Inner {
                 token,
                 until: sent_at + ttl,
             };
-            let outcome = self
-                .fetch_optional(
-                    sqlx::query(self.sql.acquire.clone())
-                        .bind(key.as_str())
-                        .bind(token.expose_hex())
-                        .bind(micros(ttl)),
-                )
-                .await;
+            let query = match mode {
+                Mode::Try => sqlx::query(self.sql.acquire.clone())
+                    .bind(key.as_str())
+                    .bind(token.expose_hex())
+                    .bind(micros(ttl)),
+                Mode::Wait { gated } => sqlx::query(self.sql.acquire_waiting.clone())
+                    .bind(key.as_str())
+                    .bind(token.expose_hex())
+                    .bind(micros(ttl))
+                    .bind(self.sql.gate_class)
+                    .bind(gated),
+            };
+            let outcome = self.fetch_optional(query).await;
             undo.inner = None;
             match outcome {
-                Ok(None) => return Ok(None),
+                // Only the bare upsert returns no row: held (or taken meanwhile).
+                Ok(None) if mode == Mode::Try => return Ok(Attempt::Lost),
+                Ok(None) => return Err(Error::backend(BACKEND, OP, "the acquire returned no row")),
                 Ok(Some(row)) => {
-                    let fence = fence_of(&row, OP)?;
+                    let fence = match attempt_of(&row, mode)? {
+                        Attempt::Granted(fence) => fence,
+                        Attempt::Held(remaining) => return Ok(Attempt::Held(remaining)),
+                        Attempt::Busy => return Ok(Attempt::Busy),
+                        Attempt::Lost => return Ok(Attempt::Lost),
+                    };
                     tracing::debug!(%key, token = %token.digest(), %fence, "acquired");
-                    return Ok(Some(Lease::new(
+                    return Ok(Attempt::Granted(Lease::new(
                         key.clone(),
                         token,
                         Some(fence),
@@ -411,32 +555,87 @@ impl Inner {
                 .bind(channel.clone())
         })
         .await
-        .map(|(row, _)| row.is_some())
+        .map(|row| row.is_some())
         .map_err(|e| exec_error("release", key, e))
     }
 
-    async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
+    /// Renews through the client's [`Batcher`]: a lone renewal is sent at once; renewals that
+    /// arrive while one is in flight go together in the next statement (one transaction, one
+    /// durable commit for up to [`MAX_RENEW_BATCH`] leases).
+    async fn renew(self: &Arc<Self>, lease: &mut Lease, ttl: Duration) -> Result<()> {
         const OP: &str = "renew";
         let key = lease.key().clone();
-        let fence = lease_fence(lease, OP)?;
-        let hex = lease.token().expose_hex();
-        let (row, sent_at) = self
-            .fetch_idempotent(|| {
-                sqlx::query(self.sql.renew.clone())
-                    .bind(key.as_str())
-                    .bind(hex.clone())
-                    .bind(fence)
-                    .bind(micros(ttl))
+        let item = Renewal {
+            name: key.as_str().to_owned(),
+            owner: lease.token().expose_hex(),
+            fence: lease_fence(lease, OP)?,
+            ttl_micros: micros(ttl),
+        };
+        // Taken before queueing: the statement can only start later, so the local deadline
+        // computed from it is conservative.
+        let sent_at = Instant::now();
+        let inner = Arc::clone(self);
+        let answer = self
+            .renewals
+            .submit(item, move |batch| {
+                let inner = Arc::clone(&inner);
+                async move { inner.renew_batch(batch).await }
             })
-            .await
-            .map_err(|e| exec_error(OP, &key, e))?;
-        match row {
-            Some(_) => {
+            .await;
+        match answer {
+            Some(Ok(true)) => {
                 lease.renewed(ttl, sent_at);
                 Ok(())
             }
-            None => Err(Error::not_held(&key)),
+            Some(Ok(false)) => Err(Error::not_held(&key)),
+            Some(Err(failure)) => Err(failure.into_error(OP, &key)),
+            // The batch task died (panic, runtime shutdown): it may have been applied.
+            None => Err(Error::Indeterminate {
+                backend: BACKEND,
+                op: OP,
+                key: key.as_str().to_owned(),
+                message: "the renewal batch ended without an answer".to_owned(),
+            }),
         }
+    }
+
+    /// Renews a batch of leases, one statement per group of distinct names (normally one),
+    /// and answers per lease: renewed, no longer held, or the statement's failure.
+    async fn renew_batch(&self, batch: Vec<Renewal>) -> Vec<RenewAnswer> {
+        let mut answers: Vec<Option<RenewAnswer>> = batch.iter().map(|_| None).collect();
+        for mut group in distinct_name_groups(&batch) {
+            // Bound in name order (the statement also locks in name order).
+            group.sort_by(|&a, &b| batch[a].name.cmp(&batch[b].name));
+            let names: Vec<&str> = group.iter().map(|&i| batch[i].name.as_str()).collect();
+            let owners: Vec<&str> = group.iter().map(|&i| batch[i].owner.as_str()).collect();
+            let fences: Vec<i64> = group.iter().map(|&i| batch[i].fence).collect();
+            let ttls: Vec<i64> = group.iter().map(|&i| batch[i].ttl_micros).collect();
+            let outcome = self
+                .fetch_all_idempotent(|| {
+                    sqlx::query(self.sql.renew.clone())
+                        .bind(&names)
+                        .bind(&owners)
+                        .bind(&fences)
+                        .bind(&ttls)
+                })
+                .await;
+            let renewed = outcome.map_err(Failure::from).and_then(|rows| {
+                rows.iter()
+                    .map(|row| row.try_get::<String, _>(0))
+                    .collect::<std::result::Result<HashSet<String>, _>>()
+                    .map_err(|e| Failure::Backend(Arc::new(e)))
+            });
+            for &i in &group {
+                answers[i] = Some(match &renewed {
+                    Ok(names) => Ok(names.contains(&batch[i].name)),
+                    Err(failure) => Err(failure.clone()),
+                });
+            }
+        }
+        answers
+            .into_iter()
+            .map(|a| a.unwrap_or_else(|| Err(Failure::Indeterminate("not sent".to_owned()))))
+            .collect()
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
@@ -450,7 +649,7 @@ impl Inner {
         } else {
             &self.sql.release
         };
-        let (row, _) = self
+        let row = self
             .fetch_idempotent(|| {
                 sqlx::query(sql.clone())
                     .bind(key.as_str())
@@ -467,7 +666,7 @@ impl Inner {
         const OP: &str = "force_release";
         self.ensure_table().await?;
         let channel = channel_name(&self.config.table, key);
-        let (row, _) = self
+        let row = self
             .fetch_idempotent(|| {
                 sqlx::query(self.sql.force_release.clone())
                     .bind(key.as_str())
@@ -482,7 +681,7 @@ impl Inner {
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         const OP: &str = "inspect";
         self.ensure_table().await?;
-        let (row, _) = self
+        let row = self
             .fetch_idempotent(|| sqlx::query(self.sql.inspect.clone()).bind(key.as_str()))
             .await
             .map_err(|e| match e {
@@ -511,6 +710,40 @@ impl Inner {
             waiters: None,
         }))
     }
+}
+
+/// The most leases renewed by one statement.
+const MAX_RENEW_BATCH: usize = 1000;
+
+/// One lease to renew, as bound into the batch statement.
+struct Renewal {
+    name: String,
+    owner: String,
+    fence: i64,
+    ttl_micros: i64,
+}
+
+/// Renewed (`true`), no longer held (`false`), or the batch statement's failure.
+type RenewAnswer = std::result::Result<bool, Failure>;
+
+/// Splits a batch into groups of distinct names (indices into `batch`, in submission order).
+/// The same lease renewed twice at once (say, by its watchdog and by hand) lands in a second
+/// group, run after the first, so each renewal applies its own TTL and is answered on its own.
+fn distinct_name_groups(batch: &[Renewal]) -> Vec<Vec<usize>> {
+    let mut groups: Vec<(HashSet<&str>, Vec<usize>)> = Vec::new();
+    for (i, item) in batch.iter().enumerate() {
+        match groups
+            .iter_mut()
+            .find(|(names, _)| !names.contains(item.name.as_str()))
+        {
+            Some((names, indices)) => {
+                names.insert(&item.name);
+                indices.push(i);
+            }
+            None => groups.push((HashSet::from([item.name.as_str()]), vec![i])),
+        }
+    }
+    groups.into_iter().map(|(_, indices)| indices).collect()
 }
 
 fn lease_fence(lease: &Lease, op: &'static str) -> Result<i64> {
@@ -563,14 +796,27 @@ impl DistributedLock for PgLock {
         }
     }
 
+    /// One bare upsert, the cheapest grant: when another acquire of the key is in progress, it
+    /// waits on the row for its outcome rather than answer `None` while the lock may turn out
+    /// free.
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
         self.capabilities().check_ttl(ttl)?;
-        self.inner.try_acquire(key, ttl).await
+        match self.inner.attempt(key, ttl, Mode::Try).await? {
+            Attempt::Granted(lease) => Ok(Some(lease)),
+            Attempt::Held(_) | Attempt::Busy | Attempt::Lost => Ok(None),
+        }
     }
 
     /// Tries once; when the lock is held, `LISTEN`s to the key's channel on the client's shared
-    /// listener connection and tries again when a release is notified, when the holder's
-    /// lease runs out, or after a bounded jittered fallback delay.
+    /// listener connection, tries again, and then waits for a release to be notified, for the
+    /// holder's lease to run out (the acquire statement returns its remaining time), or for a
+    /// bounded jittered fallback delay.
+    ///
+    /// Attempts after the first are gated: of the waiters that one release wakes, only the
+    /// first to reach the server runs the upsert; the others are told at once that a grant is
+    /// in progress and wait for the next notification. Should no notification follow before
+    /// the fallback delay (the grant failed, or an unrelated advisory lock collided with the
+    /// gate), the next attempt is ungated.
     ///
     /// # Cancellation safety
     /// Dropping the future unsubscribes; a grant in flight at that moment is undone in the
@@ -584,45 +830,55 @@ impl DistributedLock for PgLock {
             Backoff::new(Duration::from_millis(10), config.poll_interval),
         )?;
         let mut subscription: Option<Subscription> = None;
+        let mut gated = false;
         loop {
             if let Some(s) = subscription.as_mut() {
                 s.mark_seen();
             }
-            match self.inner.try_acquire(key, ttl).await {
-                Ok(Some(lease)) => return Ok(lease),
-                Ok(None) if config.listen && subscription.is_none() => {
-                    // LISTEN before the next attempt, so a release in between is not missed.
-                    let subscribe = self.notifier().subscribe(self.channel(key));
-                    match timeout_at(deadline, subscribe).await {
-                        Ok(s) => subscription = Some(s),
-                        Err(_) => return Err(wait.timeout()),
+            let attempt = match self.inner.attempt(key, ttl, Mode::Wait { gated }).await {
+                Ok(Attempt::Granted(lease)) => return Ok(lease),
+                Ok(attempt) => attempt,
+                Err(e) => {
+                    wait.retry_after(e).await?;
+                    continue;
+                }
+            };
+            gated = true;
+            if config.listen && subscription.is_none() {
+                // LISTEN, then try again at once, so a release in between is not missed.
+                let subscribe = self.notifier().subscribe(self.channel(key));
+                match timeout_at(deadline, subscribe).await {
+                    Ok(s) => subscription = Some(s),
+                    Err(_) => return Err(wait.timeout()),
+                }
+                continue;
+            }
+            // Also wake when the holder's lease runs out (expiry is not notified).
+            let expires_in = match attempt {
+                Attempt::Held(remaining) => Some(remaining + Duration::from_millis(1)),
+                // Taken by a grant that committed during the statement: look again now.
+                Attempt::Lost => Some(Duration::ZERO),
+                Attempt::Busy | Attempt::Granted(_) => None,
+            };
+            let notified = AtomicBool::new(false);
+            let woken = async {
+                let expiry = async {
+                    match expires_in {
+                        Some(d) => sleep(d).await,
+                        None => std::future::pending().await,
                     }
+                };
+                match subscription.as_mut() {
+                    Some(s) => tokio::select! {
+                        () = s.changed() => notified.store(true, Ordering::Relaxed),
+                        () = expiry => {}
+                    },
+                    None => expiry.await,
                 }
-                Ok(None) => {
-                    // Also wake when the holder's lease runs out (expiry is not notified).
-                    let expires_in = match self.inner.inspect(key).await {
-                        Ok(Some(holder)) => holder.ttl_remaining,
-                        Ok(None) => Some(Duration::ZERO),
-                        Err(_) => None,
-                    };
-                    let woken = async {
-                        let expiry = async {
-                            match expires_in {
-                                Some(d) => sleep(d + Duration::from_millis(1)).await,
-                                None => std::future::pending().await,
-                            }
-                        };
-                        match subscription.as_mut() {
-                            Some(s) => tokio::select! {
-                                () = s.changed() => {}
-                                () = expiry => {}
-                            },
-                            None => expiry.await,
-                        }
-                    };
-                    wait.wait(woken).await?;
-                }
-                Err(e) => wait.retry_after(e).await?,
+            };
+            wait.wait(woken).await?;
+            if matches!(attempt, Attempt::Busy) && !notified.load(Ordering::Relaxed) {
+                gated = false;
             }
         }
     }
@@ -668,6 +924,60 @@ mod tests {
         let shown = format!("{lock:?} {:?}", lock.inner.conns);
         assert!(!shown.contains("hunter2"), "{shown}");
         assert!(shown.contains("127.0.0.1"), "{shown}");
+    }
+
+    /// A foreign session holding the advisory lock that a waiter's gate uses (a collision)
+    /// only delays the waiter: with no notification before its fallback delay, the next
+    /// attempt is ungated and takes the free lock.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_colliding_advisory_lock_only_delays_a_waiter() {
+        use sqlx::Connection;
+        let Some(url) = conformance::backend_url("DISTLOCK_TEST_PG_URL") else {
+            return;
+        };
+        let sep = if url.contains('?') { '&' } else { '?' };
+        let config = PgLockConfig::from_url(&format!("{url}{sep}poll_interval=200ms")).unwrap();
+        let a = PgLock::connect(config.clone()).await.unwrap();
+        let b = Arc::new(PgLock::connect(config).await.unwrap());
+        let ttl = Duration::from_secs(30);
+        let key = conformance::fresh_key("gate-collision");
+        let lease = a.try_acquire(&key, ttl).await.unwrap().expect("free");
+        let waiter = {
+            let (b, key) = (b.clone(), key.clone());
+            tokio::spawn(async move { b.acquire(&key, ttl, Instant::now() + ttl).await })
+        };
+        let mut foreign = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::query("SELECT pg_advisory_lock($1, hashtext($2))")
+            .bind(a.inner.sql.gate_class)
+            .bind(key.as_str())
+            .execute(&mut foreign)
+            .await
+            .unwrap();
+        sleep(Duration::from_millis(300)).await; // the waiter is LISTENing, its attempts gated
+        assert!(a.release(&lease).await.unwrap());
+        let got = timeout(Duration::from_secs(10), waiter)
+            .await
+            .expect("the waiter stayed behind the colliding advisory lock")
+            .unwrap()
+            .unwrap();
+        assert!(got.fencing_token() > lease.fencing_token());
+        assert!(b.release(&got).await.unwrap());
+    }
+
+    #[test]
+    fn a_batch_splits_into_groups_of_distinct_names() {
+        let item = |name: &str| Renewal {
+            name: name.to_owned(),
+            owner: String::new(),
+            fence: 1,
+            ttl_micros: 1,
+        };
+        let batch: Vec<Renewal> = ["a", "b", "a", "c", "a", "b"].map(item).into();
+        assert_eq!(
+            distinct_name_groups(&batch),
+            vec![vec![0, 1, 3], vec![2, 5], vec![4]]
+        );
+        assert!(distinct_name_groups(&[]).is_empty());
     }
 
     #[test]

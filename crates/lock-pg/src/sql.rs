@@ -16,7 +16,15 @@ pub(crate) struct Statements {
     pub(crate) create: SqlStr,
     /// `$1` name, `$2` owner, `$3` ttl µs → `fence` when granted, no row when held.
     pub(crate) acquire: SqlStr,
-    /// `$1` name, `$2` owner, `$3` fence, `$4` ttl µs → `fence` when still ours.
+    /// `$1` name, `$2` owner, `$3` ttl µs, `$4` gate class, `$5` gated → one row: `fence` when
+    /// granted; else `remaining` µs of the live holder seen, or `tried` = false when another
+    /// acquire of the name was in progress (gated only), or `tried` = true when the grant was
+    /// lost to a holder that committed during the statement.
+    pub(crate) acquire_waiting: SqlStr,
+    /// The advisory-lock class of this table's acquire gates.
+    pub(crate) gate_class: i32,
+    /// `$1` names, `$2` owners, `$3` fences, `$4` ttls µs (arrays of one length, names distinct)
+    /// → the `name` of every row renewed; rows are locked in name order.
     pub(crate) renew: SqlStr,
     /// `$1` name, `$2` owner, `$3` fence, `$4` channel → one row when released (and notified).
     pub(crate) release: SqlStr,
@@ -28,6 +36,15 @@ pub(crate) struct Statements {
     pub(crate) inspect: SqlStr,
     /// `$1` name, `$2` channel: the operator override, whoever holds it.
     pub(crate) force_release: SqlStr,
+}
+
+/// The advisory-lock class (first key) of a table's acquire gates: a hash of the table name, so
+/// that the two-key advisory locks an application takes are unlikely to collide with them (a
+/// collision only makes an acquire wait for a notification or its fallback poll).
+fn gate_class(table: &TableName) -> i32 {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(format!("distlock gate {}", table.quoted()).as_bytes());
+    i32::from_be_bytes([digest[0], digest[1], digest[2], digest[3]])
 }
 
 fn sql(s: String) -> SqlStr {
@@ -47,7 +64,8 @@ impl Statements {
              )"
         );
         // One statement, on the database's clock: insert a first grant, or take over a free or
-        // expired row while bumping its fence. A held row is left alone (no row returned).
+        // expired row while bumping its fence. A held row is left alone (no row returned), but
+        // locked until the statement's transaction commits.
         let acquire = format!(
             "INSERT INTO {t} AS l (name, owner, fence, expires_at) \
              VALUES ($1, $2, 1, clock_timestamp() + $3::bigint * interval '1 microsecond') \
@@ -57,10 +75,56 @@ impl Statements {
              WHERE l.owner IS NULL OR l.expires_at <= clock_timestamp() \
              RETURNING l.fence"
         );
+        // The waiter's statement: the same upsert, whose WHERE, evaluated on the latest
+        // version of the locked row, is what makes grants exclusive. Two shortcuts spare a
+        // loser the row lock (a durable commit) and the wait behind a concurrent grant:
+        // * `cur`: when the statement's snapshot shows a live holder, nothing is attempted and
+        //   its remaining time is returned instead (no separate inspect needed);
+        // * `gate` (when `$5`): a transaction-scoped advisory lock on the name, so that of the
+        //   waiters woken by one release only the first runs the upsert; the others learn
+        //   `tried = false` at once, without blocking on the row until the winner commits.
+        let acquire_waiting = format!(
+            "WITH cur AS MATERIALIZED (\
+                 SELECT GREATEST(0, floor(extract(epoch FROM expires_at - clock_timestamp()) \
+                     * 1000000))::bigint AS remaining \
+                 FROM {t} WHERE name = $1 AND owner IS NOT NULL \
+                     AND expires_at > clock_timestamp()\
+             ), gate AS MATERIALIZED (\
+                 SELECT CASE WHEN $5::bool \
+                     THEN pg_try_advisory_xact_lock($4::int, hashtext($1)) ELSE true END AS open \
+                 WHERE NOT EXISTS (SELECT 1 FROM cur)\
+             ), granted AS (\
+                 INSERT INTO {t} AS l (name, owner, fence, expires_at) \
+                 SELECT $1, $2, 1, clock_timestamp() + $3::bigint * interval '1 microsecond' \
+                 FROM gate WHERE gate.open \
+                 ON CONFLICT (name) DO UPDATE \
+                 SET owner = excluded.owner, fence = l.fence + 1, \
+                     expires_at = clock_timestamp() + $3::bigint * interval '1 microsecond' \
+                 WHERE l.owner IS NULL OR l.expires_at <= clock_timestamp() \
+                 RETURNING l.fence\
+             ) \
+             SELECT (SELECT fence FROM granted) AS fence, \
+                 (SELECT remaining FROM cur) AS remaining, \
+                 (SELECT open FROM gate) AS tried"
+        );
+        // Many leases in one statement (one transaction, one durable commit). The rows are
+        // locked first, in name order, whatever join the planner picks, so two batches that
+        // share rows lock them in the same order and cannot deadlock each other. A row that is
+        // no longer this lease's (released, expired, taken over) is simply not returned.
         let renew = format!(
-            "UPDATE {t} SET expires_at = clock_timestamp() + $4::bigint * interval '1 microsecond' \
-             WHERE name = $1 AND owner = $2 AND fence = $3 AND expires_at > clock_timestamp() \
-             RETURNING fence"
+            "WITH r AS (\
+                 SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[]) \
+                     AS r(name, owner, fence, ttl)\
+             ), mine AS MATERIALIZED (\
+                 SELECT l.name, r.ttl FROM {t} AS l JOIN r ON l.name = r.name \
+                 WHERE l.owner = r.owner AND l.fence = r.fence \
+                     AND l.expires_at > clock_timestamp() \
+                 ORDER BY l.name \
+                 FOR NO KEY UPDATE OF l\
+             ) \
+             UPDATE {t} AS l SET expires_at = clock_timestamp() + mine.ttl * interval '1 microsecond' \
+             FROM mine WHERE l.name = mine.name AND l.expires_at > clock_timestamp() \
+             RETURNING l.name"
         );
         let release_where = "l.name = $1 AND l.owner = $2 AND l.fence = $3 \
                              AND l.expires_at > clock_timestamp()";
@@ -96,6 +160,8 @@ impl Statements {
             create: sql(create),
             force_release: sql(force_release),
             acquire: sql(acquire),
+            acquire_waiting: sql(acquire_waiting),
+            gate_class: gate_class(table),
             renew: sql(renew),
             release: sql(release),
             release_async: sql(release_async),

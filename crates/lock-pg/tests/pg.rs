@@ -5,6 +5,7 @@
 use std::{sync::Arc, time::Duration};
 
 use conformance::{backend_url, fresh_key};
+use futures::future::join_all;
 use lock_core::{DistributedLock, DistributedLockExt, Error, FencingToken, LockKey};
 use lock_pg::{FenceError, FencedTable, PgLock, PgLockConfig, sqlx};
 use tokio::time::{Instant, sleep, timeout};
@@ -405,4 +406,152 @@ async fn lost_reply_on_acquire_is_indeterminate_and_undone() {
         .expect("the lost grant is undone after the heal, well before its 30 s ttl");
     assert!(got.fencing_token() > info.fencing_token);
     assert!(b.release(&got).await.unwrap());
+}
+
+/// The watchdogs of many guards held by one client renew through shared statements: per tick,
+/// a handful of statements (each one transaction) however many locks are held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_guards_renew_in_a_few_statements_per_tick() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    const N: usize = 300;
+    let lock = Arc::new(PgLock::connect_url(&url).await.unwrap());
+    let base = fresh_key("batch-guards");
+    let mut guards = Vec::new();
+    for i in 0..N {
+        let guard = lock
+            .lock(format!("{base}/{i}").as_str())
+            .ttl(Duration::from_secs(6))
+            .watchdog(Duration::from_millis(500))
+            .try_acquire()
+            .await
+            .unwrap()
+            .expect("free");
+        guards.push(guard);
+    }
+    let renewals = |guards: &[lock_core::LockGuard]| guards.iter().map(|g| g.renewals()).sum();
+    // From the first renewal on, count statements over a few ticks.
+    while renewals(&guards) == 0 {
+        sleep(Duration::from_millis(20)).await;
+    }
+    let (statements_before, renewals_before): (u64, u64) =
+        (lock.statements_sent(), renewals(&guards));
+    while renewals(&guards) < renewals_before + 3 * N as u64 {
+        sleep(Duration::from_millis(20)).await;
+    }
+    let statements = lock.statements_sent() - statements_before;
+    let renewed = renewals(&guards) - renewals_before;
+    assert!(
+        statements * 20 < renewed,
+        "{renewed} renewals took {statements} statements"
+    );
+    assert!(guards.iter().all(|g| !g.is_lost()));
+    for guard in guards {
+        assert!(guard.release().await.unwrap());
+    }
+}
+
+/// One batch statement renews every lease still held and answers `NotHeld` only for the ones
+/// that were taken over or deleted from outside.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_answers_not_held_only_for_the_locks_lost_from_outside() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    const N: usize = 40;
+    let a = PgLock::connect_url(&url).await.unwrap();
+    let b = PgLock::connect_url(&url).await.unwrap();
+    let pool = admin(&url).await;
+    let base = fresh_key("batch-not-held");
+    let keys: Vec<LockKey> = (0..N)
+        .map(|i| LockKey::new(format!("{base}/{i:02}")).unwrap())
+        .collect();
+    let mut leases = Vec::new();
+    for key in &keys {
+        leases.push(a.try_acquire(key, LONG).await.unwrap().expect("free"));
+    }
+    // Lease 7 expires and b takes it over; lease 23's row is deleted by hand.
+    expire(&pool, "distlock_leases", &keys[7]).await;
+    let taken = b.try_acquire(&keys[7], LONG).await.unwrap().expect("taken");
+    sqlx::query("DELETE FROM distlock_leases WHERE name = $1")
+        .bind(keys[23].as_str())
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let before = a.statements_sent();
+    let deadlines: Vec<Instant> = leases.iter().map(|l| l.local_deadline()).collect();
+    let results = join_all(leases.iter_mut().map(|lease| a.renew(lease, LONG))).await;
+    let statements = a.statements_sent() - before;
+    assert!(statements <= 4, "{N} renewals took {statements} statements");
+    for (i, result) in results.iter().enumerate() {
+        match i {
+            7 | 23 => assert!(
+                matches!(result, Err(Error::NotHeld { .. })),
+                "lease {i}: {result:?}"
+            ),
+            _ => assert!(result.is_ok(), "lease {i}: {result:?}"),
+        }
+    }
+    for (i, (lease, before)) in leases.iter().zip(&deadlines).enumerate() {
+        if i != 7 && i != 23 {
+            assert!(lease.local_deadline() > *before, "lease {i} not extended");
+        }
+    }
+    // The other holder is untouched, and the renewed leases are still ours.
+    assert_eq!(
+        b.inspect(&keys[7]).await.unwrap().unwrap().token_digest,
+        Some(taken.token().digest())
+    );
+    for (i, lease) in leases.iter().enumerate() {
+        assert_eq!(
+            a.release(lease).await.unwrap(),
+            i != 7 && i != 23,
+            "lease {i}"
+        );
+    }
+    assert!(b.release(&taken).await.unwrap());
+}
+
+/// The same lease renewed twice at once (two copies, different TTLs) among other renewals:
+/// both are answered, neither breaks the batch, and the table holds one of the two TTLs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_lease_renewed_twice_in_a_batch_is_answered_twice() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let a = PgLock::connect_url(&url).await.unwrap();
+    let base = fresh_key("batch-twice");
+    let mut others = Vec::new();
+    for i in 0..10 {
+        let key = LockKey::new(format!("{base}/{i}")).unwrap();
+        others.push(a.try_acquire(&key, LONG).await.unwrap().expect("free"));
+    }
+    let key = LockKey::new(format!("{base}/twice")).unwrap();
+    let lease = a.try_acquire(&key, LONG).await.unwrap().expect("free");
+    let (mut long, mut short) = (lease.clone(), lease.clone());
+    let (r1, r2, rest) = tokio::join!(
+        a.renew(&mut long, Duration::from_secs(60)),
+        a.renew(&mut short, Duration::from_secs(20)),
+        join_all(others.iter_mut().map(|l| a.renew(l, LONG)))
+    );
+    r1.unwrap();
+    r2.unwrap();
+    assert!(rest.iter().all(Result::is_ok), "{rest:?}");
+    let remaining = a
+        .inspect(&key)
+        .await
+        .unwrap()
+        .unwrap()
+        .ttl_remaining
+        .unwrap();
+    assert!(
+        remaining <= Duration::from_secs(20) || remaining > Duration::from_secs(50),
+        "{remaining:?}"
+    );
+    assert!(a.release(&lease).await.unwrap());
+    for l in &others {
+        assert!(a.release(l).await.unwrap());
+    }
 }
