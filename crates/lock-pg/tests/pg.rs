@@ -432,18 +432,24 @@ async fn many_guards_renew_in_a_few_statements_per_tick() {
     }
     let renewals = |guards: &[lock_core::LockGuard]| guards.iter().map(|g| g.renewals()).sum();
     // From the first renewal on, count statements over a few ticks.
+    let until = Instant::now() + Duration::from_secs(60);
     while renewals(&guards) == 0 {
+        assert!(Instant::now() < until, "the watchdogs do not renew");
         sleep(Duration::from_millis(20)).await;
     }
     let (statements_before, renewals_before): (u64, u64) =
         (lock.statements_sent(), renewals(&guards));
     while renewals(&guards) < renewals_before + 3 * N as u64 {
+        assert!(Instant::now() < until, "the watchdogs do not renew");
         sleep(Duration::from_millis(20)).await;
     }
     let statements = lock.statements_sent() - statements_before;
     let renewed = renewals(&guards) - renewals_before;
+    // Unbatched this is one statement per renewal; batched, a few per grid instant (slow
+    // acquisitions on a loaded machine spread the guards over more instants). A fivefold
+    // margin separates the two without depending on the machine's load.
     assert!(
-        statements * 20 < renewed,
+        statements * 5 < renewed,
         "{renewed} renewals took {statements} statements"
     );
     assert!(guards.iter().all(|g| !g.is_lost()));

@@ -563,8 +563,11 @@ async fn many_guarded_locks_renew_with_a_few_script_calls_per_tick() {
     }
     let scripts = command_calls(&mut admin, "evalsha").await;
     let renewed = command_calls(&mut admin, "pexpire").await;
+    // Unbatched this is one call per renewal; batched, a few per grid instant (the guards'
+    // acquisition spreads them over several instants, and a loaded machine over more). A
+    // tenfold margin separates the two without depending on the machine's load.
     assert!(
-        scripts * 50 <= renewed,
+        scripts * 10 <= renewed,
         "{scripts} script calls for {renewed} renewals: not batched"
     );
     assert!(guards.iter().all(|g| !g.is_lost()));
