@@ -62,7 +62,8 @@ impl LockOptions {
         self
     }
 
-    /// Renews every `interval`.
+    /// Renews every `interval` (at instants aligned on a process-wide grid of `interval / 4`,
+    /// so renewals can be batched: the gap between renewals is between ¾ and 1 interval).
     pub fn watchdog(mut self, interval: Duration) -> Self {
         self.watchdog = Watchdog::Every(interval);
         self
@@ -120,7 +121,8 @@ impl LockBuilder {
         self
     }
 
-    /// Renews every `interval`.
+    /// Renews every `interval` (at instants aligned on a process-wide grid of `interval / 4`,
+    /// so renewals can be batched: the gap between renewals is between ¾ and 1 interval).
     pub fn watchdog(mut self, interval: Duration) -> Self {
         self.opts = self.opts.watchdog(interval);
         self
