@@ -852,6 +852,7 @@ pub async fn force_release_removes_any_holder(h: Harness) -> Outcome {
         .await
         .unwrap()
         .expect("free");
+    let guard_fence = guard.fencing_token();
     assert!(b.force_release(&key).await.unwrap());
     let lease = b
         .acquire(&key, LONG_TTL, Instant::now() + SLACK)
@@ -866,6 +867,25 @@ pub async fn force_release_removes_any_holder(h: Harness) -> Outcome {
         !guard.release().await.unwrap(),
         "the old holder must not release the new lock"
     );
-    assert!(release(&b, &lease).await);
+    // Removing one grant by its fencing token: the earlier grant's token removes nothing now
+    // (the holder changed), the current one's removes exactly it.
+    let (Some(old), Some(current)) = (guard_fence, lease.fencing_token()) else {
+        assert!(release(&b, &lease).await);
+        return Outcome::Passed;
+    };
+    assert!(
+        !b.force_release_grant(&key, old).await.unwrap(),
+        "a stale grant's token must not remove the current holder"
+    );
+    assert!(
+        b.inspect(&key).await.unwrap().is_some(),
+        "the current holder is still there"
+    );
+    assert!(b.force_release_grant(&key, current).await.unwrap());
+    assert!(b.inspect(&key).await.unwrap().is_none());
+    assert!(
+        !release(&b, &lease).await,
+        "the removed grant no longer releases"
+    );
     Outcome::Passed
 }

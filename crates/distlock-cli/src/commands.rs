@@ -144,7 +144,14 @@ pub async fn release(lock: DynLock, args: ReleaseArgs) -> u8 {
             return exit::FAILED;
         }
     }
-    match lock.force_release(&key).await {
+    // Remove exactly the grant shown above (its fencing token identifies it), so a holder that
+    // took over while the operator read the warning is left alone. A holder without a token (a
+    // foreign client's value) can only be removed unconditionally.
+    let outcome = match holder.fencing_token {
+        Some(fence) => lock.force_release_grant(&key, fence).await,
+        None => lock.force_release(&key).await,
+    };
+    match outcome {
         Ok(true) => {
             println!(
                 "released {key} (it was held by {})",
@@ -153,7 +160,9 @@ pub async fn release(lock: DynLock, args: ReleaseArgs) -> u8 {
             exit::OK
         }
         Ok(false) => {
-            println!("{key} was no longer held; nothing released");
+            println!(
+                "{key} is no longer held by that grant (released, expired or taken over meanwhile); nothing released"
+            );
             exit::OK
         }
         Err(e) => {

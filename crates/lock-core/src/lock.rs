@@ -6,7 +6,7 @@ use async_trait::async_trait;
 use futures::future::BoxFuture;
 use tokio::time::Instant;
 
-use crate::{AcquireWait, Backoff, Capabilities, HolderInfo, Lease, LockKey, Result};
+use crate::{AcquireWait, Backoff, Capabilities, FencingToken, HolderInfo, Lease, LockKey, Result};
 
 /// A distributed lock service: one coordinator client that can lock any number of keys.
 ///
@@ -83,6 +83,22 @@ pub trait DistributedLock: Send + Sync + fmt::Debug + 'static {
     /// `Unsupported`.
     async fn force_release(&self, key: &LockKey) -> Result<bool> {
         let _ = key;
+        Err(crate::Error::unsupported(
+            self.backend_name(),
+            "force_release",
+        ))
+    }
+
+    /// [`DistributedLock::force_release`] of one grant: removes the holder of `key` only while
+    /// it is the grant with fencing token `holder` (as [`DistributedLock::inspect`] showed it),
+    /// in one atomic step on the coordinator — so an operator who confirmed what `inspect`
+    /// showed never removes a holder that took over in between. `Ok(false)` when the lock is
+    /// free or held by another grant.
+    ///
+    /// # Behavior
+    /// As `force_release`. Requires `force_release`; the default returns `Unsupported`.
+    async fn force_release_grant(&self, key: &LockKey, holder: FencingToken) -> Result<bool> {
+        let _ = (key, holder);
         Err(crate::Error::unsupported(
             self.backend_name(),
             "force_release",

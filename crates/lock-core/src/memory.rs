@@ -191,9 +191,12 @@ impl InMemoryLock {
 
     /// An operator deletes the lock: the holder is told through `watch_lost`, and the next waiter
     /// is granted. Returns whether there was a holder.
-    fn revoke(&self, key: &LockKey) -> bool {
+    fn revoke(&self, key: &LockKey, only: Option<FencingToken>) -> bool {
         let mut state = self.coordinator.lock_state();
-        let old = state.entries.get_mut(key).and_then(|e| e.holder.take());
+        let old = state
+            .entries
+            .get_mut(key)
+            .and_then(|e| e.holder.take_if(|h| only.is_none_or(|f| h.fence == f)));
         if let Some(old) = &old {
             old.revoked.cancel();
         }
@@ -403,7 +406,12 @@ impl DistributedLock for InMemoryLock {
 
     async fn force_release(&self, key: &LockKey) -> Result<bool> {
         drop(self.request("force_release")?);
-        Ok(self.revoke(key))
+        Ok(self.revoke(key, None))
+    }
+
+    async fn force_release_grant(&self, key: &LockKey, holder: FencingToken) -> Result<bool> {
+        drop(self.request("force_release")?);
+        Ok(self.revoke(key, Some(holder)))
     }
 
     fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {

@@ -29,7 +29,8 @@ use tokio::time::Instant;
 use tracing::{Instrument, field};
 
 use crate::{
-    Capabilities, DistributedLock, DynLock, Error, HolderInfo, Lease, LockKey, LossReason, Result,
+    Capabilities, DistributedLock, DynLock, Error, FencingToken, HolderInfo, Lease, LockKey,
+    LossReason, Result,
 };
 
 /// Wraps any lock with metrics and tracing. Cheap: a few atomic updates per operation.
@@ -195,6 +196,37 @@ impl DistributedLock for Observed {
         let span =
             tracing::info_span!("distlock.force_release", backend = self.backend_name(), %key);
         let result = self.inner.force_release(key).instrument(span.clone()).await;
+        self.record_force_release(key, &span, result)
+    }
+
+    async fn force_release_grant(&self, key: &LockKey, holder: FencingToken) -> Result<bool> {
+        let span = tracing::info_span!(
+            "distlock.force_release",
+            backend = self.backend_name(),
+            %key,
+            fencing = holder.get()
+        );
+        let result = self
+            .inner
+            .force_release_grant(key, holder)
+            .instrument(span.clone())
+            .await;
+        self.record_force_release(key, &span, result)
+    }
+
+    fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
+        self.inner.watch_lost(lease)
+    }
+}
+
+impl Observed {
+    /// Logs and counts an operator force release.
+    fn record_force_release(
+        &self,
+        key: &LockKey,
+        span: &tracing::Span,
+        result: Result<bool>,
+    ) -> Result<bool> {
         let outcome = match &result {
             Ok(true) => "removed",
             Ok(false) => "not_held",
@@ -207,10 +239,6 @@ impl DistributedLock for Observed {
         )
         .increment(1);
         result
-    }
-
-    fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
-        self.inner.watch_lost(lease)
     }
 }
 

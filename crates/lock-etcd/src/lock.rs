@@ -1083,35 +1083,11 @@ impl DistributedLock for EtcdLock {
     }
 
     async fn force_release(&self, key: &LockKey) -> Result<bool> {
-        let inner = &self.inner;
-        let name = keys::name_prefix(&inner.config.prefix, key);
-        Counters::bump(&inner.counters.range);
-        let resp = error::request(
-            inner.timeout(),
-            inner
-                .client
-                .kv_client()
-                .get(name.clone(), Some(first_create().with_keys_only())),
-        )
-        .await
-        .map_err(|e| e.into_error("force_release"))?;
-        let Some(owner) = resp.kvs().first() else {
-            return Ok(false);
-        };
-        // Delete exactly that holder's entry (a contender queued behind it may be granted next).
-        Counters::bump(&inner.counters.txn);
-        let txn = Txn::new()
-            .when([Compare::create_revision(
-                owner.key().to_vec(),
-                CompareOp::Equal,
-                owner.create_revision(),
-            )])
-            .and_then([TxnOp::delete(owner.key().to_vec(), None)]);
-        let resp = error::request(inner.timeout(), inner.client.kv_client().txn(txn))
-            .await
-            .map_err(|e| e.into_error("force_release"))?;
-        tracing::warn!(%key, fencing = owner.create_revision(), "lock force-released by an operator");
-        Ok(resp.succeeded())
+        force_release_if(&self.inner, key, None).await
+    }
+
+    async fn force_release_grant(&self, key: &LockKey, holder: FencingToken) -> Result<bool> {
+        force_release_if(&self.inner, key, Some(holder)).await
     }
 
     fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
@@ -1127,6 +1103,48 @@ impl DistributedLock for EtcdLock {
             }
         })
     }
+}
+
+/// The operator override: removes the holder of `key` (any holder, or only the grant whose
+/// fencing token — its create revision — is `holder`; the delete is conditional on that create
+/// revision, so it is one atomic step on etcd).
+async fn force_release_if(
+    inner: &Inner,
+    key: &LockKey,
+    holder: Option<FencingToken>,
+) -> Result<bool> {
+    let name = keys::name_prefix(&inner.config.prefix, key);
+    Counters::bump(&inner.counters.range);
+    let resp = error::request(
+        inner.timeout(),
+        inner
+            .client
+            .kv_client()
+            .get(name.clone(), Some(first_create().with_keys_only())),
+    )
+    .await
+    .map_err(|e| e.into_error("force_release"))?;
+    let Some(owner) = resp.kvs().first() else {
+        return Ok(false);
+    };
+    if holder.is_some_and(|f| i64::try_from(f.get()).ok() != Some(owner.create_revision())) {
+        // Held by another grant than the one the operator confirmed.
+        return Ok(false);
+    }
+    // Delete exactly that holder's entry (a contender queued behind it may be granted next).
+    Counters::bump(&inner.counters.txn);
+    let txn = Txn::new()
+        .when([Compare::create_revision(
+            owner.key().to_vec(),
+            CompareOp::Equal,
+            owner.create_revision(),
+        )])
+        .and_then([TxnOp::delete(owner.key().to_vec(), None)]);
+    let resp = error::request(inner.timeout(), inner.client.kv_client().txn(txn))
+        .await
+        .map_err(|e| e.into_error("force_release"))?;
+    tracing::warn!(%key, fencing = owner.create_revision(), "lock force-released by an operator");
+    Ok(resp.succeeded())
 }
 
 /// Completes when `held`'s entry is deleted (lease expired or revoked, key deleted).

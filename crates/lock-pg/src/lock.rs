@@ -662,8 +662,14 @@ impl Inner {
         Ok(row.is_some())
     }
 
-    async fn force_release(&self, key: &LockKey) -> Result<bool> {
+    async fn force_release(&self, key: &LockKey, holder: Option<FencingToken>) -> Result<bool> {
         const OP: &str = "force_release";
+        let fence = match holder.map(|f| i64::try_from(f.get())) {
+            Some(Ok(f)) => Some(f),
+            // No grant has a fence beyond bigint: nothing to remove.
+            Some(Err(_)) => return Ok(false),
+            None => None,
+        };
         self.ensure_table().await?;
         let channel = channel_name(&self.config.table, key);
         let row = self
@@ -671,6 +677,7 @@ impl Inner {
                 sqlx::query(self.sql.force_release.clone())
                     .bind(key.as_str())
                     .bind(channel.clone())
+                    .bind(fence)
             })
             .await
             .map_err(|e| exec_error(OP, key, e))?;
@@ -900,7 +907,13 @@ impl DistributedLock for PgLock {
     /// fence is kept, so the next grant still gets a higher token; the removed holder's next
     /// renewal fails with `NotHeld`.
     async fn force_release(&self, key: &LockKey) -> Result<bool> {
-        self.inner.force_release(key).await
+        self.inner.force_release(key, None).await
+    }
+
+    /// As `force_release`, only while the holder is the grant with fencing token `holder` (one
+    /// statement: the row's fence is part of its `WHERE`).
+    async fn force_release_grant(&self, key: &LockKey, holder: FencingToken) -> Result<bool> {
+        self.inner.force_release(key, Some(holder)).await
     }
 }
 

@@ -34,7 +34,8 @@ pub(crate) struct Statements {
     pub(crate) release_token: SqlStr,
     /// `$1` name → `owner`, `fence`, remaining µs of a live holder.
     pub(crate) inspect: SqlStr,
-    /// `$1` name, `$2` channel: the operator override, whoever holds it.
+    /// `$1` name, `$2` channel, `$3` fence or NULL: the operator override, whoever holds it (or
+    /// only the grant with that fence).
     pub(crate) force_release: SqlStr,
 }
 
@@ -154,6 +155,7 @@ impl Statements {
         let force_release = format!(
             "UPDATE {t} AS l SET owner = NULL, expires_at = clock_timestamp() \
              WHERE l.name = $1 AND l.owner IS NOT NULL AND l.expires_at > clock_timestamp() \
+                 AND ($3::bigint IS NULL OR l.fence = $3) \
              RETURNING l.fence, pg_notify($2, '')"
         );
         Self {

@@ -314,6 +314,27 @@ impl RedisLock {
         release_by_prefix(&self.inner, names, prefix).await
     }
 
+    /// The operator override, of any holder or only of the grant with fence `holder`.
+    async fn force_release_if(&self, key: &LockKey, holder: Option<FencingToken>) -> Result<bool> {
+        let names = self.names(key);
+        let fence = holder.map(|f| f.get().to_string()).unwrap_or_default();
+        let deleted = self
+            .run(
+                self.inner
+                    .scripts
+                    .force_release
+                    .key(&names.lock)
+                    .key(names.queue())
+                    .arg(fence)
+                    .arg(WAKE_CHANNEL_PREFIX)
+                    .invoke_async::<i64>(&mut self.inner.conn.clone()),
+            )
+            .await
+            .map_err(|f| Self::map_failure("force_release", key, f))?;
+        tracing::warn!(%key, deleted = deleted == 1, fencing = ?holder, "lock force-released by an operator");
+        Ok(deleted == 1)
+    }
+
     fn map_failure(op: &'static str, key: &LockKey, failure: Failure) -> Error {
         match failure {
             Failure::NotSent(e) => Error::unavailable(BACKEND, op, e),
@@ -749,21 +770,11 @@ impl DistributedLock for RedisLock {
     }
 
     async fn force_release(&self, key: &LockKey) -> Result<bool> {
-        let names = self.names(key);
-        let deleted = self
-            .run(
-                self.inner
-                    .scripts
-                    .force_release
-                    .key(&names.lock)
-                    .key(names.queue())
-                    .arg(WAKE_CHANNEL_PREFIX)
-                    .invoke_async::<i64>(&mut self.inner.conn.clone()),
-            )
-            .await
-            .map_err(|f| Self::map_failure("force_release", key, f))?;
-        tracing::warn!(%key, deleted = deleted == 1, "lock force-released by an operator");
-        Ok(deleted == 1)
+        self.force_release_if(key, None).await
+    }
+
+    async fn force_release_grant(&self, key: &LockKey, holder: FencingToken) -> Result<bool> {
+        self.force_release_if(key, Some(holder)).await
     }
 }
 

@@ -106,10 +106,18 @@ return 0
 "
 );
 
-/// KEYS: lock, waiter queue. ARGV: wake channel prefix. The operator override: deletes whoever holds the lock (any
-/// client's value) and wakes one waiter. Returns 1 when something was deleted.
+/// KEYS: lock, waiter queue. ARGV: the holder's fence (empty: any holder), wake channel
+/// prefix. The operator override: deletes whoever holds the lock (any client's value) — or,
+/// with a fence, only our grant with that fence — and wakes one waiter. Returns 1 when
+/// something was deleted.
 const FORCE_RELEASE: &str = concat!(
     r"
+if ARGV[1] ~= '' then
+  local value = redis.pcall('GET', KEYS[1])
+  if type(value) ~= 'string' or string.match(value, '^%x+:(%d+)') ~= ARGV[1] then
+    return 0
+  end
+end
 if redis.call('DEL', KEYS[1]) == 1 then
 ",
     wake_one!(),

@@ -549,6 +549,45 @@ impl Drop for Contender {
     }
 }
 
+impl ZkLock {
+    /// The operator override: removes the holder of `key` (any holder, or only the grant whose
+    /// fencing token — its node's czxid — is `holder`).
+    async fn force_release_if(&self, key: &LockKey, holder: Option<FencingToken>) -> Result<bool> {
+        let session = self.session().await?;
+        let dir = lock_dir(self.inner.config.root(), key);
+        for _ in 0..5 {
+            let children = match self.call(session.client.list_children(&dir)).await {
+                Ok(c) => c,
+                Err(zk::Error::NoNode) => return Ok(false),
+                Err(e) => return Err(to_error("force_release", e)),
+            };
+            let Some(first) = sorted_contenders(children).into_iter().next() else {
+                return Ok(false);
+            };
+            let path = format!("{dir}/{first}");
+            if let Some(holder) = holder {
+                // Node paths are never reused, so the grant confirmed by its czxid is removed by
+                // deleting exactly this path.
+                match self.call(session.client.check_stat(&path)).await {
+                    Ok(Some(stat)) if u64::try_from(stat.czxid).ok() == Some(holder.get()) => {}
+                    Ok(Some(_)) => return Ok(false),
+                    Ok(None) => continue, // released meanwhile: look again
+                    Err(e) => return Err(to_error("force_release", e)),
+                }
+            }
+            match self.call(session.client.delete(&path, None)).await {
+                Ok(()) => {
+                    tracing::warn!(%key, digest = ?path::token_digest_of(&first), "lock holder removed by force_release");
+                    return Ok(true);
+                }
+                Err(zk::Error::NoNode) => continue, // released meanwhile: look again
+                Err(e) => return Err(to_error("force_release", e)),
+            }
+        }
+        Ok(false)
+    }
+}
+
 #[async_trait]
 impl DistributedLock for ZkLock {
     fn backend_name(&self) -> &'static str {
@@ -799,28 +838,11 @@ impl DistributedLock for ZkLock {
     }
 
     async fn force_release(&self, key: &LockKey) -> Result<bool> {
-        let session = self.session().await?;
-        let dir = lock_dir(self.inner.config.root(), key);
-        for _ in 0..5 {
-            let children = match self.call(session.client.list_children(&dir)).await {
-                Ok(c) => c,
-                Err(zk::Error::NoNode) => return Ok(false),
-                Err(e) => return Err(to_error("force_release", e)),
-            };
-            let Some(first) = sorted_contenders(children).into_iter().next() else {
-                return Ok(false);
-            };
-            let path = format!("{dir}/{first}");
-            match self.call(session.client.delete(&path, None)).await {
-                Ok(()) => {
-                    tracing::warn!(%key, digest = ?path::token_digest_of(&first), "lock holder removed by force_release");
-                    return Ok(true);
-                }
-                Err(zk::Error::NoNode) => continue, // released meanwhile: look again
-                Err(e) => return Err(to_error("force_release", e)),
-            }
-        }
-        Ok(false)
+        self.force_release_if(key, None).await
+    }
+
+    async fn force_release_grant(&self, key: &LockKey, holder: FencingToken) -> Result<bool> {
+        self.force_release_if(key, Some(holder)).await
     }
 
     fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
