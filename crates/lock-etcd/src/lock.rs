@@ -426,6 +426,23 @@ impl Inner {
         self.config.request_timeout
     }
 
+    /// Reads `key`'s queue with `opts` (the oldest entry, i.e. the owner, with `first_create`).
+    async fn read_owner(
+        &self,
+        key: &LockKey,
+        opts: GetOptions,
+        op: &'static str,
+    ) -> Result<etcd_client::GetResponse> {
+        let name = keys::name_prefix(&self.config.prefix, key);
+        Counters::bump(&self.counters.range);
+        error::request(
+            self.timeout(),
+            self.client.kv_client().get(name, Some(opts)),
+        )
+        .await
+        .map_err(|e| e.into_error(op))
+    }
+
     fn forget(&self, session: &Arc<Session>) {
         lock(&self.sessions).retain(|s| !Arc::ptr_eq(s, session));
     }
@@ -1043,17 +1060,7 @@ impl DistributedLock for EtcdLock {
 
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         let inner = &self.inner;
-        let name = keys::name_prefix(&inner.config.prefix, key);
-        Counters::bump(&inner.counters.range);
-        let resp = error::request(
-            inner.timeout(),
-            inner
-                .client
-                .kv_client()
-                .get(name.clone(), Some(first_create())),
-        )
-        .await
-        .map_err(|e| e.into_error("inspect"))?;
+        let resp = inner.read_owner(key, first_create(), "inspect").await?;
         let Some(kv) = resp.kvs().first() else {
             return Ok(None);
         };
@@ -1113,17 +1120,9 @@ async fn force_release_if(
     key: &LockKey,
     holder: Option<FencingToken>,
 ) -> Result<bool> {
-    let name = keys::name_prefix(&inner.config.prefix, key);
-    Counters::bump(&inner.counters.range);
-    let resp = error::request(
-        inner.timeout(),
-        inner
-            .client
-            .kv_client()
-            .get(name.clone(), Some(first_create().with_keys_only())),
-    )
-    .await
-    .map_err(|e| e.into_error("force_release"))?;
+    let resp = inner
+        .read_owner(key, first_create().with_keys_only(), "force_release")
+        .await?;
     let Some(owner) = resp.kvs().first() else {
         return Ok(false);
     };

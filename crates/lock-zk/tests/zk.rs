@@ -2,6 +2,10 @@
 //! session expiry, and interoperation with Apache Curator's InterProcessMutex node layout.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed expectation is a failed test
 
+mod support;
+
+use support::{ROOT, SESSION, children, config, plain_key, raw_client};
+
 use std::{
     sync::{
         Arc,
@@ -10,43 +14,13 @@ use std::{
     time::Duration,
 };
 
-use conformance::{backend_url, fresh_key};
-use lock_core::{DistributedLock, DistributedLockExt, Error, LockKey, LossReason};
-use lock_zk::{ZkLock, ZkLockConfig};
+use conformance::fresh_key;
+use lock_core::{DistributedLock, DistributedLockExt, Error, LossReason};
+use lock_zk::ZkLock;
 use tokio::time::{Instant, timeout};
 use zookeeper_client as zk;
 
-const SESSION: Duration = Duration::from_secs(1);
-const ROOT: &str = "/distlock-test";
 const SLACK: Duration = Duration::from_secs(5);
-
-fn config() -> Option<ZkLockConfig> {
-    let url = backend_url("DISTLOCK_TEST_ZK_URL")?;
-    let mut config = ZkLockConfig::from_url(&url).unwrap();
-    config.session_timeout = SESSION;
-    config.root = ROOT.into();
-    Some(config)
-}
-
-async fn raw_client(config: &ZkLockConfig) -> zk::Client {
-    zk::Client::connector()
-        .with_session_timeout(Duration::from_secs(5))
-        .connect(&config.hosts)
-        .await
-        .unwrap()
-}
-
-/// A key made of ordinary characters, so its directory is `<root>/<key>` verbatim.
-fn plain_key() -> LockKey {
-    let k = fresh_key("x");
-    LockKey::new(k.as_str().replace('/', "-")).unwrap()
-}
-
-async fn children(raw: &zk::Client, dir: &str) -> Vec<String> {
-    let mut c = raw.list_children(dir).await.unwrap_or_default();
-    c.sort_by(|a, b| a[a.len() - 10..].cmp(&b[b.len() - 10..]));
-    c
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_deleted_from_outside_fires_lost() {

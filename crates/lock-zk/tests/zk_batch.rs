@@ -3,6 +3,10 @@
 //! proxy that counts each session's requests by opcode.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed expectation is a failed test
 
+mod support;
+
+use support::{ROOT, SESSION, children, config, plain_key, raw_client};
+
 use std::{
     collections::HashMap,
     sync::{
@@ -12,51 +16,19 @@ use std::{
     time::Duration,
 };
 
-use conformance::{backend_url, fresh_key};
-use lock_core::{DistributedLock, DistributedLockExt, Error, Lease, LockKey, LossReason};
+use lock_core::{DistributedLock, DistributedLockExt, Error, Lease, LossReason};
 use lock_zk::{ZkLock, ZkLockConfig};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     time::{Instant, sleep, timeout},
 };
-use zookeeper_client as zk;
 
-const SESSION: Duration = Duration::from_secs(1);
-const ROOT: &str = "/distlock-test";
 const SLACK: Duration = Duration::from_secs(10);
 
 /// ZooKeeper opcodes.
 const EXISTS: i32 = 3;
 const GET_CHILDREN: i32 = 8;
 const GET_CHILDREN2: i32 = 12;
-
-fn config() -> Option<ZkLockConfig> {
-    let url = backend_url("DISTLOCK_TEST_ZK_URL")?;
-    let mut config = ZkLockConfig::from_url(&url).unwrap();
-    config.session_timeout = SESSION;
-    config.root = ROOT.into();
-    Some(config)
-}
-
-async fn raw_client(config: &ZkLockConfig) -> zk::Client {
-    zk::Client::connector()
-        .with_session_timeout(Duration::from_secs(5))
-        .connect(&config.hosts)
-        .await
-        .unwrap()
-}
-
-fn plain_key() -> LockKey {
-    let k = fresh_key("b");
-    LockKey::new(k.as_str().replace('/', "-")).unwrap()
-}
-
-/// Children of `dir` in lock order (by sequence).
-async fn children(raw: &zk::Client, dir: &str) -> Vec<String> {
-    let mut c = raw.list_children(dir).await.unwrap_or_default();
-    c.sort_by(|a, b| a[a.len() - 10..].cmp(&b[b.len() - 10..]));
-    c
-}
 
 async fn until(what: &str, mut cond: impl AsyncFnMut() -> bool) {
     let end = Instant::now() + SLACK;
