@@ -742,7 +742,10 @@ impl DistributedLock for RedisLock {
                     .inspect
                     .key(&names.lock)
                     .key(names.fence())
-                    .invoke_async::<Option<(Vec<u8>, i64, Vec<u8>)>>(&mut self.inner.conn.clone()),
+                    .key(names.queue())
+                    .invoke_async::<Option<(Vec<u8>, i64, Vec<u8>, i64)>>(
+                        &mut self.inner.conn.clone(),
+                    ),
             )
             .await
             .map_err(|f| match f {
@@ -755,7 +758,7 @@ impl DistributedLock for RedisLock {
                 },
                 Failure::Server(e) => Error::backend(BACKEND, "inspect", e),
             })?;
-        Ok(reply.map(|(value, pttl, _counter)| {
+        Ok(reply.map(|(value, pttl, _counter, waiters)| {
             let (digest, fencing) = match parse_owner(&value) {
                 Some((token, fence)) => (token.digest(), Some(fence)),
                 None => (TokenDigest::of(&value), None),
@@ -764,7 +767,7 @@ impl DistributedLock for RedisLock {
                 token_digest: Some(digest),
                 fencing_token: fencing,
                 ttl_remaining: u64::try_from(pttl).ok().map(Duration::from_millis),
-                waiters: None,
+                waiters: usize::try_from(waiters).ok(),
             }
         }))
     }

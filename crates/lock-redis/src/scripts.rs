@@ -128,12 +128,19 @@ return 0
 "
 );
 
-/// KEYS: lock, fence counter. Returns nil when free, else `{value, pttl, counter}` (value is
-/// empty when the key is not a string, counter empty when unset).
+/// KEYS: lock, fence counter, waiter queue. Returns nil when free, else `{value, pttl, counter,
+/// waiters}` (value is empty when the key is not a string, counter empty when unset; waiters
+/// counts the live registrations of this driver's waiters).
 const INSPECT: &str = r"
 local kind = redis.call('TYPE', KEYS[1]).ok
 if kind == 'none' then
   return false
+end
+local now = redis.call('TIME')
+local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local waiters = 0
+if redis.call('TYPE', KEYS[3]).ok == 'zset' then
+  waiters = redis.call('ZCOUNT', KEYS[3], '(' .. ms, '+inf')
 end
 local value = ''
 if kind == 'string' then
@@ -143,7 +150,7 @@ local fence = redis.pcall('GET', KEYS[2])
 if type(fence) ~= 'string' then
   fence = ''
 end
-return {value, redis.call('PTTL', KEYS[1]), fence}
+return {value, redis.call('PTTL', KEYS[1]), fence, waiters}
 ";
 
 /// The compiled scripts (each carries its SHA1).

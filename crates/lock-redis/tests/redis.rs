@@ -761,6 +761,11 @@ async fn a_release_wakes_only_when_a_waiter_marked_the_lock() {
     assert_eq!(info.fencing_token, holder.fencing_token());
     assert_eq!(info.token_digest, Some(holder.token().digest()));
     assert!(info.ttl_remaining.unwrap() > Duration::from_secs(20));
+    assert_eq!(
+        info.waiters,
+        Some(1),
+        "inspect counts the live registration"
+    );
     assert!(lock.release(&holder).await.unwrap());
     let (channel, _waiter_id) = next_wake(&mut wakes).await;
     assert!(channel.starts_with(b"distlock\x1fwake:"), "{channel:?}");
@@ -771,6 +776,7 @@ async fn a_release_wakes_only_when_a_waiter_marked_the_lock() {
         .unwrap();
     assert_eq!(command_calls(&mut admin, "publish").await, 1);
     assert_eq!(queued(&mut admin, &redis_key).await, 0);
+    assert_eq!(lock.inspect(&key).await.unwrap().unwrap().waiters, Some(0));
     assert!(lease.fencing_token() > holder.fencing_token());
     assert!(lock.release(&lease).await.unwrap());
 }
