@@ -154,3 +154,66 @@ fn zk() {
 fn pg() {
     run(Backend::Pg, 25501);
 }
+
+/// etcd keeps leases across a restart, so a holder keeps its lock; its deletion watch (one
+/// shared watch stream per client) broke with the connection and must have been re-established:
+/// a key deleted after the restart is reported through `lost()` although every renewal of the
+/// (still live) lease succeeds.
+async fn etcd_loss_is_still_pushed_after_a_restart(port: u16) {
+    use lock_core::{DistributedLockExt, LossReason};
+    let server = PrivateServer::start(Backend::Etcd, port).await;
+    let lock = distlock::connect(&server.url()).await.expect("connects");
+    let key = conformance::fresh_key("restart-watch");
+    let ttl = Duration::from_secs(3);
+    let guard = lock
+        .lock(&key)
+        .ttl(ttl)
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    server.ctl("kill").await;
+    server.ctl("start").await;
+    // The lease survives the restart: wait for a renewal after it.
+    let renewed = guard.renewals();
+    let until = Instant::now() + WAIT;
+    while guard.renewals() <= renewed {
+        assert!(!guard.is_lost(), "the lease survives an etcd restart");
+        assert!(Instant::now() < until, "no renewal after the restart");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // An operator deletes the lock's key; only the watch can tell (renewals keep the lease).
+    // lock-etcd's key layout: `<prefix><name>/<lease>`, with `%` and `/` escaped in the name.
+    let escaped = key.as_str().replace('%', "%25").replace('/', "%2F");
+    let deleted = tokio::process::Command::new("etcdctl")
+        .env("ETCDCTL_API", "3")
+        .arg(format!("--endpoints=http://127.0.0.1:{port}"))
+        .args(["del", "--prefix", &format!("distlock/{escaped}/")])
+        .output()
+        .await
+        .expect("etcdctl runs");
+    assert!(deleted.status.success(), "{deleted:?}");
+    assert_eq!(String::from_utf8_lossy(&deleted.stdout).trim(), "1");
+    tokio::time::timeout(2 * ttl, guard.lost())
+        .await
+        .expect("the deletion is pushed through the re-established watch");
+    assert_eq!(guard.loss_reason(), Some(LossReason::Revoked));
+}
+
+#[test]
+fn etcd_watch_after_restart() {
+    if std::env::var_os("DISTLOCK_TEST_ETCD_URL").is_none() && !conformance::backends_required() {
+        drill_support::skip(
+            "server_restart_watch",
+            Backend::Etcd,
+            "the servers are not installed here (DISTLOCK_TEST_*_URL unset)",
+        );
+        return;
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(etcd_loss_is_still_pushed_after_a_restart(22711));
+}
