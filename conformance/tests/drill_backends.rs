@@ -375,12 +375,7 @@ macro_rules! drill {
                     drill_support::skip(stringify!($drill), backend, "no server URL set");
                     return;
                 };
-                tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(2)
-                    .enable_all()
-                    .build()
-                    .unwrap()
-                    .block_on(super::$drill(backend, url));
+                drill_support::block_on(super::$drill(backend, url));
             }
 
             #[test]

@@ -34,14 +34,6 @@ const WAIT: Duration = Duration::from_secs(30);
 const ETCD3: [(u16, &str); 3] = [(22479, "etcd3-1"), (22579, "etcd3-2"), (22679, "etcd3-3")];
 const ZK3: [(u16, &str); 3] = [(22281, "zk3-1"), (22381, "zk3-2"), (22481, "zk3-3")];
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
 /// Starts a killed cluster member again, even when the drill fails half-way.
 struct RestartOnDrop(Option<&'static str>);
 
@@ -188,7 +180,7 @@ fn etcd_leader_loss() {
         return;
     };
     let url = with_query(&url, Backend::Etcd.options());
-    runtime().block_on(leader_loss(Backend::Etcd, url));
+    drill_support::block_on(leader_loss(Backend::Etcd, url));
 }
 
 #[test]
@@ -198,7 +190,7 @@ fn zk_leader_loss() {
         return;
     };
     let url = with_query(&url, Backend::Zk.options());
-    runtime().block_on(leader_loss(Backend::Zk, url));
+    drill_support::block_on(leader_loss(Backend::Zk, url));
 }
 
 #[test]
@@ -387,5 +379,5 @@ fn redis_replica_failover() {
         drill_support::skip("replica_failover", Backend::Redis, "no Redis here");
         return;
     }
-    runtime().block_on(redis_failover());
+    drill_support::block_on(redis_failover());
 }

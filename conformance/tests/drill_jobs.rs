@@ -496,12 +496,7 @@ macro_rules! drill {
                     );
                     return;
                 };
-                tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(2)
-                    .enable_all()
-                    .build()
-                    .unwrap()
-                    .block_on(super::$drill(backend, url));
+                super::drill_support::block_on(super::$drill(backend, url));
             }
 
             #[test]

@@ -313,12 +313,7 @@ fn soak_all_backends() {
                 let Some(url) = url else {
                     return format!("SKIP soak on {backend}: no server URL set");
                 };
-                tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(2)
-                    .enable_all()
-                    .build()
-                    .unwrap()
-                    .block_on(soak(backend, url, seed, secs))
+                drill_support::block_on(soak(backend, url, seed, secs))
             })
         })
         .collect();

@@ -84,6 +84,16 @@ pub fn with_query(url: &str, query: &str) -> String {
     format!("{url}{separator}{query}")
 }
 
+/// Runs a drill on its own two-worker runtime (every drill test is a plain `#[test]`).
+pub fn block_on<F: std::future::Future>(drill: F) -> F::Output {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(drill)
+}
+
 /// Says why a drill does not run on a backend (visible with `--nocapture` and in the test log).
 pub fn skip(drill: &str, backend: Backend, why: &str) {
     println!("SKIP {drill} on {}: {why}", backend.name());
