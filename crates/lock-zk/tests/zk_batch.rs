@@ -126,13 +126,15 @@ async fn a_round_of_renewals_costs_a_few_requests_and_a_deleted_node_fails_only_
     }
     // The first round reads each node once (arming its deletion watch).
     assert!(renew_all(&a, &mut leases).await.iter().all(Result::is_ok));
-    // Later rounds: one batched session read for all of them (plus the odd heartbeat).
+    // Later rounds: one batched session read for all of them (plus the session's heartbeat,
+    // an `exists` every timeout/5, more of which fall into a round the slower the machine).
+    // Unbatched, a round is N requests; a quarter of that tells the two apart on any load.
     for _ in 0..3 {
         let before = counter.get(EXISTS);
         assert!(renew_all(&a, &mut leases).await.iter().all(Result::is_ok));
         let sent = counter.get(EXISTS) - before;
         assert!(
-            (1..=5).contains(&sent),
+            (1..=N / 4).contains(&sent),
             "{N} renewals took {sent} exists requests"
         );
     }
@@ -187,8 +189,10 @@ async fn guards_renew_with_far_fewer_requests_than_locks_and_one_revoked_lock_is
     })
     .await;
     let (renewals, requests) = (renewed(&guards) - r0, counter.get(EXISTS) - e0);
+    // At most 4 grid instants per watchdog interval, a couple of batches each, plus the
+    // heartbeats of however long the window took: unbatched it would be one per renewal.
     assert!(
-        requests * 4 < usize::try_from(renewals).unwrap(),
+        requests * 3 < usize::try_from(renewals).unwrap(),
         "{renewals} renewals sent {requests} exists requests"
     );
     // One node deleted from outside: that guard is lost, the others keep renewing.
