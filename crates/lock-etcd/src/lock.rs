@@ -472,9 +472,9 @@ impl Inner {
     /// loop then costs two requests, not four. It is revoked when the grace period ends unused;
     /// an idle lease has no keys, so leaving it to expire (client gone) is harmless.
     async fn drop_user(&self, session: &Arc<Session>, name: &[u8]) {
-        if !session.remove_user(name) {
+        let Some(idle_since) = session.remove_user(name) else {
             return;
-        }
+        };
         if session.gone.is_cancelled() {
             self.forget(session);
             return;
@@ -483,7 +483,7 @@ impl Inner {
         let (me, session) = (self.me.clone(), session.clone());
         tokio::spawn(async move {
             sleep(grace).await;
-            if session.retire_if_idle()
+            if session.retire_if_idle(idle_since)
                 && let Some(inner) = me.upgrade()
             {
                 inner.revoke(&session).await;

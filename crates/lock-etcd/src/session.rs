@@ -57,6 +57,9 @@ struct Users {
     names: HashSet<Vec<u8>>,
     /// No longer handed out (empty and being revoked, or dead).
     retired: bool,
+    /// Bumped whenever the session goes idle (its last user leaves), so a grace-period reaper
+    /// retires it only if it stayed idle since then.
+    idle_since: u64,
 }
 
 /// What a `LeaseGrant` returned.
@@ -120,6 +123,7 @@ impl Session {
             users: Mutex::new(Users {
                 names: HashSet::from([first_user]),
                 retired: false,
+                idle_since: 0,
             }),
         }
     }
@@ -137,18 +141,23 @@ impl Session {
         users.names.insert(name.to_vec())
     }
 
-    /// Unregisters `name`. Returns `true` when that left the session empty; it stays usable
-    /// until [`Session::retire_if_idle`] retires it.
-    pub(crate) fn remove_user(&self, name: &[u8]) -> bool {
+    /// Unregisters `name`. When that left the session empty, returns the idle period it began
+    /// (for [`Session::retire_if_idle`]); the session stays usable until retired.
+    pub(crate) fn remove_user(&self, name: &[u8]) -> Option<u64> {
         let mut users = lock(&self.users);
-        let removed = users.names.remove(name);
-        removed && users.names.is_empty() && !users.retired
+        if !users.names.remove(name) || !users.names.is_empty() || users.retired {
+            return None;
+        }
+        users.idle_since += 1;
+        Some(users.idle_since)
     }
 
-    /// Retires the session if nothing uses it (returns `true`; the caller revokes the lease).
-    pub(crate) fn retire_if_idle(&self) -> bool {
+    /// Retires the session if it has been idle since the idle period `since` began (returns
+    /// `true`; the caller revokes the lease). A session used again in between is left alone,
+    /// even if it is idle again now (that idle period has a reaper of its own).
+    pub(crate) fn retire_if_idle(&self, since: u64) -> bool {
         let mut users = lock(&self.users);
-        if users.retired || !users.names.is_empty() {
+        if users.retired || !users.names.is_empty() || users.idle_since != since {
             return false;
         }
         users.retired = true;

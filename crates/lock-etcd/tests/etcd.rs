@@ -627,3 +627,28 @@ fn held_locks_share_one_watch_stream_and_each_deletion_reaches_only_its_guard() 
         }
     });
 }
+
+#[test]
+fn an_idle_lease_used_again_within_its_grace_period_is_kept() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let a = env.client().await;
+        // A 4 s TTL: the idle grace period is 1 s. Cycles 300 ms apart: every idle gap is far
+        // shorter than the grace period, though the first release's reaper fires in a later gap.
+        let ttl = Duration::from_secs(4);
+        let key = fresh("idle-gaps");
+        let before = a.request_counts();
+        for _ in 0..6 {
+            let l = a.try_acquire(&key, ttl).await.unwrap().unwrap();
+            assert!(a.release(&l).await.unwrap());
+            sleep(Duration::from_millis(300)).await;
+        }
+        let after = a.request_counts();
+        assert_eq!(
+            after.lease_grant - before.lease_grant,
+            1,
+            "a lease idle for less than its grace period was revoked: {before:?} -> {after:?}"
+        );
+        no_sessions_left(&a).await;
+    });
+}
