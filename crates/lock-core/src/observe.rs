@@ -77,6 +77,27 @@ impl Observed {
         metrics::histogram!("distlock_acquire_wait_seconds", labels)
             .record(started.elapsed().as_secs_f64());
     }
+
+    /// Logs and counts an operator force release.
+    fn record_force_release(
+        &self,
+        key: &LockKey,
+        span: &tracing::Span,
+        result: Result<bool>,
+    ) -> Result<bool> {
+        let outcome = match &result {
+            Ok(true) => "removed",
+            Ok(false) => "not_held",
+            Err(e) => e.kind(),
+        };
+        span.in_scope(|| tracing::warn!(outcome, "operator force_release"));
+        metrics::counter!(
+            "distlock_force_release_total",
+            self.labels(key, &[("outcome", outcome.to_owned())])
+        )
+        .increment(1);
+        result
+    }
 }
 
 fn record_grant(span: &tracing::Span, lease: &Lease) {
@@ -216,29 +237,6 @@ impl DistributedLock for Observed {
 
     fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
         self.inner.watch_lost(lease)
-    }
-}
-
-impl Observed {
-    /// Logs and counts an operator force release.
-    fn record_force_release(
-        &self,
-        key: &LockKey,
-        span: &tracing::Span,
-        result: Result<bool>,
-    ) -> Result<bool> {
-        let outcome = match &result {
-            Ok(true) => "removed",
-            Ok(false) => "not_held",
-            Err(e) => e.kind(),
-        };
-        span.in_scope(|| tracing::warn!(outcome, "operator force_release"));
-        metrics::counter!(
-            "distlock_force_release_total",
-            self.labels(key, &[("outcome", outcome.to_owned())])
-        )
-        .increment(1);
-        result
     }
 }
 
