@@ -139,6 +139,27 @@ mod tests {
 
     use super::*;
 
+    impl<T, R> Batcher<T, R> {
+        fn queued(&self) -> usize {
+            self.state
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .queue
+                .len()
+        }
+    }
+
+    /// Yields until `cond` holds; fails after 10 s instead of hanging.
+    async fn until(cond: impl Fn() -> bool) {
+        tokio::time::timeout(std::time::Duration::from_secs(10), async {
+            while !cond() {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the condition never held");
+    }
+
     #[tokio::test]
     async fn a_lone_item_goes_alone_and_concurrent_ones_share_a_batch() {
         let batcher = Arc::new(Batcher::<u32, u32>::new(100));
@@ -161,18 +182,14 @@ mod tests {
             let (b, run) = (batcher.clone(), run.clone());
             tokio::spawn(async move { b.submit(1, run).await })
         };
-        while calls.lock().unwrap().is_empty() {
-            tokio::task::yield_now().await;
-        }
+        until(|| !calls.lock().unwrap().is_empty()).await;
         let rest: Vec<_> = (2..=20)
             .map(|i| {
                 let (b, run) = (batcher.clone(), run.clone());
                 tokio::spawn(async move { b.submit(i, run).await })
             })
             .collect();
-        while format!("{batcher:?}") != "Batcher { queued: 19, running: true, max_batch: 100 }" {
-            tokio::task::yield_now().await;
-        }
+        until(|| batcher.queued() == 19).await;
         gate_tx.send(true).unwrap();
         assert_eq!(first.await.unwrap(), Some(10));
         for (i, handle) in (2..=20).zip(rest) {
