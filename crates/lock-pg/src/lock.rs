@@ -5,7 +5,7 @@ use std::{
     fmt,
     sync::{
         Arc, OnceLock,
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicU64, Ordering},
     },
     time::Duration,
 };
@@ -867,7 +867,7 @@ impl DistributedLock for PgLock {
                 Attempt::Lost => Some(Duration::ZERO),
                 Attempt::Busy | Attempt::Granted(_) => None,
             };
-            let notified = AtomicBool::new(false);
+            let mut notified = false;
             let woken = async {
                 let expiry = async {
                     match expires_in {
@@ -877,14 +877,14 @@ impl DistributedLock for PgLock {
                 };
                 match subscription.as_mut() {
                     Some(s) => tokio::select! {
-                        () = s.changed() => notified.store(true, Ordering::Relaxed),
+                        () = s.changed() => notified = true,
                         () = expiry => {}
                     },
                     None => expiry.await,
                 }
             };
             wait.wait(woken).await?;
-            if matches!(attempt, Attempt::Busy) && !notified.load(Ordering::Relaxed) {
+            if matches!(attempt, Attempt::Busy) && !notified {
                 gated = false;
             }
         }
