@@ -602,7 +602,8 @@ impl Inner {
     /// Renews a batch of leases, one statement per group of distinct names (normally one),
     /// and answers per lease: renewed, no longer held, or the statement's failure.
     async fn renew_batch(&self, batch: Vec<Renewal>) -> Vec<RenewAnswer> {
-        let mut answers: Vec<Option<RenewAnswer>> = batch.iter().map(|_| None).collect();
+        // Every index is in exactly one group, so each answer is set below.
+        let mut answers: Vec<RenewAnswer> = vec![Ok(false); batch.len()];
         for mut group in distinct_name_groups(&batch) {
             // Bound in name order (the statement also locks in name order).
             group.sort_by(|&a, &b| batch[a].name.cmp(&batch[b].name));
@@ -626,16 +627,13 @@ impl Inner {
                     .map_err(|e| Failure::Backend(Arc::new(e)))
             });
             for &i in &group {
-                answers[i] = Some(match &renewed {
+                answers[i] = match &renewed {
                     Ok(names) => Ok(names.contains(&batch[i].name)),
                     Err(failure) => Err(failure.clone()),
-                });
+                };
             }
         }
         answers
-            .into_iter()
-            .map(|a| a.unwrap_or_else(|| Err(Failure::Indeterminate("not sent".to_owned()))))
-            .collect()
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
