@@ -364,31 +364,18 @@ async fn release_by_prefix(inner: &Inner, names: &KeyNames, prefix: &str) -> Res
     }
 }
 
-/// Renews a batch: one script call per [`RENEW_CHUNK`] locks, all sent at once. Every item of
-/// a failed call gets that call's failure; the other chunks are unaffected.
-async fn renew_batch(inner: Arc<Inner>, mut items: Vec<RenewItem>) -> Vec<Result<bool, Failure>> {
-    if items.len() <= RENEW_CHUNK {
-        return renew_chunk(&inner, &items).await;
-    }
-    // Several chunks: each in its own task so that they are in flight together.
-    let mut chunks = Vec::new();
-    while !items.is_empty() {
-        let rest = items.split_off(items.len().min(RENEW_CHUNK));
-        let chunk = std::mem::replace(&mut items, rest);
-        let len = chunk.len();
-        let inner = inner.clone();
-        let task = tokio::spawn(async move { renew_chunk(&inner, &chunk).await });
-        chunks.push((len, task));
-    }
-    let mut answers = Vec::new();
-    for (len, task) in chunks {
-        match task.await {
-            Ok(chunk_answers) => answers.extend(chunk_answers),
-            // The chunk's task died (runtime shutdown): its request may have been sent.
-            Err(e) => answers.extend(vec![Err(Failure::Unknown(e.to_string())); len]),
-        }
-    }
-    answers
+/// Renews a batch: one script call per [`RENEW_CHUNK`] locks, all in flight together on the
+/// multiplexed connection. Every item of a failed call gets that call's failure; the other
+/// chunks are unaffected.
+async fn renew_batch(inner: Arc<Inner>, items: Vec<RenewItem>) -> Vec<Result<bool, Failure>> {
+    let chunks = items
+        .chunks(RENEW_CHUNK)
+        .map(|chunk| renew_chunk(&inner, chunk));
+    futures::future::join_all(chunks)
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
 }
 
 async fn renew_chunk(inner: &Inner, chunk: &[RenewItem]) -> Vec<Result<bool, Failure>> {
