@@ -17,7 +17,7 @@ use crate::{
     RedisLockConfig,
     keys::KeyNames,
     scripts::Scripts,
-    wakeups::{Registry, WAKE_CHANNEL_PREFIX, Watch},
+    wakeups::{Registry, WAKE_CHANNEL_PREFIX},
 };
 
 const BACKEND: &str = "redis";
@@ -620,19 +620,12 @@ impl DistributedLock for RedisLock {
         let mut wait = AcquireWait::new(key, deadline, backoff)?;
         let mut watch = None;
         let mut subscribed_once = false;
-        // Removes this waiter from the queue when the call ends without the lock (timeout,
-        // error, dropped future); a grant removes it in the same script.
+        // Set together with `watch`: removes this waiter from the queue when the call ends
+        // without the lock (timeout, error, dropped future); a grant removes it in the same
+        // script.
         let mut registration: Option<Registration> = None;
         loop {
-            let member = watch.as_ref().map(Watch::member);
-            if let (Some(member), None) = (member, &registration) {
-                registration = Some(Registration {
-                    inner: self.inner.clone(),
-                    names: self.names(key),
-                    member: member.to_owned(),
-                    armed: true,
-                });
-            }
+            let member = registration.as_ref().map(|r| r.member.as_str());
             let holder_ttl = match self.attempt(key, ttl, member).await {
                 Ok(Attempt::Granted(lease)) => {
                     if let Some(r) = &mut registration {
@@ -650,6 +643,12 @@ impl DistributedLock for RedisLock {
                 subscribed_once = true;
                 match timeout_at(deadline, self.inner.wakeups.watch(&self.inner.conn)).await {
                     Ok(Ok(w)) => {
+                        registration = Some(Registration {
+                            inner: self.inner.clone(),
+                            names: self.names(key),
+                            member: w.member().to_owned(),
+                            armed: true,
+                        });
                         watch = Some(w);
                         continue;
                     }
