@@ -493,31 +493,6 @@ async fn an_unreachable_server_is_unavailable_and_fails_fast() {
     ));
 }
 
-/// Polls all `futures` in one task, in order, until every one is done: the first poll of each
-/// happens before any of them can complete, so their requests are submitted together.
-async fn join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
-    let mut futures: Vec<_> = futures.into_iter().map(Box::pin).collect();
-    let mut outputs: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (future, output) in futures.iter_mut().zip(outputs.iter_mut()) {
-            if output.is_none() {
-                match future.as_mut().poll(cx) {
-                    std::task::Poll::Ready(value) => *output = Some(value),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
-        }
-    })
-    .await;
-    outputs.into_iter().map(Option::unwrap).collect()
-}
-
 /// `calls` of `cmdstat_<command>` in `INFO commandstats` (0 when the command never ran).
 async fn command_calls(admin: &mut MultiplexedConnection, command: &str) -> u64 {
     let info: String = redis::cmd("INFO")
@@ -595,9 +570,9 @@ async fn a_lock_deleted_from_outside_is_not_held_while_the_rest_of_its_batch_ren
         .await
         .unwrap();
     let longer = Duration::from_secs(60);
-    // Submitted together: the first goes alone, the 19 others (the deleted one among them)
-    // share the next batch.
-    let results = join_all(
+    // Submitted together (`join_all` polls each once before any can complete): the first goes
+    // alone, the 19 others (the deleted one among them) share the next batch.
+    let results = futures::future::join_all(
         leases
             .iter_mut()
             .map(|lease| lock.renew(lease, longer))
@@ -648,7 +623,7 @@ async fn every_renewal_of_a_batch_without_reply_is_indeterminate() {
     }
     let deadlines: Vec<_> = leases.iter().map(|l| l.local_deadline()).collect();
     server.signal("STOP");
-    let results = join_all(
+    let results = futures::future::join_all(
         leases
             .iter_mut()
             .map(|lease| lock.renew(lease, LONG))
