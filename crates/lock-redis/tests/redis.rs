@@ -493,6 +493,21 @@ async fn an_unreachable_server_is_unavailable_and_fails_fast() {
     ));
 }
 
+/// Checks `condition` every `every` until it holds; fails the test with `what` once `within` has
+/// passed (bounded, generous: the machine may be loaded).
+async fn wait_until(
+    within: Duration,
+    every: Duration,
+    what: &str,
+    mut condition: impl AsyncFnMut() -> bool,
+) {
+    let until = Instant::now() + within;
+    while !condition().await {
+        assert!(Instant::now() < until, "{what}");
+        sleep(every).await;
+    }
+}
+
 /// `calls` of `cmdstat_<command>` in `INFO commandstats` (0 when the command never ran).
 async fn command_calls(admin: &mut MultiplexedConnection, command: &str) -> u64 {
     let info: String = redis::cmd("INFO")
@@ -531,11 +546,13 @@ async fn many_guarded_locks_renew_with_a_few_script_calls_per_tick() {
         .await
         .unwrap();
     // Every successful renewal runs one PEXPIRE inside the script; wait for three ticks' worth.
-    let until = Instant::now() + Duration::from_secs(30);
-    while command_calls(&mut admin, "pexpire").await < 3 * N as u64 {
-        assert!(Instant::now() < until, "the watchdogs do not renew");
-        sleep(Duration::from_millis(100)).await;
-    }
+    wait_until(
+        Duration::from_secs(30),
+        Duration::from_millis(100),
+        "the watchdogs do not renew",
+        async || command_calls(&mut admin, "pexpire").await >= 3 * N as u64,
+    )
+    .await;
     let scripts = command_calls(&mut admin, "evalsha").await;
     let renewed = command_calls(&mut admin, "pexpire").await;
     // Unbatched this is one call per renewal; batched, a few per grid instant (the guards'
@@ -683,15 +700,16 @@ async fn next_wake(
 }
 
 async fn wait_for_mark(admin: &mut MultiplexedConnection, redis_key: &str) {
-    let until = Instant::now() + Duration::from_secs(10);
-    loop {
-        let value = get(admin, redis_key.as_bytes()).await.unwrap();
-        if value.ends_with(b":w") {
-            return;
-        }
-        assert!(Instant::now() < until, "no waiter marked the lock");
-        sleep(Duration::from_millis(10)).await;
-    }
+    wait_until(
+        Duration::from_secs(10),
+        Duration::from_millis(10),
+        "no waiter marked the lock",
+        async || {
+            let value = get(admin, redis_key.as_bytes()).await.unwrap();
+            value.ends_with(b":w")
+        },
+    )
+    .await;
 }
 
 async fn queued(admin: &mut MultiplexedConnection, redis_key: &str) -> i64 {
@@ -786,11 +804,13 @@ async fn each_release_wakes_one_waiter_and_skips_dead_registrations() {
                 .unwrap();
             (client, lease)
         });
-        let until = Instant::now() + Duration::from_secs(10);
-        while queued(&mut admin, &redis_key).await < expected {
-            assert!(Instant::now() < until, "waiter {expected} never queued");
-            sleep(Duration::from_millis(10)).await;
-        }
+        wait_until(
+            Duration::from_secs(10),
+            Duration::from_millis(10),
+            &format!("waiter {expected} never queued"),
+            async || queued(&mut admin, &redis_key).await >= expected,
+        )
+        .await;
         waiters.push(task);
     }
     // A registration whose waiter died long ago (expired score) is skipped, and a live
@@ -861,10 +881,12 @@ async fn a_dropped_or_timed_out_waiter_leaves_the_queue() {
     // Dropped.
     let waiting = lock.acquire(&key, LONG, Instant::now() + LONG);
     assert!(timeout(Duration::from_millis(300), waiting).await.is_err());
-    let until = Instant::now() + Duration::from_secs(5);
-    while queued(&mut admin, &redis_key).await > 0 {
-        assert!(Instant::now() < until, "a gone waiter stays registered");
-        sleep(Duration::from_millis(10)).await;
-    }
+    wait_until(
+        Duration::from_secs(5),
+        Duration::from_millis(10),
+        "a gone waiter stays registered",
+        async || queued(&mut admin, &redis_key).await == 0,
+    )
+    .await;
     assert!(lock.release(&holder).await.unwrap());
 }
