@@ -826,15 +826,18 @@ async fn each_release_wakes_one_waiter_and_skips_dead_registrations() {
     let (first_channel, _) = next_wake(&mut wakes).await;
     assert!(!first_channel.ends_with(b"00000000000000aa"));
     // Exactly one waiter gets the lock; the other stays queued, not woken.
-    let (winner, rest) = loop {
-        if waiters[0].is_finished() {
-            break (waiters.remove(0), waiters.remove(0));
-        }
-        if waiters[1].is_finished() {
-            break (waiters.remove(1), waiters.remove(0));
-        }
-        sleep(Duration::from_millis(5)).await;
-    };
+    wait_until(
+        Duration::from_secs(10),
+        Duration::from_millis(5),
+        "no waiter was woken by the release",
+        async || waiters.iter().any(tokio::task::JoinHandle::is_finished),
+    )
+    .await;
+    let winner = waiters
+        .iter()
+        .position(tokio::task::JoinHandle::is_finished);
+    let winner = waiters.remove(winner.unwrap());
+    let rest = waiters.remove(0);
     let (winner_client, lease) = winner.await.unwrap();
     assert_eq!(
         queued(&mut admin, &redis_key).await,
