@@ -875,19 +875,43 @@ async fn a_dropped_or_timed_out_waiter_leaves_the_queue() {
     let key = fresh_key("queue-cleanup");
     let redis_key = lock.redis_key(&key);
     let holder = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    // Each waiter is seen registered before it goes, so that an empty queue afterwards proves
+    // the removal (a waiter that never registered would leave it empty as well).
     // Timed out.
-    let err = lock
-        .acquire(&key, LONG, Instant::now() + Duration::from_millis(300))
-        .await
-        .unwrap_err();
+    let (result, ()) = tokio::join!(
+        lock.acquire(&key, LONG, Instant::now() + Duration::from_secs(3)),
+        wait_until(
+            Duration::from_secs(10),
+            Duration::from_millis(10),
+            "the waiter that times out never queued",
+            async || queued(&mut admin, &redis_key).await == 1,
+        ),
+    );
+    let err = result.unwrap_err();
     assert!(matches!(err, Error::Timeout { .. }), "{err}");
-    // Dropped.
-    let waiting = lock.acquire(&key, LONG, Instant::now() + LONG);
-    assert!(timeout(Duration::from_millis(300), waiting).await.is_err());
     wait_until(
         Duration::from_secs(5),
         Duration::from_millis(10),
-        "a gone waiter stays registered",
+        "a timed-out waiter stays registered",
+        async || queued(&mut admin, &redis_key).await == 0,
+    )
+    .await;
+    // Dropped.
+    tokio::select! {
+        result = lock.acquire(&key, LONG, Instant::now() + LONG) => {
+            panic!("the lock is held, yet: {result:?}");
+        }
+        () = wait_until(
+            Duration::from_secs(10),
+            Duration::from_millis(10),
+            "the waiter to drop never queued",
+            async || queued(&mut admin, &redis_key).await == 1,
+        ) => {}
+    }
+    wait_until(
+        Duration::from_secs(5),
+        Duration::from_millis(10),
+        "a dropped waiter stays registered",
         async || queued(&mut admin, &redis_key).await == 0,
     )
     .await;
