@@ -813,8 +813,7 @@ async fn each_release_wakes_one_waiter_and_skips_dead_registrations() {
         .await;
         waiters.push(task);
     }
-    // A registration whose waiter died long ago (expired score) is skipped, and a live
-    // registration of a waiter that no longer listens only costs its own turn.
+    // A registration whose waiter died long ago (expired score) is skipped.
     redis::cmd("ZADD")
         .arg(format!("{{{redis_key}}}\x1fwaiters"))
         .arg(1)
