@@ -964,7 +964,15 @@ mod tests {
             .execute(&mut foreign)
             .await
             .unwrap();
-        sleep(Duration::from_millis(300)).await; // the waiter is LISTENing, its attempts gated
+        // Its second statement (sent after LISTEN) and every later one are gated.
+        let until = Instant::now() + Duration::from_secs(30);
+        while b.statements_sent() < 2 {
+            assert!(
+                Instant::now() < until,
+                "the waiter does not try again after LISTEN"
+            );
+            sleep(Duration::from_millis(10)).await;
+        }
         assert!(a.release(&lease).await.unwrap());
         let got = timeout(Duration::from_secs(10), waiter)
             .await
