@@ -165,6 +165,7 @@ pub struct PgLockConfig {
     pub pool_size: u32,
     /// How long to wait for a connection from the pool or a new one (`connect_timeout=`,
     /// default 5 s). A bare number is seconds, as in libpq; `ms`, `s` and `m` suffixes work.
+    /// The other duration options are distlock's own and need a unit (a bare number is refused).
     pub connect_timeout: Duration,
     /// How long one statement may take before its outcome counts as unknown (`op_timeout=`,
     /// default 5 s).
@@ -264,13 +265,9 @@ impl PgLockConfig {
                     config.connect_timeout =
                         lock_core::parse_duration_option(&k, &v, Some(Duration::from_secs(1)))?
                 }
-                "op_timeout" => {
-                    config.op_timeout =
-                        lock_core::parse_duration_option(&k, &v, Some(Duration::from_secs(1)))?
-                }
+                "op_timeout" => config.op_timeout = lock_core::parse_duration_option(&k, &v, None)?,
                 "poll_interval" => {
-                    config.poll_interval =
-                        lock_core::parse_duration_option(&k, &v, Some(Duration::from_secs(1)))?
+                    config.poll_interval = lock_core::parse_duration_option(&k, &v, None)?
                 }
                 "listen" => config.listen = parse_bool(&k, &v)?,
                 "async_release" => config.async_release = parse_bool(&k, &v)?,
@@ -387,6 +384,9 @@ mod tests {
             "postgres://h/db?pool_size=many",
             "postgres://h/db?op_timeout=5h",
             "postgres://h/db?op_timeout=0",
+            // Only connect_timeout takes libpq's bare seconds; distlock's own options need a unit.
+            "postgres://h/db?op_timeout=2",
+            "postgres://h/db?poll_interval=1",
             "postgres://h/db?listen=maybe",
             "postgres://h/db?table=a;drop",
             "postgres://h/db?table=\"x\"",

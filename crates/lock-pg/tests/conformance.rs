@@ -38,7 +38,7 @@ impl TestBackend for PgBackend {
 
     async fn unreachable_client(&self) -> Option<DynLock> {
         let config = PgLockConfig::from_url(
-            "postgres://postgres@127.0.0.1:1/distlock?connect_timeout=2&op_timeout=2",
+            "postgres://postgres@127.0.0.1:1/distlock?connect_timeout=2&op_timeout=2s",
         )
         .ok()?;
         Some(Arc::new(PgLock::connect_lazy(config)))

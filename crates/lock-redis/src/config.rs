@@ -23,7 +23,7 @@ use lock_core::{Error, Result};
 /// | `max_poll_interval` | `500ms` | cap of the jittered fallback poll of a waiting `acquire` |
 /// | `ca` | system roots | `rediss://` only: PEM file of the CA(s) the server certificate must chain to |
 ///
-/// Durations are `250ms`, `2s`, `1m` or a bare number of milliseconds. Unknown or malformed
+/// Durations take a unit: `250ms`, `2s`, `1m` (a bare number is refused, not guessed). Unknown or malformed
 /// options are an [`Error::Config`], and so is `ca` on a plain `redis://` URL (a TLS setting
 /// never silently runs unencrypted). With `rediss://` the connection is TLS only: the server
 /// certificate is verified against `ca` (or the system roots) and the host name, with no
@@ -124,16 +124,13 @@ impl RedisLockConfig {
                 self.namespace = value.to_owned();
             }
             "connect_timeout" => {
-                self.connect_timeout =
-                    lock_core::parse_duration_option(name, value, Some(Duration::from_millis(1)))?
+                self.connect_timeout = lock_core::parse_duration_option(name, value, None)?
             }
             "response_timeout" => {
-                self.response_timeout =
-                    lock_core::parse_duration_option(name, value, Some(Duration::from_millis(1)))?
+                self.response_timeout = lock_core::parse_duration_option(name, value, None)?
             }
             "max_poll_interval" => {
-                self.max_poll_interval =
-                    lock_core::parse_duration_option(name, value, Some(Duration::from_millis(1)))?
+                self.max_poll_interval = lock_core::parse_duration_option(name, value, None)?
             }
             "ca" | "ca_file" => {
                 if !self.tls {
@@ -300,7 +297,7 @@ mod tests {
         assert_eq!(c.host, "::1");
         assert_eq!(c.namespace, "");
         assert_eq!(
-            RedisLockConfig::from_url("redis://h?response_timeout=1500")
+            RedisLockConfig::from_url("redis://h?response_timeout=1500ms")
                 .unwrap()
                 .response_timeout,
             Duration::from_millis(1500)
@@ -320,6 +317,9 @@ mod tests {
             "redis://h?connect_timeout=0",
             "redis://h?connect_timeout=fast",
             "redis://h?response_timeout=5h",
+            // A bare number is refused rather than read in some unit.
+            "redis://h?response_timeout=1500",
+            "redis://h?max_poll_interval=1",
             "redis://h?reconnect_retries=-1",
             "redis://h?namespace=a%0Ab",
             "redis://h#frag",

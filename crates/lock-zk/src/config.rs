@@ -30,7 +30,7 @@ pub enum ZkAcl {
 /// | `root` | `/distlock` | parent of every lock directory (`<root>/<escaped key>/_c_<uuid>-lock-<seq>`) |
 /// | `acl` | `open` | `open` (world:anyone) or `creator` (needs `user:password@`) |
 ///
-/// Durations take a unit (`250ms`, `10s`, `2m`); a bare number is milliseconds. Credentials in
+/// Durations take a unit (`250ms`, `10s`, `2m`); a bare number is refused, not guessed. Credentials in
 /// the URL are sent as ZooKeeper `digest` auth (`user:password`) and never shown by `Debug`.
 #[derive(Clone, PartialEq, Eq)]
 pub struct ZkLockConfig {
@@ -121,25 +121,13 @@ impl ZkLockConfig {
         for (name, value) in url::form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
             match &*name {
                 "session_timeout" => {
-                    cfg.session_timeout = lock_core::parse_duration_option(
-                        &name,
-                        &value,
-                        Some(Duration::from_millis(1)),
-                    )?
+                    cfg.session_timeout = lock_core::parse_duration_option(&name, &value, None)?
                 }
                 "connect_timeout" => {
-                    cfg.connect_timeout = lock_core::parse_duration_option(
-                        &name,
-                        &value,
-                        Some(Duration::from_millis(1)),
-                    )?
+                    cfg.connect_timeout = lock_core::parse_duration_option(&name, &value, None)?
                 }
                 "op_timeout" => {
-                    cfg.op_timeout = lock_core::parse_duration_option(
-                        &name,
-                        &value,
-                        Some(Duration::from_millis(1)),
-                    )?
+                    cfg.op_timeout = lock_core::parse_duration_option(&name, &value, None)?
                 }
                 "root" => cfg.root = value.into_owned(),
                 "acl" => {
@@ -251,7 +239,7 @@ mod tests {
     #[test]
     fn parses_every_option() {
         let c = ZkLockConfig::from_url(
-            "zk://bob:s%40cret@h1:2181,h2:2182/app/x?session_timeout=1500ms&connect_timeout=2s&op_timeout=3&root=/locks/r&acl=creator",
+            "zk://bob:s%40cret@h1:2181,h2:2182/app/x?session_timeout=1500ms&connect_timeout=2s&op_timeout=3ms&root=/locks/r&acl=creator",
         )
         .unwrap();
         assert_eq!(c.hosts, "h1:2181,h2:2182");
@@ -290,6 +278,9 @@ mod tests {
             "zk://h:1?session_timeout=fast",
             "zk://h:1?session_timeout=10h",
             "zk://h:1?session_timeout=0",
+            // A bare number is refused rather than read in some unit.
+            "zk://h:1?session_timeout=1500",
+            "zk://h:1?op_timeout=3",
             "zk://h:1?root=/",
             "zk://h:1?root=relative",
             "zk://h:1?root=/a/../b",
