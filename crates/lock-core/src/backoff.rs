@@ -98,6 +98,12 @@ impl AcquireWait {
         self.deadline
     }
 
+    /// Replaces the backoff for the delays from now on (e.g. a waiter that no longer needs
+    /// quick polls because the coordinator will wake it).
+    pub fn set_backoff(&mut self, backoff: Backoff) {
+        self.backoff = backoff;
+    }
+
     /// Sleeps until `woken` completes, the next backoff delay passes, or the deadline.
     ///
     /// # Errors

@@ -1,19 +1,23 @@
-//! Release notifications: one shared `LISTEN` connection per client.
+//! Wake-ups: one `LISTEN` connection per client, on a channel of the client's own.
 //!
-//! Waiters subscribe to the channel of their key; a background task owns a [`PgListener`] on its
-//! own one-connection pool, `LISTEN`s to every channel somebody waits on and bumps the channel's
-//! generation when a notification arrives. When the listening connection breaks, every waiter
-//! is woken (a notification may have been missed) and the task reconnects with backoff;
-//! waiters keep their own bounded fallback poll, so a broken listener only slows them down.
+//! Each waiting `acquire` of a client gets a number and queues `<channel>:<number>` in the lock
+//! row (see [`crate::sql`]); a release notifies the first live entry's channel with the number
+//! as payload, so one release wakes one waiter rather than every waiter of every client. A
+//! background task owns a [`PgListener`] on its own one-connection pool and routes each payload
+//! to its waiter. While the listening connection is down every waiter is woken (a notification
+//! may have been missed) and [`Subscription::listening`] is false, so waiters stop queueing
+//! (a queued waiter that cannot hear would hold the others up) and poll until it is back.
 
 use std::{
-    collections::{HashMap, HashSet},
-    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    collections::HashMap,
+    sync::{
+        Arc, Mutex, MutexGuard, PoisonError,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
-use lock_core::{Backoff, LockKey};
-use sha2::{Digest, Sha256};
+use lock_core::Backoff;
 use sqlx::{
     PgPool,
     postgres::{PgListener, PgPoolOptions},
@@ -23,63 +27,50 @@ use tokio::{
     time::{Instant, sleep_until, timeout},
 };
 
-use crate::{PgLockConfig, TableName};
+use crate::PgLockConfig;
 
-/// The notification channel of a key: a fixed-length hash, so any key (quotes, unicode, 512
-/// bytes) maps to a valid identifier of at most 63 bytes. A collision only wakes a waiter
-/// needlessly.
-pub(crate) fn channel_name(table: &TableName, key: &LockKey) -> String {
-    let mut h = Sha256::new();
-    h.update(table.quoted().as_bytes());
-    h.update([0]);
-    h.update(key.as_str().as_bytes());
-    let digest = h.finalize();
-    let mut name = String::with_capacity(9 + 32);
-    name.push_str("distlock_");
-    for b in &digest[..16] {
-        name.push_str(&format!("{b:02x}"));
+/// The state shared by the client side and the listener task.
+struct Shared {
+    /// `distlock_w_` and 32 random hex digits: a valid identifier, unique per client.
+    channel: String,
+    /// Waiting `acquire`s by number: bumped when notified.
+    waiters: Mutex<HashMap<u64, watch::Sender<u64>>>,
+    next: AtomicU64,
+    /// The channel is `LISTEN`ed to on a live connection.
+    listening: AtomicBool,
+}
+
+impl Shared {
+    fn waiters(&self) -> MutexGuard<'_, HashMap<u64, watch::Sender<u64>>> {
+        self.waiters.lock().unwrap_or_else(PoisonError::into_inner)
     }
-    name
-}
 
-type Channels = Arc<Mutex<HashMap<String, Channel>>>;
-
-struct Channel {
-    subscribers: usize,
-    generation: watch::Sender<u64>,
-}
-
-enum Command {
-    Listen(String, oneshot::Sender<bool>),
-    Unlisten(String),
-}
-
-/// The client side of the listener task. Dropping it (with every subscription) ends the task.
-#[derive(Debug)]
-pub(crate) struct Notifier {
-    channels: Channels,
-    commands: mpsc::UnboundedSender<Command>,
-}
-
-impl std::fmt::Debug for Channel {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Channel")
-            .field("subscribers", &self.subscribers)
-            .finish_non_exhaustive()
+    fn wake(&self, id: u64) {
+        if let Some(w) = self.waiters().get(&id) {
+            w.send_modify(|g| *g += 1);
+        }
     }
-}
 
-impl std::fmt::Debug for Command {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Command::Listen(c, _) => write!(f, "Listen({c})"),
-            Command::Unlisten(c) => write!(f, "Unlisten({c})"),
+    fn wake_all(&self) {
+        for w in self.waiters().values() {
+            w.send_modify(|g| *g += 1);
         }
     }
 }
 
-fn lock(channels: &Channels) -> MutexGuard<'_, HashMap<String, Channel>> {
-    channels.lock().unwrap_or_else(PoisonError::into_inner)
+/// The client side of the listener task. Dropping it ends the task.
+pub(crate) struct Notifier {
+    shared: Arc<Shared>,
+    /// Asks the task to make sure the channel is listened to; answers whether it is.
+    commands: mpsc::UnboundedSender<oneshot::Sender<bool>>,
+}
+
+impl std::fmt::Debug for Notifier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Notifier")
+            .field("channel", &self.shared.channel)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Notifier {
@@ -92,67 +83,85 @@ impl Notifier {
             .idle_timeout(None)
             .acquire_timeout(config.connect_timeout)
             .connect_lazy_with(config.connect_options().clone());
-        let channels: Channels = Arc::default();
+        let shared = Arc::new(Shared {
+            channel: format!("distlock_w_{:032x}", rand::random::<u128>()),
+            waiters: Mutex::default(),
+            next: AtomicU64::new(1),
+            listening: AtomicBool::new(false),
+        });
         let (tx, rx) = mpsc::unbounded_channel();
         let task = ListenerTask {
             pool,
-            channels: channels.clone(),
+            shared: shared.clone(),
             commands: rx,
             op_timeout: config.op_timeout,
             listener: None,
-            listening: HashSet::new(),
             backoff: Backoff::new(Duration::from_millis(50), Duration::from_secs(2)),
             retry_at: None,
         };
         tokio::spawn(task.run());
         Self {
-            channels,
+            shared,
             commands: tx,
         }
     }
 
-    /// Subscribes to `channel` and waits until the `LISTEN` is active (or failed: the
-    /// subscription then still wakes on reconnect, and the waiter polls meanwhile).
-    pub(crate) async fn subscribe(&self, channel: String) -> Subscription {
+    /// A new waiter; returns once the client's channel is listened to, or listening failed
+    /// (then [`Subscription::listening`] is false and the task keeps reconnecting).
+    pub(crate) async fn subscribe(&self) -> Subscription {
+        let id = self.shared.next.fetch_add(1, Ordering::Relaxed);
         let receiver = {
-            let mut map = lock(&self.channels);
-            let entry = map.entry(channel.clone()).or_insert_with(|| Channel {
-                subscribers: 0,
-                generation: watch::channel(0).0,
-            });
-            entry.subscribers += 1;
-            entry.generation.subscribe()
+            let (tx, rx) = watch::channel(0);
+            self.shared.waiters().insert(id, tx);
+            rx
         };
         let subscription = Subscription {
-            channels: self.channels.clone(),
-            commands: self.commands.clone(),
-            channel: channel.clone(),
+            shared: self.shared.clone(),
+            id,
             receiver,
         };
-        let (ack, acked) = oneshot::channel();
-        if self.commands.send(Command::Listen(channel, ack)).is_ok() && acked.await != Ok(true) {
-            tracing::debug!("LISTEN is not active; waiting by polling until it is");
+        if !self.shared.listening.load(Ordering::Acquire) {
+            let (ack, acked) = oneshot::channel();
+            if self.commands.send(ack).is_ok() && acked.await != Ok(true) {
+                tracing::debug!("LISTEN is not active; waiting by polling until it is");
+            }
         }
         subscription
     }
 }
 
-/// Interest in one channel; wakes when a release on it is notified.
-#[derive(Debug)]
+/// One waiting `acquire`: its queue entry, and the wake-ups addressed to it.
 pub(crate) struct Subscription {
-    channels: Channels,
-    commands: mpsc::UnboundedSender<Command>,
-    channel: String,
+    shared: Arc<Shared>,
+    id: u64,
     receiver: watch::Receiver<u64>,
 }
 
+impl std::fmt::Debug for Subscription {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Subscription")
+            .field("entry", &self.entry())
+            .finish_non_exhaustive()
+    }
+}
+
 impl Subscription {
-    /// Marks everything notified so far as seen (call before each attempt).
+    /// The waiter's queue entry: `<channel>:<number>`.
+    pub(crate) fn entry(&self) -> String {
+        format!("{}:{}", self.shared.channel, self.id)
+    }
+
+    /// Whether a notification to [`Subscription::entry`] would be heard now.
+    pub(crate) fn listening(&self) -> bool {
+        self.shared.listening.load(Ordering::Acquire)
+    }
+
+    /// Marks every wake-up so far as seen (call before each attempt).
     pub(crate) fn mark_seen(&mut self) {
         self.receiver.borrow_and_update();
     }
 
-    /// Completes at the next notification after the last [`Subscription::mark_seen`].
+    /// Completes at the next wake-up after the last [`Subscription::mark_seen`].
     pub(crate) async fn changed(&mut self) {
         if self.receiver.changed().await.is_err() {
             std::future::pending::<()>().await;
@@ -162,38 +171,23 @@ impl Subscription {
 
 impl Drop for Subscription {
     fn drop(&mut self) {
-        let mut map = lock(&self.channels);
-        let last = match map.get_mut(&self.channel) {
-            Some(entry) => {
-                entry.subscribers = entry.subscribers.saturating_sub(1);
-                entry.subscribers == 0
-            }
-            None => false,
-        };
-        if last {
-            map.remove(&self.channel);
-            let _ = self
-                .commands
-                .send(Command::Unlisten(std::mem::take(&mut self.channel)));
-        }
+        self.shared.waiters().remove(&self.id);
     }
 }
 
 struct ListenerTask {
     pool: PgPool,
-    channels: Channels,
-    commands: mpsc::UnboundedReceiver<Command>,
+    shared: Arc<Shared>,
+    commands: mpsc::UnboundedReceiver<oneshot::Sender<bool>>,
     op_timeout: Duration,
     listener: Option<PgListener>,
-    /// What the current listener connection is subscribed to.
-    listening: HashSet<String>,
     backoff: Backoff,
     /// While set, do not reconnect before this instant.
     retry_at: Option<Instant>,
 }
 
 enum Event {
-    Command(Option<Command>),
+    Listen(Option<oneshot::Sender<bool>>),
     Notified(Result<Option<String>, sqlx::Error>),
     Retry,
 }
@@ -204,43 +198,34 @@ impl ListenerTask {
             let event = match self.listener.as_mut() {
                 Some(listener) => tokio::select! {
                     biased;
-                    cmd = self.commands.recv() => Event::Command(cmd),
+                    ack = self.commands.recv() => Event::Listen(ack),
                     // Cancel-safe: sqlx reads whole messages only.
-                    n = listener.try_recv() => Event::Notified(n.map(|n| n.map(|n| n.channel().to_owned()))),
+                    n = listener.try_recv() => Event::Notified(n.map(|n| n.map(|n| n.payload().to_owned()))),
                 },
                 None => {
-                    let retry = self.retry_at.filter(|_| !lock(&self.channels).is_empty());
+                    let retry = self.retry_at.filter(|_| !self.shared.waiters().is_empty());
                     tokio::select! {
-                        cmd = self.commands.recv() => Event::Command(cmd),
+                        ack = self.commands.recv() => Event::Listen(ack),
                         () = sleep_until(retry.unwrap_or_else(far_future)), if retry.is_some() => Event::Retry,
                     }
                 }
             };
             match event {
-                Event::Command(None) => return,
-                Event::Command(Some(Command::Listen(channel, ack))) => {
-                    let ok = self.listen(channel).await;
+                Event::Listen(None) => return,
+                Event::Listen(Some(ack)) => {
+                    let ok = match self.listener {
+                        Some(_) => true,
+                        None if self.retry_at.is_some_and(|t| Instant::now() < t) => false,
+                        None => self.reconnect().await,
+                    };
                     let _ = ack.send(ok);
                 }
-                Event::Command(Some(Command::Unlisten(channel))) => {
-                    let wanted = lock(&self.channels).contains_key(&channel);
-                    if !wanted
-                        && self.listening.remove(&channel)
-                        && let Some(listener) = self.listener.as_mut()
-                    {
-                        let done = timeout(self.op_timeout, listener.unlisten(&channel)).await;
-                        if !matches!(done, Ok(Ok(()))) {
-                            self.broken();
-                        }
-                    }
-                }
-                Event::Notified(Ok(Some(channel))) => {
-                    if let Some(entry) = lock(&self.channels).get(&channel) {
-                        entry.generation.send_modify(|g| *g += 1);
-                    }
-                }
+                Event::Notified(Ok(Some(payload))) => match payload.parse() {
+                    Ok(id) => self.shared.wake(id),
+                    Err(_) => tracing::debug!("ignoring a notification with a foreign payload"),
+                },
                 // The connection was lost and re-established: notifications may be lost.
-                Event::Notified(Ok(None)) => self.wake_all(),
+                Event::Notified(Ok(None)) => self.shared.wake_all(),
                 Event::Notified(Err(e)) => {
                     tracing::debug!(error = %e, "LISTEN connection failed; reconnecting");
                     self.broken();
@@ -252,48 +237,21 @@ impl ListenerTask {
         }
     }
 
-    /// LISTENs to `channel` on the current connection, connecting first when needed.
-    async fn listen(&mut self, channel: String) -> bool {
-        match self.listener.as_mut() {
-            Some(_) if self.listening.contains(&channel) => true,
-            Some(listener) => match timeout(self.op_timeout, listener.listen(&channel)).await {
-                Ok(Ok(())) => {
-                    self.listening.insert(channel);
-                    true
-                }
-                _ => {
-                    self.broken();
-                    false
-                }
-            },
-            None if self.retry_at.is_some_and(|t| Instant::now() < t) => false,
-            // The channel is in the shared map already, so reconnecting listens to it.
-            None => self.reconnect().await && self.listening.contains(&channel),
-        }
-    }
-
-    /// Connects and LISTENs to every wanted channel; wakes everyone on success.
+    /// Connects and LISTENs to the client's channel; wakes everyone on success.
     async fn reconnect(&mut self) -> bool {
-        let wanted: Vec<String> = lock(&self.channels).keys().cloned().collect();
-        if wanted.is_empty() {
-            self.retry_at = None;
-            return false;
-        }
         let connect = async {
             let mut listener = PgListener::connect_with(&self.pool).await?;
             listener.ignore_pool_close_event(true);
-            listener
-                .listen_all(wanted.iter().map(String::as_str))
-                .await?;
+            listener.listen(&self.shared.channel).await?;
             Ok::<_, sqlx::Error>(listener)
         };
         match timeout(self.op_timeout, connect).await {
             Ok(Ok(listener)) => {
                 self.listener = Some(listener);
-                self.listening = wanted.into_iter().collect();
+                self.shared.listening.store(true, Ordering::Release);
                 self.retry_at = None;
                 self.backoff.reset();
-                self.wake_all();
+                self.shared.wake_all();
                 true
             }
             Ok(Err(e)) => {
@@ -311,15 +269,9 @@ impl ListenerTask {
 
     fn broken(&mut self) {
         self.listener = None;
-        self.listening.clear();
+        self.shared.listening.store(false, Ordering::Release);
         self.retry_at = Some(Instant::now() + self.backoff.next_delay());
-        self.wake_all();
-    }
-
-    fn wake_all(&self) {
-        for entry in lock(&self.channels).values() {
-            entry.generation.send_modify(|g| *g += 1);
-        }
+        self.shared.wake_all();
     }
 }
 
@@ -331,20 +283,32 @@ fn far_future() -> Instant {
 mod tests {
     use super::*;
 
-    #[test]
-    fn channel_names_are_short_identifiers_and_distinct() {
-        let t = TableName::default();
-        let names: Vec<String> = ["a", "a/b", "\"; DROP TABLE x; --", &"ü".repeat(256)]
-            .iter()
-            .map(|k| channel_name(&t, &LockKey::new(k).unwrap()))
-            .collect();
-        for n in &names {
-            assert!(n.len() <= 63, "{n}");
-            assert!(n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'));
-        }
-        let unique: HashSet<_> = names.iter().collect();
-        assert_eq!(unique.len(), names.len());
-        let other = TableName::new("other").unwrap();
-        assert_ne!(channel_name(&other, &LockKey::new("a").unwrap()), names[0]);
+    /// Entries are `<channel>:<number>` with a channel that is a valid, short identifier.
+    #[tokio::test]
+    async fn entries_name_a_valid_channel_and_a_distinct_number() {
+        let config =
+            PgLockConfig::from_url("postgres://u@127.0.0.1:1/db?connect_timeout=200ms").unwrap();
+        let notifier = Notifier::spawn(&config);
+        let shared = notifier.shared.clone();
+        // Not listening (the server is unreachable), so subscribe does not wait for LISTEN
+        // forever: the task answers once its connection attempt fails.
+        let (a, b) = (notifier.subscribe().await, notifier.subscribe().await);
+        assert!(!a.listening());
+        let (ca, na) = a
+            .entry()
+            .rsplit_once(':')
+            .map(|(c, n)| (c.to_owned(), n.to_owned()))
+            .unwrap();
+        let (cb, nb) = b
+            .entry()
+            .rsplit_once(':')
+            .map(|(c, n)| (c.to_owned(), n.to_owned()))
+            .unwrap();
+        assert_eq!(ca, cb);
+        assert_ne!(na, nb);
+        assert!(ca.len() <= 63 && ca.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_'));
+        assert_ne!(ca, Notifier::spawn(&config).shared.channel);
+        drop(a);
+        assert_eq!(shared.waiters().len(), 1);
     }
 }

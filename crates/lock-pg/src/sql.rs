@@ -3,6 +3,20 @@
 //! Every value is a bind parameter; only the table name is formatted in, and it has been
 //! validated as an identifier and is double-quoted ([`crate::TableName`]), which is why wrapping
 //! these strings in [`sqlx::AssertSqlSafe`] is sound.
+//!
+//! # The waiter queue
+//!
+//! `waiters` holds the queue of a lock's listening waiters, oldest first, each entry
+//! `<channel>:<number> <expiry>`: the waiting client's notification channel, the waiter's number
+//! on that client, and when the entry lapses (milliseconds since the epoch, the database's
+//! clock; a waiter refreshes its entry on every attempt, so only a gone waiter's entry lapses).
+//! A statement that frees the lock notifies the first live entry's channel with its number,
+//! so one release wakes one waiter. The queue lives in the lock row because a release and a
+//! waiter's registration both write that row: whichever comes second waits for the other's
+//! row lock and then sees its result (a release sees the new entry; a registration sees the
+//! lock free and takes it), so no wake-up falls between them. Grants are decided exactly as
+//! before, by the upsert's check of `owner` and `expires_at` under the row lock; the queue only
+//! decides whom to wake.
 
 use std::sync::Arc;
 
@@ -10,46 +24,66 @@ use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
 use crate::TableName;
 
+/// The most entries a lock's queue takes; waiters beyond it poll (bounded by `poll_interval`).
+const MAX_QUEUE: i32 = 256;
+
 /// The statements of one table.
 #[derive(Debug)]
 pub(crate) struct Statements {
     pub(crate) create: SqlStr,
+    /// Adds the `waiters` column to a table created by an older version.
+    pub(crate) add_waiters: SqlStr,
     /// `$1` name, `$2` owner, `$3` ttl µs → `fence` when granted, no row when held.
     pub(crate) acquire: SqlStr,
-    /// `$1` name, `$2` owner, `$3` ttl µs, `$4` gate class, `$5` gated → one row: `fence` when
-    /// granted; else `remaining` µs of the live holder seen, or `tried` = false when another
-    /// acquire of the name was in progress (gated only), or `tried` = true when the grant was
-    /// lost to a holder that committed during the statement.
-    pub(crate) acquire_waiting: SqlStr,
-    /// The advisory-lock class of this table's acquire gates.
-    pub(crate) gate_class: i32,
+    /// `$1` name, `$2` owner, `$3` ttl µs → one row: `fence` when granted, else `remaining` µs
+    /// of the live holder seen (both null: taken by a grant that committed meanwhile).
+    pub(crate) acquire_polling: SqlStr,
+    /// `$1` name, `$2` owner, `$3` ttl µs, `$4` queue entry, `$5` entry lifetime ms → one row:
+    /// `fence` when granted; else `remaining` µs of the holder and whether the entry is
+    /// `queued` (added or refreshed; not when the queue is full).
+    pub(crate) acquire_queued: SqlStr,
     /// `$1` names, `$2` owners, `$3` fences, `$4` ttls µs (arrays of one length, names distinct)
     /// → the `name` of every row renewed; rows are locked in name order.
     pub(crate) renew: SqlStr,
-    /// `$1` name, `$2` owner, `$3` fence, `$4` channel → one row when released (and notified).
+    /// `$1` name, `$2` owner, `$3` fence → one row when released (and the next waiter woken).
     pub(crate) release: SqlStr,
     /// As `release`, with `synchronous_commit = off` for this statement's transaction only.
     pub(crate) release_async: SqlStr,
-    /// `$1` name, `$2` owner, `$3` channel: undoes a grant whose reply was lost (fence unknown).
+    /// `$1` name, `$2` owner: undoes a grant whose reply was lost (fence unknown).
     pub(crate) release_token: SqlStr,
-    /// `$1` name → `owner`, `fence`, remaining µs of a live holder.
+    /// `$1` name, `$2` queue entry: removes a waiter that gave up (waking the next one when
+    /// the lock is free, in case the wake-up went to the one leaving).
+    pub(crate) dequeue: SqlStr,
+    /// `$1` name → `owner`, `fence`, remaining µs of a live holder, live queue entries.
     pub(crate) inspect: SqlStr,
-    /// `$1` name, `$2` channel, `$3` fence or NULL: the operator override, whoever holds it (or
-    /// only the grant with that fence).
+    /// `$1` name, `$2` fence or NULL: the operator override, whoever holds it (or only the
+    /// grant with that fence).
     pub(crate) force_release: SqlStr,
-}
-
-/// The advisory-lock class (first key) of a table's acquire gates: a hash of the table name, so
-/// that the two-key advisory locks an application takes are unlikely to collide with them (a
-/// collision only makes an acquire wait for a notification or its fallback poll).
-fn gate_class(table: &TableName) -> i32 {
-    use sha2::{Digest, Sha256};
-    let digest = Sha256::digest(format!("distlock gate {}", table.quoted()).as_bytes());
-    i32::from_be_bytes([digest[0], digest[1], digest[2], digest[3]])
 }
 
 fn sql(s: String) -> SqlStr {
     AssertSqlSafe(Arc::<str>::from(s)).into_sql_str()
+}
+
+/// The database's clock in milliseconds since the epoch (the unit of queue entry expiries).
+const NOW_MS: &str = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
+
+/// The live entries of row `l`'s queue with their positions (`q.w`, `q.o`).
+fn live_entries() -> String {
+    format!(
+        "unnest(l.waiters) WITH ORDINALITY AS q(w, o) \
+         WHERE split_part(q.w, ' ', 2)::bigint > {NOW_MS}"
+    )
+}
+
+/// Notifies the first live waiter of row `l` (a scalar subquery: null when nobody waits).
+fn wake_first() -> String {
+    format!(
+        "(SELECT pg_notify(split_part(h.id, ':', 1), split_part(h.id, ':', 2)) FROM (\
+             SELECT split_part(q.w, ' ', 1) AS id FROM {} ORDER BY q.o LIMIT 1\
+         ) AS h)",
+        live_entries()
+    )
 }
 
 impl Statements {
@@ -61,8 +95,12 @@ impl Statements {
                  name text PRIMARY KEY,\n\
                  owner text,\n\
                  fence bigint NOT NULL,\n\
-                 expires_at timestamptz NOT NULL\n\
+                 expires_at timestamptz NOT NULL,\n\
+                 waiters text[] NOT NULL DEFAULT '{{}}'\n\
              )"
+        );
+        let add_waiters = format!(
+            "ALTER TABLE {t} ADD COLUMN IF NOT EXISTS waiters text[] NOT NULL DEFAULT '{{}}'"
         );
         // One statement, on the database's clock: insert a first grant, or take over a free or
         // expired row while bumping its fence. A held row is left alone (no row returned), but
@@ -76,37 +114,73 @@ impl Statements {
              WHERE l.owner IS NULL OR l.expires_at <= clock_timestamp() \
              RETURNING l.fence"
         );
-        // The waiter's statement: the same upsert, whose WHERE, evaluated on the latest
-        // version of the locked row, is what makes grants exclusive. Two shortcuts spare a
-        // loser the row lock (a durable commit) and the wait behind a concurrent grant:
-        // * `cur`: when the statement's snapshot shows a live holder, nothing is attempted and
-        //   its remaining time is returned instead (no separate inspect needed);
-        // * `gate` (when `$5`): a transaction-scoped advisory lock on the name, so that of the
-        //   waiters woken by one release only the first runs the upsert; the others learn
-        //   `tried = false` at once, without blocking on the row until the winner commits.
-        let acquire_waiting = format!(
+        let remaining = "GREATEST(0, floor(extract(epoch FROM l.expires_at - clock_timestamp()) \
+                         * 1000000))::bigint";
+        // A waiter's first look (and every look of a waiter that is not queued): the same
+        // upsert, whose WHERE, evaluated on the latest version of the locked row, is what makes
+        // grants exclusive; when the statement's snapshot already shows a live holder, nothing
+        // is attempted (no row lock, no durable commit) and its remaining time is returned.
+        let acquire_polling = format!(
             "WITH cur AS MATERIALIZED (\
-                 SELECT GREATEST(0, floor(extract(epoch FROM expires_at - clock_timestamp()) \
-                     * 1000000))::bigint AS remaining \
-                 FROM {t} WHERE name = $1 AND owner IS NOT NULL \
+                 SELECT {remaining} AS remaining \
+                 FROM {t} AS l WHERE name = $1 AND owner IS NOT NULL \
                      AND expires_at > clock_timestamp()\
-             ), gate AS MATERIALIZED (\
-                 SELECT CASE WHEN $5::bool \
-                     THEN pg_try_advisory_xact_lock($4::int, hashtext($1)) ELSE true END AS open \
-                 WHERE NOT EXISTS (SELECT 1 FROM cur)\
              ), granted AS (\
                  INSERT INTO {t} AS l (name, owner, fence, expires_at) \
                  SELECT $1, $2, 1, clock_timestamp() + $3::bigint * interval '1 microsecond' \
-                 FROM gate WHERE gate.open \
+                 WHERE NOT EXISTS (SELECT 1 FROM cur) \
                  ON CONFLICT (name) DO UPDATE \
                  SET owner = excluded.owner, fence = l.fence + 1, \
                      expires_at = clock_timestamp() + $3::bigint * interval '1 microsecond' \
                  WHERE l.owner IS NULL OR l.expires_at <= clock_timestamp() \
                  RETURNING l.fence\
              ) \
-             SELECT (SELECT fence FROM granted) AS fence, \
-                 (SELECT remaining FROM cur) AS remaining, \
-                 (SELECT open FROM gate) AS tried"
+             SELECT (SELECT fence FROM granted) AS fence, (SELECT remaining FROM cur) AS remaining"
+        );
+        // A queued waiter's attempt: one upsert that always writes the row, under its lock,
+        // with one reading of the clock (`d`): a free row is granted (fence bumped, this entry
+        // and lapsed ones dropped from the queue); a held row keeps its holder, and this entry
+        // is refreshed in place or appended. Only a grant waits for a durable commit: a lost
+        // queue entry costs a poll, a lost grant could cost a fence.
+        let acquire_queued = format!(
+            "INSERT INTO {t} AS l (name, owner, fence, expires_at) \
+             VALUES ($1, $2, 1, clock_timestamp() + $3::bigint * interval '1 microsecond') \
+             ON CONFLICT (name) DO UPDATE \
+             SET (owner, fence, expires_at, waiters) = (\
+                 SELECT CASE WHEN d.free THEN $2 ELSE l.owner END, \
+                     CASE WHEN d.free THEN l.fence + 1 ELSE l.fence END, \
+                     CASE WHEN d.free THEN d.ts + $3::bigint * interval '1 microsecond' \
+                         ELSE l.expires_at END, \
+                     CASE WHEN d.free THEN ARRAY(\
+                         SELECT q.w FROM unnest(l.waiters) WITH ORDINALITY AS q(w, o) \
+                         WHERE split_part(q.w, ' ', 2)::bigint > d.now_ms \
+                             AND split_part(q.w, ' ', 1) <> $4 \
+                         ORDER BY q.o) \
+                     ELSE ARRAY(\
+                         SELECT CASE WHEN split_part(q.w, ' ', 1) = $4 \
+                             THEN $4 || ' ' || (d.now_ms + $5::bigint) ELSE q.w END \
+                         FROM unnest(l.waiters) WITH ORDINALITY AS q(w, o) \
+                         WHERE split_part(q.w, ' ', 2)::bigint > d.now_ms \
+                             OR split_part(q.w, ' ', 1) = $4 \
+                         ORDER BY q.o) \
+                     || CASE WHEN d.mine OR d.live >= {MAX_QUEUE} THEN '{{}}'::text[] \
+                         ELSE ARRAY[$4 || ' ' || (d.now_ms + $5::bigint)] END \
+                     END \
+                 FROM (SELECT c.ts, \
+                     l.owner IS NULL OR l.expires_at <= c.ts AS free, \
+                     (extract(epoch FROM c.ts) * 1000)::bigint AS now_ms, \
+                     EXISTS (SELECT 1 FROM unnest(l.waiters) AS e(w) \
+                         WHERE split_part(e.w, ' ', 1) = $4) AS mine, \
+                     (SELECT count(*) FROM unnest(l.waiters) AS e(w) \
+                         WHERE split_part(e.w, ' ', 2)::bigint > (extract(epoch FROM c.ts) * 1000)::bigint) AS live \
+                     FROM (SELECT clock_timestamp() AS ts) AS c) AS d\
+             ) \
+             RETURNING CASE WHEN l.owner = $2 THEN l.fence END AS fence, \
+                 {remaining} AS remaining, \
+                 EXISTS (SELECT 1 FROM unnest(l.waiters) AS e(w) \
+                     WHERE split_part(e.w, ' ', 1) = $4) AS queued, \
+                 set_config('synchronous_commit', CASE WHEN l.owner = $2 \
+                     THEN current_setting('synchronous_commit') ELSE 'off' END, true)"
         );
         // Many leases in one statement (one transaction, one durable commit). The rows are
         // locked first, in name order, whatever join the planner picks, so two batches that
@@ -127,12 +201,13 @@ impl Statements {
              FROM mine WHERE l.name = mine.name AND l.expires_at > clock_timestamp() \
              RETURNING l.name"
         );
+        let wake = wake_first();
         let release_where = "l.name = $1 AND l.owner = $2 AND l.fence = $3 \
                              AND l.expires_at > clock_timestamp()";
         let release = format!(
             "UPDATE {t} AS l SET owner = NULL, expires_at = clock_timestamp() \
              WHERE {release_where} \
-             RETURNING l.fence, pg_notify($4, '')"
+             RETURNING l.fence, {wake}"
         );
         // set_config(.., true) is local to the implicit transaction of this one statement; the
         // subquery in FROM makes sure it is evaluated before the commit reads the setting.
@@ -140,34 +215,46 @@ impl Statements {
             "UPDATE {t} AS l SET owner = NULL, expires_at = clock_timestamp() \
              FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cfg \
              WHERE {release_where} \
-             RETURNING l.fence, pg_notify($4, '')"
+             RETURNING l.fence, {wake}"
         );
         let release_token = format!(
             "UPDATE {t} AS l SET owner = NULL, expires_at = clock_timestamp() \
              WHERE l.name = $1 AND l.owner = $2 \
-             RETURNING l.fence, pg_notify($3, '')"
+             RETURNING l.fence, {wake}"
+        );
+        let dequeue = format!(
+            "UPDATE {t} AS l SET waiters = ARRAY(\
+                 SELECT q.w FROM unnest(l.waiters) WITH ORDINALITY AS q(w, o) \
+                 WHERE split_part(q.w, ' ', 1) <> $2 ORDER BY q.o) \
+             FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cfg \
+             WHERE l.name = $1 AND EXISTS (SELECT 1 FROM unnest(l.waiters) AS e(w) \
+                 WHERE split_part(e.w, ' ', 1) = $2) \
+             RETURNING CASE WHEN l.owner IS NULL OR l.expires_at <= clock_timestamp() \
+                 THEN {wake} END"
         );
         let inspect = format!(
-            "SELECT owner, fence, \
-                 GREATEST(0, floor(extract(epoch FROM expires_at - clock_timestamp()) * 1000000))::bigint \
-             FROM {t} WHERE name = $1 AND owner IS NOT NULL AND expires_at > clock_timestamp()"
+            "SELECT owner, fence, {remaining}, (SELECT count(*) FROM {live}) \
+             FROM {t} AS l WHERE name = $1 AND owner IS NOT NULL AND expires_at > clock_timestamp()",
+            live = live_entries()
         );
         let force_release = format!(
             "UPDATE {t} AS l SET owner = NULL, expires_at = clock_timestamp() \
              WHERE l.name = $1 AND l.owner IS NOT NULL AND l.expires_at > clock_timestamp() \
-                 AND ($3::bigint IS NULL OR l.fence = $3) \
-             RETURNING l.fence, pg_notify($2, '')"
+                 AND ($2::bigint IS NULL OR l.fence = $2) \
+             RETURNING l.fence, {wake}"
         );
         Self {
             create: sql(create),
+            add_waiters: sql(add_waiters),
             force_release: sql(force_release),
             acquire: sql(acquire),
-            acquire_waiting: sql(acquire_waiting),
-            gate_class: gate_class(table),
+            acquire_polling: sql(acquire_polling),
+            acquire_queued: sql(acquire_queued),
             renew: sql(renew),
             release: sql(release),
             release_async: sql(release_async),
             release_token: sql(release_token),
+            dequeue: sql(dequeue),
             inspect: sql(inspect),
         }
     }
