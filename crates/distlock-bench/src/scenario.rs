@@ -89,6 +89,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// Handoff latency with `clients.len()` contenders on one key: from the moment the holder starts
 /// `release` to the moment the next holder's `acquire` returns. A client that just released
 /// waits until someone else holds before queueing again, so every handoff goes to a waiter.
+/// The first `clients.len()` handoffs are warm-up and not counted: until each client has waited
+/// once, a handoff can include setting up its wake-up path (a `LISTEN` connection, a watch
+/// stream, a subscription), which is a one-time cost, not a handoff's.
 pub async fn handoff(
     clients: &[DynLock],
     key: &LockKey,
@@ -98,7 +101,8 @@ pub async fn handoff(
 ) -> Res<Handoff> {
     let released_at: Arc<Mutex<Option<Instant>>> = Arc::default();
     let samples: Arc<Mutex<Vec<Duration>>> = Arc::default();
-    let remaining = Arc::new(AtomicUsize::new(handoffs + 1));
+    let warmup = clients.len();
+    let remaining = Arc::new(AtomicUsize::new(warmup + handoffs + 1));
     // Bumped on every grant, so a client that just released can wait for the next one.
     let (grants, _) = watch::channel(0u64);
     let grants = Arc::new(grants);
@@ -156,6 +160,7 @@ pub async fn handoff(
         t.await??;
     }
     let mut samples = std::mem::take(&mut *lock(&samples));
+    samples.drain(..warmup.min(samples.len()));
     let latency = Summary::of(&mut samples).ok_or("no handoff was measured")?;
     let in_units =
         |floor: Option<&Summary>| floor.and_then(|f| ratio(latency.median_us, f.median_us));
