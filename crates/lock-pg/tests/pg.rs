@@ -642,7 +642,7 @@ async fn a_waiter_that_gives_up_leaves_the_queue() {
     );
     let key = fresh_key("give-up");
     let lease = holder.try_acquire(&key, LONG).await.unwrap().unwrap();
-    let quits = spawn_acquire(&quitter, &key, Instant::now() + Duration::from_secs(2));
+    let quits = spawn_acquire(&quitter, &key, Instant::now() + Duration::from_secs(5));
     wait_for_queue(&holder, &key, 1).await;
     let stays = spawn_acquire(&stayer, &key, Instant::now() + LONG);
     wait_for_queue(&holder, &key, 2).await;
