@@ -68,11 +68,29 @@ fn sql(s: String) -> SqlStr {
 /// The database's clock in milliseconds since the epoch (the unit of queue entry expiries).
 const NOW_MS: &str = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
 
+/// The `<channel>:<number>` part of queue entry `w`.
+fn id(w: &str) -> String {
+    format!("split_part({w}, ' ', 1)")
+}
+
+/// The expiry (ms since the epoch) of queue entry `w`.
+fn expiry(w: &str) -> String {
+    format!("split_part({w}, ' ', 2)::bigint")
+}
+
+/// Whether row `l`'s queue has an entry with id `param`.
+fn has_entry(param: &str) -> String {
+    format!(
+        "EXISTS (SELECT 1 FROM unnest(l.waiters) AS e(w) WHERE {} = {param})",
+        id("e.w")
+    )
+}
+
 /// The live entries of row `l`'s queue with their positions (`q.w`, `q.o`).
 fn live_entries() -> String {
     format!(
-        "unnest(l.waiters) WITH ORDINALITY AS q(w, o) \
-         WHERE split_part(q.w, ' ', 2)::bigint > {NOW_MS}"
+        "unnest(l.waiters) WITH ORDINALITY AS q(w, o) WHERE {} > {NOW_MS}",
+        expiry("q.w")
     )
 }
 
@@ -80,8 +98,9 @@ fn live_entries() -> String {
 fn wake_first() -> String {
     format!(
         "(SELECT pg_notify(split_part(h.id, ':', 1), split_part(h.id, ':', 2)) FROM (\
-             SELECT split_part(q.w, ' ', 1) AS id FROM {} ORDER BY q.o LIMIT 1\
+             SELECT {} AS id FROM {} ORDER BY q.o LIMIT 1\
          ) AS h)",
+        id("q.w"),
         live_entries()
     )
 }
@@ -142,6 +161,7 @@ impl Statements {
         // and lapsed ones dropped from the queue); a held row keeps its holder, and this entry
         // is refreshed in place or appended. Only a grant waits for a durable commit: a lost
         // queue entry costs a poll, a lost grant could cost a fence.
+        let (qid, qexpiry, mine) = (id("q.w"), expiry("q.w"), has_entry("$4"));
         let acquire_queued = format!(
             "INSERT INTO {t} AS l (name, owner, fence, expires_at) \
              VALUES ($1, $2, 1, clock_timestamp() + $3::bigint * interval '1 microsecond') \
@@ -153,32 +173,25 @@ impl Statements {
                          ELSE l.expires_at END, \
                      CASE WHEN d.free THEN ARRAY(\
                          SELECT q.w FROM unnest(l.waiters) WITH ORDINALITY AS q(w, o) \
-                         WHERE split_part(q.w, ' ', 2)::bigint > d.now_ms \
-                             AND split_part(q.w, ' ', 1) <> $4 \
-                         ORDER BY q.o) \
+                         WHERE {qexpiry} > d.now_ms AND {qid} <> $4 ORDER BY q.o) \
                      ELSE ARRAY(\
-                         SELECT CASE WHEN split_part(q.w, ' ', 1) = $4 \
+                         SELECT CASE WHEN {qid} = $4 \
                              THEN $4 || ' ' || (d.now_ms + $5::bigint) ELSE q.w END \
                          FROM unnest(l.waiters) WITH ORDINALITY AS q(w, o) \
-                         WHERE split_part(q.w, ' ', 2)::bigint > d.now_ms \
-                             OR split_part(q.w, ' ', 1) = $4 \
-                         ORDER BY q.o) \
+                         WHERE {qexpiry} > d.now_ms OR {qid} = $4 ORDER BY q.o) \
                      || CASE WHEN d.mine OR d.live >= {MAX_QUEUE} THEN '{{}}'::text[] \
                          ELSE ARRAY[$4 || ' ' || (d.now_ms + $5::bigint)] END \
                      END \
-                 FROM (SELECT c.ts, \
+                 FROM (SELECT c.ts, c.now_ms, \
                      l.owner IS NULL OR l.expires_at <= c.ts AS free, \
-                     (extract(epoch FROM c.ts) * 1000)::bigint AS now_ms, \
-                     EXISTS (SELECT 1 FROM unnest(l.waiters) AS e(w) \
-                         WHERE split_part(e.w, ' ', 1) = $4) AS mine, \
-                     (SELECT count(*) FROM unnest(l.waiters) AS e(w) \
-                         WHERE split_part(e.w, ' ', 2)::bigint > (extract(epoch FROM c.ts) * 1000)::bigint) AS live \
-                     FROM (SELECT clock_timestamp() AS ts) AS c) AS d\
+                     {mine} AS mine, \
+                     (SELECT count(*) FROM unnest(l.waiters) AS q(w) \
+                         WHERE {qexpiry} > c.now_ms) AS live \
+                     FROM (SELECT t.ts, (extract(epoch FROM t.ts) * 1000)::bigint AS now_ms \
+                         FROM (SELECT clock_timestamp() AS ts) AS t) AS c) AS d\
              ) \
              RETURNING CASE WHEN l.owner = $2 THEN l.fence END AS fence, \
-                 {remaining} AS remaining, \
-                 EXISTS (SELECT 1 FROM unnest(l.waiters) AS e(w) \
-                     WHERE split_part(e.w, ' ', 1) = $4) AS queued, \
+                 {remaining} AS remaining, {mine} AS queued, \
                  set_config('synchronous_commit', CASE WHEN l.owner = $2 \
                      THEN current_setting('synchronous_commit') ELSE 'off' END, true)"
         );
@@ -222,13 +235,13 @@ impl Statements {
              WHERE l.name = $1 AND l.owner = $2 \
              RETURNING l.fence, {wake}"
         );
+        let leaving = has_entry("$2");
         let dequeue = format!(
             "UPDATE {t} AS l SET waiters = ARRAY(\
                  SELECT q.w FROM unnest(l.waiters) WITH ORDINALITY AS q(w, o) \
-                 WHERE split_part(q.w, ' ', 1) <> $2 ORDER BY q.o) \
+                 WHERE {qid} <> $2 ORDER BY q.o) \
              FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cfg \
-             WHERE l.name = $1 AND EXISTS (SELECT 1 FROM unnest(l.waiters) AS e(w) \
-                 WHERE split_part(e.w, ' ', 1) = $2) \
+             WHERE l.name = $1 AND {leaving} \
              RETURNING CASE WHEN l.owner IS NULL OR l.expires_at <= clock_timestamp() \
                  THEN {wake} END"
         );
