@@ -892,9 +892,9 @@ impl DistributedLock for PgLock {
     /// the order they queued, barring a `try_acquire` or a newly arriving `acquire` that gets
     /// there first. A waiter that gives up leaves the queue; a crashed one's entry lapses after
     /// two poll intervals, until when a release may wake it in vain (the others then try after
-    /// their fallback delay). With `listen=false`, or beyond 256 queued waiters, or while the
-    /// `LISTEN` connection is down, waiters poll instead, starting at 10 ms and backing off to
-    /// `poll_interval`.
+    /// their fallback delay). With `listen=false`, beyond 256 queued waiters, or while the
+    /// `LISTEN` connection is down, waiters poll instead: from 10 ms backing off to
+    /// `poll_interval`, or about once per `poll_interval` for a waiter that was queued before.
     ///
     /// # Cancellation safety
     /// Dropping the future leaves the queue in the background; a grant in flight at that
@@ -918,7 +918,7 @@ impl DistributedLock for PgLock {
                 .filter(|q| q.subscription.listening())
                 .map(|q| q.subscription.entry());
             let mode = entry.as_deref().map_or(Mode::Poll, Mode::Queue);
-            let attempt = match self.inner.attempt(key, ttl, mode).await {
+            let (expires_in, queued) = match self.inner.attempt(key, ttl, mode).await {
                 Ok(Attempt::Granted(lease)) => {
                     // A queued grant dropped the entry from the queue (a polled one did not:
                     // the entry is then removed on the way out).
@@ -927,19 +927,16 @@ impl DistributedLock for PgLock {
                     }
                     return Ok(lease);
                 }
-                Ok(attempt) => attempt,
+                // Also wake when the holder's lease runs out (expiry is not notified).
+                Ok(Attempt::Held { remaining, queued }) => {
+                    (remaining + Duration::from_millis(1), queued)
+                }
+                // Taken by a grant that committed during the statement: look again now.
+                Ok(Attempt::Lost) => (Duration::ZERO, false),
                 Err(e) => {
                     wait.retry_after(e).await?;
                     continue;
                 }
-            };
-            let (expires_in, queued) = match attempt {
-                // Also wake when the holder's lease runs out (expiry is not notified).
-                Attempt::Held { remaining, queued } => {
-                    (Some(remaining + Duration::from_millis(1)), queued)
-                }
-                // Taken by a grant that committed during the statement: look again now.
-                Attempt::Lost | Attempt::Granted(_) => (Some(Duration::ZERO), false),
             };
             if let Some(q) = queue.as_mut() {
                 q.queued |= queued;
@@ -966,18 +963,12 @@ impl DistributedLock for PgLock {
                 wait.set_backoff(Backoff::new(config.poll_interval, config.poll_interval));
             }
             let woken = async {
-                let expiry = async {
-                    match expires_in {
-                        Some(d) => sleep(d).await,
-                        None => std::future::pending().await,
-                    }
-                };
                 match queue.as_mut() {
                     Some(q) => tokio::select! {
                         () = q.subscription.changed() => {}
-                        () = expiry => {}
+                        () = sleep(expires_in) => {}
                     },
-                    None => expiry.await,
+                    None => sleep(expires_in).await,
                 }
             };
             wait.wait(woken).await?;
