@@ -672,10 +672,11 @@ async fn a_crashed_first_waiter_only_delays_the_next_one() {
     let key = fresh_key("dead-head");
     let lease = holder.try_acquire(&key, LONG).await.unwrap().unwrap();
     let pool = admin(&url).await;
-    sqlx::query(
-        "UPDATE distlock_leases SET waiters = ARRAY['distlock_w_nobody:1 ' || \
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE {} SET waiters = ARRAY['distlock_w_nobody:1 ' || \
          ((extract(epoch FROM clock_timestamp()) + 3600) * 1000)::bigint] WHERE name = $1",
-    )
+        holder.config().table.quoted()
+    )))
     .bind(key.as_str())
     .execute(&pool)
     .await
