@@ -553,39 +553,78 @@ impl ZkLock {
     /// The operator override: removes the holder of `key` (any holder, or only the grant whose
     /// fencing token — its node's czxid — is `holder`).
     async fn force_release_if(&self, key: &LockKey, holder: Option<FencingToken>) -> Result<bool> {
+        const OP: &str = "force_release";
         let session = self.session().await?;
         let dir = lock_dir(self.inner.config.root(), key);
         for _ in 0..5 {
-            let children = match self.call(session.client.list_children(&dir)).await {
-                Ok(c) => c,
-                Err(zk::Error::NoNode) => return Ok(false),
-                Err(e) => return Err(to_error("force_release", e)),
-            };
-            let Some(first) = sorted_contenders(children).into_iter().next() else {
+            let Some(current) = self.holder_node(&session, &dir, OP).await? else {
                 return Ok(false);
             };
-            let path = format!("{dir}/{first}");
-            if let Some(holder) = holder {
-                // Node paths are never reused, so the grant confirmed by its czxid is removed by
-                // deleting exactly this path.
-                match self.call(session.client.check_stat(&path)).await {
-                    Ok(Some(stat)) if u64::try_from(stat.czxid).ok() == Some(holder.get()) => {}
-                    Ok(Some(_)) => return Ok(false),
-                    Ok(None) => continue, // released meanwhile: look again
-                    Err(e) => return Err(to_error("force_release", e)),
-                }
+            // Node paths are never reused, so the grant confirmed by its czxid is removed by
+            // deleting exactly this path.
+            if holder.is_some_and(|h| current.fence != Some(h)) {
+                return Ok(false);
             }
-            match self.call(session.client.delete(&path, None)).await {
+            match self.call(session.client.delete(&current.path, None)).await {
                 Ok(()) => {
-                    tracing::warn!(%key, digest = ?path::token_digest_of(&first), "lock holder removed by force_release");
+                    tracing::warn!(%key, digest = ?current.digest, "lock holder removed by force_release");
                     return Ok(true);
                 }
                 Err(zk::Error::NoNode) => continue, // released meanwhile: look again
-                Err(e) => return Err(to_error("force_release", e)),
+                Err(e) => return Err(to_error(OP, e)),
             }
         }
         Ok(false)
     }
+
+    /// The first contender of lock directory `dir` (the holder): its node, fencing token
+    /// (czxid) and the number of contenders queued behind it; `None` when nobody holds. Looks
+    /// again when the holder goes between listing and reading its node.
+    async fn holder_node(
+        &self,
+        session: &Session,
+        dir: &str,
+        op: &'static str,
+    ) -> Result<Option<HolderNode>> {
+        for _ in 0..5 {
+            let children = match self.call(session.client.list_children(dir)).await {
+                Ok(c) => c,
+                Err(zk::Error::NoNode) => return Ok(None),
+                Err(e) => return Err(to_error(op, e)),
+            };
+            let sorted = sorted_contenders(children);
+            let Some(first) = sorted.first() else {
+                return Ok(None);
+            };
+            let path = format!("{dir}/{first}");
+            match self.call(session.client.check_stat(&path)).await {
+                Ok(Some(stat)) => {
+                    return Ok(Some(HolderNode {
+                        digest: path::token_digest_of(first),
+                        fence: u64::try_from(stat.czxid).ok().map(FencingToken),
+                        queued: sorted.len() - 1,
+                        path,
+                    }));
+                }
+                Ok(None) => continue, // released meanwhile: look again
+                Err(e) => return Err(to_error(op, e)),
+            }
+        }
+        Err(Error::Unavailable {
+            backend: BACKEND,
+            op,
+            message: "the holder kept changing".into(),
+            source: None,
+        })
+    }
+}
+
+/// What [`ZkLock::holder_node`] found.
+struct HolderNode {
+    path: String,
+    digest: Option<lock_core::TokenDigest>,
+    fence: Option<FencingToken>,
+    queued: usize,
 }
 
 #[async_trait]
@@ -805,36 +844,13 @@ impl DistributedLock for ZkLock {
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         let session = self.session().await?;
         let dir = lock_dir(self.inner.config.root(), key);
-        for _ in 0..5 {
-            let children = match self.call(session.client.list_children(&dir)).await {
-                Ok(c) => c,
-                Err(zk::Error::NoNode) => return Ok(None),
-                Err(e) => return Err(to_error("inspect", e)),
-            };
-            let sorted = sorted_contenders(children);
-            let Some(first) = sorted.first() else {
-                return Ok(None);
-            };
-            let path = format!("{dir}/{first}");
-            match self.call(session.client.check_stat(&path)).await {
-                Ok(Some(stat)) => {
-                    return Ok(Some(HolderInfo {
-                        token_digest: path::token_digest_of(first),
-                        fencing_token: u64::try_from(stat.czxid).ok().map(FencingToken),
-                        ttl_remaining: None,
-                        waiters: Some(sorted.len() - 1),
-                    }));
-                }
-                Ok(None) => continue, // released meanwhile: look again
-                Err(e) => return Err(to_error("inspect", e)),
-            }
-        }
-        Err(Error::Unavailable {
-            backend: BACKEND,
-            op: "inspect",
-            message: "the holder kept changing".into(),
-            source: None,
-        })
+        let holder = self.holder_node(&session, &dir, "inspect").await?;
+        Ok(holder.map(|h| HolderInfo {
+            token_digest: h.digest,
+            fencing_token: h.fence,
+            ttl_remaining: None,
+            waiters: Some(h.queued),
+        }))
     }
 
     async fn force_release(&self, key: &LockKey) -> Result<bool> {
