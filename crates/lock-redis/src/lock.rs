@@ -17,7 +17,7 @@ use crate::{
     RedisLockConfig,
     keys::KeyNames,
     scripts::Scripts,
-    wakeups::{Registry, WAKE_CHANNEL_PREFIX},
+    wakeups::{Registry, WAKE_CHANNEL_PREFIX, Watch},
 };
 
 const BACKEND: &str = "redis";
@@ -439,7 +439,8 @@ fn spawn_cleanup(inner: Arc<Inner>, names: KeyNames, prefix: String, until: Inst
 struct Registration {
     inner: Arc<Inner>,
     names: KeyNames,
-    member: String,
+    /// The waiter's wake-up subscription; its member name is the queue entry.
+    watch: Watch,
     /// Cleared when a grant removed the entry already.
     armed: bool,
 }
@@ -454,7 +455,7 @@ impl Drop for Registration {
         };
         let inner = self.inner.clone();
         let queue = self.names.queue();
-        let member = std::mem::take(&mut self.member);
+        let member = self.watch.member().to_owned();
         rt.spawn(async move {
             let mut conn = inner.conn.clone();
             let budget = inner.config.request_budget();
@@ -618,14 +619,13 @@ impl DistributedLock for RedisLock {
             self.inner.config.max_poll_interval,
         );
         let mut wait = AcquireWait::new(key, deadline, backoff)?;
-        let mut watch = None;
         let mut subscribed_once = false;
-        // Set together with `watch`: removes this waiter from the queue when the call ends
-        // without the lock (timeout, error, dropped future); a grant removes it in the same
-        // script.
+        // The wake-up subscription and queue entry: removes this waiter from the queue when
+        // the call ends without the lock (timeout, error, dropped future); a grant removes it
+        // in the same script.
         let mut registration: Option<Registration> = None;
         loop {
-            let member = registration.as_ref().map(|r| r.member.as_str());
+            let member = registration.as_ref().map(|r| r.watch.member());
             let holder_ttl = match self.attempt(key, ttl, member).await {
                 Ok(Attempt::Granted(lease)) => {
                     if let Some(r) = &mut registration {
@@ -646,10 +646,9 @@ impl DistributedLock for RedisLock {
                         registration = Some(Registration {
                             inner: self.inner.clone(),
                             names: self.names(key),
-                            member: w.member().to_owned(),
+                            watch: w,
                             armed: true,
                         });
-                        watch = Some(w);
                         continue;
                     }
                     Ok(Err(e)) => {
@@ -665,9 +664,9 @@ impl DistributedLock for RedisLock {
                 }
             };
             let woken = async {
-                match &watch {
-                    Some(w) => tokio::select! {
-                        () = w.woken() => {}
+                match &registration {
+                    Some(r) => tokio::select! {
+                        () = r.watch.woken() => {}
                         () = expiry => {}
                     },
                     None => expiry.await,
