@@ -200,9 +200,15 @@ impl RedisLock {
         KeyNames::new(&self.inner.config.namespace, key)
     }
 
-    /// One acquisition attempt. `waiter`: the member of a waiting `acquire` (subscribed to its
-    /// wake-ups), registered in the lock's waiter queue when the lock is held.
-    async fn attempt(&self, key: &LockKey, ttl: Duration, waiter: Option<&str>) -> Result<Attempt> {
+    /// One acquisition attempt. `waiter`: a waiting `acquire` (subscribed to its wake-ups),
+    /// registered in the lock's waiter queue when the lock is held; the attempt also finds a
+    /// grant a release made to it.
+    async fn attempt(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+        waiter: Option<&Waiting<'_>>,
+    ) -> Result<Attempt> {
         let token = OwnershipToken::generate();
         let sent_at = Instant::now();
         // Should this future be dropped while the request is in flight, the guard removes a
@@ -218,11 +224,13 @@ impl RedisLock {
             .key(inflight.names.fence())
             .arg(&inflight.prefix)
             .arg(ttl_millis(ttl));
-        if let Some(member) = waiter {
+        if let Some(waiting) = waiter {
             invocation
                 .key(inflight.names.queue())
-                .arg(member)
-                .arg(ttl_millis(self.registration_lifetime()));
+                .arg(waiting.member)
+                .arg(ttl_millis(self.registration_lifetime()))
+                .arg(owner_prefix(&waiting.grant))
+                .arg(waiting.earlier);
         }
         let reply = self
             .run(invocation.invoke_async::<redis::Value>(&mut self.inner.conn.clone()))
@@ -246,6 +254,31 @@ impl RedisLock {
                     ttl,
                     sent_at,
                 )))
+            }
+            // A release had granted the lock to the waiter's grant token; the script restarted
+            // its TTL, so this attempt's send time starts the lease.
+            Ok(redis::Value::Array(granted)) if waiter.is_some() => {
+                let fence = match &granted[..] {
+                    [redis::Value::BulkString(fence)] => std::str::from_utf8(fence)
+                        .ok()
+                        .and_then(|f| f.parse::<u64>().ok()),
+                    _ => None,
+                };
+                match (fence, waiter) {
+                    (Some(fence), Some(waiting)) => Ok(Attempt::Granted(Lease::new(
+                        key.clone(),
+                        waiting.grant,
+                        Some(FencingToken(fence)),
+                        ttl,
+                        sent_at,
+                    ))),
+                    _ => Err(Error::Backend {
+                        backend: BACKEND,
+                        op: "try_acquire",
+                        message: "the acquire script reported a grant without a fence".to_owned(),
+                        source: None,
+                    }),
+                }
             }
             Ok(redis::Value::BulkString(pttl)) => {
                 let pttl = std::str::from_utf8(&pttl)
@@ -311,7 +344,7 @@ impl RedisLock {
     }
 
     async fn release_by_prefix(&self, names: &KeyNames, prefix: &str) -> Result<bool, Failure> {
-        release_by_prefix(&self.inner, names, prefix).await
+        release_by_prefix(&self.inner, names, prefix, &[]).await
     }
 
     /// The operator override, of any holder or only of the grant with fence `holder`.
@@ -325,6 +358,7 @@ impl RedisLock {
                     .force_release
                     .key(&names.lock)
                     .key(names.queue())
+                    .key(names.fence())
                     .arg(fence)
                     .arg(WAKE_CHANNEL_PREFIX)
                     .invoke_async::<i64>(&mut self.inner.conn.clone()),
@@ -349,13 +383,22 @@ impl RedisLock {
     }
 }
 
-async fn release_by_prefix(inner: &Inner, names: &KeyNames, prefix: &str) -> Result<bool, Failure> {
+/// Compare-and-delete by owner prefix, handing the lock to the next waiter when one marked it;
+/// `leaving`: waiter queue members removed first (a waiter that gives up).
+async fn release_by_prefix(
+    inner: &Inner,
+    names: &KeyNames,
+    prefix: &str,
+    leaving: &[String],
+) -> Result<bool, Failure> {
     let budget = inner.config.request_budget();
     let mut invocation = inner.scripts.release.key(&names.lock);
     invocation
         .key(names.queue())
+        .key(names.fence())
         .arg(prefix)
-        .arg(WAKE_CHANNEL_PREFIX);
+        .arg(WAKE_CHANNEL_PREFIX)
+        .arg(leaving);
     let mut conn = inner.conn.clone();
     match timeout(budget, invocation.invoke_async::<i64>(&mut conn)).await {
         Ok(Ok(n)) => Ok(n == 1),
@@ -414,7 +457,7 @@ fn spawn_cleanup(inner: Arc<Inner>, names: KeyNames, prefix: String, until: Inst
     rt.spawn(async move {
         let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(1));
         loop {
-            match release_by_prefix(&inner, &names, &prefix).await {
+            match release_by_prefix(&inner, &names, &prefix, &[]).await {
                 Ok(true) => {
                     tracing::info!(
                         lock = %String::from_utf8_lossy(&names.lock),
@@ -434,15 +477,66 @@ fn spawn_cleanup(inner: Arc<Inner>, names: KeyNames, prefix: String, until: Inst
     });
 }
 
-/// A waiter's entry in a lock's waiter queue, removed in the background when dropped (the
-/// entry would otherwise be woken in place of a live waiter until it expires).
+/// What a waiting `acquire`'s attempt sends besides the plain attempt.
+struct Waiting<'a> {
+    /// The member this attempt registers.
+    member: &'a str,
+    /// The token a release's grant gives this waiter.
+    grant: OwnershipToken,
+    /// This waiter's earlier members that may still be queued (removed by the attempt).
+    earlier: &'a [String],
+}
+
+/// A waiting `acquire`'s subscription and its entries in a lock's waiter queue. Dropped while
+/// armed (the waiter gave up), it leaves the queue in the background and passes on a grant a
+/// release made to it meanwhile (which would otherwise block the lock until its TTL).
 struct Registration {
     inner: Arc<Inner>,
     names: KeyNames,
-    /// The waiter's wake-up subscription; its member name is the queue entry.
+    /// The waiter's wake-up subscription and grant messages.
     watch: Watch,
-    /// Cleared when a grant removed the entry already.
+    /// The token a release's grant gives this waiter: one per `acquire`, random. (Each attempt
+    /// still grants itself under a fresh token, which its unknown-outcome cleanup goes by.)
+    grant: OwnershipToken,
+    /// The number of the latest attempt.
+    seq: u64,
+    /// Members that may be queued: the latest confirmed one and those of attempts without a
+    /// reply. The next attempt removes them in the same step as it registers its own.
+    members: Vec<String>,
+    /// The attempt whose reply confirmed the current registration, and when it was sent: a
+    /// grant message naming it is this waiter's lock, with its lease counted from then (the
+    /// release that granted read the member that attempt wrote, so it came later).
+    registered: Option<(u64, Instant)>,
+    /// Cleared when a grant removed the entries already.
     armed: bool,
+}
+
+impl Registration {
+    /// The member of the next attempt.
+    fn next_member(&mut self, ttl: Duration) -> String {
+        self.seq += 1;
+        self.watch
+            .member(self.seq, ttl_millis(ttl), &self.grant.expose_hex())
+    }
+
+    /// A lease from a grant message, if one came for the current registration and left most
+    /// of its TTL: a grant seen late (its registration was sent more than a quarter TTL ago) is
+    /// confirmed by an attempt instead, which restarts its TTL.
+    fn granted(&mut self, key: &LockKey, ttl: Duration) -> Option<Lease> {
+        let grant = self.watch.take_grant()?;
+        let (seq, sent_at) = self.registered?;
+        if grant.seq != seq || sent_at.elapsed() > ttl / 4 {
+            return None;
+        }
+        self.armed = false;
+        Some(Lease::new(
+            key.clone(),
+            self.grant,
+            Some(FencingToken(grant.fence)),
+            ttl,
+            sent_at,
+        ))
+    }
 }
 
 impl Drop for Registration {
@@ -454,15 +548,14 @@ impl Drop for Registration {
             return;
         };
         let inner = self.inner.clone();
-        let queue = self.names.queue();
-        let member = self.watch.member().to_owned();
+        let names = std::mem::take(&mut self.names);
+        let prefix = owner_prefix(&self.grant);
+        let members = std::mem::take(&mut self.members);
         rt.spawn(async move {
-            let mut conn = inner.conn.clone();
-            let budget = inner.config.request_budget();
-            let mut zrem = redis::cmd("ZREM");
-            zrem.arg(&queue).arg(&member);
-            if let Ok(Err(e)) = timeout(budget, zrem.query_async::<i64>(&mut conn)).await {
-                tracing::debug!(error = %e, "removing a waiter registration failed; it expires");
+            if let Err(Failure::NotSent(e) | Failure::Server(e)) =
+                release_by_prefix(&inner, &names, &prefix, &members).await
+            {
+                tracing::debug!(error = %e, "leaving a waiter queue failed; the entry expires");
             }
         });
     }
@@ -609,9 +702,14 @@ impl DistributedLock for RedisLock {
 
     /// Tries at once; when the key is held, subscribes to the client's wake channel, tries
     /// again (registering in the lock's waiter queue; a release may have happened in between)
-    /// and then sleeps until a release wakes this waiter, the holder's TTL runs out, the
-    /// jittered fallback poll fires or the deadline passes. Each wake-up or poll is an attempt
-    /// that renews the registration.
+    /// and then sleeps until a release grants it the lock (returned from the grant message
+    /// alone), the holder's TTL runs out, the jittered fallback poll fires or the deadline
+    /// passes. Each wake-up or poll is an attempt that renews the registration and finds a
+    /// grant whose message was missed.
+    ///
+    /// A waiter that gives up passes on a grant that crossed its leaving. A waiter whose
+    /// process died may be granted the lock before its registration lapses, and then holds it
+    /// until its TTL runs out.
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
         self.capabilities().check_ttl(ttl)?;
         let backoff = Backoff::new(
@@ -625,16 +723,36 @@ impl DistributedLock for RedisLock {
         // in the same script.
         let mut registration: Option<Registration> = None;
         loop {
-            let member = registration.as_ref().map(|r| r.watch.member());
-            let holder_ttl = match self.attempt(key, ttl, member).await {
-                Ok(Attempt::Granted(lease)) => {
-                    if let Some(r) = &mut registration {
+            let member = registration.as_mut().map(|r| r.next_member(ttl));
+            let waiting = registration
+                .as_ref()
+                .zip(member.as_deref())
+                .map(|(r, member)| Waiting {
+                    member,
+                    grant: r.grant,
+                    earlier: &r.members,
+                });
+            let sent_at = Instant::now();
+            let outcome = self.attempt(key, ttl, waiting.as_ref()).await;
+            let holder_ttl = match (outcome, &mut registration) {
+                (Ok(Attempt::Granted(lease)), r) => {
+                    if let Some(r) = r {
                         r.armed = false;
                     }
                     return Ok(lease);
                 }
-                Ok(Attempt::Held(holder_ttl)) => holder_ttl,
-                Err(e) => {
+                (Ok(Attempt::Held(holder_ttl)), r) => {
+                    if let (Some(r), Some(member)) = (r, member) {
+                        r.members = vec![member];
+                        r.registered = Some((r.seq, sent_at));
+                    }
+                    holder_ttl
+                }
+                (Err(e), r) => {
+                    if let (Some(r), Some(member)) = (r, member) {
+                        r.members.push(member);
+                        r.registered = None;
+                    }
                     wait.retry_after(e).await?;
                     continue;
                 }
@@ -647,6 +765,10 @@ impl DistributedLock for RedisLock {
                             inner: self.inner.clone(),
                             names: self.names(key),
                             watch: w,
+                            grant: OwnershipToken::generate(),
+                            seq: 0,
+                            members: Vec::new(),
+                            registered: None,
                             armed: true,
                         });
                         continue;
@@ -673,6 +795,9 @@ impl DistributedLock for RedisLock {
                 }
             };
             wait.wait(woken).await?;
+            if let Some(lease) = registration.as_mut().and_then(|r| r.granted(key, ttl)) {
+                return Ok(lease);
+            }
         }
     }
 

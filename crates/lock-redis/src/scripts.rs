@@ -1,14 +1,26 @@
 //! The Lua scripts: each step is atomic on the server. Sent with EVALSHA; the `redis` crate
 //! reloads a script (SCRIPT LOAD) when the server answers NOSCRIPT (after a restart or
 //! SCRIPT FLUSH).
+//!
+//! # Waiter queue members
+//!
+//! A waiting `acquire` registers as `<client id>:<waiter id>:<seq>:<ttl ms>:<grant token hex>`:
+//! its client's wake channel, its number there, the number of the attempt that wrote the member,
+//! the TTL it asked for and the random token it would hold the lock with. A release hands the
+//! lock to the oldest live member directly (see [`grant_next!`]). Members of the older form
+//! `<client id>:<waiter id>` (a client from before grants, in a rolling upgrade) are only woken.
 
 use redis::Script;
 
 /// KEYS: lock, fence counter, and the waiter queue when the caller waits. ARGV: owner prefix
-/// (`<token hex>:`), ttl in ms, and when the caller waits: its member `<client id>:<waiter id>`
-/// and the registration's lifetime in ms.
-/// Returns the fence (an integer) when granted, the holder's pttl as a string when held (one
-/// scalar reply instead of a two-element array: measurably cheaper to build and to parse).
+/// (`<token hex>:`), ttl in ms, and when the caller waits: its new member, the registration's
+/// lifetime in ms, its grant prefix (`<grant token hex>:`) and then its earlier members that
+/// may still be queued.
+/// Returns the fence (an integer) when granted to the owner prefix; `{fence}` (an array of
+/// one string) when a release had already granted the lock to the waiter's grant token (the
+/// wake-up was missed or crossed this attempt; the lock's TTL is then restarted, so the
+/// attempt's send time starts the lease); the holder's pttl as a string when held (one scalar
+/// reply instead of an array: measurably cheaper to build and to parse).
 ///
 /// The counter is incremented first, in the same atomic step as the `SET NX` that grants, and
 /// the grant stores `<token hex>:<fence>` so `inspect` can tell our holders (and their fence)
@@ -17,10 +29,10 @@ use redis::Script;
 /// (wrong type, overflow) fails the script before anything is written.
 ///
 /// A waiter that finds the lock held registers in the queue (score: its registration's expiry,
-/// server time) and marks the holder's value with the suffix `:w` (only a value in our format,
-/// never another client's; `APPEND` keeps the TTL), so that the release wakes a waiter. A
-/// waiter that gets the lock leaves the queue in the same step, and marks its own value when
-/// others are still queued (they sleep until woken, so nobody else would mark it).
+/// server time; its earlier members are removed in the same step) and marks the holder's value
+/// with the suffix `:w` (only a value in our format, never another client's; `APPEND` keeps the
+/// TTL), so that the release hands over. A waiter that gets the lock leaves the queue in the same
+/// step, and marks its own value when others are still queued.
 const ACQUIRE: &str = r"
 local fence = redis.pcall('INCR', KEYS[2])
 if type(fence) == 'table' then
@@ -28,7 +40,7 @@ if type(fence) == 'table' then
 end
 if redis.call('SET', KEYS[1], ARGV[1] .. string.format('%d', fence), 'NX', 'PX', ARGV[2]) then
   if KEYS[3] then
-    redis.call('ZREM', KEYS[3], ARGV[3])
+    redis.call('ZREM', KEYS[3], ARGV[3], unpack(ARGV, 6))
     if redis.call('ZCARD', KEYS[3]) > 0 then
       redis.call('APPEND', KEYS[1], ':w')
     end
@@ -37,9 +49,19 @@ if redis.call('SET', KEYS[1], ARGV[1] .. string.format('%d', fence), 'NX', 'PX',
 end
 if KEYS[3] then
   local value = redis.pcall('GET', KEYS[1])
-  if type(value) == 'string' and string.find(value, '^%x+:%d+$')
-      and string.sub(value, 33, 33) == ':' and not string.find(value, '%u') then
-    redis.call('APPEND', KEYS[1], ':w')
+  if type(value) == 'string' then
+    if string.sub(value, 1, #ARGV[5]) == ARGV[5] then
+      redis.call('PEXPIRE', KEYS[1], ARGV[2])
+      redis.call('ZREM', KEYS[3], ARGV[3], unpack(ARGV, 6))
+      return {string.match(value, '^%x+:(%d+)')}
+    end
+    if string.find(value, '^%x+:%d+$') and string.sub(value, 33, 33) == ':'
+        and not string.find(value, '%u') then
+      redis.call('APPEND', KEYS[1], ':w')
+    end
+  end
+  if #ARGV > 5 then
+    redis.call('ZREM', KEYS[3], unpack(ARGV, 6))
   end
   local now = redis.call('TIME')
   local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
@@ -49,20 +71,41 @@ end
 return tostring(redis.call('PTTL', KEYS[1]))
 ";
 
-/// Wakes the oldest live waiter of the queue `KEYS[2]`: drops expired registrations, pops the
-/// one with the earliest expiry and publishes its waiter id on its client's wake channel
-/// (`ARGV[#ARGV]` is the channel prefix, `distlock\x1fwake:`).
-macro_rules! wake_one {
+/// Hands a just-freed lock to the oldest live waiter. Expects the locals `lock`, `queue`,
+/// `counter` (key names) and `channel` (the wake channel prefix, `distlock\x1fwake:`).
+///
+/// Drops expired registrations and pops the one that expires first. A member with a grant
+/// token gets the lock in this same atomic step: a new fence from the counter, its value
+/// `<grant token hex>:<fence>` (marked `:w` when others still wait) with its TTL, and the
+/// message `<waiter id>:<seq>:<fence>` on its client's channel; the waiter holds the lock from
+/// that message alone. An old-form member (or any member when the counter is unusable) gets
+/// the message `<waiter id>`, a wake-up, and tries by itself.
+macro_rules! grant_next {
     () => {
         r"
   local now = redis.call('TIME')
   local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ms)
-  local first = redis.call('ZPOPMIN', KEYS[2])
+  redis.call('ZREMRANGEBYSCORE', queue, '-inf', ms)
+  local first = redis.call('ZPOPMIN', queue)
   if first[1] then
-    local client, waiter = string.match(first[1], '^(%x+):(%d+)$')
-    if client then
-      redis.call('PUBLISH', ARGV[#ARGV] .. client, waiter)
+    local client, waiter, seq, ttl, owner =
+      string.match(first[1], '^(%x+):(%d+):(%d+):(%d+):(%x+)$')
+    local fence = nil
+    if client and #ttl <= 12 and tonumber(ttl) > 0 and #owner == 32 then
+      fence = redis.pcall('INCR', counter)
+    else
+      client, waiter = string.match(first[1], '^(%x+):(%d+)')
+    end
+    if type(fence) == 'number' then
+      local value = owner .. ':' .. string.format('%d', fence)
+      if redis.call('ZCARD', queue) > 0 then
+        value = value .. ':w'
+      end
+      redis.call('SET', lock, value, 'PX', ttl)
+      redis.call('PUBLISH', channel .. client,
+        waiter .. ':' .. seq .. ':' .. string.format('%d', fence))
+    elseif client then
+      redis.call('PUBLISH', channel .. client, waiter)
     end
   end
 "
@@ -87,17 +130,24 @@ end
 return out
 ";
 
-/// KEYS: lock, waiter queue. ARGV: owner prefix, wake channel prefix. Returns 1 when deleted, 0 when not ours.
-/// Never deletes another owner's lock. Wakes one waiter only when a waiter marked the value
-/// (`:w`, see [`ACQUIRE`]): without waiters a release costs no more than `GET` + `DEL`.
+/// KEYS: lock, waiter queue, fence counter. ARGV: owner prefix, wake channel prefix, then
+/// waiter queue members to remove first (a waiter that gives up passes its members and its
+/// grant prefix, so a grant that crossed its leaving is passed on). Returns 1 when deleted,
+/// 0 when not ours. Never deletes another owner's lock. Hands over only when a waiter marked
+/// the value (`:w`, see [`ACQUIRE`]): without waiters a release costs no more than `GET` +
+/// `DEL`.
 const RELEASE: &str = concat!(
     r"
-local value = redis.pcall('GET', KEYS[1])
+local lock, queue, counter, channel = KEYS[1], KEYS[2], KEYS[3], ARGV[2]
+if #ARGV > 2 then
+  redis.call('ZREM', queue, unpack(ARGV, 3))
+end
+local value = redis.pcall('GET', lock)
 if type(value) == 'string' and string.sub(value, 1, #ARGV[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1])
+  redis.call('DEL', lock)
   if string.sub(value, -2) == ':w' then
 ",
-    wake_one!(),
+    grant_next!(),
     r"
   end
   return 1
@@ -106,21 +156,22 @@ return 0
 "
 );
 
-/// KEYS: lock, waiter queue. ARGV: the holder's fence (empty: any holder), wake channel
-/// prefix. The operator override: deletes whoever holds the lock (any client's value) — or,
-/// with a fence, only our grant with that fence — and wakes one waiter. Returns 1 when
-/// something was deleted.
+/// KEYS: lock, waiter queue, fence counter. ARGV: the holder's fence (empty: any holder), wake
+/// channel prefix. The operator override: deletes whoever holds the lock (any client's value)
+/// — or, with a fence, only our grant with that fence — and hands it to the next waiter.
+/// Returns 1 when something was deleted.
 const FORCE_RELEASE: &str = concat!(
     r"
+local lock, queue, counter, channel = KEYS[1], KEYS[2], KEYS[3], ARGV[2]
 if ARGV[1] ~= '' then
-  local value = redis.pcall('GET', KEYS[1])
+  local value = redis.pcall('GET', lock)
   if type(value) ~= 'string' or string.match(value, '^%x+:(%d+)') ~= ARGV[1] then
     return 0
   end
 end
-if redis.call('DEL', KEYS[1]) == 1 then
+if redis.call('DEL', lock) == 1 then
 ",
-    wake_one!(),
+    grant_next!(),
     r"
   return 1
 end

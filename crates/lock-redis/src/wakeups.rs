@@ -1,12 +1,13 @@
-//! Wake-ups for waiting `acquire`s: one waiter per release, not a herd.
+//! Grants and wake-ups for waiting `acquire`s: one waiter per release, not a herd.
 //!
 //! Each client has a random id and subscribes (once, on its first wait) to its own wake channel
 //! `distlock\x1fwake:<client id>` on its one RESP3 connection (push messages, no extra
-//! connection). A waiting `acquire` gets a waiter id; its member `<client id>:<waiter id>` is
-//! registered in the lock's waiter queue by its attempts (see the scripts). A release pops the
-//! oldest live registration and publishes the waiter id on that client's channel, which wakes
-//! exactly that waiter. A disconnect wakes every waiter of the client so each retries at once;
-//! the connection manager re-subscribes after reconnecting.
+//! connection). A waiting `acquire` gets a waiter id; its attempts register it in the lock's
+//! waiter queue (see the scripts for the member's form). A release pops the oldest live
+//! registration, hands it the lock and publishes `<waiter id>:<seq>:<fence>` on that client's
+//! channel (an old-form registration gets `<waiter id>`, a bare wake-up). A disconnect wakes
+//! every waiter of the client so each retries at once (an attempt also finds a grant whose
+//! message was lost); the connection manager re-subscribes after reconnecting.
 
 use std::{
     collections::HashMap,
@@ -28,7 +29,7 @@ pub(crate) struct Registry {
     /// 16 lowercase hex digits, random per client.
     client_id: String,
     channel: Vec<u8>,
-    waiters: Mutex<HashMap<u64, Arc<Notify>>>,
+    waiters: Mutex<HashMap<u64, Arc<Slot>>>,
     /// Whether the wake channel subscription was confirmed (serialized: one SUBSCRIBE).
     subscribed: tokio::sync::Mutex<bool>,
     next_id: AtomicU64,
@@ -50,25 +51,26 @@ impl Default for Registry {
 }
 
 impl Registry {
-    fn waiters(&self) -> MutexGuard<'_, HashMap<u64, Arc<Notify>>> {
+    fn waiters(&self) -> MutexGuard<'_, HashMap<u64, Arc<Slot>>> {
         self.waiters.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn dispatch(&self, info: PushInfo) {
         match info.kind {
             PushKind::Message => {
-                if let [Value::BulkString(channel), Value::BulkString(id), ..] = &info.data[..]
+                if let [Value::BulkString(channel), Value::BulkString(payload), ..] = &info.data[..]
                     && *channel == self.channel
-                    && let Some(id) = std::str::from_utf8(id)
-                        .ok()
-                        .and_then(|id| id.parse::<u64>().ok())
-                    && let Some(notify) = self.waiters().get(&id)
+                    && let Some((id, grant)) = parse_message(payload)
+                    && let Some(slot) = self.waiters().get(&id)
                 {
-                    notify.notify_one();
+                    if let Some(grant) = grant {
+                        *slot.grant() = Some(grant);
+                    }
+                    slot.notify.notify_one();
                 }
             }
             PushKind::Disconnection => {
-                self.waiters().values().for_each(|n| n.notify_one());
+                self.waiters().values().for_each(|s| s.notify.notify_one());
             }
             _ => {}
         }
@@ -81,13 +83,12 @@ impl Registry {
         conn: &ConnectionManager,
     ) -> redis::RedisResult<Watch> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let notify = Arc::new(Notify::new());
-        self.waiters().insert(id, notify.clone());
+        let slot = Arc::new(Slot::default());
+        self.waiters().insert(id, slot.clone());
         let watch = Watch {
             registry: self.clone(),
-            member: format!("{}:{id}", self.client_id),
             id,
-            notify,
+            slot,
         };
         let mut subscribed = self.subscribed.lock().await;
         if !*subscribed {
@@ -105,31 +106,95 @@ impl redis::aio::AsyncPushSender for Registry {
     }
 }
 
+/// A release's grant to one waiter: the attempt whose registration it used, and the fence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Grant {
+    pub(crate) seq: u64,
+    pub(crate) fence: u64,
+}
+
+/// `<waiter id>` (a wake-up) or `<waiter id>:<seq>:<fence>` (a grant).
+fn parse_message(payload: &[u8]) -> Option<(u64, Option<Grant>)> {
+    let payload = std::str::from_utf8(payload).ok()?;
+    let mut parts = payload.split(':');
+    let id = parts.next()?.parse().ok()?;
+    match (parts.next(), parts.next(), parts.next()) {
+        (None, _, _) => Some((id, None)),
+        (Some(seq), Some(fence), None) => Some((
+            id,
+            Some(Grant {
+                seq: seq.parse().ok()?,
+                fence: fence.parse().ok()?,
+            }),
+        )),
+        _ => None,
+    }
+}
+
+/// What the connection delivers to one waiter.
+#[derive(Debug, Default)]
+struct Slot {
+    notify: Notify,
+    /// The latest grant message (a later one replaces an earlier).
+    grant: Mutex<Option<Grant>>,
+}
+
+impl Slot {
+    fn grant(&self) -> MutexGuard<'_, Option<Grant>> {
+        self.grant.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
 /// One waiting `acquire`; dropping it stops its wake-ups (its queue registration is removed by
 /// the caller, see `lock.rs`).
 #[derive(Debug)]
 pub(crate) struct Watch {
     registry: Arc<Registry>,
-    member: String,
     id: u64,
-    notify: Arc<Notify>,
+    slot: Arc<Slot>,
 }
 
 impl Watch {
-    /// Completes when a release woke this waiter (or the connection dropped) since the last
-    /// call; a wake-up that arrived meanwhile is kept, never lost.
+    /// Completes when a release woke this waiter or granted it the lock (or the connection
+    /// dropped) since the last call; a wake-up that arrived meanwhile is kept, never lost.
     pub(crate) async fn woken(&self) {
-        self.notify.notified().await;
+        self.slot.notify.notified().await;
     }
 
-    /// This waiter's member in a lock's waiter queue: `<client id>:<waiter id>`.
-    pub(crate) fn member(&self) -> &str {
-        &self.member
+    /// Takes the latest grant message, if one came.
+    pub(crate) fn take_grant(&self) -> Option<Grant> {
+        self.slot.grant().take()
+    }
+
+    /// This waiter's queue member for attempt `seq`:
+    /// `<client id>:<waiter id>:<seq>:<ttl ms>:<grant token hex>`.
+    pub(crate) fn member(&self, seq: u64, ttl_ms: u64, grant_hex: &str) -> String {
+        format!(
+            "{}:{}:{seq}:{ttl_ms}:{grant_hex}",
+            self.registry.client_id, self.id
+        )
     }
 }
 
 impl Drop for Watch {
     fn drop(&mut self) {
         self.registry.waiters().remove(&self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_are_wake_ups_or_grants() {
+        assert_eq!(parse_message(b"7"), Some((7, None)));
+        assert_eq!(
+            parse_message(b"7:3:42"),
+            Some((7, Some(Grant { seq: 3, fence: 42 })))
+        );
+        for bad in [&b""[..], b"x", b"7:3", b"7:3:x", b"7:3:4:5", b"-1"] {
+            assert_eq!(parse_message(bad), None, "{bad:?}");
+        }
     }
 }

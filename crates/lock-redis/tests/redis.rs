@@ -916,3 +916,148 @@ async fn a_dropped_or_timed_out_waiter_leaves_the_queue() {
     .await;
     assert!(lock.release(&holder).await.unwrap());
 }
+
+/// Starts `acquire` on `lock` and polls it until the waiter is registered in the queue,
+/// returning the still pending future.
+/// Loads the release and inspect scripts into a fresh server (an `EVALSHA` answered
+/// `NOSCRIPT` counts as a call too), so that the script calls counted afterwards are requests.
+async fn load_scripts(lock: &RedisLock) {
+    let key = fresh_key("load-scripts");
+    let lease = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    lock.inspect(&key).await.unwrap().unwrap();
+    assert!(lock.release(&lease).await.unwrap());
+}
+
+async fn queued_waiter<'a>(
+    lock: &'a RedisLock,
+    key: &'a LockKey,
+    ttl: Duration,
+    admin: &mut MultiplexedConnection,
+) -> std::pin::Pin<Box<dyn Future<Output = lock_core::Result<lock_core::Lease>> + Send + 'a>> {
+    let redis_key = lock.redis_key(key);
+    let before = queued(admin, &redis_key).await;
+    let mut waiter = Box::pin(lock.acquire(key, ttl, Instant::now() + LONG));
+    tokio::select! {
+        result = &mut waiter => panic!("the lock is held, yet: {result:?}"),
+        () = wait_until(
+            Duration::from_secs(10),
+            Duration::from_millis(5),
+            "the waiter never queued",
+            async || queued(admin, &redis_key).await > before,
+        ) => {}
+    }
+    waiter
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_hands_the_lock_to_the_first_waiter_which_holds_it_without_a_request() {
+    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+        return;
+    }
+    // A private server, so that the script calls counted are these clients' alone; no
+    // fallback poll within the test.
+    let server = OwnRedis::start(26393).await;
+    let url = format!("{}?max_poll_interval=60s", server.url());
+    let holder_client = RedisLock::connect_url(&url).await.unwrap();
+    let waiter_client = RedisLock::connect_url(&url).await.unwrap();
+    let mut admin = admin(&server.url()).await;
+    let key = fresh_key("grant");
+    let holder = holder_client
+        .try_acquire(&key, LONG)
+        .await
+        .unwrap()
+        .unwrap();
+    let waiter = queued_waiter(&waiter_client, &key, LONG, &mut admin).await;
+
+    load_scripts(&holder_client).await;
+    let calls = command_calls(&mut admin, "evalsha").await;
+    assert!(holder_client.release(&holder).await.unwrap());
+    // The release itself made the waiter the holder: a new grant, not a free lock.
+    let info = holder_client.inspect(&key).await.unwrap().expect("granted");
+    assert!(info.fencing_token > holder.fencing_token());
+    assert_ne!(info.token_digest, Some(holder.token().digest()));
+    assert_eq!(info.waiters, Some(0));
+    let lease = timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the grant never reached the waiter")
+        .unwrap();
+    assert_eq!(lease.fencing_token(), info.fencing_token);
+    assert_eq!(Some(lease.token().digest()), info.token_digest);
+    assert!(lease.remaining() <= info.ttl_remaining.unwrap() + Duration::from_millis(5));
+    assert_eq!(
+        command_calls(&mut admin, "evalsha").await - calls,
+        2,
+        "the release and the inspect; the waiter learnt of its grant from the message alone"
+    );
+    assert!(waiter_client.release(&lease).await.unwrap());
+    assert!(holder_client.inspect(&key).await.unwrap().is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_seen_late_is_confirmed_by_an_attempt_that_restarts_its_ttl() {
+    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+        return;
+    }
+    let server = OwnRedis::start(26396).await;
+    let url = format!("{}?max_poll_interval=60s", server.url());
+    let holder_client = RedisLock::connect_url(&url).await.unwrap();
+    let waiter_client = RedisLock::connect_url(&url).await.unwrap();
+    let mut admin = admin(&server.url()).await;
+    let key = fresh_key("late-grant");
+    let holder = holder_client
+        .try_acquire(&key, LONG)
+        .await
+        .unwrap()
+        .unwrap();
+    // The waiter's registration is older than a quarter of its TTL when the grant comes, so
+    // the message alone is not trusted: the next attempt finds the grant (as it would after a
+    // lost message) and restarts its TTL.
+    let ttl = Duration::from_millis(400);
+    let waiter = queued_waiter(&waiter_client, &key, ttl, &mut admin).await;
+    let queued_at = Instant::now();
+    sleep(Duration::from_millis(200)).await;
+    load_scripts(&holder_client).await;
+    let calls = command_calls(&mut admin, "evalsha").await;
+    assert!(holder_client.release(&holder).await.unwrap());
+    let info = holder_client.inspect(&key).await.unwrap().expect("granted");
+    let lease = timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter never took its grant")
+        .unwrap();
+    assert_eq!(lease.fencing_token(), info.fencing_token);
+    assert_eq!(Some(lease.token().digest()), info.token_digest);
+    assert!(lease.acquired_at() > queued_at);
+    assert_eq!(
+        command_calls(&mut admin, "evalsha").await - calls,
+        3,
+        "the release, the inspect and the waiter's confirming attempt"
+    );
+    assert!(waiter_client.release(&lease).await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_granted_as_it_gives_up_passes_the_lock_on() {
+    let Some((url, lock, mut admin)) = shared().await else {
+        return;
+    };
+    let waiter_client = RedisLock::connect_url(&url).await.unwrap();
+    let key = fresh_key("grant-give-up");
+    let holder = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    let first = queued_waiter(&waiter_client, &key, LONG, &mut admin).await;
+    let second = queued_waiter(&waiter_client, &key, LONG, &mut admin).await;
+    // The release grants the lock to the first waiter, which is not polled any more (no
+    // waiter is polled until awaited below; a grant is made by the release alone): it
+    // gives up (its future is dropped) without having taken the grant.
+    assert!(lock.release(&holder).await.unwrap());
+    let granted = lock.inspect(&key).await.unwrap().expect("granted");
+    assert!(granted.fencing_token > holder.fencing_token());
+    drop(first);
+    // Leaving, it passes the grant on to the second waiter at once, long before its TTL.
+    let lease = timeout(Duration::from_secs(10), second)
+        .await
+        .expect("the grant of a waiter that gave up was not passed on")
+        .unwrap();
+    assert!(lease.fencing_token() > granted.fencing_token);
+    assert!(waiter_client.release(&lease).await.unwrap());
+    assert!(lock.inspect(&key).await.unwrap().is_none());
+}
