@@ -500,9 +500,12 @@ struct Registration {
     grant: OwnershipToken,
     /// The number of the latest attempt.
     seq: u64,
-    /// Members that may be queued: the latest confirmed one and those of attempts without a
-    /// reply. The next attempt removes them in the same step as it registers its own.
-    members: Vec<String>,
+    /// The member of the latest attempt (empty before the first), which may be queued even
+    /// while its attempt is in flight: a dropped `acquire` leaves with it too.
+    member: String,
+    /// Earlier members that may still be queued: the last confirmed one and those of attempts
+    /// without a reply. An attempt removes them in the same step as it registers its own.
+    earlier: Vec<String>,
     /// The attempt whose reply confirmed the current registration, and when it was sent: a
     /// grant message naming it is this waiter's lock, with its lease counted from then (the
     /// release that granted read the member that attempt wrote, so it came later).
@@ -512,11 +515,27 @@ struct Registration {
 }
 
 impl Registration {
-    /// The member of the next attempt.
-    fn next_member(&mut self, ttl: Duration) -> String {
+    /// What the next attempt sends: a new member, the last of `members`.
+    fn next_attempt(&mut self, ttl: Duration) -> Waiting<'_> {
         self.seq += 1;
-        self.watch
-            .member(self.seq, ttl_millis(ttl), &self.grant.expose_hex())
+        let member = self
+            .watch
+            .member(self.seq, ttl_millis(ttl), &self.grant.expose_hex());
+        let previous = std::mem::replace(&mut self.member, member);
+        if !previous.is_empty() {
+            self.earlier.push(previous);
+        }
+        Waiting {
+            member: &self.member,
+            grant: self.grant,
+            earlier: &self.earlier,
+        }
+    }
+
+    /// The latest attempt's registration was confirmed: the earlier members are gone.
+    fn confirmed(&mut self, sent_at: Instant) {
+        self.earlier.clear();
+        self.registered = Some((self.seq, sent_at));
     }
 
     /// A lease from a grant message, if one came for the current registration and left most
@@ -550,7 +569,10 @@ impl Drop for Registration {
         let inner = self.inner.clone();
         let names = std::mem::take(&mut self.names);
         let prefix = owner_prefix(&self.grant);
-        let members = std::mem::take(&mut self.members);
+        let mut members = std::mem::take(&mut self.earlier);
+        if !self.member.is_empty() {
+            members.push(std::mem::take(&mut self.member));
+        }
         rt.spawn(async move {
             if let Err(Failure::NotSent(e) | Failure::Server(e)) =
                 release_by_prefix(&inner, &names, &prefix, &members).await
@@ -723,16 +745,8 @@ impl DistributedLock for RedisLock {
         // in the same script.
         let mut registration: Option<Registration> = None;
         loop {
-            let member = registration.as_mut().map(|r| r.next_member(ttl));
-            let waiting = registration
-                .as_ref()
-                .zip(member.as_deref())
-                .map(|(r, member)| Waiting {
-                    member,
-                    grant: r.grant,
-                    earlier: &r.members,
-                });
             let sent_at = Instant::now();
+            let waiting = registration.as_mut().map(|r| r.next_attempt(ttl));
             let outcome = self.attempt(key, ttl, waiting.as_ref()).await;
             let holder_ttl = match (outcome, &mut registration) {
                 (Ok(Attempt::Granted(lease)), r) => {
@@ -742,15 +756,13 @@ impl DistributedLock for RedisLock {
                     return Ok(lease);
                 }
                 (Ok(Attempt::Held(holder_ttl)), r) => {
-                    if let (Some(r), Some(member)) = (r, member) {
-                        r.members = vec![member];
-                        r.registered = Some((r.seq, sent_at));
+                    if let Some(r) = r {
+                        r.confirmed(sent_at);
                     }
                     holder_ttl
                 }
                 (Err(e), r) => {
-                    if let (Some(r), Some(member)) = (r, member) {
-                        r.members.push(member);
+                    if let Some(r) = r {
                         r.registered = None;
                     }
                     wait.retry_after(e).await?;
@@ -767,7 +779,8 @@ impl DistributedLock for RedisLock {
                             watch: w,
                             grant: OwnershipToken::generate(),
                             seq: 0,
-                            members: Vec::new(),
+                            member: String::new(),
+                            earlier: Vec::new(),
                             registered: None,
                             armed: true,
                         });
