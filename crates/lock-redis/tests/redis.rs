@@ -949,24 +949,54 @@ async fn queued_waiter<'a>(
     waiter
 }
 
+/// A hand-off on a private server (so that the script calls counted are these clients' alone,
+/// and no fallback poll fires within a test): a holder on one client, the waiter on another.
+struct Handoff {
+    _server: OwnRedis,
+    admin: MultiplexedConnection,
+    holder_client: RedisLock,
+    waiter_client: RedisLock,
+    key: LockKey,
+    holder: lock_core::Lease,
+}
+
+impl Handoff {
+    async fn start(port: u16, name: &str) -> Self {
+        let server = OwnRedis::start(port).await;
+        let url = format!("{}?max_poll_interval=60s", server.url());
+        let holder_client = RedisLock::connect_url(&url).await.unwrap();
+        let waiter_client = RedisLock::connect_url(&url).await.unwrap();
+        let admin = admin(&server.url()).await;
+        let key = fresh_key(name);
+        let holder = holder_client
+            .try_acquire(&key, LONG)
+            .await
+            .unwrap()
+            .unwrap();
+        Self {
+            _server: server,
+            admin,
+            holder_client,
+            waiter_client,
+            key,
+            holder,
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_hands_the_lock_to_the_first_waiter_which_holds_it_without_a_request() {
     if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
         return;
     }
-    // A private server, so that the script calls counted are these clients' alone; no
-    // fallback poll within the test.
-    let server = OwnRedis::start(26393).await;
-    let url = format!("{}?max_poll_interval=60s", server.url());
-    let holder_client = RedisLock::connect_url(&url).await.unwrap();
-    let waiter_client = RedisLock::connect_url(&url).await.unwrap();
-    let mut admin = admin(&server.url()).await;
-    let key = fresh_key("grant");
-    let holder = holder_client
-        .try_acquire(&key, LONG)
-        .await
-        .unwrap()
-        .unwrap();
+    let Handoff {
+        _server,
+        mut admin,
+        holder_client,
+        waiter_client,
+        key,
+        holder,
+    } = Handoff::start(26393, "grant").await;
     let waiter = queued_waiter(&waiter_client, &key, LONG, &mut admin).await;
 
     load_scripts(&holder_client).await;
@@ -998,24 +1028,22 @@ async fn a_grant_seen_late_is_confirmed_by_an_attempt_that_restarts_its_ttl() {
     if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
         return;
     }
-    let server = OwnRedis::start(26396).await;
-    let url = format!("{}?max_poll_interval=60s", server.url());
-    let holder_client = RedisLock::connect_url(&url).await.unwrap();
-    let waiter_client = RedisLock::connect_url(&url).await.unwrap();
-    let mut admin = admin(&server.url()).await;
-    let key = fresh_key("late-grant");
-    let holder = holder_client
-        .try_acquire(&key, LONG)
-        .await
-        .unwrap()
-        .unwrap();
+    let Handoff {
+        _server,
+        mut admin,
+        holder_client,
+        waiter_client,
+        key,
+        holder,
+    } = Handoff::start(26396, "late-grant").await;
     // The waiter's registration is older than a quarter of its TTL when the grant comes, so
     // the message alone is not trusted: the next attempt finds the grant (as it would after a
-    // lost message) and restarts its TTL.
-    let ttl = Duration::from_millis(400);
+    // lost message) and restarts its TTL. (The wait lets the registration age; the TTL leaves
+    // the waiter seconds to release its lease afterwards.)
+    let ttl = Duration::from_secs(2);
     let waiter = queued_waiter(&waiter_client, &key, ttl, &mut admin).await;
     let queued_at = Instant::now();
-    sleep(Duration::from_millis(200)).await;
+    sleep(ttl / 4 + Duration::from_millis(100)).await;
     load_scripts(&holder_client).await;
     let calls = command_calls(&mut admin, "evalsha").await;
     assert!(holder_client.release(&holder).await.unwrap());
