@@ -41,8 +41,9 @@ const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 /// every grant, never reset: rows are never deleted) and `expires_at`, always compared with the
 /// database's own `clock_timestamp()`. Acquire is one `INSERT … ON CONFLICT DO UPDATE … WHERE`
 /// statement; renew and release are guarded on name, owner token and fence. Waiters queue in
-/// the row (`waiters`) and `LISTEN` on one shared connection per client; a release
-/// `pg_notify`s only the first live waiter, with a bounded jittered poll as fallback.
+/// the row (`waiters`) and `LISTEN` on one shared connection per client; a release hands the
+/// lock to the first live waiter in the same statement and `pg_notify`s only that waiter,
+/// with a bounded jittered poll as fallback.
 ///
 /// No session state is used for locking (no advisory locks, no temporary tables), so it works
 /// through transaction-pooling proxies; set `listen=false` there, since `LISTEN` needs a
@@ -163,11 +164,32 @@ enum Attempt<F = Lease> {
     /// Granted, with this fence.
     Granted(F),
     /// A live holder was seen, with this much of its lease left; `queued` when the waiter's
-    /// entry is in the lock's queue (so a release will wake it).
-    Held { remaining: Duration, queued: bool },
+    /// entry is in the lock's queue (so a release will grant it the lock or wake it): the
+    /// attempt that wrote it.
+    Held {
+        remaining: Duration,
+        queued: Option<QueuedBy>,
+    },
     /// Not granted, and no holder seen: taken by a grant that committed during the polling
     /// statement (free in its snapshot), or the bare upsert found the row held.
     Lost,
+}
+
+/// The attempt that wrote a waiter's queue entry: its `seq` (in the entry, and echoed by a
+/// release that grants from it) and when it was sent (before the entry existed, so before any
+/// grant made from it).
+#[derive(Clone, Copy, Debug)]
+struct QueuedBy {
+    seq: u64,
+    sent_at: Instant,
+}
+
+/// A grant decided by an acquire statement: its fence, and whether it is the waiter's grant
+/// owner's (a direct grant made by a release, found and extended) rather than the attempt's.
+#[derive(Debug)]
+struct Granted {
+    fence: FencingToken,
+    to_grant_owner: bool,
 }
 
 fn fence_token(fence: i64) -> Result<FencingToken> {
@@ -181,25 +203,51 @@ fn fence_token(fence: i64) -> Result<FencingToken> {
 }
 
 /// Which acquire statement an attempt runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy)]
 enum Mode<'a> {
     /// The bare upsert (`try_acquire`): the cheapest grant; on a held row it takes the row
     /// lock and commits it, and it tells nothing about the holder.
     Try,
-    /// A waiter's look that reads first and returns the holder's remaining time.
-    Poll,
-    /// A waiter's attempt that queues (or refreshes) this entry when the lock is held.
-    Queue(&'a str),
+    /// A waiter's look that reads first and returns the holder's remaining time; with the
+    /// waiter's grant owner once it may have queued (a grant made to it is then taken).
+    Poll { grant_owner: Option<OwnershipToken> },
+    /// A waiter's attempt that queues (or refreshes) its entry when the lock is held.
+    Queue(Queueing<'a>),
 }
 
-fn attempt_of(row: &PgRow, mode: Mode<'_>) -> Result<Attempt<FencingToken>> {
+/// What a queued attempt writes into the waiter's entry. No `Debug`: it holds a secret token.
+#[derive(Clone, Copy)]
+struct Queueing<'a> {
+    /// `<channel>:<number>`.
+    entry: &'a str,
+    /// The owner a release's direct grant gives the lock to (one per `acquire`).
+    grant_owner: OwnershipToken,
+    /// The last seq used: each statement takes the next one.
+    seq: &'a AtomicU64,
+}
+
+/// Reads an acquire statement's row; `by`: the statement, as the writer of a queue entry.
+fn attempt_of(row: &PgRow, mode: Mode<'_>, by: QueuedBy) -> Result<Attempt<Granted>> {
     const OP: &str = "try_acquire";
     let column = |e| Error::backend(BACKEND, OP, e);
     let fence: Option<i64> = row.try_get(0).map_err(column)?;
+    // The column telling whether the grant is the grant owner's.
+    let granted_column = match mode {
+        Mode::Try => None,
+        Mode::Poll { .. } => Some(2),
+        Mode::Queue(_) => Some(3),
+    };
     if let Some(fence) = fence {
-        return Ok(Attempt::Granted(fence_token(fence)?));
+        let to_grant_owner = match granted_column {
+            Some(i) => row.try_get::<bool, _>(i).map_err(column)?,
+            None => false,
+        };
+        return Ok(Attempt::Granted(Granted {
+            fence: fence_token(fence)?,
+            to_grant_owner,
+        }));
     }
-    if mode == Mode::Try {
+    if matches!(mode, Mode::Try) {
         return Ok(Attempt::Lost);
     }
     let remaining: Option<i64> = row.try_get(1).map_err(column)?;
@@ -210,7 +258,7 @@ fn attempt_of(row: &PgRow, mode: Mode<'_>) -> Result<Attempt<FencingToken>> {
     Ok(match remaining {
         Some(remaining) => Attempt::Held {
             remaining: Duration::from_micros(u64::try_from(remaining).unwrap_or(0)),
-            queued,
+            queued: queued.then_some(by),
         },
         None => Attempt::Lost,
     })
@@ -488,37 +536,55 @@ impl Inner {
                 token,
                 until: sent_at + ttl,
             };
+            // Each statement of a queued attempt writes a seq of its own.
+            let mut seq = 0;
             let query = match mode {
                 Mode::Try => sqlx::query(self.sql.acquire.clone())
                     .bind(key.as_str())
                     .bind(token.expose_hex())
                     .bind(micros(ttl)),
-                Mode::Poll => sqlx::query(self.sql.acquire_polling.clone())
-                    .bind(key.as_str())
-                    .bind(token.expose_hex())
-                    .bind(micros(ttl)),
-                Mode::Queue(entry) => sqlx::query(self.sql.acquire_queued.clone())
+                Mode::Poll { grant_owner } => sqlx::query(self.sql.acquire_polling.clone())
                     .bind(key.as_str())
                     .bind(token.expose_hex())
                     .bind(micros(ttl))
-                    .bind(entry)
-                    .bind(self.queue_entry_lifetime_ms()),
+                    .bind(grant_owner.map(|g| g.expose_hex())),
+                Mode::Queue(q) => {
+                    seq = q.seq.fetch_add(1, Ordering::Relaxed) + 1;
+                    sqlx::query(self.sql.acquire_queued.clone())
+                        .bind(key.as_str())
+                        .bind(token.expose_hex())
+                        .bind(micros(ttl))
+                        .bind(q.entry)
+                        .bind(self.queue_entry_lifetime_ms())
+                        .bind(q.grant_owner.expose_hex())
+                        .bind(i64::try_from(seq).unwrap_or(i64::MAX))
+                }
             };
             let outcome = self.fetch_optional(query).await;
             undo.inner = None;
             match outcome {
                 // Only the bare upsert returns no row: held (or taken meanwhile).
-                Ok(None) if mode == Mode::Try => return Ok(Attempt::Lost),
+                Ok(None) if matches!(mode, Mode::Try) => return Ok(Attempt::Lost),
                 Ok(None) => return Err(Error::backend(BACKEND, OP, "the acquire returned no row")),
                 Ok(Some(row)) => {
-                    let fence = match attempt_of(&row, mode)? {
-                        Attempt::Granted(fence) => fence,
+                    let granted = match attempt_of(&row, mode, QueuedBy { seq, sent_at })? {
+                        Attempt::Granted(granted) => granted,
                         Attempt::Held { remaining, queued } => {
                             return Ok(Attempt::Held { remaining, queued });
                         }
                         Attempt::Lost => return Ok(Attempt::Lost),
                     };
-                    tracing::debug!(%key, token = %token.digest(), %fence, "acquired");
+                    let fence = granted.fence;
+                    // A grant to the waiter's grant owner was made by a release and extended by
+                    // this statement (from `sent_at` on, like a fresh grant).
+                    let token = match mode {
+                        Mode::Poll {
+                            grant_owner: Some(g),
+                        } if granted.to_grant_owner => g,
+                        Mode::Queue(q) if granted.to_grant_owner => q.grant_owner,
+                        _ => token,
+                    };
+                    tracing::debug!(%key, token = %token.digest(), %fence, direct = granted.to_grant_owner, "acquired");
                     return Ok(Attempt::Granted(Lease::new(
                         key.clone(),
                         token,
@@ -747,14 +813,22 @@ impl Inner {
     }
 }
 
-/// A waiting `acquire`'s subscription to wake-ups and its entry in the lock's queue. Dropped
-/// while queued (the waiter gave up, timed out or was cancelled), it removes the entry in the
-/// background, so the next release does not wake a waiter that is gone.
+/// A waiting `acquire`'s subscription to notifications and its entry in the lock's queue.
+/// Dropped while queued (the waiter gave up, timed out or was cancelled), it leaves the queue
+/// in the background and frees a grant a release made to its grant owner meanwhile (handing
+/// the lock to the next waiter), so a gone waiter neither gets the next hand-off nor keeps a
+/// grant it never heard of. No `Debug`: it holds a secret token.
 struct Queued {
     inner: Arc<Inner>,
     key: LockKey,
     subscription: Subscription,
-    /// The entry may be in the queue.
+    /// `<channel>:<number>`.
+    entry: String,
+    /// The owner of a direct grant to this waiter.
+    grant_owner: OwnershipToken,
+    /// The entry may be in the queue, or a grant to `grant_owner` may exist: set before the
+    /// first queued attempt is sent; cleared only once the lock is returned with a grant that
+    /// consumed the entry, or under `grant_owner`.
     queued: bool,
 }
 
@@ -766,10 +840,11 @@ impl Drop for Queued {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (inner, key, entry) = (
+        let (inner, key, entry, grant_owner) = (
             self.inner.clone(),
             self.key.clone(),
-            self.subscription.entry(),
+            std::mem::take(&mut self.entry),
+            self.grant_owner.expose_hex(),
         );
         rt.spawn(async move {
             let outcome = inner
@@ -777,10 +852,12 @@ impl Drop for Queued {
                     sqlx::query(inner.sql.dequeue.clone())
                         .bind(key.as_str())
                         .bind(entry.clone())
+                        .bind(grant_owner.clone())
                 })
                 .await;
             if let Err(e) = outcome {
-                // The entry lapses by itself within two poll intervals.
+                // The entry lapses by itself within two poll intervals; a grant made to it
+                // meanwhile holds the lock until its TTL runs out.
                 tracing::debug!(%key, error = ?Failure::from(e), "could not leave the wait queue");
             }
         });
@@ -882,23 +959,33 @@ impl DistributedLock for PgLock {
         }
     }
 
-    /// Looks once (a read when the lock is held); when held, subscribes to wake-ups on the
-    /// client's shared `LISTEN` connection and queues in the lock row, then waits for its
-    /// wake-up, for the holder's lease to run out (each attempt returns its remaining time),
-    /// or for a fallback delay of about `poll_interval`, trying again after each (an attempt
-    /// of a queued waiter also refreshes its entry, keeping its place).
+    /// Looks once (a read when the lock is held); when held, subscribes to notifications on the
+    /// client's shared `LISTEN` connection and queues in the lock row, then waits for a
+    /// notification, for the holder's lease to run out (each attempt returns its remaining
+    /// time), or for a fallback delay of about `poll_interval`, trying again after each (an
+    /// attempt of a queued waiter also refreshes its entry, keeping its place).
     ///
-    /// A release wakes only the first live waiter of the queue, so waiters take the lock in
-    /// the order they queued, barring a `try_acquire` or a newly arriving `acquire` that gets
-    /// there first. A waiter that gives up leaves the queue; a crashed one's entry lapses after
-    /// two poll intervals, until when a release may wake it in vain (the others then try after
-    /// their fallback delay). With `listen=false`, beyond 256 queued waiters, or while the
-    /// `LISTEN` connection is down, waiters poll instead: from 10 ms backing off to
-    /// `poll_interval`, or about once per `poll_interval` for a waiter that was queued before.
+    /// A release hands the lock **directly** to the first live waiter of the queue, in the same
+    /// statement, and notifies only that waiter, which returns its lease without another
+    /// statement (its lease counts from when its latest attempt was sent; when that was more
+    /// than a quarter of the TTL ago, one more statement confirms and extends the grant). So
+    /// waiters take the lock in the order they queued, barring a `try_acquire` or a newly
+    /// arriving `acquire` that gets there first while the lock is free. A waiter that misses
+    /// the notification (connection trouble) finds the grant on its next attempt. A waiter that
+    /// gives up leaves the queue, and frees a grant that crossed its leaving.
+    ///
+    /// A waiter that **crashed** (or hangs) after queueing may still be granted the lock by a
+    /// release until its entry lapses (two poll intervals after its last attempt); it then
+    /// holds the lock until the TTL it asked for runs out, as a crashed waiter does in the
+    /// queues of etcd or ZooKeeper. Keep TTLs short enough for that wait.
+    ///
+    /// With `listen=false`, beyond 256 queued waiters, or while the `LISTEN` connection is
+    /// down, waiters poll instead: from 10 ms backing off to `poll_interval`, or about once
+    /// per `poll_interval` for a waiter that was queued before.
     ///
     /// # Cancellation safety
-    /// Dropping the future leaves the queue in the background; a grant in flight at that
-    /// moment is undone in the background.
+    /// Dropping the future leaves the queue in the background (freeing a grant made to this
+    /// waiter, if any); a grant in flight at that moment is undone in the background.
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
         self.capabilities().check_ttl(ttl)?;
         let config = &self.inner.config;
@@ -907,29 +994,75 @@ impl DistributedLock for PgLock {
             deadline,
             Backoff::new(Duration::from_millis(10), config.poll_interval),
         )?;
+        // A release's direct grant makes this the owner. Each attempt still grants itself under
+        // a fresh token of its own, so undoing an attempt of unknown outcome (by its token)
+        // can never remove a direct grant.
+        let grant_owner = OwnershipToken::generate();
+        let seq = AtomicU64::new(0);
+        // The latest attempt whose reply said the entry is queued: only a grant read from the
+        // entry it wrote is taken from a notification (an older one may have been lost since).
+        let mut queued_by: Option<QueuedBy> = None;
         // The first look reads before it writes: uncontended, this is the only statement.
         let mut queue: Option<Queued> = None;
         loop {
             if let Some(q) = queue.as_mut() {
-                q.subscription.mark_seen();
+                let grant = q.subscription.mark_seen();
+                if let (Some(grant), Some(by)) = (grant, queued_by)
+                    && grant.seq == by.seq
+                    && by.sent_at.elapsed() <= ttl / 4
+                {
+                    // The release read the entry this attempt wrote, so it granted after
+                    // `sent_at`: the local deadline cannot be later than the server's expiry.
+                    let fence = fence_token(grant.fence)?;
+                    q.queued = false;
+                    tracing::debug!(%key, token = %grant_owner.digest(), %fence, "granted by a release");
+                    return Ok(Lease::new(
+                        key.clone(),
+                        grant_owner,
+                        Some(fence),
+                        ttl,
+                        by.sent_at,
+                    ));
+                }
+                // A grant of an older attempt, or one that went unused for too long of its
+                // TTL: the attempt below finds it (if still held) and extends it.
             }
-            let entry = queue
-                .as_ref()
-                .filter(|q| q.subscription.listening())
-                .map(|q| q.subscription.entry());
-            let mode = entry.as_deref().map_or(Mode::Poll, Mode::Queue);
+            let listening = queue.as_ref().is_some_and(|q| q.subscription.listening());
+            if let Some(q) = queue.as_mut()
+                && listening
+            {
+                q.queued = true;
+            }
+            let mode = match queue.as_ref() {
+                Some(q) if listening => Mode::Queue(Queueing {
+                    entry: &q.entry,
+                    grant_owner,
+                    seq: &seq,
+                }),
+                Some(_) => Mode::Poll {
+                    grant_owner: Some(grant_owner),
+                },
+                None => Mode::Poll { grant_owner: None },
+            };
+            let queue_mode = matches!(mode, Mode::Queue(_));
             let (expires_in, queued) = match self.inner.attempt(key, ttl, mode).await {
                 Ok(Attempt::Granted(lease)) => {
-                    // A queued grant dropped the entry from the queue (a polled one did not:
-                    // the entry is then removed on the way out).
-                    if let (Some(q), Mode::Queue(_)) = (queue.as_mut(), mode) {
+                    // A queued grant dropped the entry from the queue, and a grant to the grant
+                    // owner consumed it; after a polled grant the entry (and any later grant to
+                    // the grant owner) is removed on the way out.
+                    if let Some(q) = queue.as_mut()
+                        && (queue_mode || *lease.token() == grant_owner)
+                    {
                         q.queued = false;
                     }
                     return Ok(lease);
                 }
                 // Also wake when the holder's lease runs out (expiry is not notified).
                 Ok(Attempt::Held { remaining, queued }) => {
-                    (remaining + Duration::from_millis(1), queued)
+                    if queue_mode {
+                        queued_by = queued;
+                    }
+                    (remaining + Duration::from_millis(1), queued.is_some())
                 }
                 // Taken by a grant that committed during the statement: look again now.
                 Ok(Attempt::Lost) => (Duration::ZERO, false),
@@ -938,18 +1071,18 @@ impl DistributedLock for PgLock {
                     continue;
                 }
             };
-            if let Some(q) = queue.as_mut() {
-                q.queued |= queued;
-            }
             if config.listen && queue.is_none() {
                 // LISTEN, then queue at once (the statement also tries again).
                 let subscribe = self.notifier().subscribe();
                 match timeout_at(deadline, subscribe).await {
                     Ok(subscription) => {
+                        let entry = subscription.entry();
                         queue = Some(Queued {
                             inner: self.inner.clone(),
                             key: key.clone(),
                             subscription,
+                            entry,
+                            grant_owner,
                             queued: false,
                         });
                     }
@@ -958,8 +1091,9 @@ impl DistributedLock for PgLock {
                 continue;
             }
             if queued {
-                // Queued: a release wakes this waiter; the fallback is a refresh of the entry
-                // (it lapses after two poll intervals), so wait about one poll interval.
+                // Queued: a release grants to or wakes this waiter; the fallback is a refresh
+                // of the entry (it lapses after two poll intervals), so wait about one poll
+                // interval.
                 wait.set_backoff(Backoff::new(config.poll_interval, config.poll_interval));
             }
             let woken = async {

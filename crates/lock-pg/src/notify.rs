@@ -1,10 +1,12 @@
 //! Wake-ups: one `LISTEN` connection per client, on a channel of the client's own.
 //!
 //! Each waiting `acquire` of a client gets a number and queues `<channel>:<number>` in the lock
-//! row (see [`crate::sql`]); a release notifies the first live entry's channel with the number
-//! as payload, so one release wakes one waiter rather than every waiter of every client. A
-//! background task owns a [`PgListener`] on its own one-connection pool and routes each payload
-//! to its waiter. While the listening connection is down every waiter is woken (a notification
+//! row (see [`crate::sql`]); a release notifies the first live entry's channel only, so one
+//! release reaches one waiter rather than every waiter of every client. The payload is
+//! `<number>:<seq>:<fence>` when the release granted the lock to that waiter (the attempt
+//! `seq` wrote the entry it was granted from), or `<number>` for a wake-up only (the entry of
+//! an older client, or a release by one). A background task owns a [`PgListener`] on its own
+//! one-connection pool and routes each payload to its waiter, keeping the latest grant. While the listening connection is down every waiter is woken (a notification
 //! may have been missed) and [`Subscription::listening`] is false, so waiters stop queueing
 //! (a queued waiter that cannot hear would hold the others up) and poll until it is back.
 
@@ -29,31 +31,83 @@ use tokio::{
 
 use crate::PgLockConfig;
 
+/// A direct grant announced to a waiter: the `seq` of the attempt whose queue entry the
+/// release read, and the fence of the grant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Grant {
+    pub(crate) seq: u64,
+    pub(crate) fence: i64,
+}
+
+/// What a waiter has been told: a count of notifications (to wake it) and the latest grant.
+#[derive(Clone, Copy, Debug, Default)]
+struct Signal {
+    notified: u64,
+    grant: Option<Grant>,
+}
+
+/// A notification payload: a wake-up or a grant to waiter `id`.
+#[derive(Debug, PartialEq, Eq)]
+enum Message {
+    Wake(u64),
+    Granted(u64, Grant),
+}
+
+impl Message {
+    fn parse(payload: &str) -> Option<Self> {
+        let mut parts = payload.split(':');
+        let id = parts.next()?.parse().ok()?;
+        match (parts.next(), parts.next(), parts.next()) {
+            (None, _, _) => Some(Self::Wake(id)),
+            (Some(seq), Some(fence), None) => Some(Self::Granted(
+                id,
+                Grant {
+                    seq: seq.parse().ok()?,
+                    fence: fence.parse().ok()?,
+                },
+            )),
+            _ => None,
+        }
+    }
+}
+
 /// The state shared by the client side and the listener task.
 struct Shared {
     /// `distlock_w_` and 32 random hex digits: a valid identifier, unique per client.
     channel: String,
-    /// Waiting `acquire`s by number: bumped when notified.
-    waiters: Mutex<HashMap<u64, watch::Sender<u64>>>,
+    /// Waiting `acquire`s by number.
+    waiters: Mutex<HashMap<u64, watch::Sender<Signal>>>,
     next: AtomicU64,
     /// The channel is `LISTEN`ed to on a live connection.
     listening: AtomicBool,
 }
 
 impl Shared {
-    fn waiters(&self) -> MutexGuard<'_, HashMap<u64, watch::Sender<u64>>> {
+    fn waiters(&self) -> MutexGuard<'_, HashMap<u64, watch::Sender<Signal>>> {
         self.waiters.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn wake(&self, id: u64) {
+    fn deliver(&self, message: Message) {
+        let (id, grant) = match message {
+            Message::Wake(id) => (id, None),
+            Message::Granted(id, grant) => (id, Some(grant)),
+        };
         if let Some(w) = self.waiters().get(&id) {
-            w.send_modify(|g| *g += 1);
+            w.send_modify(|s| {
+                s.notified += 1;
+                // Seqs only grow; keep the grant of the latest attempt.
+                if let Some(g) = grant
+                    && s.grant.is_none_or(|old| old.seq <= g.seq)
+                {
+                    s.grant = Some(g);
+                }
+            });
         }
     }
 
     fn wake_all(&self) {
         for w in self.waiters().values() {
-            w.send_modify(|g| *g += 1);
+            w.send_modify(|s| s.notified += 1);
         }
     }
 }
@@ -111,7 +165,7 @@ impl Notifier {
     pub(crate) async fn subscribe(&self) -> Subscription {
         let id = self.shared.next.fetch_add(1, Ordering::Relaxed);
         let receiver = {
-            let (tx, rx) = watch::channel(0);
+            let (tx, rx) = watch::channel(Signal::default());
             self.shared.waiters().insert(id, tx);
             rx
         };
@@ -134,7 +188,7 @@ impl Notifier {
 pub(crate) struct Subscription {
     shared: Arc<Shared>,
     id: u64,
-    receiver: watch::Receiver<u64>,
+    receiver: watch::Receiver<Signal>,
 }
 
 impl std::fmt::Debug for Subscription {
@@ -156,12 +210,13 @@ impl Subscription {
         self.shared.listening.load(Ordering::Acquire)
     }
 
-    /// Marks every wake-up so far as seen (call before each attempt).
-    pub(crate) fn mark_seen(&mut self) {
-        self.receiver.borrow_and_update();
+    /// Marks every notification so far as seen (call before each attempt), returning the
+    /// latest grant announced to this waiter, if any.
+    pub(crate) fn mark_seen(&mut self) -> Option<Grant> {
+        self.receiver.borrow_and_update().grant
     }
 
-    /// Completes at the next wake-up after the last [`Subscription::mark_seen`].
+    /// Completes at the next notification after the last [`Subscription::mark_seen`].
     pub(crate) async fn changed(&mut self) {
         if self.receiver.changed().await.is_err() {
             std::future::pending::<()>().await;
@@ -220,9 +275,9 @@ impl ListenerTask {
                     };
                     let _ = ack.send(ok);
                 }
-                Event::Notified(Ok(Some(payload))) => match payload.parse() {
-                    Ok(id) => self.shared.wake(id),
-                    Err(_) => tracing::debug!("ignoring a notification with a foreign payload"),
+                Event::Notified(Ok(Some(payload))) => match Message::parse(&payload) {
+                    Some(message) => self.shared.deliver(message),
+                    None => tracing::debug!("ignoring a notification with a foreign payload"),
                 },
                 // The connection was lost and re-established: notifications may be lost.
                 Event::Notified(Ok(None)) => self.shared.wake_all(),
@@ -282,6 +337,18 @@ fn far_future() -> Instant {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn payloads_are_wake_ups_or_grants() {
+        assert_eq!(Message::parse("7"), Some(Message::Wake(7)));
+        assert_eq!(
+            Message::parse("7:3:42"),
+            Some(Message::Granted(7, Grant { seq: 3, fence: 42 }))
+        );
+        for foreign in ["", "x", "7:3", "7:3:42:1", "7:x:42", "7:3:x", "-1"] {
+            assert_eq!(Message::parse(foreign), None, "{foreign}");
+        }
+    }
 
     /// Entries are `<channel>:<number>` with a channel that is a valid, short identifier.
     #[tokio::test]

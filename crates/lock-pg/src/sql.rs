@@ -7,16 +7,35 @@
 //! # The waiter queue
 //!
 //! `waiters` holds the queue of a lock's listening waiters, oldest first, each entry
-//! `<channel>:<number> <expiry>`: the waiting client's notification channel, the waiter's number
-//! on that client, and when the entry lapses (milliseconds since the epoch, the database's
-//! clock; a waiter refreshes its entry on every attempt, so only a gone waiter's entry lapses).
-//! A statement that frees the lock notifies the first live entry's channel with its number,
-//! so one release wakes one waiter. The queue lives in the lock row because a release and a
-//! waiter's registration both write that row: whichever comes second waits for the other's
-//! row lock and then sees its result (a release sees the new entry; a registration sees the
-//! lock free and takes it), so no wake-up falls between them. Grants are decided exactly as
-//! before, by the upsert's check of `owner` and `expires_at` under the row lock; the queue only
-//! decides whom to wake.
+//! `<channel>:<number> <expiry> <seq> <ttl> <grant owner>`: the waiting client's notification
+//! channel, the waiter's number on that client, when the entry lapses (milliseconds since the
+//! epoch, the database's clock; a waiter refreshes its entry on every attempt, so only a gone
+//! waiter's entry lapses), the number of the attempt that wrote the entry (one more per attempt
+//! of that `acquire`), the TTL it asks for (µs), and the owner token a release hands the lock to
+//! (one per `acquire`, a secret like every owner token; distinct from the per-attempt tokens of
+//! its own grants). Entries of older clients have only the first two fields.
+//!
+//! # Direct grant on release
+//!
+//! Every statement that frees the lock (release, undo of an unknown acquire, force release, a
+//! waiter leaving while the lock is free) locks the row, then looks at its first live entry. An
+//! entry with a grant owner gets the lock **in the same statement**: `owner` = its grant owner,
+//! `fence + 1`, `expires_at` = `clock_timestamp()` + its TTL (read after the row lock, so after
+//! the attempt that wrote the entry was sent), the entry (and lapsed ones) leave the queue, and
+//! its channel is notified with `<number>:<seq>:<fence>`; such a statement always commits
+//! durably (a grant lost in a crash could hand its fence out twice). An entry of an older client
+//! is only woken (payload `<number>`, lock left free), as before. A waiter takes a grant message
+//! only for the `seq` of its latest attempt that queued; a grant it did not hear (a lost
+//! notification, a `LISTEN` reconnect) is found by its next attempt, which recognises its grant
+//! owner in `owner` and extends that grant instead of queueing; a waiter that gives up frees a
+//! grant made to it (and hands it on). A waiter that crashed after queueing may be granted the
+//! lock and then holds it until its TTL runs out.
+//!
+//! The queue lives in the lock row because a release and a waiter's registration both write
+//! that row: whichever comes second waits for the other's row lock and then sees its result (a
+//! release sees the new entry; a registration sees the lock free and takes it), so no hand-off
+//! falls between them. Every grant, direct or by an attempt, is decided under the row lock on
+//! the latest version of the row.
 
 use std::sync::Arc;
 
@@ -35,29 +54,36 @@ pub(crate) struct Statements {
     pub(crate) add_waiters: SqlStr,
     /// `$1` name, `$2` owner, `$3` ttl µs → `fence` when granted, no row when held.
     pub(crate) acquire: SqlStr,
-    /// `$1` name, `$2` owner, `$3` ttl µs → one row: `fence` when granted, else `remaining` µs
-    /// of the live holder seen (both null: taken by a grant that committed meanwhile).
+    /// `$1` name, `$2` owner, `$3` ttl µs, `$4` grant owner or NULL → one row: `fence` when
+    /// granted (to `$2`, or a grant to `$4` found live and extended), else `remaining` µs of the
+    /// live holder seen (both null: taken by a grant that committed meanwhile); whether the
+    /// grant is `$4`'s.
     pub(crate) acquire_polling: SqlStr,
-    /// `$1` name, `$2` owner, `$3` ttl µs, `$4` queue entry, `$5` entry lifetime ms → one row:
-    /// `fence` when granted; else `remaining` µs of the holder and whether the entry is
-    /// `queued` (added or refreshed; not when the queue is full).
+    /// `$1` name, `$2` owner, `$3` ttl µs, `$4` queue entry id, `$5` entry lifetime ms, `$6`
+    /// grant owner, `$7` attempt seq → one row: `fence` when granted (to `$2`, or a grant to
+    /// `$6` found live and extended); else `remaining` µs of the holder and whether the entry
+    /// is `queued` (added or refreshed; not when the queue is full); whether the grant is
+    /// `$6`'s.
     pub(crate) acquire_queued: SqlStr,
     /// `$1` names, `$2` owners, `$3` fences, `$4` ttls µs (arrays of one length, names distinct)
     /// → the `name` of every row renewed; rows are locked in name order.
     pub(crate) renew: SqlStr,
-    /// `$1` name, `$2` owner, `$3` fence → one row when released (and the next waiter woken).
+    /// `$1` name, `$2` owner, `$3` fence → one row when released (and the lock granted to the
+    /// first waiter, or the waiter woken).
     pub(crate) release: SqlStr,
-    /// As `release`, with `synchronous_commit = off` for this statement's transaction only.
+    /// As `release`, with `synchronous_commit = off` for this statement's transaction only,
+    /// unless it granted the lock.
     pub(crate) release_async: SqlStr,
     /// `$1` name, `$2` owner: undoes a grant whose reply was lost (fence unknown).
     pub(crate) release_token: SqlStr,
-    /// `$1` name, `$2` queue entry: removes a waiter that gave up (waking the next one when
-    /// the lock is free, in case the wake-up went to the one leaving).
+    /// `$1` name, `$2` queue entry id, `$3` grant owner: removes a waiter that gave up, and
+    /// frees a grant made to it; when the lock is (then) free, grants it to (or wakes) the
+    /// next waiter, in case the hand-off went to the one leaving.
     pub(crate) dequeue: SqlStr,
     /// `$1` name → `owner`, `fence`, remaining µs of a live holder, live queue entries.
     pub(crate) inspect: SqlStr,
     /// `$1` name, `$2` fence or NULL: the operator override, whoever holds it (or only the
-    /// grant with that fence).
+    /// grant with that fence); the lock goes to the first waiter, as on a release.
     pub(crate) force_release: SqlStr,
 }
 
@@ -94,14 +120,52 @@ fn live_entries() -> String {
     )
 }
 
-/// Notifies the first live waiter of row `l` (a scalar subquery: null when nobody waits).
-fn wake_first() -> String {
+/// Whether queue entry `w` can take a direct grant (all five fields, well formed). Older
+/// clients' entries (two fields) cannot, nor can a malformed one, which a release must never
+/// fail on.
+fn grantable(w: &str) -> String {
+    format!("{w} ~ '^[^ ]+ [0-9]+ [0-9]+ [0-9]{{1,14}} [0-9a-f]{{32}}$'")
+}
+
+/// A statement that frees row `l` where `cond` holds: the row is locked first (its latest
+/// version, whatever the snapshot showed), then, when `frees` (evaluated on that version), the
+/// first live entry among those `keep` keeps is granted the lock (see the module docs) or, for
+/// an older client's entry, woken while the lock is left free. Lapsed entries and those `keep`
+/// rejects leave the queue. `async_commit`: commit with `synchronous_commit = off` unless the
+/// statement granted. Returns one row (`fence`) when a row matched `cond`.
+fn free_and_grant(t: &str, cond: &str, frees: &str, keep: &str, async_commit: bool) -> String {
+    let (qexpiry, head_id, can_grant) = (expiry("q.w"), id("g.head"), grantable("c.live[1]"));
+    let durability = if async_commit {
+        ", set_config('synchronous_commit', CASE WHEN g.granting \
+             THEN current_setting('synchronous_commit') ELSE 'off' END, true)"
+    } else {
+        ""
+    };
     format!(
-        "(SELECT pg_notify(split_part(h.id, ':', 1), split_part(h.id, ':', 2)) FROM (\
-             SELECT {} AS id FROM {} ORDER BY q.o LIMIT 1\
-         ) AS h)",
-        id("q.w"),
-        live_entries()
+        "WITH cur AS MATERIALIZED (\
+             SELECT l.name, {frees} AS frees, ARRAY(\
+                 SELECT q.w FROM unnest(l.waiters) WITH ORDINALITY AS q(w, o) \
+                 WHERE {qexpiry} > {NOW_MS} AND {keep} ORDER BY q.o) AS live \
+             FROM {t} AS l WHERE {cond} \
+             FOR NO KEY UPDATE\
+         ), g AS (\
+             SELECT c.name, c.frees, c.live, c.live[1] AS head, \
+                 c.frees AND COALESCE({can_grant}, false) AS granting \
+             FROM cur AS c\
+         ) \
+         UPDATE {t} AS l SET \
+             owner = CASE WHEN g.granting THEN split_part(g.head, ' ', 5) \
+                 WHEN g.frees THEN NULL ELSE l.owner END, \
+             fence = CASE WHEN g.granting THEN l.fence + 1 ELSE l.fence END, \
+             expires_at = CASE WHEN g.granting THEN clock_timestamp() \
+                     + split_part(g.head, ' ', 4)::bigint * interval '1 microsecond' \
+                 WHEN g.frees THEN clock_timestamp() ELSE l.expires_at END, \
+             waiters = CASE WHEN g.granting THEN g.live[2:] ELSE g.live END \
+         FROM g WHERE l.name = g.name \
+         RETURNING l.fence, CASE WHEN g.frees AND g.head IS NOT NULL THEN pg_notify(\
+             split_part({head_id}, ':', 1), split_part({head_id}, ':', 2) || CASE WHEN g.granting \
+                 THEN ':' || split_part(g.head, ' ', 3) || ':' || l.fence ELSE '' END) END\
+             {durability}"
     )
 }
 
@@ -138,10 +202,12 @@ impl Statements {
         // A waiter's first look (and every look of a waiter that is not queued): the same
         // upsert, whose WHERE, evaluated on the latest version of the locked row, is what makes
         // grants exclusive; when the statement's snapshot already shows a live holder, nothing
-        // is attempted (no row lock, no durable commit) and its remaining time is returned.
+        // is attempted (no row lock, no durable commit) and its remaining time is returned. A
+        // waiter that has queued passes its grant owner: a live grant to it is extended (under
+        // the row lock, durably) and returned, as it may not have heard of it.
         let acquire_polling = format!(
             "WITH cur AS MATERIALIZED (\
-                 SELECT {remaining} AS remaining \
+                 SELECT {remaining} AS remaining, COALESCE(l.owner = $4, false) AS mine \
                  FROM {t} AS l WHERE name = $1 AND owner IS NOT NULL \
                      AND expires_at > clock_timestamp()\
              ), granted AS (\
@@ -153,15 +219,27 @@ impl Statements {
                      expires_at = clock_timestamp() + $3::bigint * interval '1 microsecond' \
                  WHERE l.owner IS NULL OR l.expires_at <= clock_timestamp() \
                  RETURNING l.fence\
+             ), kept AS (\
+                 UPDATE {t} AS l \
+                 SET expires_at = clock_timestamp() + $3::bigint * interval '1 microsecond' \
+                 WHERE l.name = $1 AND l.owner = $4 AND l.expires_at > clock_timestamp() \
+                     AND EXISTS (SELECT 1 FROM cur WHERE mine) \
+                 RETURNING l.fence\
              ) \
-             SELECT (SELECT fence FROM granted) AS fence, (SELECT remaining FROM cur) AS remaining"
+             SELECT COALESCE((SELECT fence FROM granted), (SELECT fence FROM kept)) AS fence, \
+                 (SELECT remaining FROM cur WHERE NOT mine) AS remaining, \
+                 EXISTS (SELECT 1 FROM kept) AS granted"
         );
         // A queued waiter's attempt: one upsert that always writes the row, under its lock,
         // with one reading of the clock (`d`): a free row is granted (fence bumped, this entry
-        // and lapsed ones dropped from the queue); a held row keeps its holder, and this entry
-        // is refreshed in place or appended. Only a grant waits for a durable commit: a lost
-        // queue entry costs a poll, a lost grant could cost a fence.
+        // and lapsed ones dropped from the queue); a live grant to this waiter's grant owner
+        // (made by a release it has not heard of) is extended, fence unchanged, and the entry
+        // dropped; a row held by another keeps its holder, and this entry is refreshed in place
+        // or appended. Only a grant waits for a durable commit: a lost queue entry costs a poll,
+        // a lost grant could cost a fence.
         let (qid, qexpiry, mine) = (id("q.w"), expiry("q.w"), has_entry("$4"));
+        let entry = "$4 || ' ' || (d.now_ms + $5::bigint) || ' ' || $7::bigint || ' ' \
+                     || $3::bigint || ' ' || $6";
         let acquire_queued = format!(
             "INSERT INTO {t} AS l (name, owner, fence, expires_at) \
              VALUES ($1, $2, 1, clock_timestamp() + $3::bigint * interval '1 microsecond') \
@@ -169,30 +247,32 @@ impl Statements {
              SET (owner, fence, expires_at, waiters) = (\
                  SELECT CASE WHEN d.free THEN $2 ELSE l.owner END, \
                      CASE WHEN d.free THEN l.fence + 1 ELSE l.fence END, \
-                     CASE WHEN d.free THEN d.ts + $3::bigint * interval '1 microsecond' \
+                     CASE WHEN d.free OR d.granted \
+                         THEN d.ts + $3::bigint * interval '1 microsecond' \
                          ELSE l.expires_at END, \
-                     CASE WHEN d.free THEN ARRAY(\
+                     CASE WHEN d.free OR d.granted THEN ARRAY(\
                          SELECT q.w FROM unnest(l.waiters) WITH ORDINALITY AS q(w, o) \
                          WHERE {qexpiry} > d.now_ms AND {qid} <> $4 ORDER BY q.o) \
                      ELSE ARRAY(\
-                         SELECT CASE WHEN {qid} = $4 \
-                             THEN $4 || ' ' || (d.now_ms + $5::bigint) ELSE q.w END \
+                         SELECT CASE WHEN {qid} = $4 THEN {entry} ELSE q.w END \
                          FROM unnest(l.waiters) WITH ORDINALITY AS q(w, o) \
                          WHERE {qexpiry} > d.now_ms OR {qid} = $4 ORDER BY q.o) \
                      || CASE WHEN d.mine OR d.live >= {MAX_QUEUE} THEN '{{}}'::text[] \
-                         ELSE ARRAY[$4 || ' ' || (d.now_ms + $5::bigint)] END \
+                         ELSE ARRAY[{entry}] END \
                      END \
                  FROM (SELECT c.ts, c.now_ms, \
                      l.owner IS NULL OR l.expires_at <= c.ts AS free, \
+                     COALESCE(l.owner = $6 AND l.expires_at > c.ts, false) AS granted, \
                      {mine} AS mine, \
                      (SELECT count(*) FROM unnest(l.waiters) AS q(w) \
                          WHERE {qexpiry} > c.now_ms) AS live \
                      FROM (SELECT t.ts, (extract(epoch FROM t.ts) * 1000)::bigint AS now_ms \
                          FROM (SELECT clock_timestamp() AS ts) AS t) AS c) AS d\
              ) \
-             RETURNING CASE WHEN l.owner = $2 THEN l.fence END AS fence, \
+             RETURNING CASE WHEN l.owner IN ($2, $6) THEN l.fence END AS fence, \
                  {remaining} AS remaining, {mine} AS queued, \
-                 set_config('synchronous_commit', CASE WHEN l.owner = $2 \
+                 COALESCE(l.owner = $6, false) AS granted, \
+                 set_config('synchronous_commit', CASE WHEN l.owner IN ($2, $6) \
                      THEN current_setting('synchronous_commit') ELSE 'off' END, true)"
         );
         // Many leases in one statement (one transaction, one durable commit). The rows are
@@ -214,47 +294,35 @@ impl Statements {
              FROM mine WHERE l.name = mine.name AND l.expires_at > clock_timestamp() \
              RETURNING l.name"
         );
-        let wake = wake_first();
-        let release_where = "l.name = $1 AND l.owner = $2 AND l.fence = $3 \
-                             AND l.expires_at > clock_timestamp()";
-        let release = format!(
-            "UPDATE {t} AS l SET owner = NULL, expires_at = clock_timestamp() \
-             WHERE {release_where} \
-             RETURNING l.fence, {wake}"
-        );
-        // set_config(.., true) is local to the implicit transaction of this one statement; the
-        // subquery in FROM makes sure it is evaluated before the commit reads the setting.
-        let release_async = format!(
-            "UPDATE {t} AS l SET owner = NULL, expires_at = clock_timestamp() \
-             FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cfg \
-             WHERE {release_where} \
-             RETURNING l.fence, {wake}"
-        );
-        let release_token = format!(
-            "UPDATE {t} AS l SET owner = NULL, expires_at = clock_timestamp() \
-             WHERE l.name = $1 AND l.owner = $2 \
-             RETURNING l.fence, {wake}"
-        );
-        let leaving = has_entry("$2");
-        let dequeue = format!(
-            "UPDATE {t} AS l SET waiters = ARRAY(\
-                 SELECT q.w FROM unnest(l.waiters) WITH ORDINALITY AS q(w, o) \
-                 WHERE {qid} <> $2 ORDER BY q.o) \
-             FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cfg \
-             WHERE l.name = $1 AND {leaving} \
-             RETURNING CASE WHEN l.owner IS NULL OR l.expires_at <= clock_timestamp() \
-                 THEN {wake} END"
+        // Releases: each locks the row first and then hands it to the first waiter in the
+        // same statement (see `free_and_grant`).
+        let owned = "l.name = $1 AND l.owner = $2 AND l.fence = $3 \
+                     AND l.expires_at > clock_timestamp()";
+        let release = free_and_grant(&t, owned, "true", "true", false);
+        let release_async = free_and_grant(&t, owned, "true", "true", true);
+        let release_token =
+            free_and_grant(&t, "l.name = $1 AND l.owner = $2", "true", "true", false);
+        // A waiter that gave up: its entry leaves, a grant made to it is freed, and when the
+        // lock is then free the next waiter is granted it (or woken).
+        let dequeue = free_and_grant(
+            &t,
+            &format!("l.name = $1 AND ({} OR l.owner = $3)", has_entry("$2")),
+            "l.owner IS NULL OR l.expires_at <= clock_timestamp() OR l.owner = $3",
+            &format!("{qid} <> $2"),
+            true,
         );
         let inspect = format!(
             "SELECT owner, fence, {remaining}, (SELECT count(*) FROM {live}) \
              FROM {t} AS l WHERE name = $1 AND owner IS NOT NULL AND expires_at > clock_timestamp()",
             live = live_entries()
         );
-        let force_release = format!(
-            "UPDATE {t} AS l SET owner = NULL, expires_at = clock_timestamp() \
-             WHERE l.name = $1 AND l.owner IS NOT NULL AND l.expires_at > clock_timestamp() \
-                 AND ($2::bigint IS NULL OR l.fence = $2) \
-             RETURNING l.fence, {wake}"
+        let force_release = free_and_grant(
+            &t,
+            "l.name = $1 AND l.owner IS NOT NULL AND l.expires_at > clock_timestamp() \
+                 AND ($2::bigint IS NULL OR l.fence = $2)",
+            "true",
+            "true",
+            false,
         );
         Self {
             create: sql(create),

@@ -738,3 +738,267 @@ async fn an_old_table_gains_the_queue_column() {
         .await
         .unwrap();
 }
+
+/// A release hands the lock to the first queued waiter in the same statement: as soon as
+/// `release` returns, the waiter is the holder (next fence, its token, queue empty), and its
+/// `acquire` returns that grant without sending another statement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_grants_the_lock_to_the_first_waiter() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    // No fallback poll during the test: only the release can hand the lock over.
+    let url = url_with(&url, "poll_interval=30s");
+    let holder = PgLock::connect_url(&url).await.unwrap();
+    let waiter = Arc::new(PgLock::connect_url(&url).await.unwrap());
+    let key = fresh_key("direct-grant");
+    let lease = holder.try_acquire(&key, LONG).await.unwrap().unwrap();
+    let waits = spawn_acquire(&waiter, &key, Instant::now() + LONG);
+    wait_for_queue(&holder, &key, 1).await;
+    let sent = waiter.statements_sent();
+    assert!(holder.release(&lease).await.unwrap());
+    let info = holder
+        .inspect(&key)
+        .await
+        .unwrap()
+        .expect("the release granted the lock to the waiter");
+    let next = FencingToken(lease.fencing_token().unwrap().get() + 1);
+    assert_eq!(info.fencing_token, Some(next));
+    assert_ne!(info.token_digest, Some(lease.token().digest()));
+    assert_eq!(info.waiters, Some(0), "the granted entry left the queue");
+    let got = timeout(Duration::from_secs(10), waits)
+        .await
+        .expect("the waiter did not learn of its grant")
+        .unwrap()
+        .unwrap();
+    assert_eq!(got.fencing_token(), Some(next));
+    assert_eq!(info.token_digest, Some(got.token().digest()));
+    assert_eq!(
+        waiter.statements_sent(),
+        sent,
+        "the waiter needed a statement to take a lock it was granted"
+    );
+    assert!(got.remaining() > LONG / 2, "{:?}", got.remaining());
+    assert!(!holder.release(&lease).await.unwrap());
+    assert!(waiter.release(&got).await.unwrap());
+    assert_eq!(holder.inspect(&key).await.unwrap(), None);
+}
+
+/// A waiter granted the lock by a release just as it gives up (its `acquire` future dropped
+/// without seeing the grant) frees the grant on its way out: the lock is free again long
+/// before the 30 s TTL of the grant. Current-thread runtime, so the dropped future is
+/// provably never polled after the release.
+#[tokio::test]
+async fn a_waiter_granted_as_it_gives_up_frees_the_grant() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let url = url_with(&url, "poll_interval=30s");
+    let holder = PgLock::connect_url(&url).await.unwrap();
+    let quitter = PgLock::connect_url(&url).await.unwrap();
+    let next = PgLock::connect_url(&url).await.unwrap();
+    let key = fresh_key("grant-on-give-up");
+    let lease = holder.try_acquire(&key, LONG).await.unwrap().unwrap();
+    let mut quits = quitter.acquire(&key, LONG, Instant::now() + LONG);
+    tokio::select! {
+        got = &mut quits => panic!("the holder keeps the lock, yet: {got:?}"),
+        () = wait_for_queue(&holder, &key, 1) => {}
+    }
+    assert!(holder.release(&lease).await.unwrap());
+    let info = holder.inspect(&key).await.unwrap().expect("granted");
+    assert_eq!(
+        info.fencing_token,
+        Some(FencingToken(lease.fencing_token().unwrap().get() + 1)),
+        "the release granted the lock to the waiter"
+    );
+    drop(quits);
+    let started = Instant::now();
+    let got = next
+        .acquire(&key, LONG, started + Duration::from_secs(10))
+        .await
+        .expect("the grant to the waiter that gave up blocks the lock");
+    assert!(got.fencing_token() > info.fencing_token);
+    assert!(next.release(&got).await.unwrap());
+}
+
+/// Rewrites the channel of every queue entry of `key` to one nobody listens on (keeping the
+/// rest of each entry), so a release's notification to them is lost.
+async fn lose_notifications(pool: &sqlx::PgPool, lock: &PgLock, key: &LockKey) {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE {} SET waiters = ARRAY(SELECT regexp_replace(w, '^[^:]+:', 'distlock_w_nobody:') \
+         FROM unnest(waiters) WITH ORDINALITY AS q(w, o) ORDER BY o) WHERE name = $1",
+        lock.config().table.quoted()
+    )))
+    .bind(key.as_str())
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// A grant whose notification never arrives is found by the waiter's next attempt (its
+/// fallback poll), which takes it — the same fence, a lease that renews and releases — instead
+/// of waiting behind its own grant until the TTL runs out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_whose_notification_is_lost_is_found_by_the_next_attempt() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let holder = PgLock::connect_url(&url).await.unwrap();
+    let waiter = Arc::new(
+        PgLock::connect_url(&url_with(&url, "poll_interval=300ms"))
+            .await
+            .unwrap(),
+    );
+    let pool = admin(&url).await;
+    let key = fresh_key("lost-grant");
+    let lease = holder.try_acquire(&key, LONG).await.unwrap().unwrap();
+    let waits = spawn_acquire(&waiter, &key, Instant::now() + LONG);
+    wait_for_queue(&holder, &key, 1).await;
+    lose_notifications(&pool, &holder, &key).await;
+    assert!(holder.release(&lease).await.unwrap());
+    let info = holder.inspect(&key).await.unwrap().expect("granted");
+    let granted = FencingToken(lease.fencing_token().unwrap().get() + 1);
+    assert_eq!(info.fencing_token, Some(granted));
+    let mut got = timeout(Duration::from_secs(10), waits)
+        .await
+        .expect("the waiter did not find its grant (it waits for the 30 s TTL)")
+        .unwrap()
+        .unwrap();
+    assert_eq!(got.fencing_token(), Some(granted));
+    assert_eq!(info.token_digest, Some(got.token().digest()));
+    let after = holder.inspect(&key).await.unwrap().unwrap();
+    assert_eq!(after.waiters, Some(0), "the waiter's entry left the queue");
+    waiter.renew(&mut got, LONG).await.unwrap();
+    assert!(waiter.release(&got).await.unwrap());
+    assert_eq!(holder.inspect(&key).await.unwrap(), None);
+}
+
+/// A grant made while the waiter's `LISTEN` connection was just terminated (its notification
+/// lost with the connection) is found once the waiter tries again, with the granted fence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_made_while_the_listener_is_down_is_found() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let app = format!("distlock_listen_{}", suffix());
+    let holder = PgLock::connect_url(&url).await.unwrap();
+    let waiter = Arc::new(
+        PgLock::connect_url(&url_with(
+            &url,
+            &format!("application_name={app}&poll_interval=30s"),
+        ))
+        .await
+        .unwrap(),
+    );
+    let pool = admin(&url).await;
+    let key = fresh_key("listener-down");
+    let lease = holder.try_acquire(&key, LONG).await.unwrap().unwrap();
+    let waits = spawn_acquire(&waiter, &key, Instant::now() + LONG);
+    wait_for_queue(&holder, &key, 1).await;
+    let killed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE application_name = $1 AND query ILIKE 'LISTEN%') t",
+    )
+    .bind(&app)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(killed, 1, "the waiter's LISTEN connection");
+    assert!(holder.release(&lease).await.unwrap());
+    let granted = FencingToken(lease.fencing_token().unwrap().get() + 1);
+    let info = holder.inspect(&key).await.unwrap().expect("granted");
+    assert_eq!(info.fencing_token, Some(granted));
+    let got = timeout(Duration::from_secs(10), waits)
+        .await
+        .expect("the waiter did not find its grant")
+        .unwrap()
+        .unwrap();
+    assert_eq!(got.fencing_token(), Some(granted));
+    assert_eq!(info.token_digest, Some(got.token().digest()));
+    assert!(waiter.release(&got).await.unwrap());
+    assert_eq!(holder.inspect(&key).await.unwrap(), None);
+}
+
+/// An entry written by an older client (`<channel>:<number> <expiry>`, no grant owner) is only
+/// woken by a release, with the bare number as payload, and the lock is left free for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_clients_entry_is_woken_not_granted() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let holder = PgLock::connect_url(&url).await.unwrap();
+    let pool = admin(&url).await;
+    let channel = format!("distlock_w_{}", suffix());
+    let mut listener = sqlx::postgres::PgListener::connect(&url).await.unwrap();
+    listener.listen(&channel).await.unwrap();
+    let key = fresh_key("old-entry");
+    let lease = holder.try_acquire(&key, LONG).await.unwrap().unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE {} SET waiters = ARRAY[$2 || ':7 ' || \
+         ((extract(epoch FROM clock_timestamp()) + 3600) * 1000)::bigint] WHERE name = $1",
+        holder.config().table.quoted()
+    )))
+    .bind(key.as_str())
+    .bind(&channel)
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert!(holder.release(&lease).await.unwrap());
+    let notified = timeout(Duration::from_secs(5), listener.recv())
+        .await
+        .expect("the old entry was not woken")
+        .unwrap();
+    assert_eq!(notified.channel(), channel);
+    assert_eq!(notified.payload(), "7");
+    assert_eq!(holder.inspect(&key).await.unwrap(), None, "left free");
+    let again = holder.try_acquire(&key, LONG).await.unwrap().expect("free");
+    assert_eq!(
+        again.fencing_token(),
+        Some(FencingToken(lease.fencing_token().unwrap().get() + 1))
+    );
+    assert!(holder.release(&again).await.unwrap());
+}
+
+/// A grant announced more than a quarter of the TTL after the attempt that queued was sent is
+/// not taken from the notification alone (the lease would start too long ago): one statement
+/// confirms and extends it, and the lease counts from that statement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_grant_is_confirmed_by_one_statement() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let url = url_with(&url, "poll_interval=30s");
+    let holder = PgLock::connect_url(&url).await.unwrap();
+    let waiter = Arc::new(PgLock::connect_url(&url).await.unwrap());
+    let key = fresh_key("late-grant");
+    let ttl = Duration::from_millis(800);
+    let lease = holder.try_acquire(&key, LONG).await.unwrap().unwrap();
+    let waits = {
+        let (waiter, key) = (waiter.clone(), key.clone());
+        tokio::spawn(async move { waiter.acquire(&key, ttl, Instant::now() + LONG).await })
+    };
+    wait_for_queue(&holder, &key, 1).await;
+    let sent = waiter.statements_sent();
+    sleep(ttl / 2).await; // past ttl/4 since the waiter's last attempt
+    let released_at = Instant::now();
+    assert!(holder.release(&lease).await.unwrap());
+    let got = timeout(Duration::from_secs(10), waits)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        got.fencing_token(),
+        Some(FencingToken(lease.fencing_token().unwrap().get() + 1))
+    );
+    assert_eq!(
+        waiter.statements_sent(),
+        sent + 1,
+        "one confirming statement"
+    );
+    assert!(
+        got.acquired_at() >= released_at,
+        "the lease counts from the confirmation"
+    );
+    assert!(waiter.release(&got).await.unwrap());
+}
