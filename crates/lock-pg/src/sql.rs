@@ -18,18 +18,19 @@
 //! # Direct grant on release
 //!
 //! Every statement that frees the lock (release, undo of an unknown acquire, force release, a
-//! waiter leaving while the lock is free) locks the row, then looks at its first live entry. An
-//! entry with a grant owner gets the lock **in the same statement**: `owner` = its grant owner,
-//! `fence + 1`, `expires_at` = `clock_timestamp()` + its TTL (read after the row lock, so after
-//! the attempt that wrote the entry was sent), the entry (and lapsed ones) leave the queue, and
-//! its channel is notified with `<number>:<seq>:<fence>`; such a statement always commits
-//! durably (a grant lost in a crash could hand its fence out twice). An entry of an older client
-//! is only woken (payload `<number>`, lock left free), as before. A waiter takes a grant message
-//! only for the `seq` of its latest attempt that queued; a grant it did not hear (a lost
-//! notification, a `LISTEN` reconnect) is found by its next attempt, which recognises its grant
-//! owner in `owner` and extends that grant instead of queueing; a waiter that gives up frees a
-//! grant made to it (and hands it on). A waiter that crashed after queueing may be granted the
-//! lock and then holds it until its TTL runs out.
+//! waiter leaving while the lock is free) looks at the first live entry of the row's latest
+//! version (see `free_and_grant`). An entry with a grant owner gets the lock **in the same
+//! statement**: `owner` = its grant owner, `fence + 1`, `expires_at` = `clock_timestamp()` + its
+//! TTL (read while the statement writes a version of the row that holds the entry, so after the
+//! attempt that wrote it was sent), the entry (and lapsed ones) leave the queue, and its channel
+//! is notified with `<number>:<seq>:<fence>`; such a statement always commits durably (a grant
+//! lost in a crash could hand its fence out twice). An entry of an older client is only woken
+//! (payload `<number>`, lock left free), as before. A waiter takes a grant message only for the
+//! `seq` of its latest attempt that queued; a grant it did not hear (a lost notification, a
+//! `LISTEN` reconnect) is found by its next attempt, which recognises its grant owner in `owner`
+//! and extends that grant instead of queueing; a waiter that gives up frees a grant made to it
+//! (and hands it on). A waiter that crashed after queueing may be granted the lock and then
+//! holds it until its TTL runs out.
 //!
 //! The queue lives in the lock row because a release and a waiter's registration both write
 //! that row: whichever comes second waits for the other's row lock and then sees its result (a
@@ -127,45 +128,57 @@ fn grantable(w: &str) -> String {
     format!("{w} ~ '^[^ ]+ [0-9]+ [0-9]+ [0-9]{{1,14}} [0-9a-f]{{32}}$'")
 }
 
-/// A statement that frees row `l` where `cond` holds: the row is locked first (its latest
-/// version, whatever the snapshot showed), then, when `frees` (evaluated on that version), the
-/// first live entry among those `keep` keeps is granted the lock (see the module docs) or, for
-/// an older client's entry, woken while the lock is left free. Lapsed entries and those `keep`
-/// rejects leave the queue. `async_commit`: commit with `synchronous_commit = off` unless the
-/// statement granted. Returns one row (`fence`) when a row matched `cond`.
+/// A statement that frees row `l` where `cond` holds: one `UPDATE`, whose `SET` is computed
+/// on the latest version of the row (re-evaluated on it, under the row lock, when a concurrent
+/// writer changed the row first): when `frees`, the first live entry among those `keep` keeps
+/// is granted the lock (see the module docs) or, for an older client's entry, woken while the
+/// lock is left free. Lapsed entries and those `keep` rejects leave the queue. `async_commit`:
+/// commit with `synchronous_commit = off` unless the statement granted. Returns one row
+/// (`fence`) when a row matched `cond`.
+///
+/// `RETURNING` sees only the new row, so a grant leaves the granted entry's address behind as
+/// a lapsed marker `<channel>:<number> 0 <seq>` at the head of the queue, from which the
+/// notification is addressed; every reader skips it (expiry 0, too few fields to be granted)
+/// and the next write of the row drops it.
 fn free_and_grant(t: &str, cond: &str, frees: &str, keep: &str, async_commit: bool) -> String {
-    let (qexpiry, head_id, can_grant) = (expiry("q.w"), id("g.head"), grantable("c.live[1]"));
+    let (qexpiry, can_grant) = (expiry("q.w"), grantable("x.live[1]"));
+    let (head, head_id) = ("l.waiters[1]", id("l.waiters[1]"));
+    // Whether the new row records a grant made by this statement.
+    let granted =
+        format!("COALESCE(l.owner IS NOT NULL AND split_part({head}, ' ', 2) = '0', false)");
     let durability = if async_commit {
-        ", set_config('synchronous_commit', CASE WHEN g.granting \
-             THEN current_setting('synchronous_commit') ELSE 'off' END, true)"
+        format!(
+            ", set_config('synchronous_commit', CASE WHEN {granted} \
+                 THEN current_setting('synchronous_commit') ELSE 'off' END, true)"
+        )
     } else {
-        ""
+        String::new()
     };
     format!(
-        "WITH cur AS MATERIALIZED (\
-             SELECT l.name, {frees} AS frees, ARRAY(\
-                 SELECT q.w FROM unnest(l.waiters) WITH ORDINALITY AS q(w, o) \
-                 WHERE {qexpiry} > {NOW_MS} AND {keep} ORDER BY q.o) AS live \
-             FROM {t} AS l WHERE {cond} \
-             FOR NO KEY UPDATE\
-         ), g AS (\
-             SELECT c.name, c.frees, c.live, c.live[1] AS head, \
-                 c.frees AND COALESCE({can_grant}, false) AS granting \
-             FROM cur AS c\
+        "UPDATE {t} AS l SET (owner, fence, expires_at, waiters) = (\
+             SELECT CASE WHEN h.granting THEN split_part(h.head, ' ', 5) \
+                     WHEN h.frees THEN NULL ELSE l.owner END, \
+                 CASE WHEN h.granting THEN l.fence + 1 ELSE l.fence END, \
+                 CASE WHEN h.granting THEN clock_timestamp() \
+                         + split_part(h.head, ' ', 4)::bigint * interval '1 microsecond' \
+                     WHEN h.frees THEN clock_timestamp() ELSE l.expires_at END, \
+                 CASE WHEN h.granting THEN ARRAY[split_part(h.head, ' ', 1) || ' 0 ' \
+                         || split_part(h.head, ' ', 3)] || h.live[2:] \
+                     ELSE h.live END \
+             FROM (SELECT x.frees, x.live, x.live[1] AS head, \
+                     x.frees AND COALESCE({can_grant}, false) AS granting \
+                 FROM (SELECT {frees} AS frees, ARRAY(\
+                     SELECT q.w FROM unnest(l.waiters) WITH ORDINALITY AS q(w, o) \
+                     WHERE {qexpiry} > {NOW_MS} AND {keep} ORDER BY q.o) AS live) AS x) AS h\
          ) \
-         UPDATE {t} AS l SET \
-             owner = CASE WHEN g.granting THEN split_part(g.head, ' ', 5) \
-                 WHEN g.frees THEN NULL ELSE l.owner END, \
-             fence = CASE WHEN g.granting THEN l.fence + 1 ELSE l.fence END, \
-             expires_at = CASE WHEN g.granting THEN clock_timestamp() \
-                     + split_part(g.head, ' ', 4)::bigint * interval '1 microsecond' \
-                 WHEN g.frees THEN clock_timestamp() ELSE l.expires_at END, \
-             waiters = CASE WHEN g.granting THEN g.live[2:] ELSE g.live END \
-         FROM g WHERE l.name = g.name \
-         RETURNING l.fence, CASE WHEN g.frees AND g.head IS NOT NULL THEN pg_notify(\
-             split_part({head_id}, ':', 1), split_part({head_id}, ':', 2) || CASE WHEN g.granting \
-                 THEN ':' || split_part(g.head, ' ', 3) || ':' || l.fence ELSE '' END) END\
-             {durability}"
+         WHERE {cond} \
+         RETURNING l.fence, CASE \
+             WHEN {granted} THEN pg_notify(split_part({head_id}, ':', 1), \
+                 split_part({head_id}, ':', 2) || ':' || split_part({head}, ' ', 3) \
+                 || ':' || l.fence) \
+             WHEN l.owner IS NULL AND {head} IS NOT NULL \
+                 THEN pg_notify(split_part({head_id}, ':', 1), split_part({head_id}, ':', 2)) \
+             END{durability}"
     )
 }
 
