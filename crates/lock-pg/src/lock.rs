@@ -826,6 +826,8 @@ struct Queued {
     entry: String,
     /// The owner of a direct grant to this waiter.
     grant_owner: OwnershipToken,
+    /// The TTL a direct grant to this waiter gets.
+    ttl: Duration,
     /// The entry may be in the queue, or a grant to `grant_owner` may exist: set before the
     /// first queued attempt is sent; cleared only once the lock is returned with a grant that
     /// consumed the entry, or under `grant_owner`.
@@ -846,19 +848,37 @@ impl Drop for Queued {
             std::mem::take(&mut self.entry),
             self.grant_owner.expose_hex(),
         );
+        // Past this, the entry has lapsed (an attempt in flight writes it within op_timeout)
+        // and any grant made from it has expired: there is nothing left to undo.
+        let lifetime = Duration::from_millis(
+            u64::try_from(inner.queue_entry_lifetime_ms()).unwrap_or(u64::MAX),
+        );
+        let until = Instant::now() + inner.config.op_timeout + lifetime + self.ttl;
         rt.spawn(async move {
-            let outcome = inner
-                .fetch_idempotent(|| {
-                    sqlx::query(inner.sql.dequeue.clone())
-                        .bind(key.as_str())
-                        .bind(entry.clone())
-                        .bind(grant_owner.clone())
-                })
-                .await;
-            if let Err(e) = outcome {
-                // The entry lapses by itself within two poll intervals; a grant made to it
-                // meanwhile holds the lock until its TTL runs out.
-                tracing::debug!(%key, error = ?Failure::from(e), "could not leave the wait queue");
+            let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+            loop {
+                let outcome = inner
+                    .fetch_idempotent(|| {
+                        sqlx::query(inner.sql.dequeue.clone())
+                            .bind(key.as_str())
+                            .bind(entry.clone())
+                            .bind(grant_owner.clone())
+                    })
+                    .await;
+                let Err(e) = outcome else {
+                    return;
+                };
+                let failure = Failure::from(e);
+                let now = Instant::now();
+                if matches!(failure, Failure::Backend(_)) || now >= until {
+                    // The entry lapses by itself within two poll intervals; a grant made to it
+                    // meanwhile holds the lock until its TTL runs out.
+                    tracing::debug!(%key, error = ?failure, "could not leave the wait queue");
+                    return;
+                }
+                // The server is unreachable: a grant to this waiter would block the lock after
+                // it comes back, so keep trying (dequeueing twice is harmless).
+                sleep(backoff.next_delay().min(until - now)).await;
             }
         });
     }
@@ -1083,6 +1103,7 @@ impl DistributedLock for PgLock {
                             subscription,
                             entry,
                             grant_owner,
+                            ttl,
                             queued: false,
                         });
                     }

@@ -1002,3 +1002,52 @@ async fn a_late_grant_is_confirmed_by_one_statement() {
     );
     assert!(waiter.release(&got).await.unwrap());
 }
+
+/// A waiter that gives up while the server is unreachable, just after a release granted it the
+/// lock, keeps trying to leave the queue in the background: once the network heals, the grant
+/// it never heard of is freed, long before its 30 s TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_to_a_waiter_that_left_during_an_outage_is_freed_after_it() {
+    use conformance::drill::Proxy;
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let (proxy, proxied) = Proxy::start_for_url(&url).await.unwrap();
+    let holder = PgLock::connect_url(&url).await.unwrap();
+    let waiter = Arc::new(
+        PgLock::connect_url(&url_with(
+            &proxied,
+            "op_timeout=1s&connect_timeout=1&pool_size=1&poll_interval=30s",
+        ))
+        .await
+        .unwrap(),
+    );
+    let key = fresh_key("grant-outage");
+    let lease = holder.try_acquire(&key, LONG).await.unwrap().unwrap();
+    let waits = spawn_acquire(&waiter, &key, Instant::now() + LONG);
+    wait_for_queue(&holder, &key, 1).await;
+    proxy.blackhole();
+    assert!(holder.release(&lease).await.unwrap());
+    let info = holder.inspect(&key).await.unwrap().expect("granted");
+    assert_eq!(
+        info.fencing_token,
+        Some(FencingToken(lease.fencing_token().unwrap().get() + 1))
+    );
+    let accepted = proxy.accepted();
+    waits.abort();
+    // Its first attempt to leave fails; a retry opens a new connection (bounded wait: without
+    // retries there is none, and the check below fails).
+    let until = Instant::now() + Duration::from_secs(5);
+    while proxy.accepted() == accepted && Instant::now() < until {
+        sleep(Duration::from_millis(10)).await;
+    }
+    // Held requests die with their connections: only a retry after the heal can free the grant.
+    proxy.reset();
+    proxy.pass();
+    let got = holder
+        .acquire(&key, LONG, Instant::now() + Duration::from_secs(10))
+        .await
+        .expect("the grant to the waiter that left stays until its TTL");
+    assert!(got.fencing_token() > info.fencing_token);
+    assert!(holder.release(&got).await.unwrap());
+}
