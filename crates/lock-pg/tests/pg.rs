@@ -1051,3 +1051,35 @@ async fn a_grant_to_a_waiter_that_left_during_an_outage_is_freed_after_it() {
     assert!(got.fencing_token() > info.fencing_token);
     assert!(holder.release(&got).await.unwrap());
 }
+
+/// A waiter cancelled while its first queueing attempt is in flight (its entry written, the
+/// reply not yet read) still leaves the queue: the next release does not hand the lock to the
+/// gone waiter for its 30 s TTL. The proxy delays the waiter's traffic so the reply is provably
+/// unread when the entry shows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_cancelled_mid_attempt_is_not_granted_the_lock() {
+    use conformance::drill::Proxy;
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let (proxy, proxied) = Proxy::start_for_url(&url).await.unwrap();
+    let holder = PgLock::connect_url(&url).await.unwrap();
+    let waiter = Arc::new(
+        PgLock::connect_url(&url_with(&proxied, "op_timeout=20s&poll_interval=30s"))
+            .await
+            .unwrap(),
+    );
+    let key = fresh_key("cancel-mid-attempt");
+    let lease = holder.try_acquire(&key, LONG).await.unwrap().unwrap();
+    proxy.delay(Duration::from_millis(300));
+    let waits = spawn_acquire(&waiter, &key, Instant::now() + LONG);
+    wait_for_queue(&holder, &key, 1).await;
+    waits.abort();
+    assert!(holder.release(&lease).await.unwrap());
+    let got = holder
+        .acquire(&key, LONG, Instant::now() + Duration::from_secs(10))
+        .await
+        .expect("the lock went to the cancelled waiter");
+    assert!(got.fencing_token() > lease.fencing_token());
+    assert!(holder.release(&got).await.unwrap());
+}
