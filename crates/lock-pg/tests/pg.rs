@@ -971,7 +971,8 @@ async fn a_late_grant_is_confirmed_by_one_statement() {
     let holder = PgLock::connect_url(&url).await.unwrap();
     let waiter = Arc::new(PgLock::connect_url(&url).await.unwrap());
     let key = fresh_key("late-grant");
-    let ttl = Duration::from_millis(800);
+    // Long enough that a stalled machine still finds the grant live when it confirms it.
+    let ttl = Duration::from_secs(2);
     let lease = holder.try_acquire(&key, LONG).await.unwrap().unwrap();
     let waits = {
         let (waiter, key) = (waiter.clone(), key.clone());
@@ -979,7 +980,7 @@ async fn a_late_grant_is_confirmed_by_one_statement() {
     };
     wait_for_queue(&holder, &key, 1).await;
     let sent = waiter.statements_sent();
-    sleep(ttl / 2).await; // past ttl/4 since the waiter's last attempt
+    sleep(ttl / 4 + Duration::from_millis(200)).await; // past ttl/4 since its last attempt
     let released_at = Instant::now();
     assert!(holder.release(&lease).await.unwrap());
     let got = timeout(Duration::from_secs(10), waits)
