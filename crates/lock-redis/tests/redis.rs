@@ -952,7 +952,7 @@ async fn queued_waiter<'a>(
 /// A hand-off on a private server (so that the script calls counted are these clients' alone,
 /// and no fallback poll fires within a test): a holder on one client, the waiter on another.
 struct Handoff {
-    _server: OwnRedis,
+    server: OwnRedis,
     admin: MultiplexedConnection,
     holder_client: RedisLock,
     waiter_client: RedisLock,
@@ -961,7 +961,8 @@ struct Handoff {
 }
 
 impl Handoff {
-    async fn start(port: u16, name: &str) -> Self {
+    async fn start(port: u16, name: &str) -> Option<Self> {
+        backend_url("DISTLOCK_TEST_REDIS_URL")?;
         let server = OwnRedis::start(port).await;
         let url = format!("{}?max_poll_interval=60s", server.url());
         let holder_client = RedisLock::connect_url(&url).await.unwrap();
@@ -973,39 +974,41 @@ impl Handoff {
             .await
             .unwrap()
             .unwrap();
-        Self {
-            _server: server,
+        Some(Self {
+            server,
             admin,
             holder_client,
             waiter_client,
             key,
             holder,
-        }
+        })
+    }
+
+    /// Releases the holder and inspects the lock at once; returns the `EVALSHA` count from
+    /// before the release (the scripts loaded first) and what `inspect` saw: the waiter's grant.
+    async fn release_holder(&self) -> (u64, lock_core::HolderInfo) {
+        load_scripts(&self.holder_client).await;
+        let calls = command_calls(&mut admin(&self.server.url()).await, "evalsha").await;
+        assert!(self.holder_client.release(&self.holder).await.unwrap());
+        let info = self.holder_client.inspect(&self.key).await.unwrap();
+        (
+            calls,
+            info.expect("the release granted the lock to the waiter"),
+        )
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_hands_the_lock_to_the_first_waiter_which_holds_it_without_a_request() {
-    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+    let Some(mut h) = Handoff::start(26393, "grant").await else {
         return;
-    }
-    let Handoff {
-        _server,
-        mut admin,
-        holder_client,
-        waiter_client,
-        key,
-        holder,
-    } = Handoff::start(26393, "grant").await;
-    let waiter = queued_waiter(&waiter_client, &key, LONG, &mut admin).await;
+    };
+    let waiter = queued_waiter(&h.waiter_client, &h.key, LONG, &mut h.admin).await;
 
-    load_scripts(&holder_client).await;
-    let calls = command_calls(&mut admin, "evalsha").await;
-    assert!(holder_client.release(&holder).await.unwrap());
     // The release itself made the waiter the holder: a new grant, not a free lock.
-    let info = holder_client.inspect(&key).await.unwrap().expect("granted");
-    assert!(info.fencing_token > holder.fencing_token());
-    assert_ne!(info.token_digest, Some(holder.token().digest()));
+    let (calls, info) = h.release_holder().await;
+    assert!(info.fencing_token > h.holder.fencing_token());
+    assert_ne!(info.token_digest, Some(h.holder.token().digest()));
     assert_eq!(info.waiters, Some(0));
     let lease = timeout(Duration::from_secs(10), waiter)
         .await
@@ -1015,39 +1018,28 @@ async fn a_release_hands_the_lock_to_the_first_waiter_which_holds_it_without_a_r
     assert_eq!(Some(lease.token().digest()), info.token_digest);
     assert!(lease.remaining() <= info.ttl_remaining.unwrap() + Duration::from_millis(5));
     assert_eq!(
-        command_calls(&mut admin, "evalsha").await - calls,
+        command_calls(&mut h.admin, "evalsha").await - calls,
         2,
         "the release and the inspect; the waiter learnt of its grant from the message alone"
     );
-    assert!(waiter_client.release(&lease).await.unwrap());
-    assert!(holder_client.inspect(&key).await.unwrap().is_none());
+    assert!(h.waiter_client.release(&lease).await.unwrap());
+    assert!(h.holder_client.inspect(&h.key).await.unwrap().is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_seen_late_is_confirmed_by_an_attempt_that_restarts_its_ttl() {
-    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+    let Some(mut h) = Handoff::start(26396, "late-grant").await else {
         return;
-    }
-    let Handoff {
-        _server,
-        mut admin,
-        holder_client,
-        waiter_client,
-        key,
-        holder,
-    } = Handoff::start(26396, "late-grant").await;
+    };
     // The waiter's registration is older than a quarter of its TTL when the grant comes, so
     // the message alone is not trusted: the next attempt finds the grant (as it would after a
     // lost message) and restarts its TTL. (The wait lets the registration age; the TTL leaves
     // the waiter seconds to release its lease afterwards.)
     let ttl = Duration::from_secs(2);
-    let waiter = queued_waiter(&waiter_client, &key, ttl, &mut admin).await;
+    let waiter = queued_waiter(&h.waiter_client, &h.key, ttl, &mut h.admin).await;
     let queued_at = Instant::now();
     sleep(ttl / 4 + Duration::from_millis(100)).await;
-    load_scripts(&holder_client).await;
-    let calls = command_calls(&mut admin, "evalsha").await;
-    assert!(holder_client.release(&holder).await.unwrap());
-    let info = holder_client.inspect(&key).await.unwrap().expect("granted");
+    let (calls, info) = h.release_holder().await;
     let lease = timeout(Duration::from_secs(10), waiter)
         .await
         .expect("the waiter never took its grant")
@@ -1056,11 +1048,11 @@ async fn a_grant_seen_late_is_confirmed_by_an_attempt_that_restarts_its_ttl() {
     assert_eq!(Some(lease.token().digest()), info.token_digest);
     assert!(lease.acquired_at() > queued_at);
     assert_eq!(
-        command_calls(&mut admin, "evalsha").await - calls,
+        command_calls(&mut h.admin, "evalsha").await - calls,
         3,
         "the release, the inspect and the waiter's confirming attempt"
     );
-    assert!(waiter_client.release(&lease).await.unwrap());
+    assert!(h.waiter_client.release(&lease).await.unwrap());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
