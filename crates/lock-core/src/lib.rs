@@ -8,6 +8,7 @@ mod error;
 mod ext;
 pub mod fencing;
 mod guard;
+pub mod handoff;
 mod key;
 mod lease;
 mod lock;

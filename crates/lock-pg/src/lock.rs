@@ -13,6 +13,7 @@ use std::{
 use lock_core::{
     AcquireWait, Backoff, Batcher, Capabilities, DistributedLock, Error, FencingGuarantee,
     FencingToken, HolderInfo, Lease, LockKey, OwnershipToken, Result, async_trait,
+    handoff::Registered,
 };
 use sqlx::{
     PgPool, Postgres, Row,
@@ -168,20 +169,11 @@ enum Attempt<F = Lease> {
     /// attempt that wrote it.
     Held {
         remaining: Duration,
-        queued: Option<QueuedBy>,
+        queued: Option<Registered>,
     },
     /// Not granted, and no holder seen: taken by a grant that committed during the polling
     /// statement (free in its snapshot), or the bare upsert found the row held.
     Lost,
-}
-
-/// The attempt that wrote a waiter's queue entry: its `seq` (in the entry, and echoed by a
-/// release that grants from it) and when it was sent (before the entry existed, so before any
-/// grant made from it).
-#[derive(Clone, Copy, Debug)]
-struct QueuedBy {
-    seq: u64,
-    sent_at: Instant,
 }
 
 /// A grant decided by an acquire statement: its fence, and whether it is the waiter's grant
@@ -227,7 +219,7 @@ struct Queueing<'a> {
 }
 
 /// Reads an acquire statement's row; `by`: the statement, as the writer of a queue entry.
-fn attempt_of(row: &PgRow, mode: Mode<'_>, by: QueuedBy) -> Result<Attempt<Granted>> {
+fn attempt_of(row: &PgRow, mode: Mode<'_>, by: Registered) -> Result<Attempt<Granted>> {
     const OP: &str = "try_acquire";
     let column = |e| Error::backend(BACKEND, OP, e);
     let fence: Option<i64> = row.try_get(0).map_err(column)?;
@@ -567,7 +559,7 @@ impl Inner {
                 Ok(None) if matches!(mode, Mode::Try) => return Ok(Attempt::Lost),
                 Ok(None) => return Err(Error::backend(BACKEND, OP, "the acquire returned no row")),
                 Ok(Some(row)) => {
-                    let granted = match attempt_of(&row, mode, QueuedBy { seq, sent_at })? {
+                    let granted = match attempt_of(&row, mode, Registered { seq, sent_at })? {
                         Attempt::Granted(granted) => granted,
                         Attempt::Held { remaining, queued } => {
                             return Ok(Attempt::Held { remaining, queued });
@@ -1021,28 +1013,20 @@ impl DistributedLock for PgLock {
         let seq = AtomicU64::new(0);
         // The latest attempt whose reply said the entry is queued: only a grant read from the
         // entry it wrote is taken from a notification (an older one may have been lost since).
-        let mut queued_by: Option<QueuedBy> = None;
+        let mut queued_by: Option<Registered> = None;
         // The first look reads before it writes: uncontended, this is the only statement.
         let mut queue: Option<Queued> = None;
         loop {
             if let Some(q) = queue.as_mut() {
                 let grant = q.subscription.mark_seen();
                 if let (Some(grant), Some(by)) = (grant, queued_by)
-                    && grant.seq == by.seq
-                    && by.sent_at.elapsed() <= ttl / 4
+                    && let Some(lease) = by.lease(grant, key, grant_owner, ttl)
                 {
                     // The release read the entry this attempt wrote, so it granted after
                     // `sent_at`: the local deadline cannot be later than the server's expiry.
-                    let fence = fence_token(grant.fence)?;
                     q.queued = false;
-                    tracing::debug!(%key, token = %grant_owner.digest(), %fence, "granted by a release");
-                    return Ok(Lease::new(
-                        key.clone(),
-                        grant_owner,
-                        Some(fence),
-                        ttl,
-                        by.sent_at,
-                    ));
+                    tracing::debug!(%key, token = %grant_owner.digest(), fence = %grant.fence, "granted by a release");
+                    return Ok(lease);
                 }
                 // A grant of an older attempt, or one that went unused for too long of its
                 // TTL: the attempt below finds it (if still held) and extends it.

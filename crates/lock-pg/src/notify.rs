@@ -1,14 +1,16 @@
-//! Wake-ups: one `LISTEN` connection per client, on a channel of the client's own.
+//! Wake-ups and grants: one `LISTEN` connection per client, on a channel of the client's own.
 //!
 //! Each waiting `acquire` of a client gets a number and queues `<channel>:<number>` in the lock
 //! row (see [`crate::sql`]); a release notifies the first live entry's channel only, so one
-//! release reaches one waiter rather than every waiter of every client. The payload is
-//! `<number>:<seq>:<fence>` when the release granted the lock to that waiter (the attempt
-//! `seq` wrote the entry it was granted from), or `<number>` for a wake-up only (the entry of
-//! an older client, or a release by one). A background task owns a [`PgListener`] on its own
-//! one-connection pool and routes each payload to its waiter, keeping the latest grant. While the listening connection is down every waiter is woken (a notification
-//! may have been missed) and [`Subscription::listening`] is false, so waiters stop queueing
-//! (a queued waiter that cannot hear would hold the others up) and poll until it is back.
+//! release reaches one waiter rather than every waiter of every client. The payload is a
+//! [`lock_core::handoff::Message`]: `<number>:<seq>:<fence>` when the release granted the lock
+//! to that waiter (the attempt `seq` wrote the entry it was granted from), or `<number>` for a
+//! wake-up only (the entry of an older client, or a release by one). A background task owns a
+//! [`PgListener`] on its own one-connection pool and routes each payload to its waiter,
+//! keeping the latest grant. While the listening connection is down every waiter is woken (a
+//! notification may have been missed) and [`Subscription::listening`] is false, so waiters
+//! stop queueing (a queued waiter that cannot hear would hold the others up) and poll until it
+//! is back.
 
 use std::{
     collections::HashMap,
@@ -19,7 +21,10 @@ use std::{
     time::Duration,
 };
 
-use lock_core::Backoff;
+use lock_core::{
+    Backoff,
+    handoff::{Grant, Message},
+};
 use sqlx::{
     PgPool,
     postgres::{PgListener, PgPoolOptions},
@@ -31,44 +36,11 @@ use tokio::{
 
 use crate::PgLockConfig;
 
-/// A direct grant announced to a waiter: the `seq` of the attempt whose queue entry the
-/// release read, and the fence of the grant.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Grant {
-    pub(crate) seq: u64,
-    pub(crate) fence: i64,
-}
-
 /// What a waiter has been told: a count of notifications (to wake it) and the latest grant.
 #[derive(Clone, Copy, Debug, Default)]
 struct Signal {
     notified: u64,
     grant: Option<Grant>,
-}
-
-/// A notification payload: a wake-up or a grant to waiter `id`.
-#[derive(Debug, PartialEq, Eq)]
-enum Message {
-    Wake(u64),
-    Granted(u64, Grant),
-}
-
-impl Message {
-    fn parse(payload: &str) -> Option<Self> {
-        let mut parts = payload.split(':');
-        let id = parts.next()?.parse().ok()?;
-        match (parts.next(), parts.next(), parts.next()) {
-            (None, _, _) => Some(Self::Wake(id)),
-            (Some(seq), Some(fence), None) => Some(Self::Granted(
-                id,
-                Grant {
-                    seq: seq.parse().ok()?,
-                    fence: fence.parse().ok()?,
-                },
-            )),
-            _ => None,
-        }
-    }
 }
 
 /// The state shared by the client side and the listener task.
@@ -275,7 +247,7 @@ impl ListenerTask {
                     };
                     let _ = ack.send(ok);
                 }
-                Event::Notified(Ok(Some(payload))) => match Message::parse(&payload) {
+                Event::Notified(Ok(Some(payload))) => match Message::parse(payload.as_bytes()) {
                     Some(message) => self.shared.deliver(message),
                     None => tracing::debug!("ignoring a notification with a foreign payload"),
                 },
@@ -337,18 +309,6 @@ fn far_future() -> Instant {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn payloads_are_wake_ups_or_grants() {
-        assert_eq!(Message::parse("7"), Some(Message::Wake(7)));
-        assert_eq!(
-            Message::parse("7:3:42"),
-            Some(Message::Granted(7, Grant { seq: 3, fence: 42 }))
-        );
-        for foreign in ["", "x", "7:3", "7:3:42:1", "7:x:42", "7:3:x", "-1"] {
-            assert_eq!(Message::parse(foreign), None, "{foreign}");
-        }
-    }
 
     /// Entries are `<channel>:<number>` with a channel that is a valid, short identifier.
     #[tokio::test]

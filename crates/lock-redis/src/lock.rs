@@ -5,6 +5,7 @@ use std::{fmt, future::Future, sync::Arc, time::Duration};
 use lock_core::{
     AcquireWait, Backoff, Batcher, Capabilities, DistributedLock, Error, FencingGuarantee,
     FencingToken, HolderInfo, Lease, LockKey, OwnershipToken, Result, TokenDigest, async_trait,
+    handoff::Registered,
 };
 use redis::{
     ConnectionAddr, ErrorKind, IntoConnectionInfo, ProtocolVersion, RedisConnectionInfo,
@@ -506,10 +507,9 @@ struct Registration {
     /// Earlier members that may still be queued: the last confirmed one and those of attempts
     /// without a reply. An attempt removes them in the same step as it registers its own.
     earlier: Vec<String>,
-    /// The attempt whose reply confirmed the current registration, and when it was sent: a
-    /// grant message naming it is this waiter's lock, with its lease counted from then (the
-    /// release that granted read the member that attempt wrote, so it came later).
-    registered: Option<(u64, Instant)>,
+    /// The attempt whose reply confirmed the current registration: a grant message naming it
+    /// is this waiter's lock (see [`lock_core::handoff`]).
+    registered: Option<Registered>,
     /// Cleared when a grant removed the entries already.
     armed: bool,
 }
@@ -535,26 +535,19 @@ impl Registration {
     /// The latest attempt's registration was confirmed: the earlier members are gone.
     fn confirmed(&mut self, sent_at: Instant) {
         self.earlier.clear();
-        self.registered = Some((self.seq, sent_at));
+        self.registered = Some(Registered {
+            seq: self.seq,
+            sent_at,
+        });
     }
 
     /// A lease from a grant message, if one came for the current registration and left most
-    /// of its TTL: a grant seen late (its registration was sent more than a quarter TTL ago) is
-    /// confirmed by an attempt instead, which restarts its TTL.
+    /// of its TTL; otherwise the next attempt finds a grant and restarts its TTL.
     fn granted(&mut self, key: &LockKey, ttl: Duration) -> Option<Lease> {
         let grant = self.watch.take_grant()?;
-        let (seq, sent_at) = self.registered?;
-        if grant.seq != seq || sent_at.elapsed() > ttl / 4 {
-            return None;
-        }
+        let lease = self.registered?.lease(grant, key, self.grant, ttl)?;
         self.armed = false;
-        Some(Lease::new(
-            key.clone(),
-            self.grant,
-            Some(FencingToken(grant.fence)),
-            ttl,
-            sent_at,
-        ))
+        Some(lease)
     }
 }
 

@@ -17,6 +17,7 @@ use std::{
     },
 };
 
+use lock_core::handoff::{Grant, Message};
 use redis::{PushInfo, PushKind, Value, aio::ConnectionManager};
 use tokio::sync::Notify;
 
@@ -60,10 +61,10 @@ impl Registry {
             PushKind::Message => {
                 if let [Value::BulkString(channel), Value::BulkString(payload), ..] = &info.data[..]
                     && *channel == self.channel
-                    && let Some((id, grant)) = parse_message(payload)
-                    && let Some(slot) = self.waiters().get(&id)
+                    && let Some(message) = Message::parse(payload)
+                    && let Some(slot) = self.waiters().get(&message.waiter())
                 {
-                    if let Some(grant) = grant {
+                    if let Message::Granted(_, grant) = message {
                         *slot.grant() = Some(grant);
                     }
                     slot.notify.notify_one();
@@ -103,31 +104,6 @@ impl redis::aio::AsyncPushSender for Registry {
     fn send(&self, info: PushInfo) -> Result<(), redis::aio::SendError> {
         self.dispatch(info);
         Ok(())
-    }
-}
-
-/// A release's grant to one waiter: the attempt whose registration it used, and the fence.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Grant {
-    pub(crate) seq: u64,
-    pub(crate) fence: u64,
-}
-
-/// `<waiter id>` (a wake-up) or `<waiter id>:<seq>:<fence>` (a grant).
-fn parse_message(payload: &[u8]) -> Option<(u64, Option<Grant>)> {
-    let payload = std::str::from_utf8(payload).ok()?;
-    let mut parts = payload.split(':');
-    let id = parts.next()?.parse().ok()?;
-    match (parts.next(), parts.next(), parts.next()) {
-        (None, _, _) => Some((id, None)),
-        (Some(seq), Some(fence), None) => Some((
-            id,
-            Some(Grant {
-                seq: seq.parse().ok()?,
-                fence: fence.parse().ok()?,
-            }),
-        )),
-        _ => None,
     }
 }
 
@@ -179,22 +155,5 @@ impl Watch {
 impl Drop for Watch {
     fn drop(&mut self) {
         self.registry.waiters().remove(&self.id);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn messages_are_wake_ups_or_grants() {
-        assert_eq!(parse_message(b"7"), Some((7, None)));
-        assert_eq!(
-            parse_message(b"7:3:42"),
-            Some((7, Some(Grant { seq: 3, fence: 42 })))
-        );
-        for bad in [&b""[..], b"x", b"7:3", b"7:3:x", b"7:3:4:5", b"-1"] {
-            assert_eq!(parse_message(bad), None, "{bad:?}");
-        }
     }
 }
