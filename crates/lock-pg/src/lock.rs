@@ -826,6 +826,21 @@ struct Queued {
     queued: bool,
 }
 
+impl Queued {
+    /// Marks every notification so far as seen (before each attempt) and returns the lease of
+    /// a grant announced for `by`, the attempt whose reply confirmed the entry (see
+    /// [`lock_core::handoff`]).
+    fn granted(&mut self, by: Option<Registered>, key: &LockKey, ttl: Duration) -> Option<Lease> {
+        let grant = self.subscription.mark_seen()?;
+        let lease = by?.lease(grant, key, self.grant_owner, ttl)?;
+        // The release read the entry this attempt wrote, so it granted after `sent_at`: the
+        // local deadline cannot be later than the server's expiry.
+        self.queued = false;
+        tracing::debug!(%key, token = %self.grant_owner.digest(), fence = %grant.fence, "granted by a release");
+        Some(lease)
+    }
+}
+
 impl Drop for Queued {
     fn drop(&mut self) {
         if !self.queued {
@@ -1017,19 +1032,10 @@ impl DistributedLock for PgLock {
         // The first look reads before it writes: uncontended, this is the only statement.
         let mut queue: Option<Queued> = None;
         loop {
-            if let Some(q) = queue.as_mut() {
-                let grant = q.subscription.mark_seen();
-                if let (Some(grant), Some(by)) = (grant, queued_by)
-                    && let Some(lease) = by.lease(grant, key, grant_owner, ttl)
-                {
-                    // The release read the entry this attempt wrote, so it granted after
-                    // `sent_at`: the local deadline cannot be later than the server's expiry.
-                    q.queued = false;
-                    tracing::debug!(%key, token = %grant_owner.digest(), fence = %grant.fence, "granted by a release");
-                    return Ok(lease);
-                }
-                // A grant of an older attempt, or one that went unused for too long of its
-                // TTL: the attempt below finds it (if still held) and extends it.
+            // A grant of an older attempt, or one that went unused for too long of its TTL, is
+            // not taken here: the attempt below finds it (if still held) and extends it.
+            if let Some(lease) = queue.as_mut().and_then(|q| q.granted(queued_by, key, ttl)) {
+                return Ok(lease);
             }
             let listening = queue.as_ref().is_some_and(|q| q.subscription.listening());
             if let Some(q) = queue.as_mut()
@@ -1110,7 +1116,13 @@ impl DistributedLock for PgLock {
                     None => sleep(expires_in).await,
                 }
             };
-            wait.wait(woken).await?;
+            if let Err(e) = wait.wait(woken).await {
+                // A grant that came with the deadline is taken rather than handed on.
+                if let Some(lease) = queue.as_mut().and_then(|q| q.granted(queued_by, key, ttl)) {
+                    return Ok(lease);
+                }
+                return Err(e);
+            }
         }
     }
 

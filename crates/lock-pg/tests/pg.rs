@@ -821,6 +821,32 @@ async fn a_waiter_granted_as_it_gives_up_frees_the_grant() {
     assert!(next.release(&got).await.unwrap());
 }
 
+/// A grant whose notification came by the deadline is taken, not dropped for a timeout (and
+/// then handed on): the waiter is next polled after its deadline, the grant already there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_that_came_by_the_deadline_is_taken_not_timed_out() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let url = url_with(&url, "poll_interval=30s");
+    let holder = PgLock::connect_url(&url).await.unwrap();
+    let waiter = PgLock::connect_url(&url).await.unwrap();
+    let key = fresh_key("deadline-grant");
+    let lease = holder.try_acquire(&key, LONG).await.unwrap().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let mut waits = waiter.acquire(&key, LONG, deadline);
+    tokio::select! {
+        got = &mut waits => panic!("the holder keeps the lock, yet: {got:?}"),
+        () = wait_for_queue(&holder, &key, 1) => {}
+    }
+    assert!(holder.release(&lease).await.unwrap());
+    let info = holder.inspect(&key).await.unwrap().expect("granted");
+    tokio::time::sleep_until(deadline + Duration::from_millis(100)).await;
+    let got = waits.await.expect("the grant was dropped for the deadline");
+    assert_eq!(got.fencing_token(), info.fencing_token);
+    assert!(waiter.release(&got).await.unwrap());
+}
+
 /// Rewrites the channel of every queue entry of `key` to one nobody listens on (keeping the
 /// rest of each entry), so a release's notification to them is lost.
 async fn lose_notifications(pool: &sqlx::PgPool, lock: &PgLock, key: &LockKey) {

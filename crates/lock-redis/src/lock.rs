@@ -800,10 +800,12 @@ impl DistributedLock for RedisLock {
                     None => expiry.await,
                 }
             };
-            wait.wait(woken).await?;
+            let waited = wait.wait(woken).await;
+            // A grant that came with the deadline is taken rather than handed on.
             if let Some(lease) = registration.as_mut().and_then(|r| r.granted(key, ttl)) {
                 return Ok(lease);
             }
+            waited?;
         }
     }
 

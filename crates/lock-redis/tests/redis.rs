@@ -934,9 +934,20 @@ async fn queued_waiter<'a>(
     ttl: Duration,
     admin: &mut MultiplexedConnection,
 ) -> std::pin::Pin<Box<dyn Future<Output = lock_core::Result<lock_core::Lease>> + Send + 'a>> {
+    queued_waiter_until(lock, key, ttl, Instant::now() + LONG, admin).await
+}
+
+/// [`queued_waiter`] with a deadline.
+async fn queued_waiter_until<'a>(
+    lock: &'a RedisLock,
+    key: &'a LockKey,
+    ttl: Duration,
+    deadline: Instant,
+    admin: &mut MultiplexedConnection,
+) -> std::pin::Pin<Box<dyn Future<Output = lock_core::Result<lock_core::Lease>> + Send + 'a>> {
     let redis_key = lock.redis_key(key);
     let before = queued(admin, &redis_key).await;
-    let mut waiter = Box::pin(lock.acquire(key, ttl, Instant::now() + LONG));
+    let mut waiter = Box::pin(lock.acquire(key, ttl, deadline));
     tokio::select! {
         result = &mut waiter => panic!("the lock is held, yet: {result:?}"),
         () = wait_until(
@@ -1080,4 +1091,21 @@ async fn a_waiter_granted_as_it_gives_up_passes_the_lock_on() {
     assert!(lease.fencing_token() > granted.fencing_token);
     assert!(waiter_client.release(&lease).await.unwrap());
     assert!(lock.inspect(&key).await.unwrap().is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_that_came_by_the_deadline_is_taken_not_timed_out() {
+    let Some(mut h) = Handoff::start(26399, "deadline-grant").await else {
+        return;
+    };
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let waiter = queued_waiter_until(&h.waiter_client, &h.key, LONG, deadline, &mut h.admin).await;
+    let (_, info) = h.release_holder().await;
+    // The waiter is next polled after its deadline, with the grant message already there.
+    tokio::time::sleep_until(deadline + Duration::from_millis(100)).await;
+    let lease = waiter
+        .await
+        .expect("the grant was dropped for the deadline");
+    assert_eq!(lease.fencing_token(), info.fencing_token);
+    assert!(h.waiter_client.release(&lease).await.unwrap());
 }
