@@ -31,6 +31,9 @@ struct Args {
     /// Measured uncontended rounds per variant (default 1000, or 150 with --quick).
     #[arg(long)]
     cycles: Option<usize>,
+    /// Clients taking turns on one key in the hand-off measurement (2 to 16; default 8).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u8).range(2..=16))]
+    waiters: u8,
     /// Numbers of held locks for the watchdog measurement (default 1000,10000, or 1000 with
     /// --quick).
     #[arg(long, value_delimiter = ',')]
@@ -71,7 +74,7 @@ impl Plan {
             warmup: if quick { 50 } else { 200 },
             cycles: args.cycles.unwrap_or(if quick { 150 } else { 1000 }),
             handoffs: if quick { 40 } else { 200 },
-            waiters: 8,
+            waiters: usize::from(args.waiters),
             clients: 16,
             window: Duration::from_millis(if quick { 1500 } else { 5000 }),
             watchdog_ttl: Duration::from_secs(if quick { 3 } else { 6 }),
