@@ -806,8 +806,8 @@ impl Inner {
 }
 
 /// A waiting `acquire`'s subscription to notifications and its entry in the lock's queue.
-/// Dropped while queued (the waiter gave up, timed out or was cancelled), it leaves the queue
-/// in the background and frees a grant a release made to its grant owner meanwhile (handing
+/// A waiter that gives up leaves the queue ([`Queued::leave`]; dropped while still queued, in
+/// the background) and frees a grant a release made to its grant owner meanwhile (handing
 /// the lock to the next waiter), so a gone waiter neither gets the next hand-off nor keeps a
 /// grant it never heard of. No `Debug`: it holds a secret token.
 struct Queued {
@@ -827,6 +827,32 @@ struct Queued {
 }
 
 impl Queued {
+    /// Leaves the queue before `acquire` returns without the lock, freeing (and handing on) a
+    /// grant made to this waiter meanwhile. Awaited, so that a process that exits right after
+    /// a timeout (the CLI's `run --wait`) leaves no entry that a release would grant the lock
+    /// to; when it fails, the drop keeps trying in the background.
+    async fn leave(&mut self) {
+        if !self.queued {
+            return;
+        }
+        let grant_owner = self.grant_owner.expose_hex();
+        let outcome = self
+            .inner
+            .fetch_idempotent(|| {
+                sqlx::query(self.inner.sql.dequeue.clone())
+                    .bind(self.key.as_str())
+                    .bind(self.entry.clone())
+                    .bind(grant_owner.clone())
+            })
+            .await;
+        match outcome {
+            Ok(_) => self.queued = false,
+            Err(e) => {
+                tracing::debug!(key = %self.key, error = ?Failure::from(e), "could not leave the wait queue; retrying in the background");
+            }
+        }
+    }
+
     /// Marks every notification so far as seen (before each attempt) and returns the lease of
     /// a grant announced for `by`, the attempt whose reply confirmed the entry (see
     /// [`lock_core::handoff`]).
@@ -1031,99 +1057,109 @@ impl DistributedLock for PgLock {
         let mut queued_by: Option<Registered> = None;
         // The first look reads before it writes: uncontended, this is the only statement.
         let mut queue: Option<Queued> = None;
-        loop {
-            // A grant of an older attempt, or one that went unused for too long of its TTL, is
-            // not taken here: the attempt below finds it (if still held) and extends it.
-            if let Some(lease) = queue.as_mut().and_then(|q| q.granted(queued_by, key, ttl)) {
-                return Ok(lease);
-            }
-            let listening = queue.as_ref().is_some_and(|q| q.subscription.listening());
-            if let Some(q) = queue.as_mut()
-                && listening
-            {
-                q.queued = true;
-            }
-            let mode = match queue.as_ref() {
-                Some(q) if listening => Mode::Queue(Queueing {
-                    entry: &q.entry,
-                    grant_owner,
-                    seq: &seq,
-                }),
-                Some(_) => Mode::Poll {
-                    grant_owner: Some(grant_owner),
-                },
-                None => Mode::Poll { grant_owner: None },
-            };
-            let queue_mode = matches!(mode, Mode::Queue(_));
-            let (expires_in, queued) = match self.inner.attempt(key, ttl, mode).await {
-                Ok(Attempt::Granted(lease)) => {
-                    // A queued grant dropped the entry from the queue, and a grant to the grant
-                    // owner consumed it; after a polled grant the entry (and any later grant to
-                    // the grant owner) is removed on the way out.
-                    if let Some(q) = queue.as_mut()
-                        && (queue_mode || *lease.token() == grant_owner)
-                    {
-                        q.queued = false;
-                    }
-                    return Ok(lease);
-                }
-                // Also wake when the holder's lease runs out (expiry is not notified).
-                Ok(Attempt::Held { remaining, queued }) => {
-                    if queue_mode {
-                        queued_by = queued;
-                    }
-                    (remaining + Duration::from_millis(1), queued.is_some())
-                }
-                // Taken by a grant that committed during the statement: look again now.
-                Ok(Attempt::Lost) => (Duration::ZERO, false),
-                Err(e) => {
-                    wait.retry_after(e).await?;
-                    continue;
-                }
-            };
-            if config.listen && queue.is_none() {
-                // LISTEN, then queue at once (the statement also tries again).
-                let subscribe = self.notifier().subscribe();
-                match timeout_at(deadline, subscribe).await {
-                    Ok(subscription) => {
-                        let entry = subscription.entry();
-                        queue = Some(Queued {
-                            inner: self.inner.clone(),
-                            key: key.clone(),
-                            subscription,
-                            entry,
-                            grant_owner,
-                            ttl,
-                            queued: false,
-                        });
-                    }
-                    Err(_) => return Err(wait.timeout()),
-                }
-                continue;
-            }
-            if queued {
-                // Queued: a release grants to or wakes this waiter; the fallback is a refresh
-                // of the entry (it lapses after two poll intervals), so wait about one poll
-                // interval.
-                wait.set_backoff(Backoff::new(config.poll_interval, config.poll_interval));
-            }
-            let woken = async {
-                match queue.as_mut() {
-                    Some(q) => tokio::select! {
-                        () = q.subscription.changed() => {}
-                        () = sleep(expires_in) => {}
-                    },
-                    None => sleep(expires_in).await,
-                }
-            };
-            if let Err(e) = wait.wait(woken).await {
-                // A grant that came with the deadline is taken rather than handed on.
+        let result = async {
+            loop {
+                // A grant of an older attempt, or one that went unused for too long of its TTL, is
+                // not taken here: the attempt below finds it (if still held) and extends it.
                 if let Some(lease) = queue.as_mut().and_then(|q| q.granted(queued_by, key, ttl)) {
                     return Ok(lease);
                 }
-                return Err(e);
+                let listening = queue.as_ref().is_some_and(|q| q.subscription.listening());
+                if let Some(q) = queue.as_mut()
+                    && listening
+                {
+                    q.queued = true;
+                }
+                let mode = match queue.as_ref() {
+                    Some(q) if listening => Mode::Queue(Queueing {
+                        entry: &q.entry,
+                        grant_owner,
+                        seq: &seq,
+                    }),
+                    Some(_) => Mode::Poll {
+                        grant_owner: Some(grant_owner),
+                    },
+                    None => Mode::Poll { grant_owner: None },
+                };
+                let queue_mode = matches!(mode, Mode::Queue(_));
+                let (expires_in, queued) = match self.inner.attempt(key, ttl, mode).await {
+                    Ok(Attempt::Granted(lease)) => {
+                        // A queued grant dropped the entry from the queue, and a grant to the grant
+                        // owner consumed it; after a polled grant the entry (and any later grant to
+                        // the grant owner) is removed on the way out.
+                        if let Some(q) = queue.as_mut()
+                            && (queue_mode || *lease.token() == grant_owner)
+                        {
+                            q.queued = false;
+                        }
+                        return Ok(lease);
+                    }
+                    // Also wake when the holder's lease runs out (expiry is not notified).
+                    Ok(Attempt::Held { remaining, queued }) => {
+                        if queue_mode {
+                            queued_by = queued;
+                        }
+                        (remaining + Duration::from_millis(1), queued.is_some())
+                    }
+                    // Taken by a grant that committed during the statement: look again now.
+                    Ok(Attempt::Lost) => (Duration::ZERO, false),
+                    Err(e) => {
+                        wait.retry_after(e).await?;
+                        continue;
+                    }
+                };
+                if config.listen && queue.is_none() {
+                    // LISTEN, then queue at once (the statement also tries again).
+                    let subscribe = self.notifier().subscribe();
+                    match timeout_at(deadline, subscribe).await {
+                        Ok(subscription) => {
+                            let entry = subscription.entry();
+                            queue = Some(Queued {
+                                inner: self.inner.clone(),
+                                key: key.clone(),
+                                subscription,
+                                entry,
+                                grant_owner,
+                                ttl,
+                                queued: false,
+                            });
+                        }
+                        Err(_) => return Err(wait.timeout()),
+                    }
+                    continue;
+                }
+                if queued {
+                    // Queued: a release grants to or wakes this waiter; the fallback is a refresh
+                    // of the entry (it lapses after two poll intervals), so wait about one poll
+                    // interval.
+                    wait.set_backoff(Backoff::new(config.poll_interval, config.poll_interval));
+                }
+                let woken = async {
+                    match queue.as_mut() {
+                        Some(q) => tokio::select! {
+                            () = q.subscription.changed() => {}
+                            () = sleep(expires_in) => {}
+                        },
+                        None => sleep(expires_in).await,
+                    }
+                };
+                if let Err(e) = wait.wait(woken).await {
+                    // A grant that came with the deadline is taken rather than handed on.
+                    if let Some(lease) = queue.as_mut().and_then(|q| q.granted(queued_by, key, ttl))
+                    {
+                        return Ok(lease);
+                    }
+                    return Err(e);
+                }
             }
         }
+        .await;
+        if result.is_err()
+            && let Some(q) = queue.as_mut()
+        {
+            q.leave().await;
+        }
+        result
     }
 
     async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {

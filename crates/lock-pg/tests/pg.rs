@@ -1110,3 +1110,38 @@ async fn a_waiter_cancelled_mid_attempt_is_not_granted_the_lock() {
     assert!(got.fencing_token() > lease.fencing_token());
     assert!(holder.release(&got).await.unwrap());
 }
+
+/// A waiter that times out has left the queue when `acquire` returns: run on a runtime of its
+/// own that is shut down at once (like a process that exits on the timeout, `distlock run
+/// --wait`), it leaves nothing for the background, and the next release does not hand the
+/// lock to the gone waiter for its 30 s TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_that_times_out_has_left_the_queue_when_acquire_returns() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let holder = PgLock::connect_url(&url).await.unwrap();
+    let key = fresh_key("timeout-leaves");
+    let lease = holder.try_acquire(&key, LONG).await.unwrap().unwrap();
+    let waiter_key = key.clone();
+    let err = tokio::task::spawn_blocking(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let result = rt.block_on(async {
+            let waiter = PgLock::connect_url(&url).await.unwrap();
+            let deadline = Instant::now() + Duration::from_secs(1);
+            waiter.acquire(&waiter_key, LONG, deadline).await
+        });
+        drop(rt);
+        result.unwrap_err()
+    })
+    .await
+    .unwrap();
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    let info = holder.inspect(&key).await.unwrap().unwrap();
+    assert_eq!(info.waiters, Some(0), "the waiter is still queued");
+    assert!(holder.release(&lease).await.unwrap());
+    assert!(holder.inspect(&key).await.unwrap().is_none());
+}

@@ -488,9 +488,10 @@ struct Waiting<'a> {
     earlier: &'a [String],
 }
 
-/// A waiting `acquire`'s subscription and its entries in a lock's waiter queue. Dropped while
-/// armed (the waiter gave up), it leaves the queue in the background and passes on a grant a
-/// release made to it meanwhile (which would otherwise block the lock until its TTL).
+/// A waiting `acquire`'s subscription and its entries in a lock's waiter queue. A waiter that
+/// gives up leaves the queue ([`Registration::leave`]; dropped while still armed, in the
+/// background) and passes on a grant a release made to it meanwhile (which would otherwise
+/// block the lock until its TTL).
 struct Registration {
     inner: Arc<Inner>,
     names: KeyNames,
@@ -551,6 +552,38 @@ impl Registration {
     }
 }
 
+impl Registration {
+    /// Every member this waiter may have queued.
+    fn all_members(&self) -> Vec<String> {
+        let mut members = self.earlier.clone();
+        if !self.member.is_empty() {
+            members.push(self.member.clone());
+        }
+        members
+    }
+
+    /// Leaves the queue before `acquire` returns without the lock, passing on a grant that
+    /// crossed the leaving. Awaited, so that a process that exits right after a timeout (the
+    /// CLI's `run --wait`) leaves no registration that a release would grant the lock to; when
+    /// it fails, the drop tries again in the background.
+    async fn leave(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let members = self.all_members();
+        let prefix = owner_prefix(&self.grant);
+        match release_by_prefix(&self.inner, &self.names, &prefix, &members).await {
+            Ok(_) => self.armed = false,
+            Err(Failure::NotSent(e) | Failure::Server(e)) => {
+                tracing::debug!(error = %e, "leaving a waiter queue failed; retrying in the background");
+            }
+            Err(Failure::Unknown(message)) => {
+                tracing::debug!(%message, "leaving a waiter queue: no reply; retrying in the background");
+            }
+        }
+    }
+}
+
 impl Drop for Registration {
     fn drop(&mut self) {
         if !self.armed {
@@ -562,10 +595,7 @@ impl Drop for Registration {
         let inner = self.inner.clone();
         let names = std::mem::take(&mut self.names);
         let prefix = owner_prefix(&self.grant);
-        let mut members = std::mem::take(&mut self.earlier);
-        if !self.member.is_empty() {
-            members.push(std::mem::take(&mut self.member));
-        }
+        let members = self.all_members();
         rt.spawn(async move {
             if let Err(Failure::NotSent(e) | Failure::Server(e)) =
                 release_by_prefix(&inner, &names, &prefix, &members).await
@@ -734,79 +764,88 @@ impl DistributedLock for RedisLock {
         let mut wait = AcquireWait::new(key, deadline, backoff)?;
         let mut subscribed_once = false;
         // The wake-up subscription and queue entry: removes this waiter from the queue when
-        // the call ends without the lock (timeout, error, dropped future); a grant removes it
-        // in the same script.
+        // the call ends without the lock (timeout, error: before returning; a dropped future:
+        // in the background); a grant removes it in the same script.
         let mut registration: Option<Registration> = None;
-        loop {
-            let sent_at = Instant::now();
-            let waiting = registration.as_mut().map(|r| r.next_attempt(ttl));
-            let outcome = self.attempt(key, ttl, waiting.as_ref()).await;
-            let holder_ttl = match (outcome, &mut registration) {
-                (Ok(Attempt::Granted(lease)), r) => {
-                    if let Some(r) = r {
-                        r.armed = false;
+        let result = async {
+            loop {
+                let sent_at = Instant::now();
+                let waiting = registration.as_mut().map(|r| r.next_attempt(ttl));
+                let outcome = self.attempt(key, ttl, waiting.as_ref()).await;
+                let holder_ttl = match (outcome, &mut registration) {
+                    (Ok(Attempt::Granted(lease)), r) => {
+                        if let Some(r) = r {
+                            r.armed = false;
+                        }
+                        return Ok(lease);
                     }
-                    return Ok(lease);
-                }
-                (Ok(Attempt::Held(holder_ttl)), r) => {
-                    if let Some(r) = r {
-                        r.confirmed(sent_at);
+                    (Ok(Attempt::Held(holder_ttl)), r) => {
+                        if let Some(r) = r {
+                            r.confirmed(sent_at);
+                        }
+                        holder_ttl
                     }
-                    holder_ttl
-                }
-                (Err(e), r) => {
-                    if let Some(r) = r {
-                        r.registered = None;
-                    }
-                    wait.retry_after(e).await?;
-                    continue;
-                }
-            };
-            if !subscribed_once {
-                subscribed_once = true;
-                match timeout_at(deadline, self.inner.wakeups.watch(&self.inner.conn)).await {
-                    Ok(Ok(w)) => {
-                        registration = Some(Registration {
-                            inner: self.inner.clone(),
-                            names: self.names(key),
-                            watch: w,
-                            grant: OwnershipToken::generate(),
-                            seq: 0,
-                            member: String::new(),
-                            earlier: Vec::new(),
-                            registered: None,
-                            armed: true,
-                        });
+                    (Err(e), r) => {
+                        if let Some(r) = r {
+                            r.registered = None;
+                        }
+                        wait.retry_after(e).await?;
                         continue;
                     }
-                    Ok(Err(e)) => {
-                        tracing::debug!(%key, error = %e, "cannot subscribe to wake-ups; polling");
+                };
+                if !subscribed_once {
+                    subscribed_once = true;
+                    match timeout_at(deadline, self.inner.wakeups.watch(&self.inner.conn)).await {
+                        Ok(Ok(w)) => {
+                            registration = Some(Registration {
+                                inner: self.inner.clone(),
+                                names: self.names(key),
+                                watch: w,
+                                grant: OwnershipToken::generate(),
+                                seq: 0,
+                                member: String::new(),
+                                earlier: Vec::new(),
+                                registered: None,
+                                armed: true,
+                            });
+                            continue;
+                        }
+                        Ok(Err(e)) => {
+                            tracing::debug!(%key, error = %e, "cannot subscribe to wake-ups; polling");
+                        }
+                        Err(_) => return Err(wait.timeout()),
                     }
-                    Err(_) => return Err(wait.timeout()),
                 }
+                let expiry = async {
+                    match holder_ttl {
+                        Some(left) => sleep(left + Duration::from_millis(2)).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                let woken = async {
+                    match &registration {
+                        Some(r) => tokio::select! {
+                            () = r.watch.woken() => {}
+                            () = expiry => {}
+                        },
+                        None => expiry.await,
+                    }
+                };
+                let waited = wait.wait(woken).await;
+                // A grant that came with the deadline is taken rather than handed on.
+                if let Some(lease) = registration.as_mut().and_then(|r| r.granted(key, ttl)) {
+                    return Ok(lease);
+                }
+                waited?;
             }
-            let expiry = async {
-                match holder_ttl {
-                    Some(left) => sleep(left + Duration::from_millis(2)).await,
-                    None => std::future::pending().await,
-                }
-            };
-            let woken = async {
-                match &registration {
-                    Some(r) => tokio::select! {
-                        () = r.watch.woken() => {}
-                        () = expiry => {}
-                    },
-                    None => expiry.await,
-                }
-            };
-            let waited = wait.wait(woken).await;
-            // A grant that came with the deadline is taken rather than handed on.
-            if let Some(lease) = registration.as_mut().and_then(|r| r.granted(key, ttl)) {
-                return Ok(lease);
-            }
-            waited?;
         }
+        .await;
+        if result.is_err()
+            && let Some(r) = registration.as_mut()
+        {
+            r.leave().await;
+        }
+        result
     }
 
     /// Renewals are batched: while one batch is in flight, the renewals that arrive are queued

@@ -1109,3 +1109,41 @@ async fn a_grant_that_came_by_the_deadline_is_taken_not_timed_out() {
     assert_eq!(lease.fencing_token(), info.fencing_token);
     assert!(h.waiter_client.release(&lease).await.unwrap());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_that_times_out_has_left_the_queue_when_acquire_returns() {
+    let Some((url, lock, mut admin)) = shared().await else {
+        return;
+    };
+    let key = fresh_key("timeout-leaves");
+    let redis_key = lock.redis_key(&key);
+    let holder = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    // The waiter runs on a runtime of its own, shut down as soon as `acquire` returns: like a
+    // process that exits on the timeout (`distlock run --wait`), nothing it left to the
+    // background runs.
+    let waiter_key = key.clone();
+    let err = tokio::task::spawn_blocking(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let result = rt.block_on(async {
+            let waiter = RedisLock::connect_url(&url).await.unwrap();
+            let deadline = Instant::now() + Duration::from_millis(500);
+            waiter.acquire(&waiter_key, LONG, deadline).await
+        });
+        drop(rt);
+        result.unwrap_err()
+    })
+    .await
+    .unwrap();
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    assert_eq!(
+        queued(&mut admin, &redis_key).await,
+        0,
+        "the waiter is still queued"
+    );
+    // So the release does not hand the lock to the gone waiter.
+    assert!(lock.release(&holder).await.unwrap());
+    assert!(lock.inspect(&key).await.unwrap().is_none());
+}
