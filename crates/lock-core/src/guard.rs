@@ -174,19 +174,16 @@ impl Drop for LockGuard {
         self.stop.cancel();
         let lock = self.lock.clone();
         let key = self.key.clone();
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
-                rt.spawn(async move {
-                    if let Ok(lease) = task.await
-                        && let Err(e) = lock.release(&lease).await
-                    {
-                        tracing::warn!(%key, error = %e, "best-effort release on drop failed; the lease will expire by its ttl");
-                    }
-                });
+        let log_key = key.clone();
+        let spawned = crate::cleanup::spawn(async move {
+            if let Ok(lease) = task.await
+                && let Err(e) = lock.release(&lease).await
+            {
+                tracing::warn!(%key, error = %e, "best-effort release on drop failed; the lease will expire by its ttl");
             }
-            Err(_) => {
-                tracing::warn!(%key, "lock guard dropped outside a runtime; the lease will expire by its ttl");
-            }
+        });
+        if !spawned {
+            tracing::warn!(key = %log_key, "lock guard dropped outside a runtime; the lease will expire by its ttl");
         }
     }
 }

@@ -4,6 +4,7 @@
 mod backoff;
 pub mod batch;
 mod capabilities;
+pub mod cleanup;
 mod error;
 mod ext;
 pub mod fencing;

@@ -206,11 +206,7 @@ impl Target {
 }
 
 fn spawn_cleanup(inner: Weak<Inner>, target: Target) {
-    let Ok(rt) = tokio::runtime::Handle::try_current() else {
-        tracing::warn!("lock entry abandoned outside a runtime; it expires with its lease");
-        return;
-    };
-    rt.spawn(async move {
+    let spawned = lock_core::cleanup::spawn(async move {
         let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
         loop {
             if target.session.gone.is_cancelled() {
@@ -235,6 +231,9 @@ fn spawn_cleanup(inner: Weak<Inner>, target: Target) {
             }
         }
     });
+    if !spawned {
+        tracing::warn!("lock entry abandoned outside a runtime; it expires with its lease");
+    }
 }
 
 fn ttl_secs(ttl: Duration) -> i64 {

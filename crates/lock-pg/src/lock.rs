@@ -618,10 +618,7 @@ impl Inner {
     /// Retries [`Inner::release_token`] in a background task until it succeeds or the grant it
     /// undoes would have expired anyway (`until`).
     fn undo_in_background(self: Arc<Self>, key: LockKey, token: OwnershipToken, until: Instant) {
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        rt.spawn(async move {
+        lock_core::cleanup::spawn(async move {
             let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
             while Instant::now() < until {
                 match self.release_token(&key, token).await {
@@ -629,7 +626,9 @@ impl Inner {
                         tracing::debug!(%key, token = %token.digest(), released, "undid an acquire of unknown outcome");
                         return;
                     }
-                    Err(_) => sleep(backoff.next_delay().min(until - Instant::now().min(until))).await,
+                    Err(_) => {
+                        sleep(backoff.next_delay().min(until - Instant::now().min(until))).await
+                    }
                 }
             }
             tracing::warn!(%key, token = %token.digest(), "could not undo an acquire of unknown outcome; it expired with its ttl");
@@ -872,9 +871,6 @@ impl Drop for Queued {
         if !self.queued {
             return;
         }
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
         let (inner, key, entry, grant_owner) = (
             self.inner.clone(),
             self.key.clone(),
@@ -887,7 +883,7 @@ impl Drop for Queued {
             u64::try_from(inner.queue_entry_lifetime_ms()).unwrap_or(u64::MAX),
         );
         let until = Instant::now() + inner.config.op_timeout + lifetime + self.ttl;
-        rt.spawn(async move {
+        lock_core::cleanup::spawn(async move {
             let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
             loop {
                 let outcome = inner

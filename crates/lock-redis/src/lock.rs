@@ -452,10 +452,7 @@ async fn renew_chunk(inner: &Inner, chunk: &[RenewItem]) -> Vec<Result<bool, Fai
 /// request it follows went out on the same connection, so the server has already seen it);
 /// otherwise keeps checking until `until`, when the grant expires by itself anyway.
 fn spawn_cleanup(inner: Arc<Inner>, names: KeyNames, prefix: String, until: Instant, once: bool) {
-    let Ok(rt) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
-    rt.spawn(async move {
+    lock_core::cleanup::spawn(async move {
         let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(1));
         loop {
             match release_by_prefix(&inner, &names, &prefix, &[]).await {
@@ -589,14 +586,11 @@ impl Drop for Registration {
         if !self.armed {
             return;
         }
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
         let inner = self.inner.clone();
         let names = std::mem::take(&mut self.names);
         let prefix = owner_prefix(&self.grant);
         let members = self.all_members();
-        rt.spawn(async move {
+        lock_core::cleanup::spawn(async move {
             if let Err(Failure::NotSent(e) | Failure::Server(e)) =
                 release_by_prefix(&inner, &names, &prefix, &members).await
             {

@@ -516,15 +516,12 @@ impl Drop for Contender {
         if self.done || self.session.is_ended() {
             return;
         }
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
         let session = self.session.clone();
         let dir = self.dir.clone();
         let marker = protected_marker(&self.token);
         let node = self.node.as_ref().map(|(n, _)| n.clone());
         let limit = self.lock.inner.config.op_timeout;
-        rt.spawn(async move {
+        lock_core::cleanup::spawn(async move {
             // Until the session ends (which deletes the node anyway) or the node is gone.
             let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
             while !session.is_ended() {
