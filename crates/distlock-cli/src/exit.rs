@@ -33,11 +33,18 @@ Exit status:
   76       `run`: the lease was lost while the command ran; the command was terminated
   78       configuration error (bad URL, unknown scheme, backend not compiled in, bad option)
   126/127  `run`: the command could not be executed / was not found
-  128+N    `run`: the command was killed by signal N
+  128+N    `run`: the command was killed by signal N, or distlock was interrupted by
+           signal N (SIGINT, SIGTERM) while waiting for the lock
 
 The URL comes from --url or DISTLOCK_URL: memory://NAME (this process only), redis://,
 rediss://, etcd://, etcds://, zk://, postgres://, postgresql:// (as compiled in); driver
 options go in the query string.";
+
+/// 128 + the signal's number: `run`'s command was killed by it, or distlock itself was
+/// interrupted by it while waiting for the lock.
+pub fn signalled(signal: nix::sys::signal::Signal) -> u8 {
+    u8::try_from(128 + signal as i32).unwrap_or(u8::MAX)
+}
 
 /// The exit status for an error outside `run`'s own cases.
 pub fn code_for(error: &Error) -> u8 {

@@ -139,12 +139,17 @@ fn main() -> ExitCode {
                 return exit::code_for(&e);
             }
         };
-        match cli.command {
-            Command::Run(args) => run::run(lock, args).await,
-            Command::Inspect(args) => commands::inspect(lock, args).await,
-            Command::Release(args) => commands::release(lock, args).await,
-            Command::Check(args) => commands::check(lock, args).await,
-        }
+        let code = match cli.command {
+            Command::Run(args) => run::run(lock.clone(), args).await,
+            Command::Inspect(args) => commands::inspect(lock.clone(), args).await,
+            Command::Release(args) => commands::release(lock.clone(), args).await,
+            Command::Check(args) => commands::check(lock.clone(), args).await,
+        };
+        // Clean-ups the drivers started in the background (a waiter leaving its queue, a
+        // guard's release) get done before the process goes; they need the client alive.
+        distlock::cleanup::finish(Duration::from_secs(5)).await;
+        drop(lock);
+        code
     });
     // Do not wait for the drivers' background tasks (reconnects, keepalives) to wind down.
     runtime.shutdown_background();

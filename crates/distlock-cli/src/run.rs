@@ -51,13 +51,21 @@ async fn acquire(lock: &DynLock, key: &LockKey, args: &RunArgs) -> Result<Option
             let progress = std::io::stderr()
                 .is_terminal()
                 .then(|| tokio::spawn(show_progress(lock.clone(), key.clone())));
-            let result = builder.wait(wait).acquire().await.map(Some);
+            let result = unless_interrupted(builder.wait(wait).acquire()).await;
             if let Some(progress) = progress {
                 progress.abort();
                 let _ = progress.await;
                 eprint!("\r\x1b[K");
             }
-            result
+            match result {
+                Ok(result) => result.map(Some),
+                Err(signal) => {
+                    // The dropped acquire leaves the wait queue in the background; `main`
+                    // waits for that before exiting.
+                    eprintln!("distlock: interrupted by {signal} while waiting for {key}");
+                    return Err(exit::signalled(signal));
+                }
+            }
         }
     };
     match result {
@@ -77,6 +85,21 @@ async fn acquire(lock: &DynLock, key: &LockKey, args: &RunArgs) -> Result<Option
             eprintln!("distlock: {e}");
             Err(code_for(&e))
         }
+    }
+}
+
+/// Runs `wait` unless SIGINT or SIGTERM comes first, which drops it and is returned.
+async fn unless_interrupted<T>(wait: impl Future<Output = T>) -> Result<T, Signal> {
+    let (Ok(mut sigint), Ok(mut sigterm)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) else {
+        return Ok(wait.await);
+    };
+    tokio::select! {
+        value = wait => Ok(value),
+        _ = sigint.recv() => Err(Signal::SIGINT),
+        _ = sigterm.recv() => Err(Signal::SIGTERM),
     }
 }
 

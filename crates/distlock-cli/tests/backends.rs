@@ -307,3 +307,80 @@ fn live_members_of_group(pgid: i32) -> Vec<i32> {
     }
     alive
 }
+
+/// `distlock run --wait` interrupted while it waits exits with 128+2 after leaving the wait
+/// queue, so the holder's release does not hand the lock to the process that is gone (which
+/// would leave the lock unused until that waiter's TTL ran out).
+#[test]
+fn a_waiter_interrupted_while_waiting_leaves_the_queue() {
+    for (backend, url) in backends() {
+        let key = fresh_key("interrupted");
+        let dir = temp_dir("interrupted");
+        let started = dir.join("started");
+        let mut holder = distlock(&url)
+            .args(["run", &key, "--ttl", "10s", "--", "sh", "-c"])
+            .arg(format!("touch {}; sleep 30", started.display()))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_for_file(&started, &mut holder, Duration::from_secs(20));
+        let waiter = distlock(&url)
+            .args(["run", &key, "--wait", "60s", "--", "true"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let out = distlock(&url)
+                .args(["inspect", &key, "--json"])
+                .output()
+                .unwrap();
+            let value: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            if value["waiters"].as_u64().unwrap_or(0) >= 1 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{backend}: the waiter never queued"
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+        assert!(
+            Command::new("kill")
+                .args(["-INT", &waiter.id().to_string()])
+                .status()
+                .unwrap()
+                .success()
+        );
+        let out = wait_with_timeout(waiter, Duration::from_secs(20), None);
+        assert_eq!(
+            out.status.code(),
+            Some(130),
+            "{backend}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // The holder goes at once; its release finds no waiter left to hand the lock to.
+        assert!(
+            Command::new("kill")
+                .arg(holder.id().to_string())
+                .status()
+                .unwrap()
+                .success()
+        );
+        let out = wait_with_timeout(holder, Duration::from_secs(20), None);
+        assert_eq!(out.status.code(), Some(143), "{backend}");
+        let out = distlock(&url)
+            .args(["run", &key, "--", "true"])
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{backend}: the lock went to the interrupted waiter: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
