@@ -547,36 +547,29 @@ impl Registration {
         self.armed = false;
         Some(lease)
     }
-}
 
-impl Registration {
-    /// Every member this waiter may have queued.
-    fn all_members(&self) -> Vec<String> {
+    /// The request that leaves the queue: removes every member this waiter may have queued
+    /// and releases (passing on) a grant that crossed the leaving. Owns what it needs, so the
+    /// drop can run it in the background.
+    fn leaving(&self) -> impl Future<Output = Result<bool, Failure>> + Send + 'static {
+        let (inner, names, prefix) = (
+            self.inner.clone(),
+            self.names.clone(),
+            owner_prefix(&self.grant),
+        );
         let mut members = self.earlier.clone();
         if !self.member.is_empty() {
             members.push(self.member.clone());
         }
-        members
+        async move { release_by_prefix(&inner, &names, &prefix, &members).await }
     }
 
-    /// Leaves the queue before `acquire` returns without the lock, passing on a grant that
-    /// crossed the leaving. Awaited, so that a process that exits right after a timeout (the
-    /// CLI's `run --wait`) leaves no registration that a release would grant the lock to; when
-    /// it fails, the drop tries again in the background.
+    /// Leaves the queue before `acquire` returns without the lock. Awaited, so that a process
+    /// that exits right after a timeout (the CLI's `run --wait`) leaves no registration that a
+    /// release would grant the lock to; when it fails, the drop tries again in the background.
     async fn leave(&mut self) {
-        if !self.armed {
-            return;
-        }
-        let members = self.all_members();
-        let prefix = owner_prefix(&self.grant);
-        match release_by_prefix(&self.inner, &self.names, &prefix, &members).await {
-            Ok(_) => self.armed = false,
-            Err(Failure::NotSent(e) | Failure::Server(e)) => {
-                tracing::debug!(error = %e, "leaving a waiter queue failed; retrying in the background");
-            }
-            Err(Failure::Unknown(message)) => {
-                tracing::debug!(%message, "leaving a waiter queue: no reply; retrying in the background");
-            }
+        if self.armed && self.leaving().await.is_ok() {
+            self.armed = false;
         }
     }
 }
@@ -586,14 +579,9 @@ impl Drop for Registration {
         if !self.armed {
             return;
         }
-        let inner = self.inner.clone();
-        let names = std::mem::take(&mut self.names);
-        let prefix = owner_prefix(&self.grant);
-        let members = self.all_members();
+        let leaving = self.leaving();
         lock_core::cleanup::spawn(async move {
-            if let Err(Failure::NotSent(e) | Failure::Server(e)) =
-                release_by_prefix(&inner, &names, &prefix, &members).await
-            {
+            if let Err(Failure::NotSent(e) | Failure::Server(e)) = leaving.await {
                 tracing::debug!(error = %e, "leaving a waiter queue failed; the entry expires");
             }
         });
