@@ -207,6 +207,17 @@ enum Mode<'a> {
     Queue(Queueing<'a>),
 }
 
+impl Mode<'_> {
+    /// The owner a release's direct grant gives the lock to, when this attempt may find one.
+    fn grant_owner(self) -> Option<OwnershipToken> {
+        match self {
+            Mode::Try => None,
+            Mode::Poll { grant_owner } => grant_owner,
+            Mode::Queue(q) => Some(q.grant_owner),
+        }
+    }
+}
+
 /// What a queued attempt writes into the waiter's entry. No `Debug`: it holds a secret token.
 #[derive(Clone, Copy)]
 struct Queueing<'a> {
@@ -569,11 +580,8 @@ impl Inner {
                     let fence = granted.fence;
                     // A grant to the waiter's grant owner was made by a release and extended by
                     // this statement (from `sent_at` on, like a fresh grant).
-                    let token = match mode {
-                        Mode::Poll {
-                            grant_owner: Some(g),
-                        } if granted.to_grant_owner => g,
-                        Mode::Queue(q) if granted.to_grant_owner => q.grant_owner,
+                    let token = match mode.grant_owner() {
+                        Some(grant_owner) if granted.to_grant_owner => grant_owner,
                         _ => token,
                     };
                     tracing::debug!(%key, token = %token.digest(), %fence, direct = granted.to_grant_owner, "acquired");
@@ -835,16 +843,11 @@ impl Queued {
             return;
         }
         let grant_owner = self.grant_owner.expose_hex();
-        let outcome = self
+        match self
             .inner
-            .fetch_idempotent(|| {
-                sqlx::query(self.inner.sql.dequeue.clone())
-                    .bind(self.key.as_str())
-                    .bind(self.entry.clone())
-                    .bind(grant_owner.clone())
-            })
-            .await;
-        match outcome {
+            .dequeue(&self.key, &self.entry, &grant_owner)
+            .await
+        {
             Ok(_) => self.queued = false,
             Err(e) => {
                 tracing::debug!(key = %self.key, error = ?Failure::from(e), "could not leave the wait queue; retrying in the background");
@@ -863,6 +866,25 @@ impl Queued {
         self.queued = false;
         tracing::debug!(%key, token = %self.grant_owner.digest(), fence = %grant.fence, "granted by a release");
         Some(lease)
+    }
+}
+
+impl Inner {
+    /// Removes queue entry `entry` of `key` and frees a grant to `grant_owner`, handing the
+    /// lock on (see [`crate::sql`]).
+    async fn dequeue(
+        &self,
+        key: &LockKey,
+        entry: &str,
+        grant_owner: &str,
+    ) -> std::result::Result<Option<PgRow>, ExecError> {
+        self.fetch_idempotent(|| {
+            sqlx::query(self.sql.dequeue.clone())
+                .bind(key.as_str())
+                .bind(entry.to_owned())
+                .bind(grant_owner.to_owned())
+        })
+        .await
     }
 }
 
@@ -886,15 +908,7 @@ impl Drop for Queued {
         lock_core::cleanup::spawn(async move {
             let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
             loop {
-                let outcome = inner
-                    .fetch_idempotent(|| {
-                        sqlx::query(inner.sql.dequeue.clone())
-                            .bind(key.as_str())
-                            .bind(entry.clone())
-                            .bind(grant_owner.clone())
-                    })
-                    .await;
-                let Err(e) = outcome else {
+                let Err(e) = inner.dequeue(&key, &entry, &grant_owner).await else {
                     return;
                 };
                 let failure = Failure::from(e);
