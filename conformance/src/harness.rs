@@ -136,6 +136,30 @@ pub fn backend_url(var: &str) -> Option<String> {
     }
 }
 
+/// Runs the future `make` returns on a current-thread runtime of its own, shut down as soon as
+/// that future completes — like a process that exits right then: whatever it left to background
+/// tasks is dropped unrun. For tests of what a client leaves behind when its process exits.
+///
+/// # Panics
+/// When the future (or building the runtime) panics.
+pub async fn run_then_exit<T, F>(make: impl FnOnce() -> F + Send + 'static) -> T
+where
+    F: std::future::Future<Output = T>,
+    T: Send + 'static,
+{
+    tokio::task::spawn_blocking(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime of its own");
+        let value = runtime.block_on(make());
+        drop(runtime);
+        value
+    })
+    .await
+    .expect("the future run on a runtime of its own panicked")
+}
+
 /// What a property concluded.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {

@@ -16,6 +16,7 @@ mod url_props;
 
 pub use harness::{
     Harness, Outcome, TestBackend, backend_url, backends_required, fresh_key, run_property,
+    run_then_exit,
 };
 pub use lock_core::async_trait;
 pub use url_props::check_url_parser;

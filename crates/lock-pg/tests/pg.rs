@@ -1124,21 +1124,15 @@ async fn a_waiter_that_times_out_has_left_the_queue_when_acquire_returns() {
     let key = fresh_key("timeout-leaves");
     let lease = holder.try_acquire(&key, LONG).await.unwrap().unwrap();
     let waiter_key = key.clone();
-    let err = tokio::task::spawn_blocking(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let result = rt.block_on(async {
-            let waiter = PgLock::connect_url(&url).await.unwrap();
-            let deadline = Instant::now() + Duration::from_secs(1);
-            waiter.acquire(&waiter_key, LONG, deadline).await
-        });
-        drop(rt);
-        result.unwrap_err()
+    let err = conformance::run_then_exit(move || async move {
+        let waiter = PgLock::connect_url(&url).await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(1);
+        waiter
+            .acquire(&waiter_key, LONG, deadline)
+            .await
+            .unwrap_err()
     })
-    .await
-    .unwrap();
+    .await;
     assert!(matches!(err, Error::Timeout { .. }), "{err}");
     let info = holder.inspect(&key).await.unwrap().unwrap();
     assert_eq!(info.waiters, Some(0), "the waiter is still queued");

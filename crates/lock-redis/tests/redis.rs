@@ -1118,25 +1118,18 @@ async fn a_waiter_that_times_out_has_left_the_queue_when_acquire_returns() {
     let key = fresh_key("timeout-leaves");
     let redis_key = lock.redis_key(&key);
     let holder = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
-    // The waiter runs on a runtime of its own, shut down as soon as `acquire` returns: like a
-    // process that exits on the timeout (`distlock run --wait`), nothing it left to the
-    // background runs.
+    // The waiter's process exits as soon as `acquire` returns (`distlock run --wait`):
+    // nothing it left to the background runs.
     let waiter_key = key.clone();
-    let err = tokio::task::spawn_blocking(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let result = rt.block_on(async {
-            let waiter = RedisLock::connect_url(&url).await.unwrap();
-            let deadline = Instant::now() + Duration::from_millis(500);
-            waiter.acquire(&waiter_key, LONG, deadline).await
-        });
-        drop(rt);
-        result.unwrap_err()
+    let err = conformance::run_then_exit(move || async move {
+        let waiter = RedisLock::connect_url(&url).await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(1);
+        waiter
+            .acquire(&waiter_key, LONG, deadline)
+            .await
+            .unwrap_err()
     })
-    .await
-    .unwrap();
+    .await;
     assert!(matches!(err, Error::Timeout { .. }), "{err}");
     assert_eq!(
         queued(&mut admin, &redis_key).await,
