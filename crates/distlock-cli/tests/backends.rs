@@ -151,25 +151,53 @@ fn two_runs_on_one_key_never_overlap() {
     }
 }
 
+/// Starts `distlock run KEY` holding the lock with a command that sleeps 30 s, once the
+/// command has started.
+fn hold(url: &str, key: &str, dir: &Path) -> Child {
+    let started = dir.join("started");
+    let mut holder = distlock(url)
+        .args(["run", key, "--ttl", "10s", "--", "sh", "-c"])
+        .arg(format!("touch {}; sleep 30", started.display()))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_file(&started, &mut holder, Duration::from_secs(20));
+    holder
+}
+
+/// Sends `signal` to a `distlock` process and waits (at most 20 s) for it to exit.
+fn stop(child: Child, signal: Signal) -> Output {
+    let pid = Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(pid, signal).unwrap();
+    wait_with_timeout(child, Duration::from_secs(20), None)
+}
+
+/// `distlock run KEY -- true`: takes the lock at once or not at all.
+fn run_true(url: &str, key: &str) -> Output {
+    distlock(url)
+        .args(["run", key, "--", "true"])
+        .output()
+        .unwrap()
+}
+
+/// `distlock inspect KEY --json`.
+fn inspect_json(url: &str, key: &str) -> serde_json::Value {
+    let out = distlock(url)
+        .args(["inspect", key, "--json"])
+        .output()
+        .unwrap();
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 #[test]
 fn a_held_lock_is_not_acquired_with_the_documented_exit_status() {
     for (backend, url) in backends() {
         let key = fresh_key("conflict");
         let dir = temp_dir("conflict");
-        let started = dir.join("started");
-        let mut holder = distlock(&url)
-            .args(["run", &key, "--ttl", "10s", "--", "sh", "-c"])
-            .arg(format!("touch {}; sleep 30", started.display()))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        wait_for_file(&started, &mut holder, Duration::from_secs(20));
+        let holder = hold(&url, &key, &dir);
 
-        let out = distlock(&url)
-            .args(["run", &key, "--", "true"])
-            .output()
-            .unwrap();
+        let out = run_true(&url, &key);
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(75), "{backend}: {err}");
         assert!(err.contains("not acquired"), "{backend}: {err}");
@@ -184,22 +212,11 @@ fn a_held_lock_is_not_acquired_with_the_documented_exit_status() {
             .unwrap();
         assert_eq!(out.status.code(), Some(75), "{backend}");
 
-        let out = distlock(&url)
-            .args(["inspect", &key, "--json"])
-            .output()
-            .unwrap();
-        let value: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let value = inspect_json(&url, &key);
         assert_eq!(value["held"], true, "{backend}: {value}");
 
         // SIGTERM is forwarded; the command dies of it and distlock reports 128+15.
-        assert!(
-            Command::new("kill")
-                .arg(holder.id().to_string())
-                .status()
-                .unwrap()
-                .success()
-        );
-        let out = wait_with_timeout(holder, Duration::from_secs(20), None);
+        let out = stop(holder, Signal::SIGTERM);
         assert_eq!(
             out.status.code(),
             Some(143),
@@ -207,10 +224,7 @@ fn a_held_lock_is_not_acquired_with_the_documented_exit_status() {
             String::from_utf8_lossy(&out.stderr)
         );
         // Released on exit: the key is free again.
-        let out = distlock(&url)
-            .args(["run", &key, "--", "true"])
-            .output()
-            .unwrap();
+        let out = run_true(&url, &key);
         assert_eq!(
             out.status.code(),
             Some(0),
@@ -316,15 +330,7 @@ fn a_waiter_interrupted_while_waiting_leaves_the_queue() {
     for (backend, url) in backends() {
         let key = fresh_key("interrupted");
         let dir = temp_dir("interrupted");
-        let started = dir.join("started");
-        let mut holder = distlock(&url)
-            .args(["run", &key, "--ttl", "10s", "--", "sh", "-c"])
-            .arg(format!("touch {}; sleep 30", started.display()))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        wait_for_file(&started, &mut holder, Duration::from_secs(20));
+        let holder = hold(&url, &key, &dir);
         let waiter = distlock(&url)
             .args(["run", &key, "--wait", "60s", "--", "true"])
             .stdout(Stdio::piped())
@@ -333,12 +339,7 @@ fn a_waiter_interrupted_while_waiting_leaves_the_queue() {
             .unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            let out = distlock(&url)
-                .args(["inspect", &key, "--json"])
-                .output()
-                .unwrap();
-            let value: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-            if value["waiters"].as_u64().unwrap_or(0) >= 1 {
+            if inspect_json(&url, &key)["waiters"].as_u64().unwrap_or(0) >= 1 {
                 break;
             }
             assert!(
@@ -347,14 +348,7 @@ fn a_waiter_interrupted_while_waiting_leaves_the_queue() {
             );
             thread::sleep(Duration::from_millis(20));
         }
-        assert!(
-            Command::new("kill")
-                .args(["-INT", &waiter.id().to_string()])
-                .status()
-                .unwrap()
-                .success()
-        );
-        let out = wait_with_timeout(waiter, Duration::from_secs(20), None);
+        let out = stop(waiter, Signal::SIGINT);
         assert_eq!(
             out.status.code(),
             Some(130),
@@ -362,19 +356,9 @@ fn a_waiter_interrupted_while_waiting_leaves_the_queue() {
             String::from_utf8_lossy(&out.stderr)
         );
         // The holder goes at once; its release finds no waiter left to hand the lock to.
-        assert!(
-            Command::new("kill")
-                .arg(holder.id().to_string())
-                .status()
-                .unwrap()
-                .success()
-        );
-        let out = wait_with_timeout(holder, Duration::from_secs(20), None);
+        let out = stop(holder, Signal::SIGTERM);
         assert_eq!(out.status.code(), Some(143), "{backend}");
-        let out = distlock(&url)
-            .args(["run", &key, "--", "true"])
-            .output()
-            .unwrap();
+        let out = run_true(&url, &key);
         assert_eq!(
             out.status.code(),
             Some(0),
