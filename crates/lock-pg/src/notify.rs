@@ -36,26 +36,20 @@ use tokio::{
 
 use crate::PgLockConfig;
 
-/// What a waiter has been told: a count of notifications (to wake it) and the latest grant.
-#[derive(Clone, Copy, Debug, Default)]
-struct Signal {
-    notified: u64,
-    grant: Option<Grant>,
-}
-
 /// The state shared by the client side and the listener task.
 struct Shared {
     /// `distlock_w_` and 32 random hex digits: a valid identifier, unique per client.
     channel: String,
-    /// Waiting `acquire`s by number.
-    waiters: Mutex<HashMap<u64, watch::Sender<Signal>>>,
+    /// Waiting `acquire`s by number, each with the latest grant announced to it. Every
+    /// notification marks the value changed (`send_modify`), which is what wakes the waiter.
+    waiters: Mutex<HashMap<u64, watch::Sender<Option<Grant>>>>,
     next: AtomicU64,
     /// The channel is `LISTEN`ed to on a live connection.
     listening: AtomicBool,
 }
 
 impl Shared {
-    fn waiters(&self) -> MutexGuard<'_, HashMap<u64, watch::Sender<Signal>>> {
+    fn waiters(&self) -> MutexGuard<'_, HashMap<u64, watch::Sender<Option<Grant>>>> {
         self.waiters.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -65,13 +59,12 @@ impl Shared {
             Message::Granted(id, grant) => (id, Some(grant)),
         };
         if let Some(w) = self.waiters().get(&id) {
-            w.send_modify(|s| {
-                s.notified += 1;
+            w.send_modify(|latest| {
                 // Seqs only grow; keep the grant of the latest attempt.
                 if let Some(g) = grant
-                    && s.grant.is_none_or(|old| old.seq <= g.seq)
+                    && latest.is_none_or(|old| old.seq <= g.seq)
                 {
-                    s.grant = Some(g);
+                    *latest = Some(g);
                 }
             });
         }
@@ -79,7 +72,7 @@ impl Shared {
 
     fn wake_all(&self) {
         for w in self.waiters().values() {
-            w.send_modify(|s| s.notified += 1);
+            w.send_modify(|_| {});
         }
     }
 }
@@ -137,7 +130,7 @@ impl Notifier {
     pub(crate) async fn subscribe(&self) -> Subscription {
         let id = self.shared.next.fetch_add(1, Ordering::Relaxed);
         let receiver = {
-            let (tx, rx) = watch::channel(Signal::default());
+            let (tx, rx) = watch::channel(None);
             self.shared.waiters().insert(id, tx);
             rx
         };
@@ -160,7 +153,7 @@ impl Notifier {
 pub(crate) struct Subscription {
     shared: Arc<Shared>,
     id: u64,
-    receiver: watch::Receiver<Signal>,
+    receiver: watch::Receiver<Option<Grant>>,
 }
 
 impl std::fmt::Debug for Subscription {
@@ -185,7 +178,7 @@ impl Subscription {
     /// Marks every notification so far as seen (call before each attempt), returning the
     /// latest grant announced to this waiter, if any.
     pub(crate) fn mark_seen(&mut self) -> Option<Grant> {
-        self.receiver.borrow_and_update().grant
+        *self.receiver.borrow_and_update()
     }
 
     /// Completes at the next notification after the last [`Subscription::mark_seen`].
