@@ -764,6 +764,11 @@ impl DistributedLock for RedisLock {
                     (Ok(Attempt::Held(holder_ttl)), r) => {
                         if let Some(r) = r {
                             r.confirmed(sent_at);
+                            // Registered: a release grants to or wakes this waiter, so the
+                            // fallback poll (which also moves it back in the queue) need
+                            // not be quick.
+                            let max = self.inner.config.max_poll_interval;
+                            wait.set_backoff(Backoff::new(max, max));
                         }
                         holder_ttl
                     }
