@@ -42,8 +42,8 @@ options go in the query string.";
 
 /// 128 + the signal's number: `run`'s command was killed by it, or distlock itself was
 /// interrupted by it while waiting for the lock.
-pub fn signalled(signal: nix::sys::signal::Signal) -> u8 {
-    u8::try_from(128 + signal as i32).unwrap_or(u8::MAX)
+pub fn signalled(signal: i32) -> u8 {
+    u8::try_from(128 + signal).unwrap_or(u8::MAX)
 }
 
 /// The exit status for an error outside `run`'s own cases.

@@ -63,7 +63,7 @@ async fn acquire(lock: &DynLock, key: &LockKey, args: &RunArgs) -> Result<Option
                     // The dropped acquire leaves the wait queue in the background; `main`
                     // waits for that before exiting.
                     eprintln!("distlock: interrupted by {signal} while waiting for {key}");
-                    return Err(exit::signalled(signal));
+                    return Err(exit::signalled(signal as i32));
                 }
             }
         }
@@ -241,7 +241,7 @@ async fn supervise(guard: LockGuard, args: &RunArgs) -> u8 {
 fn status_code(status: ExitStatus) -> u8 {
     match (status.code(), status.signal()) {
         (Some(code), _) => u8::try_from(code & 0xff).unwrap_or(u8::MAX),
-        (None, Some(sig)) => u8::try_from(128 + sig).unwrap_or(u8::MAX),
+        (None, Some(sig)) => exit::signalled(sig),
         (None, None) => exit::UNAVAILABLE,
     }
 }
