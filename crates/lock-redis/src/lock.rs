@@ -238,13 +238,17 @@ impl RedisLock {
             .await;
         let (names, prefix) = inflight.disarm();
         match reply {
-            Ok(redis::Value::Int(fence)) => {
-                let Ok(fence) = u64::try_from(fence) else {
+            // The fence as the counter's decimal string (exact over the whole counter range).
+            Ok(redis::Value::BulkString(fence)) => {
+                let Some(fence) = parse_fence(&fence) else {
                     self.cleanup(names, prefix, sent_at + ttl).await;
                     return Err(Error::Backend {
                         backend: BACKEND,
                         op: "try_acquire",
-                        message: format!("the fence counter of {key:?} is negative ({fence})"),
+                        message: format!(
+                            "the fence counter of {key:?} is not a non-negative integer ({:?})",
+                            String::from_utf8_lossy(&fence)
+                        ),
                         source: None,
                     });
                 };
@@ -260,9 +264,7 @@ impl RedisLock {
             // its TTL, so this attempt's send time starts the lease.
             Ok(redis::Value::Array(granted)) if waiter.is_some() => {
                 let fence = match &granted[..] {
-                    [redis::Value::BulkString(fence)] => std::str::from_utf8(fence)
-                        .ok()
-                        .and_then(|f| f.parse::<u64>().ok()),
+                    [redis::Value::BulkString(fence)] => parse_fence(fence),
                     _ => None,
                 };
                 match (fence, waiter) {
@@ -281,12 +283,10 @@ impl RedisLock {
                     }),
                 }
             }
-            Ok(redis::Value::BulkString(pttl)) => {
-                let pttl = std::str::from_utf8(&pttl)
-                    .ok()
-                    .and_then(|p| p.parse::<u64>().ok());
-                Ok(Attempt::Held(pttl.map(Duration::from_millis)))
-            }
+            // Held: the holder's pttl (negative when it has no TTL).
+            Ok(redis::Value::Int(pttl)) => Ok(Attempt::Held(
+                u64::try_from(pttl).ok().map(Duration::from_millis),
+            )),
             Ok(_) => {
                 // Not an answer of our script: whatever happened, take no grant home.
                 self.cleanup(names, prefix, sent_at + ttl).await;
@@ -682,6 +682,12 @@ fn classify(e: RedisError) -> Failure {
         _ if e.is_timeout() || e.is_connection_dropped() => Failure::Unknown(e.to_string()),
         _ => Failure::Server(e),
     }
+}
+
+/// A fence as the scripts send it: the counter's decimal digits (never a Lua number, which is
+/// exact only up to 2^53).
+fn parse_fence(digits: &[u8]) -> Option<u64> {
+    std::str::from_utf8(digits).ok()?.parse().ok()
 }
 
 /// Parses a stored value `<32 hex>:<fence>` written by this driver (with the suffix `:w` once

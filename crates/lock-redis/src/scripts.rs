@@ -16,15 +16,18 @@ use redis::Script;
 /// (`<token hex>:`), ttl in ms, and when the caller waits: its new member, the registration's
 /// lifetime in ms, its grant prefix (`<grant token hex>:`) and then its earlier members that
 /// may still be queued.
-/// Returns the fence (an integer) when granted to the owner prefix; `{fence}` (an array of
-/// one string) when a release had already granted the lock to the waiter's grant token (the
-/// wake-up was missed or crossed this attempt; the lock's TTL is then restarted, so the
-/// attempt's send time starts the lease); the holder's pttl as a string when held (one scalar
-/// reply instead of an array: measurably cheaper to build and to parse).
+/// Returns the fence (a string of decimal digits) when granted to the owner prefix; `{fence}`
+/// (an array of one string) when a release had already granted the lock to the waiter's grant
+/// token (the wake-up was missed or crossed this attempt; the lock's TTL is then restarted, so
+/// the attempt's send time starts the lease); the holder's pttl (an integer) when held (one
+/// scalar reply instead of an array: measurably cheaper to build and to parse).
 ///
 /// The counter is incremented first, in the same atomic step as the `SET NX` that grants, and
 /// the grant stores `<token hex>:<fence>` so `inspect` can tell our holders (and their fence)
-/// from other clients'. A refused attempt also consumes a number: grants' fences still strictly
+/// from other clients'. The fence is the counter's own string, read back after `INCR`: Redis
+/// hands `INCR`'s integer to Lua as a double, exact only up to 2^53, so neither the stored
+/// value nor the reply ever goes through a Lua number (fences are exact up to `i64::MAX`, where
+/// `INCR` fails). A refused attempt also consumes a number: grants' fences still strictly
 /// increase, with gaps (one command less than checking `EXISTS` first). An unusable counter
 /// (wrong type, overflow) fails the script before anything is written.
 ///
@@ -34,11 +37,12 @@ use redis::Script;
 /// TTL), so that the release hands over. A waiter that gets the lock leaves the queue in the same
 /// step, and marks its own value when others are still queued.
 const ACQUIRE: &str = r"
-local fence = redis.pcall('INCR', KEYS[2])
-if type(fence) == 'table' then
-  return redis.error_reply('distlock fence counter: ' .. tostring(fence.err))
+local incr = redis.pcall('INCR', KEYS[2])
+if type(incr) == 'table' then
+  return redis.error_reply('distlock fence counter: ' .. tostring(incr.err))
 end
-if redis.call('SET', KEYS[1], ARGV[1] .. string.format('%d', fence), 'NX', 'PX', ARGV[2]) then
+local fence = redis.call('GET', KEYS[2])
+if redis.call('SET', KEYS[1], ARGV[1] .. fence, 'NX', 'PX', ARGV[2]) then
   if KEYS[3] then
     redis.call('ZREM', KEYS[3], ARGV[3], unpack(ARGV, 6))
     if redis.call('ZCARD', KEYS[3]) > 0 then
@@ -68,14 +72,15 @@ if KEYS[3] then
   redis.call('ZADD', KEYS[3], ms + tonumber(ARGV[4]), ARGV[3])
   redis.call('PEXPIRE', KEYS[3], ARGV[4])
 end
-return tostring(redis.call('PTTL', KEYS[1]))
+return redis.call('PTTL', KEYS[1])
 ";
 
 /// Hands a just-freed lock to the oldest live waiter. Expects the locals `lock`, `queue`,
 /// `counter` (key names) and `channel` (the wake channel prefix, `distlock\x1fwake:`).
 ///
 /// Drops expired registrations and pops the one that expires first. A member with a grant
-/// token gets the lock in this same atomic step: a new fence from the counter, its value
+/// token gets the lock in this same atomic step: a new fence from the counter (its string, read
+/// back after `INCR`, never a Lua number: see [`ACQUIRE`]), its value
 /// `<grant token hex>:<fence>` (marked `:w` when others still wait) with its TTL, and the
 /// message `<waiter id>:<seq>:<fence>` on its client's channel; the waiter holds the lock from
 /// that message alone. An old-form member (or any member when the counter is unusable) gets
@@ -92,18 +97,20 @@ macro_rules! grant_next {
       string.match(first[1], '^(%x+):(%d+):(%d+):(%d+):(%x+)$')
     local fence = nil
     if client and #ttl <= 12 and tonumber(ttl) > 0 and #owner == 32 then
-      fence = redis.pcall('INCR', counter)
+      if type(redis.pcall('INCR', counter)) == 'number' then
+        fence = redis.call('GET', counter)
+      end
     else
       client, waiter = string.match(first[1], '^(%x+):(%d+)')
     end
-    if type(fence) == 'number' then
-      local value = owner .. ':' .. string.format('%d', fence)
+    if fence then
+      local value = owner .. ':' .. fence
       if redis.call('ZCARD', queue) > 0 then
         value = value .. ':w'
       end
       redis.call('SET', lock, value, 'PX', ttl)
       redis.call('PUBLISH', channel .. client,
-        waiter .. ':' .. seq .. ':' .. string.format('%d', fence))
+        waiter .. ':' .. seq .. ':' .. fence)
     elseif client then
       redis.call('PUBLISH', channel .. client, waiter)
     end

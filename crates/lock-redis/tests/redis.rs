@@ -1141,3 +1141,89 @@ async fn a_waiter_that_times_out_has_left_the_queue_when_acquire_returns() {
     assert!(lock.release(&holder).await.unwrap());
     assert!(lock.inspect(&key).await.unwrap().is_none());
 }
+
+/// `{<lock key>}\x1ffence`: the fence counter of a key without a hash tag.
+fn fence_key(lock: &RedisLock, key: &LockKey) -> String {
+    format!("{{{}}}\x1ffence", lock.redis_key(key))
+}
+
+/// Checks one grant of `key` to `lease` against what Redis stored: the counter and the lock's
+/// value carry exactly the lease's fence.
+async fn assert_stored_fence(
+    admin: &mut MultiplexedConnection,
+    lock: &RedisLock,
+    lease: &lock_core::Lease,
+) {
+    let fence = lease.fencing_token().unwrap().get();
+    let counter = get(admin, fence_key(lock, lease.key()).as_bytes()).await;
+    assert_eq!(counter, Some(fence.to_string().into_bytes()), "the counter");
+    let value = get(admin, lock.redis_key(lease.key()).as_bytes())
+        .await
+        .expect("the lock key");
+    let value = String::from_utf8(value).unwrap();
+    let value = value.strip_suffix(":w").unwrap_or(&value);
+    assert_eq!(
+        value,
+        format!("{}:{fence}", lease.token().expose_hex()),
+        "the stored value"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fences_above_2_pow_53_are_exact_and_strictly_increase() {
+    let Some((url, lock, mut admin)) = shared().await else {
+        return;
+    };
+    let key = fresh_key("fence-precision");
+    // 2^53 (an operator bumping the counter, or a very long-lived lock): from here on, a double
+    // holds only every other integer, so grants through one would repeat fences.
+    let start: u64 = 1 << 53;
+    redis::cmd("SET")
+        .arg(fence_key(&lock, &key))
+        .arg(start)
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    let mut previous = start;
+    for _ in 0..4 {
+        let lease = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+        let fence = lease.fencing_token().unwrap().get();
+        assert!(fence > previous, "fence {fence} after {previous}");
+        assert_stored_fence(&mut admin, &lock, &lease).await;
+        previous = fence;
+        assert!(lock.release(&lease).await.unwrap());
+    }
+    // The direct hand-off mints its fence in the release script and publishes it.
+    let holder = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    assert!(holder.fencing_token().unwrap().get() > previous);
+    let waiter_client = RedisLock::connect_url(&url).await.unwrap();
+    let waiter = queued_waiter(&waiter_client, &key, LONG, &mut admin).await;
+    assert!(lock.release(&holder).await.unwrap());
+    let granted = timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter was not granted the lock")
+        .unwrap();
+    assert!(granted.fencing_token() > holder.fencing_token());
+    assert_stored_fence(&mut admin, &lock, &granted).await;
+    assert_eq!(
+        lock.inspect(&key).await.unwrap().unwrap().fencing_token,
+        granted.fencing_token()
+    );
+    assert!(waiter_client.release(&granted).await.unwrap());
+    // The counter's whole range is exact, up to i64::MAX; past it a grant fails, typed, and
+    // leaves no lock.
+    let max = i64::MAX as u64;
+    redis::cmd("SET")
+        .arg(fence_key(&lock, &key))
+        .arg(max - 1)
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    let last = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    assert_eq!(last.fencing_token(), Some(FencingToken(max)));
+    assert_stored_fence(&mut admin, &lock, &last).await;
+    assert!(lock.release(&last).await.unwrap());
+    let err = lock.try_acquire(&key, LONG).await.unwrap_err();
+    assert!(matches!(err, Error::Backend { .. }), "{err}");
+    assert!(!exists(&mut admin, &lock.redis_key(&key)).await);
+}
