@@ -71,6 +71,15 @@ impl TableName {
         };
         if let Some(schema) = schema {
             check_identifier(schema)?;
+            // `pg_temp` names the session's own temporary schema: a table there is private to
+            // one connection and excludes nobody.
+            let lower = schema.to_ascii_lowercase();
+            if lower.starts_with("pg_temp") || lower.starts_with("pg_toast_temp") {
+                return Err(Error::Config(format!(
+                    "table name {name:?}: {schema} is a temporary schema (a table there is \
+                     private to one session and cannot exclude anyone)"
+                )));
+            }
         }
         check_identifier(table)?;
         Ok(Self {
@@ -392,6 +401,8 @@ mod tests {
             "postgres://h/db?table=\"x\"",
             "postgres://h/db?table=a.b.c",
             "postgres://h/db?table=1abc",
+            "postgres://h/db?table=pg_temp.x",
+            "postgres://h/db?table=PG_TEMP_3.x",
             "redis://h/db",
             "not a url",
         ] {

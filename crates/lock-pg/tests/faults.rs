@@ -1,0 +1,301 @@
+//! Regression tests for the outside review of December 2026 (findings S3, S5, S6, L3, L8–L10)
+//! against the real server from `DISTLOCK_TEST_PG_URL`, some through the drill proxy.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed expectation is a failed test
+
+use std::{sync::Arc, time::Duration};
+
+use conformance::{backend_url, drill::Proxy, fresh_key};
+use lock_core::{DistributedLock, Error};
+use lock_pg::{PgLock, sqlx};
+use tokio::time::{Instant, sleep, timeout};
+
+const LONG: Duration = Duration::from_secs(30);
+
+fn url_with(url: &str, query: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}{query}")
+}
+
+fn suffix() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}
+
+async fn admin(url: &str) -> sqlx::PgPool {
+    sqlx::PgPool::connect(url).await.expect("admin pool")
+}
+
+async fn exec(pool: &sqlx::PgPool, sql: String) {
+    sqlx::query(sqlx::AssertSqlSafe(sql))
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+/// Waits until `n` backends of `app` sleep in a trigger.
+async fn wait_sleeping(pool: &sqlx::PgPool, app: &str) {
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (n,): (i64,) = sqlx::query_as(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 \
+             AND wait_event = 'PgSleep'",
+        )
+        .bind(app)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if n > 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < until,
+            "the statement never reached the trigger"
+        );
+        sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// S5: a `force_release` whose connection dies while its statement runs (the statement goes on
+/// and commits: the holder removed, the lock granted to the queued waiter) is re-sent on a new
+/// connection; the re-sent statement must not remove the waiter's brand-new grant as well. A
+/// trigger keeps the operator's statement running long enough to cut its connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_force_release_whose_reply_was_lost_removes_only_the_holder_it_saw() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let sfx = suffix();
+    let (table, func, app) = (
+        format!("distlock_fr_{sfx}"),
+        format!("distlock_fr_slow_{sfx}"),
+        format!("distlock_op_{sfx}"),
+    );
+    let url = url_with(&url, &format!("table={table}"));
+    let (proxy, proxied) = Proxy::start_for_url(&url).await.unwrap();
+    let operator = PgLock::connect_url(&url_with(
+        &proxied,
+        &format!("op_timeout=10s&pool_size=1&application_name={app}"),
+    ))
+    .await
+    .unwrap();
+    let holder = Arc::new(PgLock::connect_url(&url).await.unwrap());
+    let waiter = Arc::new(PgLock::connect_url(&url).await.unwrap());
+    let pool = admin(&url).await;
+    exec(
+        &pool,
+        format!(
+            "CREATE FUNCTION \"{func}\"() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+             IF current_setting('application_name') = '{app}' THEN PERFORM pg_sleep(1.5); \
+             END IF; RETURN NULL; END $$"
+        ),
+    )
+    .await;
+    exec(
+        &pool,
+        format!(
+            "CREATE TRIGGER slow AFTER UPDATE ON \"{table}\" FOR EACH ROW \
+             EXECUTE FUNCTION \"{func}\"()"
+        ),
+    )
+    .await;
+    let key = fresh_key("force-retry");
+
+    let x = holder.try_acquire(&key, LONG).await.unwrap().unwrap();
+    let w = {
+        let (waiter, key) = (waiter.clone(), key.clone());
+        tokio::spawn(async move { waiter.acquire(&key, LONG, Instant::now() + LONG).await })
+    };
+    let until = Instant::now() + Duration::from_secs(10);
+    while holder.inspect(&key).await.unwrap().and_then(|i| i.waiters) != Some(1) {
+        assert!(Instant::now() < until, "the waiter never queued");
+        sleep(Duration::from_millis(10)).await;
+    }
+    let forced = {
+        let key = key.clone();
+        tokio::spawn(async move { operator.force_release(&key).await })
+    };
+    // The statement runs (in the trigger): its connection dies, the statement commits anyway.
+    wait_sleeping(&pool, &app).await;
+    proxy.reset();
+    let w = timeout(Duration::from_secs(10), w)
+        .await
+        .expect("W is granted the lock by the forced statement")
+        .unwrap()
+        .unwrap();
+    assert!(w.fencing_token() > x.fencing_token());
+    let removed = timeout(Duration::from_secs(20), forced)
+        .await
+        .expect("no hang")
+        .unwrap();
+    println!("force_release returned {removed:?}");
+    let now = holder.inspect(&key).await.unwrap();
+    assert_eq!(
+        now.as_ref().and_then(|i| i.fencing_token),
+        w.fencing_token(),
+        "the re-sent force_release removed W's grant too: {now:?}"
+    );
+    assert!(holder.try_acquire(&key, LONG).await.unwrap().is_none());
+    assert!(waiter.release(&w).await.unwrap());
+    exec(&pool, format!("DROP TABLE \"{table}\"")).await;
+    exec(&pool, format!("DROP FUNCTION \"{func}\"()")).await;
+}
+
+/// S6: with a session default of `synchronous_commit = off` (as a role or database default
+/// gives), every grant, renewal and durable release still commits synchronously. A deferred
+/// constraint trigger records the setting each write of the lease table commits with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grants_commit_durably_whatever_the_session_default() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let sfx = suffix();
+    let (table, log, func) = (
+        format!("distlock_sync_{sfx}"),
+        format!("distlock_sync_log_{sfx}"),
+        format!("distlock_sync_fn_{sfx}"),
+    );
+    let base = url_with(
+        &url,
+        &format!("table={table}&options[synchronous_commit]=off"),
+    );
+    // `a` releases durably; `b` keeps the default asynchronous release.
+    let a = Arc::new(
+        PgLock::connect_url(&url_with(&base, "async_release=false"))
+            .await
+            .unwrap(),
+    );
+    let b = PgLock::connect_url(&base).await.unwrap();
+    let pool = admin(&url).await;
+    exec(
+        &pool,
+        format!("CREATE TABLE \"{log}\" (kind text NOT NULL, setting text NOT NULL)"),
+    )
+    .await;
+    exec(
+        &pool,
+        format!(
+            "CREATE FUNCTION \"{func}\"() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+             INSERT INTO \"{log}\" VALUES (CASE \
+                 WHEN TG_OP = 'INSERT' OR NEW.fence <> OLD.fence THEN 'grant' \
+                 WHEN NEW.owner IS NULL THEN 'free' \
+                 WHEN NEW.expires_at <> OLD.expires_at THEN 'extend' \
+                 ELSE 'queue' END, current_setting('synchronous_commit')); \
+             RETURN NULL; END $$"
+        ),
+    )
+    .await;
+    exec(
+        &pool,
+        format!(
+            "CREATE CONSTRAINT TRIGGER at_commit AFTER INSERT OR UPDATE ON \"{table}\" \
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION \"{func}\"()"
+        ),
+    )
+    .await;
+    let key = fresh_key("sync-commit");
+    // Bare upsert (insert), renewal, durable release.
+    let mut lease = a.try_acquire(&key, LONG).await.unwrap().unwrap();
+    a.renew(&mut lease, LONG).await.unwrap();
+    assert!(a.release(&lease).await.unwrap());
+    // A waiter's polled grant (update of a free row).
+    let lease = a.acquire(&key, LONG, Instant::now() + LONG).await.unwrap();
+    // A direct grant made by b's (asynchronous) release to a's queued waiter.
+    assert!(a.release(&lease).await.unwrap());
+    let held = b.try_acquire(&key, LONG).await.unwrap().unwrap();
+    let waiting = {
+        let (a, key) = (a.clone(), key.clone());
+        tokio::spawn(async move { a.acquire(&key, LONG, Instant::now() + LONG).await })
+    };
+    let until = Instant::now() + Duration::from_secs(10);
+    while b.inspect(&key).await.unwrap().and_then(|i| i.waiters) != Some(1) {
+        assert!(Instant::now() < until, "the waiter never queued");
+        sleep(Duration::from_millis(10)).await;
+    }
+    assert!(b.release(&held).await.unwrap());
+    let granted = waiting.await.unwrap().unwrap();
+    // A force release that frees the lock.
+    assert!(b.force_release(&key).await.unwrap());
+    assert!(a.release(&granted).await.is_ok());
+
+    let rows: Vec<(String, String)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT kind, setting FROM \"{log}\""
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let grants = rows.iter().filter(|(kind, _)| kind == "grant").count();
+    assert!(grants >= 3, "{rows:?}");
+    assert!(rows.iter().any(|(kind, _)| kind == "extend"), "{rows:?}");
+    for (kind, setting) in &rows {
+        if kind != "queue" && !(kind == "free" && setting == "off") {
+            assert_ne!(
+                setting, "off",
+                "a {kind} committed asynchronously: {rows:?}"
+            );
+        }
+    }
+    // a's releases (async_release=false) freed the lock durably.
+    assert!(
+        rows.iter()
+            .filter(|(k, s)| k == "free" && s != "off")
+            .count()
+            >= 2,
+        "{rows:?}"
+    );
+    exec(&pool, format!("DROP TABLE \"{table}\", \"{log}\"")).await;
+    exec(&pool, format!("DROP FUNCTION \"{func}\"()")).await;
+}
+
+/// S6: an UNLOGGED lease table (emptied by a crash: fences restart) and a temporary one
+/// (private to one session: no exclusion) are refused with a configuration error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unlogged_and_temporary_lease_tables_are_refused() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let table = format!("distlock_unlogged_{}", suffix());
+    let pool = admin(&url).await;
+    exec(
+        &pool,
+        format!(
+            "CREATE UNLOGGED TABLE \"{table}\" (name text PRIMARY KEY, owner text, \
+             fence bigint NOT NULL, expires_at timestamptz NOT NULL, \
+             waiters text[] NOT NULL DEFAULT '{{}}')"
+        ),
+    )
+    .await;
+    let err = PgLock::connect_url(&url_with(&url, &format!("table={table}")))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Config(m) if m.contains("UNLOGGED")),
+        "{err}"
+    );
+    exec(&pool, format!("DROP TABLE \"{table}\"")).await;
+
+    let err = PgLock::connect_url(&url_with(&url, "table=pg_temp.distlock_leases"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err}");
+    // A temporary table that shadows the name through the search path is refused too.
+    let temp = format!("distlock_temp_{}", suffix());
+    let shadowed = url_with(
+        &url,
+        &format!("table={temp}&options[search_path]=pg_temp,public"),
+    );
+    match PgLock::connect_url(&shadowed).await {
+        Err(Error::Config(_)) => {}
+        Ok(lock) => {
+            // Created as a regular table: it must then be a logged one.
+            let (p,): (String,) =
+                sqlx::query_as("SELECT relpersistence::text FROM pg_class WHERE relname = $1")
+                    .bind(&temp)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            assert_eq!(p, "p");
+            drop(lock);
+            exec(&pool, format!("DROP TABLE \"{temp}\"")).await;
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
