@@ -299,3 +299,186 @@ async fn unlogged_and_temporary_lease_tables_are_refused() {
         Err(e) => panic!("{e}"),
     }
 }
+
+/// S3: a grant whose reply arrives after the lease's local deadline (the proxy delays every
+/// chunk by more than half the TTL) is never handed out: `try_acquire` answers a temporary
+/// error, `acquire` keeps trying until its deadline, and neither returns an expired lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_whose_reply_comes_after_its_local_deadline_is_not_returned() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let (proxy, proxied) = Proxy::start_for_url(&url).await.unwrap();
+    let a = PgLock::connect_url(&url_with(&proxied, "pool_size=1&listen=false"))
+        .await
+        .unwrap();
+    let key = fresh_key("late-reply");
+    // Prepares the statements on a's one connection.
+    let warm = a.try_acquire(&key, LONG).await.unwrap().unwrap();
+    assert!(a.release(&warm).await.unwrap());
+    let warm = a.acquire(&key, LONG, Instant::now() + LONG).await.unwrap();
+    assert!(a.release(&warm).await.unwrap());
+
+    proxy.delay(Duration::from_millis(250));
+    let ttl = Duration::from_millis(300);
+    match timeout(Duration::from_secs(20), a.try_acquire(&key, ttl))
+        .await
+        .expect("no hang")
+    {
+        Ok(Some(lease)) => panic!(
+            "try_acquire returned a lease {:?} past its local deadline",
+            lease.local_deadline().elapsed()
+        ),
+        Ok(None) => panic!("nobody else holds the key"),
+        Err(e) => assert!(
+            matches!(e, Error::Unavailable { .. }) && e.is_temporary(),
+            "{e}"
+        ),
+    }
+    let deadline = Instant::now() + Duration::from_secs(2);
+    match timeout(Duration::from_secs(20), a.acquire(&key, ttl, deadline))
+        .await
+        .expect("no hang")
+    {
+        Ok(lease) => panic!(
+            "acquire returned a lease {:?} past its local deadline",
+            lease.local_deadline().elapsed()
+        ),
+        Err(e) => assert!(e.is_temporary(), "{e}"),
+    }
+    proxy.pass();
+}
+
+/// L9: an attempt whose statement completed but whose reply cannot be read (here: a fence the
+/// driver refuses) still undoes its grant, instead of leaving the key held for its TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_whose_reply_cannot_be_read_is_undone() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let a = PgLock::connect_url(&url).await.unwrap();
+    let pool = admin(&url).await;
+    let key = fresh_key("unreadable-reply");
+    sqlx::query(
+        "INSERT INTO distlock_leases (name, owner, fence, expires_at) \
+         VALUES ($1, NULL, -10, clock_timestamp())",
+    )
+    .bind(key.as_str())
+    .execute(&pool)
+    .await
+    .unwrap();
+    let err = a.try_acquire(&key, LONG).await.unwrap_err();
+    assert!(matches!(err, Error::Backend { .. }), "{err}");
+    let (owner,): (Option<String>,) =
+        sqlx::query_as("SELECT owner FROM distlock_leases WHERE name = $1")
+            .bind(key.as_str())
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        owner, None,
+        "the grant nobody can use holds the key for its TTL"
+    );
+}
+
+/// L10: an acquire whose statement is stuck on the server (behind another transaction's
+/// insert of the row) times out; the first undo finds nothing, and the statement commits its
+/// grant later. The undo keeps trying and removes it, long before the grant's 30 s TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_outcome_that_commits_after_the_first_undo_is_still_undone() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let a = PgLock::connect_url(&url_with(&url, "op_timeout=500ms"))
+        .await
+        .unwrap();
+    let b = PgLock::connect_url(&url).await.unwrap();
+    let pool = admin(&url).await;
+    let key = fresh_key("late-commit");
+    let warm = a.try_acquire(&key, LONG).await.unwrap().unwrap();
+    assert!(a.release(&warm).await.unwrap());
+    let other = fresh_key("late-commit");
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query(
+        "INSERT INTO distlock_leases (name, owner, fence, expires_at) \
+         VALUES ($1, NULL, 1, clock_timestamp())",
+    )
+    .bind(other.as_str())
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let err = a.try_acquire(&other, LONG).await.unwrap_err();
+    assert!(matches!(err, Error::Indeterminate { .. }), "{err}");
+    // The stuck statement goes on and grants as soon as the row is there.
+    tx.commit().await.unwrap();
+    let got = b
+        .acquire(&other, LONG, Instant::now() + Duration::from_secs(8))
+        .await
+        .expect("the grant that committed after the first undo was never undone");
+    assert!(b.release(&got).await.unwrap());
+}
+
+/// L3: `acquire(deadline = now + 1 s)` against a server that stopped answering (the proxy
+/// blackholes every byte) returns `Timeout` by the deadline plus a small slack — both when the
+/// first attempt is stuck and when a queued waiter's leaving is — instead of a whole
+/// `op_timeout` per request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquire_against_a_frozen_server_ends_by_its_deadline() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    // The slack: the leaving of a queued waiter may take 250 ms past the deadline; the rest is
+    // scheduling on a loaded machine.
+    const SLACK: Duration = Duration::from_millis(750);
+    let (proxy, proxied) = Proxy::start_for_url(&url).await.unwrap();
+    let a = Arc::new(PgLock::connect_url(&proxied).await.unwrap());
+    let b = PgLock::connect_url(&url).await.unwrap();
+    let key = fresh_key("frozen");
+    let ttl = Duration::from_secs(2);
+    let warm = a.try_acquire(&key, ttl).await.unwrap().unwrap();
+    assert!(a.release(&warm).await.unwrap());
+
+    // A stuck attempt.
+    proxy.blackhole();
+    let start = Instant::now();
+    let err = timeout(
+        Duration::from_secs(30),
+        a.acquire(&key, ttl, start + Duration::from_secs(1)),
+    )
+    .await
+    .expect("no hang")
+    .unwrap_err();
+    let took = start.elapsed();
+    println!("stuck attempt: {err} after {took:?}");
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    assert!(took < Duration::from_secs(1) + SLACK, "{took:?}");
+
+    // A queued waiter whose server freezes while it waits.
+    proxy.pass();
+    let held = b.try_acquire(&key, LONG).await.unwrap().unwrap();
+    let start = Instant::now();
+    let waiting = {
+        let (a, key) = (a.clone(), key.clone());
+        tokio::spawn(async move { a.acquire(&key, ttl, start + Duration::from_secs(1)).await })
+    };
+    let until = Instant::now() + Duration::from_secs(5);
+    while b.inspect(&key).await.unwrap().and_then(|i| i.waiters) != Some(1) {
+        if Instant::now() > until {
+            break; // not queued (LISTEN slow): the test still bounds the wait below
+        }
+        sleep(Duration::from_millis(10)).await;
+    }
+    proxy.blackhole();
+    let err = timeout(Duration::from_secs(30), waiting)
+        .await
+        .expect("no hang")
+        .unwrap()
+        .unwrap_err();
+    let took = start.elapsed();
+    println!("queued waiter: {err} after {took:?}");
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    assert!(took < Duration::from_secs(1) + SLACK, "{took:?}");
+    proxy.reset();
+    proxy.pass();
+    assert!(b.release(&held).await.unwrap());
+}
