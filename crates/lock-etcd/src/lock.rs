@@ -168,6 +168,26 @@ struct Entry {
 }
 
 impl Entry {
+    /// The attempt's put (Go's `tryAcquire` txn): put our key if it does not exist and read the
+    /// oldest key of the range, else read our key. Conditional on the attempt's marker too:
+    /// once a withdrawal wrote it, this put can never apply, however late it arrives (review L1).
+    fn put_txn(&self) -> Txn {
+        Txn::new()
+            .when([
+                Compare::create_revision(self.key.clone(), CompareOp::Equal, 0),
+                Compare::create_revision(self.marker.clone(), CompareOp::Equal, 0),
+            ])
+            .and_then([
+                TxnOp::put(
+                    self.key.clone(),
+                    self.token.expose_hex(),
+                    Some(PutOptions::new().with_lease(self.session.id)),
+                ),
+                TxnOp::get(self.name.clone(), Some(first_create())),
+            ])
+            .or_else([TxnOp::get(self.key.clone(), None)])
+    }
+
     /// Deletes the entry now, bounded by `until` (falling back to background retries when that
     /// fails).
     async fn discard(mut self, until: Instant) {
@@ -784,22 +804,7 @@ impl Inner {
                 marker: keys::attempt_marker(&self.config.prefix, &token.expose_hex()),
                 armed: true,
             };
-            // Conditional on the attempt's marker too: once a clean-up wrote it, this put can
-            // never apply, however late it arrives (review L1).
-            let txn = Txn::new()
-                .when([
-                    Compare::create_revision(entry.key.clone(), CompareOp::Equal, 0),
-                    Compare::create_revision(entry.marker.clone(), CompareOp::Equal, 0),
-                ])
-                .and_then([
-                    TxnOp::put(
-                        entry.key.clone(),
-                        entry.token.expose_hex(),
-                        Some(PutOptions::new().with_lease(entry.session.id)),
-                    ),
-                    TxnOp::get(name.clone(), Some(first_create())),
-                ])
-                .or_else([TxnOp::get(entry.key.clone(), None)]);
+            let txn = entry.put_txn();
             Counters::bump(&self.counters.txn);
             match error::request_until(self.timeout(), until, self.client.kv_client().txn(txn))
                 .await
@@ -1557,5 +1562,74 @@ impl fmt::Debug for EtcdLock {
             .field("prefix", &self.inner.config.prefix)
             .field("sessions", &self.session_count())
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    /// Review L1 at the level of the requests: a withdrawal of an attempt whose put is still on
+    /// its way makes that put harmless whenever it lands (after: it fails; before: the
+    /// withdrawal deleted it), so no ghost entry can be left on the shared lease.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_withdrawn_put_never_applies_late() {
+        let Some(url) = conformance::backend_url("DISTLOCK_TEST_ETCD_URL") else {
+            return;
+        };
+        let lock = EtcdLock::connect_url(&url).await.unwrap();
+        let ttl = Duration::from_secs(20);
+        let anchor = lock
+            .try_acquire(
+                &LockKey::new(format!("l1-anchor-{:x}", rand::random::<u64>())).unwrap(),
+                ttl,
+            )
+            .await
+            .unwrap()
+            .unwrap();
+        let inner = &lock.inner;
+        let session = anchor.backend_state::<Arc<Held>>().unwrap().session.clone();
+        let kv = inner.client.kv_client();
+        for late in [true, false] {
+            let key = LockKey::new(format!("l1-late-{:x}", rand::random::<u64>())).unwrap();
+            let name = keys::name_prefix(&inner.config.prefix, &key);
+            let token = OwnershipToken::generate();
+            assert!(session.try_add_user(&name));
+            let mut entry = Entry {
+                inner: inner.clone(),
+                session: session.clone(),
+                key: keys::entry_key(&name, session.id),
+                name: name.clone(),
+                token,
+                rev: 0,
+                marker: keys::attempt_marker(&inner.config.prefix, &token.expose_hex()),
+                armed: false,
+            };
+            let put = entry.put_txn();
+            if !late {
+                // The put lands first, then the withdrawal runs.
+                assert!(kv.clone().txn(put.clone()).await.unwrap().succeeded());
+            }
+            let target = Target::of(&entry);
+            inner
+                .remove_entry(&target, Instant::now() + Duration::from_secs(5))
+                .await
+                .unwrap();
+            if late {
+                // The put lands after the withdrawal.
+                assert!(
+                    !kv.clone().txn(put).await.unwrap().succeeded(),
+                    "a put that arrived after its withdrawal applied"
+                );
+            }
+            let left = kv.clone().get(entry.key.clone(), None).await.unwrap();
+            assert!(
+                left.kvs().is_empty(),
+                "late = {late}: a ghost entry is left"
+            );
+            entry.armed = false;
+        }
+        assert!(lock.release(&anchor).await.unwrap());
     }
 }

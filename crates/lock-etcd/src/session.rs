@@ -340,3 +340,131 @@ fn out_of_budget() -> RequestError {
         source: "no keepalive answer within the caller's deadline".into(),
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    async fn etcd() -> Option<etcd_client::Client> {
+        let url = conformance::backend_url("DISTLOCK_TEST_ETCD_URL")?;
+        let cfg = crate::EtcdLockConfig::from_url(&url).unwrap();
+        let endpoints: Vec<String> = cfg
+            .endpoints
+            .iter()
+            .map(|e| format!("http://{e}"))
+            .collect();
+        Some(etcd_client::Client::connect(endpoints, None).await.unwrap())
+    }
+
+    /// Review S1: a keepalive whose caller is dropped at any point (before its request is
+    /// sent, while it is out, while its answer is being read) never leaves an answer behind
+    /// that a later keepalive would read as its own: after a revoke the next one says `Gone`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dropped_keepalive_never_answers_a_later_one() {
+        let Some(client) = etcd().await else { return };
+        let sent_at = Instant::now();
+        let granted = client.lease_client().grant(30, None).await.unwrap();
+        let session = Arc::new(Session::new(
+            Grant {
+                id: granted.id(),
+                requested_secs: 30,
+                granted: Duration::from_secs(30),
+                sent_at,
+            },
+            b"n/".to_vec(),
+            client.lease_client(),
+            Duration::from_secs(5),
+            Arc::new(Counters::default()),
+        ));
+        let far = || Instant::now() + Duration::from_secs(10);
+        // Opens the stream.
+        session
+            .keep_alive(Duration::ZERO, None, far())
+            .await
+            .unwrap();
+        // Cut points from "never polled" to "answer almost read".
+        for cut_us in [0, 1, 10, 50, 100, 200, 400, 700, 1_000, 2_000, 5_000] {
+            let base = session.ack();
+            let renewal = session.keep_alive(Duration::ZERO, Some(base), far());
+            let _ = tokio::time::timeout(Duration::from_micros(cut_us), renewal).await;
+        }
+        {
+            // Polled exactly once, then dropped.
+            let renewal = session.keep_alive(Duration::ZERO, Some(session.ack()), far());
+            let mut renewal = std::pin::pin!(renewal);
+            let _ = futures::poll!(renewal.as_mut());
+        }
+        // Every abandoned keepalive's answer has arrived by now (or been discarded).
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        client.lease_client().revoke(granted.id()).await.unwrap();
+        for _ in 0..3 {
+            let next = session
+                .keep_alive(Duration::ZERO, Some(session.ack()), far())
+                .await;
+            assert!(
+                matches!(next, Err(KeepAliveError::Gone)),
+                "a keepalive after the revoke answered {next:?}: it read an abandoned one's answer"
+            );
+        }
+    }
+
+    /// Review L3: callers that joined a keepalive that fails are all answered when it does,
+    /// and a caller's own budget bounds its wait.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn callers_waiting_on_a_stalled_keepalive_get_their_answer_by_their_budget() {
+        let Some(url) = conformance::backend_url("DISTLOCK_TEST_ETCD_URL") else {
+            return;
+        };
+        let (proxy, proxied) = conformance::drill::Proxy::start_for_url(&url)
+            .await
+            .unwrap();
+        let cfg = crate::EtcdLockConfig::from_url(&proxied).unwrap();
+        let client = etcd_client::Client::connect([format!("http://{}", cfg.endpoints[0])], None)
+            .await
+            .unwrap();
+        let sent_at = Instant::now();
+        let granted = client.lease_client().grant(30, None).await.unwrap();
+        let session = Arc::new(Session::new(
+            Grant {
+                id: granted.id(),
+                requested_secs: 30,
+                granted: Duration::from_secs(30),
+                sent_at,
+            },
+            b"n/".to_vec(),
+            client.lease_client(),
+            Duration::from_secs(5),
+            Arc::new(Counters::default()),
+        ));
+        session
+            .keep_alive(
+                Duration::ZERO,
+                None,
+                Instant::now() + Duration::from_secs(5),
+            )
+            .await
+            .unwrap();
+        proxy.blackhole();
+        let start = Instant::now();
+        let budget = Duration::from_millis(700);
+        let waits = (0..8).map(|_| {
+            let session = session.clone();
+            async move {
+                let r = session
+                    .keep_alive(Duration::ZERO, Some(session.ack()), start + budget)
+                    .await;
+                (r.is_err(), start.elapsed())
+            }
+        });
+        for (failed, took) in futures::future::join_all(waits).await {
+            assert!(failed, "a blackholed keepalive succeeded");
+            assert!(
+                took < budget + Duration::from_millis(500),
+                "waited {took:?}"
+            );
+        }
+        proxy.pass();
+        let _ = client.lease_client().revoke(granted.id()).await;
+    }
+}
