@@ -12,10 +12,15 @@
 
 use redis::Script;
 
-/// KEYS: lock, fence counter, and the waiter queue when the caller waits. ARGV: owner prefix
-/// (`<token hex>:`), ttl in ms, and when the caller waits: its new member, the registration's
-/// lifetime in ms, its grant prefix (`<grant token hex>:`) and then its earlier members that
-/// may still be queued.
+/// KEYS: lock, fence counter, the attempt's undo marker, and when the caller waits: the waiter
+/// queue and the undo marker of its grant prefix. ARGV: owner prefix (`<token hex>:`), ttl in
+/// ms, and when the caller waits: its new member, the registration's lifetime in ms, its grant
+/// prefix (`<grant token hex>:`) and then its earlier members that may still be queued (a
+/// bounded number).
+///
+/// An undo marker (see [`RELEASE`]) says that the clean-up of this attempt (or of the whole
+/// waiting `acquire`) has already run: the attempt arrived late, after its sender gave up on
+/// it, and does nothing at all (no grant, no registration; an error reply nobody reads).
 /// Returns the fence (a string of decimal digits) when granted to the owner prefix; `{fence}`
 /// (an array of one string) when a release had already granted the lock to the waiter's grant
 /// token (the wake-up was missed or crossed this attempt; the lock's TTL is then restarted, so
@@ -37,26 +42,29 @@ use redis::Script;
 /// TTL), so that the release hands over. A waiter that gets the lock leaves the queue in the same
 /// step, and marks its own value when others are still queued.
 const ACQUIRE: &str = r"
+if redis.call('EXISTS', KEYS[3]) == 1 or (KEYS[5] and redis.call('EXISTS', KEYS[5]) == 1) then
+  return redis.error_reply('distlock: a late attempt, already undone by its clean-up')
+end
 local incr = redis.pcall('INCR', KEYS[2])
 if type(incr) == 'table' then
   return redis.error_reply('distlock fence counter: ' .. tostring(incr.err))
 end
 local fence = redis.call('GET', KEYS[2])
 if redis.call('SET', KEYS[1], ARGV[1] .. fence, 'NX', 'PX', ARGV[2]) then
-  if KEYS[3] then
-    redis.call('ZREM', KEYS[3], ARGV[3], unpack(ARGV, 6))
-    if redis.call('ZCARD', KEYS[3]) > 0 then
+  if KEYS[4] then
+    redis.call('ZREM', KEYS[4], ARGV[3], unpack(ARGV, 6))
+    if redis.call('ZCARD', KEYS[4]) > 0 then
       redis.call('APPEND', KEYS[1], ':w')
     end
   end
   return fence
 end
-if KEYS[3] then
+if KEYS[4] then
   local value = redis.pcall('GET', KEYS[1])
   if type(value) == 'string' then
     if string.sub(value, 1, #ARGV[5]) == ARGV[5] then
       redis.call('PEXPIRE', KEYS[1], ARGV[2])
-      redis.call('ZREM', KEYS[3], ARGV[3], unpack(ARGV, 6))
+      redis.call('ZREM', KEYS[4], ARGV[3], unpack(ARGV, 6))
       return {string.match(value, '^%x+:(%d+)')}
     end
     if string.find(value, '^%x+:%d+$') and string.sub(value, 33, 33) == ':'
@@ -65,12 +73,12 @@ if KEYS[3] then
     end
   end
   if #ARGV > 5 then
-    redis.call('ZREM', KEYS[3], unpack(ARGV, 6))
+    redis.call('ZREM', KEYS[4], unpack(ARGV, 6))
   end
   local now = redis.call('TIME')
   local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-  redis.call('ZADD', KEYS[3], ms + tonumber(ARGV[4]), ARGV[3])
-  redis.call('PEXPIRE', KEYS[3], ARGV[4])
+  redis.call('ZADD', KEYS[4], ms + tonumber(ARGV[4]), ARGV[3])
+  redis.call('PEXPIRE', KEYS[4], ARGV[4])
 end
 return redis.call('PTTL', KEYS[1])
 ";
@@ -137,17 +145,25 @@ end
 return out
 ";
 
-/// KEYS: lock, waiter queue, fence counter. ARGV: owner prefix, wake channel prefix, then
-/// waiter queue members to remove first (a waiter that gives up passes its members and its
-/// grant prefix, so a grant that crossed its leaving is passed on). Returns 1 when deleted,
-/// 0 when not ours. Never deletes another owner's lock. Hands over only when a waiter marked
-/// the value (`:w`, see [`ACQUIRE`]): without waiters a release costs no more than `GET` +
-/// `DEL`.
+/// KEYS: lock, waiter queue, fence counter, and for the clean-up of a request whose outcome is
+/// unknown, the undo marker of the owner prefix. ARGV: owner prefix, wake channel prefix, the
+/// marker's lifetime in ms (ignored without the marker), then waiter queue members to remove
+/// first (a waiter that gives up passes its members and its grant prefix, so a grant that
+/// crossed its leaving is passed on). Returns 1 when deleted, 0 when not ours. Never deletes
+/// another owner's lock. Hands over only when a waiter marked the value (`:w`, see
+/// [`ACQUIRE`]): without waiters a release costs no more than `GET` + `DEL`.
+///
+/// The marker makes a clean-up final once answered: a request it undoes that reaches the
+/// server only afterwards (delayed on a connection the client has since replaced) finds the
+/// marker and does nothing, so one answer, on whichever connection, is enough.
 const RELEASE: &str = concat!(
     r"
 local lock, queue, counter, channel = KEYS[1], KEYS[2], KEYS[3], ARGV[2]
-if #ARGV > 2 then
-  redis.call('ZREM', queue, unpack(ARGV, 3))
+if KEYS[4] then
+  redis.call('SET', KEYS[4], '1', 'PX', ARGV[3])
+end
+if #ARGV > 3 then
+  redis.pcall('ZREM', queue, unpack(ARGV, 4))
 end
 local value = redis.pcall('GET', lock)
 if type(value) == 'string' and string.sub(value, 1, #ARGV[1]) == ARGV[1] then

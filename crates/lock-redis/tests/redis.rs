@@ -1227,3 +1227,116 @@ async fn fences_above_2_pow_53_are_exact_and_strictly_increase() {
     assert!(matches!(err, Error::Backend { .. }), "{err}");
     assert!(!exists(&mut admin, &lock.redis_key(&key)).await);
 }
+
+/// A port nobody listens on now, for a private server.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_whose_reply_comes_after_its_local_deadline_is_undone_never_returned() {
+    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+        return;
+    }
+    let server = OwnRedis::start(free_port()).await;
+    // Replies may take long, so that a late one is still read (and must be refused).
+    let url = format!("{}?response_timeout=10s", server.url());
+    let lock = RedisLock::connect_url(&url).await.unwrap();
+    let mut admin = admin(&server.url()).await;
+    let key = fresh_key("late-reply");
+    let redis_key = lock.redis_key(&key);
+    load_scripts(&lock).await;
+    let ttl = Duration::from_secs(1);
+    let stall = Duration::from_millis(1500);
+
+    // try_acquire: the server stalls longer than the TTL, then grants (its own TTL starts
+    // only then): the reply comes past the lease's local deadline.
+    server.signal("STOP");
+    let (result, ()) = tokio::join!(lock.try_acquire(&key, ttl), async {
+        sleep(stall).await;
+        server.signal("CONT");
+    });
+    let err = result.expect_err("a lease past its local deadline was returned");
+    assert!(matches!(err, Error::Unavailable { .. }), "{err}");
+    assert!(err.is_temporary());
+    // Undone before returning, long before the server's TTL would have freed it.
+    assert!(
+        !exists(&mut admin, &redis_key).await,
+        "the late grant was left behind: {err}"
+    );
+
+    // acquire: the late grant is undone and the wait goes on to a valid lease.
+    server.signal("STOP");
+    let (result, ()) = tokio::join!(
+        lock.acquire(&key, ttl, Instant::now() + Duration::from_secs(20)),
+        async {
+            sleep(stall).await;
+            server.signal("CONT");
+        }
+    );
+    let lease = result.unwrap();
+    assert!(lease.is_locally_valid());
+    assert_stored_fence(&mut admin, &lock, &lease).await;
+    assert!(lock.release(&lease).await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_script_error_after_the_grant_leaves_no_lock() {
+    let Some((url, lock, mut admin)) = shared().await else {
+        return;
+    };
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let waiter = RedisLock::connect_url(&format!("{url}{separator}max_poll_interval=60s"))
+        .await
+        .unwrap();
+    let key = fresh_key("script-error");
+    let redis_key = lock.redis_key(&key);
+    let queue = format!("{{{redis_key}}}\x1fwaiters");
+    // A foreign holder whose TTL wakes the waiter (no release, no fallback poll meanwhile).
+    redis::cmd("SET")
+        .arg(&redis_key)
+        .arg("foreign")
+        .arg("PX")
+        .arg(2000)
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    let mut waiting = Box::pin(waiter.acquire(&key, LONG, Instant::now() + LONG));
+    tokio::select! {
+        result = &mut waiting => panic!("the lock is held, yet: {result:?}"),
+        () = wait_until(
+            Duration::from_secs(10),
+            Duration::from_millis(5),
+            "the waiter never queued",
+            async || queued(&mut admin, &redis_key).await == 1,
+        ) => {}
+    }
+    // The queue key becomes a string: the waiter's next attempt is granted (`SET NX`), then
+    // its script fails on the queue; Lua does not roll the grant back.
+    redis::cmd("SET")
+        .arg(&queue)
+        .arg("not a queue")
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    let err = timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the waiter never tried again")
+        .unwrap_err();
+    assert!(matches!(err, Error::Backend { .. }), "{err}");
+    let counter = get(&mut admin, fence_key(&lock, &key).as_bytes()).await;
+    assert!(counter.is_some(), "no grant was attempted");
+    assert!(
+        !exists(&mut admin, &redis_key).await,
+        "a grant nobody holds was left behind"
+    );
+    redis::cmd("DEL")
+        .arg(&queue)
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+}
