@@ -114,9 +114,25 @@ fn id(w: &str) -> String {
     format!("split_part({w}, ' ', 1)")
 }
 
-/// The expiry (ms since the epoch) of queue entry `w`.
+/// The `<channel>:<number>` of a well-formed entry: a channel `pg_notify` accepts (1 to 63
+/// ASCII letters, digits or `_`) and a waiter number.
+const ENTRY_ID: &str = "[A-Za-z0-9_]{1,63}:[0-9]{1,20}";
+
+/// A well-formed queue entry: an older client's two fields, or all five of ours; the expiry and
+/// the TTL short enough to be a `bigint`.
+fn well_formed() -> String {
+    format!("^{ENTRY_ID} [0-9]{{1,18}}( [0-9]{{1,19}} [0-9]{{1,14}} [0-9a-f]{{32}})?$")
+}
+
+/// The expiry (ms since the epoch) of queue entry `w`; 0 (lapsed) for a malformed one — an entry
+/// some other tool wrote, a lapsed grant marker — so every reader skips it and the next write of
+/// the row drops it. Checked before the cast: one foreign entry must never make the row's
+/// statements fail.
 fn expiry(w: &str) -> String {
-    format!("split_part({w}, ' ', 2)::bigint")
+    format!(
+        "CASE WHEN {w} ~ '{}' THEN split_part({w}, ' ', 2)::bigint ELSE 0 END",
+        well_formed()
+    )
 }
 
 /// Whether row `l`'s queue has an entry with id `param`.
@@ -139,7 +155,7 @@ fn live_entries() -> String {
 /// clients' entries (two fields) cannot, nor can a malformed one, which a release must never
 /// fail on.
 fn grantable(w: &str) -> String {
-    format!("{w} ~ '^[^ ]+ [0-9]+ [0-9]+ [0-9]{{1,14}} [0-9a-f]{{32}}$'")
+    format!("{w} ~ '^{ENTRY_ID} [0-9]{{1,18}} [0-9]{{1,19}} [0-9]{{1,14}} [0-9a-f]{{32}}$'")
 }
 
 /// A statement that frees row `l` where `cond` holds: one `UPDATE`, whose `SET` is computed

@@ -482,3 +482,81 @@ async fn acquire_against_a_frozen_server_ends_by_its_deadline() {
     proxy.pass();
     assert!(b.release(&held).await.unwrap());
 }
+
+/// L8 (the scenario of the review's `malformed_entry.sh`, through the driver): entries some other
+/// tool wrote into a lock's queue — not parseable, a bigint overflow, a channel `pg_notify`
+/// refuses — are skipped and dropped by the next write; release, force release, queueing and
+/// inspect keep working on that row, and a release still hands the lock to the real waiter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_queue_entries_are_skipped_and_dropped() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let holder = PgLock::connect_url(&url).await.unwrap();
+    let waiter = Arc::new(PgLock::connect_url(&url).await.unwrap());
+    let pool = admin(&url).await;
+    let key = fresh_key("malformed-entry");
+    let far = "99999999999999"; // ms since the epoch, far in the future
+    let foreign = vec![
+        "some-tool-wrote-this".to_owned(),
+        "x:1 99999999999999999999999".to_owned(),
+        format!(":1 {far}"),
+        format!("{}:1 {far}", "c".repeat(64)),
+        format!("bad-channel:1 {far} 1 1000000 {}", "a".repeat(32)),
+        format!("x:1 {far} 1 99999999999999999 {}", "a".repeat(32)),
+    ];
+    let set_foreign = || {
+        sqlx::query("UPDATE distlock_leases SET waiters = $2 || waiters WHERE name = $1")
+            .bind(key.as_str())
+            .bind(foreign.clone())
+    };
+
+    // The holder releases and the operator force-releases a row with foreign entries.
+    let lease = holder.try_acquire(&key, LONG).await.unwrap().unwrap();
+    set_foreign().execute(&pool).await.unwrap();
+    let info = holder.inspect(&key).await.unwrap().expect("held");
+    assert_eq!(info.waiters, Some(0), "foreign entries are no waiters");
+    assert!(holder.release(&lease).await.unwrap());
+    let forced = holder.try_acquire(&key, LONG).await.unwrap().unwrap();
+    set_foreign().execute(&pool).await.unwrap();
+    assert!(holder.force_release(&key).await.unwrap());
+    assert!(!holder.release(&forced).await.unwrap());
+
+    // A waiter queues behind them and is granted the lock by the release.
+    let lease = holder.try_acquire(&key, LONG).await.unwrap().unwrap();
+    set_foreign().execute(&pool).await.unwrap();
+    let waits = {
+        let (waiter, key) = (waiter.clone(), key.clone());
+        tokio::spawn(async move { waiter.acquire(&key, LONG, Instant::now() + LONG).await })
+    };
+    let until = Instant::now() + Duration::from_secs(10);
+    while holder.inspect(&key).await.unwrap().and_then(|i| i.waiters) != Some(1) {
+        assert!(Instant::now() < until, "the waiter never queued");
+        sleep(Duration::from_millis(10)).await;
+    }
+    assert!(holder.release(&lease).await.unwrap());
+    let got = timeout(Duration::from_secs(10), waits)
+        .await
+        .expect("the release handed the lock to the waiter")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        holder
+            .inspect(&key)
+            .await
+            .unwrap()
+            .and_then(|i| i.fencing_token),
+        got.fencing_token()
+    );
+    let (waiters,): (Vec<String>,) =
+        sqlx::query_as("SELECT waiters FROM distlock_leases WHERE name = $1")
+            .bind(key.as_str())
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(
+        waiters.iter().all(|w| !foreign.contains(w)),
+        "foreign entries are dropped by the next write: {waiters:?}"
+    );
+    assert!(waiter.release(&got).await.unwrap());
+}
