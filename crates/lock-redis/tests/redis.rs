@@ -1340,3 +1340,147 @@ async fn a_script_error_after_the_grant_leaves_no_lock() {
         .await
         .unwrap();
 }
+
+/// A proxy in front of a private server that can reorder one request behind a reconnect: the
+/// next request after [`ReorderProxy::hold_next`] reaches the server `delay` late, and its
+/// connection is cut on the client's side at once (the client sees it dropped, reconnects and
+/// sends its clean-up on a new connection, which passes straight through).
+struct ReorderProxy {
+    port: u16,
+    hold: Arc<std::sync::atomic::AtomicBool>,
+    delivered: Arc<tokio::sync::Notify>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ReorderProxy {
+    async fn start(upstream: u16, delay: Duration) -> Self {
+        use std::sync::atomic::Ordering;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let hold = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let delivered = Arc::new(tokio::sync::Notify::new());
+        let (hold2, delivered2) = (hold.clone(), delivered.clone());
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    return;
+                };
+                let server = tokio::net::TcpStream::connect(("127.0.0.1", upstream))
+                    .await
+                    .unwrap();
+                let (mut client_r, mut client_w) = client.into_split();
+                let (mut server_r, mut server_w) = server.into_split();
+                let cut = Arc::new(tokio::sync::Notify::new());
+                let (hold, delivered, cut2) = (hold2.clone(), delivered2.clone(), cut.clone());
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    loop {
+                        let n = match client_r.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        if hold.swap(false, Ordering::AcqRel) {
+                            cut2.notify_one();
+                            sleep(delay).await;
+                            let _ = server_w.write_all(&buf[..n]).await;
+                            delivered.notify_one();
+                            // Keep the server's side open while it runs the request.
+                            sleep(Duration::from_secs(2)).await;
+                            return;
+                        }
+                        if server_w.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    loop {
+                        tokio::select! {
+                            () = cut.notified() => {
+                                let _ = client_w.shutdown().await;
+                                return;
+                            }
+                            read = server_r.read(&mut buf) => match read {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => {
+                                    if client_w.write_all(&buf[..n]).await.is_err() {
+                                        return;
+                                    }
+                                }
+                            },
+                        }
+                    }
+                });
+            }
+        });
+        Self {
+            port,
+            hold,
+            delivered,
+            task,
+        }
+    }
+
+    fn hold_next(&self) {
+        self.hold.store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
+impl Drop for ReorderProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_arrives_after_its_clean_up_on_a_new_connection_does_nothing() {
+    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+        return;
+    }
+    let server = OwnRedis::start(free_port()).await;
+    let proxy = ReorderProxy::start(server.port, Duration::from_millis(1000)).await;
+    let lock = RedisLock::connect_url(&format!(
+        "redis://127.0.0.1:{}?response_timeout=5s",
+        proxy.port
+    ))
+    .await
+    .unwrap();
+    let mut admin = admin(&server.url()).await;
+    let key = fresh_key("reordered");
+    let redis_key = lock.redis_key(&key);
+    load_scripts(&lock).await;
+    let warm = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    assert!(lock.release(&warm).await.unwrap());
+    let counter = get(&mut admin, fence_key(&lock, &key).as_bytes()).await;
+    let scripts = command_calls(&mut admin, "evalsha").await;
+
+    // The attempt's connection drops while the attempt is still on its way; the clean-up is
+    // answered on a new connection, and only then does the attempt reach the server.
+    let delivered = proxy.delivered.notified();
+    proxy.hold_next();
+    let err = lock.try_acquire(&key, LONG).await.unwrap_err();
+    assert!(matches!(err, Error::Indeterminate { .. }), "{err}");
+    timeout(Duration::from_secs(10), delivered)
+        .await
+        .expect("the held attempt was never delivered");
+    wait_until(
+        Duration::from_secs(10),
+        Duration::from_millis(10),
+        "the server never ran the late attempt",
+        async || command_calls(&mut admin, "evalsha").await >= scripts + 2,
+    )
+    .await;
+    assert!(
+        !exists(&mut admin, &redis_key).await,
+        "the late attempt granted a lock nobody holds"
+    );
+    assert_eq!(
+        get(&mut admin, fence_key(&lock, &key).as_bytes()).await,
+        counter,
+        "the late attempt ran"
+    );
+    let lease = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    assert!(lock.release(&lease).await.unwrap());
+}
