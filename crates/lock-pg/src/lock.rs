@@ -304,7 +304,7 @@ impl PgLock {
     /// URL requires), [`Error::Backend`] when it refuses the credentials, its TLS certificate is
     /// not trusted, or the table cannot be created or checked.
     pub async fn connect(config: PgLockConfig) -> Result<Self> {
-        let lock = Self::connect_lazy(config);
+        let lock = Self::connect_lazy(config)?;
         lock.inner.ensure_table().await?;
         Ok(lock)
     }
@@ -318,14 +318,18 @@ impl PgLock {
     }
 
     /// A client that connects on first use; no I/O here. The table is checked on first use.
-    pub fn connect_lazy(config: PgLockConfig) -> Self {
+    ///
+    /// # Errors
+    /// [`Error::Config`] when an option is out of bounds ([`PgLockConfig::validate`]).
+    pub fn connect_lazy(config: PgLockConfig) -> Result<Self> {
+        config.validate()?;
         let conns = ConnPool::new(
             config.connect_options().clone(),
             config.pool_size,
             config.connect_timeout,
         );
         let sql = Statements::new(&config.table);
-        Self {
+        Ok(Self {
             inner: Arc::new(Inner {
                 config,
                 conns,
@@ -336,7 +340,7 @@ impl PgLock {
                 renewals: Batcher::new(MAX_RENEW_BATCH),
                 statements: AtomicU64::new(0),
             }),
-        }
+        })
     }
 
     /// The configuration.
@@ -1453,7 +1457,7 @@ mod tests {
     fn debug_never_shows_the_password() {
         let config =
             PgLockConfig::from_url("postgres://app:hunter2@127.0.0.1:1/db?table=t").unwrap();
-        let lock = PgLock::connect_lazy(config);
+        let lock = PgLock::connect_lazy(config).unwrap();
         let shown = format!("{lock:?} {:?}", lock.inner.conns);
         assert!(!shown.contains("hunter2"), "{shown}");
         assert!(shown.contains("127.0.0.1"), "{shown}");
@@ -1482,5 +1486,78 @@ mod tests {
         ))));
         assert!(!is_connection_error(&sqlx::Error::RowNotFound));
         assert!(!is_connection_error(&sqlx::Error::PoolTimedOut));
+    }
+
+    fn duration() -> impl proptest::strategy::Strategy<Value = Duration> {
+        use proptest::prelude::*;
+        prop_oneof![
+            Just(Duration::ZERO),
+            Just(Duration::MAX),
+            (0u64..5_000).prop_map(Duration::from_millis),
+            (any::<u64>(), 0u32..1_000_000_000).prop_map(|(s, n)| Duration::new(s, n)),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// Whatever the fields hold (set directly, not through the URL): a typed error or a
+        /// lock whose deadlines, queue lifetimes and acquire never panic.
+        #[test]
+        fn any_config_fields_give_a_typed_error_or_a_working_lock(
+            pool_size in proptest::prelude::any::<u32>(),
+            connect_timeout in duration(),
+            op_timeout in duration(),
+            poll_interval in duration(),
+            ttl in duration(),
+        ) {
+            let mut config =
+                PgLockConfig::from_url("postgres://postgres@127.0.0.1:1/db?table=t").unwrap();
+            config.pool_size = pool_size;
+            config.connect_timeout = connect_timeout;
+            config.op_timeout = op_timeout;
+            config.poll_interval = poll_interval;
+            let valid = config.validate();
+            let lock = match PgLock::connect_lazy(config) {
+                Ok(lock) => lock,
+                Err(e) => {
+                    proptest::prop_assert!(matches!(e, Error::Config(_)), "{e}");
+                    proptest::prop_assert!(valid.is_err());
+                    return Ok(());
+                }
+            };
+            proptest::prop_assert!(valid.is_ok());
+            let inner = &lock.inner;
+            proptest::prop_assert!(inner.queue_entry_lifetime_ms() >= 100);
+            let now = Instant::now();
+            proptest::prop_assert!(inner.request_deadline() >= now);
+            proptest::prop_assert!(inner.undo_until(now, ttl) >= now);
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let key = LockKey::new("props").unwrap();
+            let res = rt.block_on(async {
+                let deadline = Instant::now() + Duration::from_millis(20);
+                lock.acquire(&key, ttl, deadline).await
+            });
+            // Nothing listens on port 1: a typed error, whatever the TTL.
+            proptest::prop_assert!(res.is_err());
+        }
+
+        /// Every driver option in the URL, any value of the usual shapes: a config that
+        /// validates, or a configuration error.
+        #[test]
+        fn any_url_option_gives_a_valid_config_or_a_config_error(
+            key in proptest::sample::select(vec![
+                "pool_size", "connect_timeout", "op_timeout", "poll_interval", "listen",
+                "async_release", "create_table", "table",
+            ]),
+            n in proptest::prelude::any::<u64>(),
+            unit in proptest::sample::select(vec!["", "ms", "s", "m", "h", "x", ".5s"]),
+        ) {
+            let url = format!("postgres://u@[::1]:5/db?{key}={n}{unit}");
+            match PgLockConfig::from_url(&url) {
+                Ok(config) => proptest::prop_assert!(config.validate().is_ok()),
+                Err(e) => proptest::prop_assert!(matches!(e, Error::Config(_)), "{e}"),
+            }
+        }
     }
 }
