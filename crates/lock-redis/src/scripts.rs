@@ -37,7 +37,9 @@ use redis::Script;
 /// (wrong type, overflow) fails the script before anything is written.
 ///
 /// A waiter that finds the lock held registers in the queue (score: its registration's expiry,
-/// server time; its earlier members are removed in the same step) and marks the holder's value
+/// server time; its earlier members are removed in the same step; the queue key's TTL only ever
+/// grows, `PEXPIRE … GT` (Redis 7), so it lives as long as its longest registration and a
+/// client with a short lifetime never expires the others') and marks the holder's value
 /// with the suffix `:w` (only a value in our format, never another client's; `APPEND` keeps the
 /// TTL), so that the release hands over. A waiter that gets the lock leaves the queue in the same
 /// step, and marks its own value when others are still queued.
@@ -78,7 +80,9 @@ if KEYS[4] then
   local now = redis.call('TIME')
   local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
   redis.call('ZADD', KEYS[4], ms + tonumber(ARGV[4]), ARGV[3])
-  redis.call('PEXPIRE', KEYS[4], ARGV[4])
+  if redis.call('PEXPIRE', KEYS[4], ARGV[4], 'NX') == 0 then
+    redis.call('PEXPIRE', KEYS[4], ARGV[4], 'GT')
+  end
 end
 return redis.call('PTTL', KEYS[1])
 ";

@@ -1484,3 +1484,45 @@ async fn a_request_that_arrives_after_its_clean_up_on_a_new_connection_does_noth
     let lease = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
     assert!(lock.release(&lease).await.unwrap());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_registration_never_shortens_the_queue_of_the_others() {
+    let Some((url, lock, mut admin)) = shared().await else {
+        return;
+    };
+    let separator = if url.contains('?') { '&' } else { '?' };
+    // A polls rarely: its registration lives 21 s. B polls at the default: 2 s.
+    let a = RedisLock::connect_url(&format!("{url}{separator}max_poll_interval=10s"))
+        .await
+        .unwrap();
+    let b = RedisLock::connect_url(&url).await.unwrap();
+    let key = fresh_key("queue-ttl");
+    let redis_key = lock.redis_key(&key);
+    let queue = format!("{{{redis_key}}}\x1fwaiters");
+    let holder = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    let waiter_a = queued_waiter(&a, &key, LONG, &mut admin).await;
+    // B registers (every attempt of it used to set the queue's TTL to its own 2 s) and gives up.
+    let deadline = Instant::now() + Duration::from_secs(1);
+    let err = queued_waiter_until(&b, &key, LONG, deadline, &mut admin)
+        .await
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    assert_eq!(queued(&mut admin, &redis_key).await, 1, "A is still queued");
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(&queue)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert!(
+        pttl > 10_000,
+        "the queue expires in {pttl} ms, long before A's registration (21 s)"
+    );
+    // So the release still hands the lock to A, without waiting for A's 10 s poll.
+    assert!(lock.release(&holder).await.unwrap());
+    let lease = timeout(Duration::from_secs(5), waiter_a)
+        .await
+        .expect("A was not granted the lock")
+        .unwrap();
+    assert!(a.release(&lease).await.unwrap());
+}
