@@ -337,8 +337,9 @@ impl EtcdLock {
     /// # Errors
     /// [`Error::Config`] for bad settings or unreadable TLS files; `Unavailable` when the server
     /// cannot be reached for authentication or the probe.
-    pub async fn connect(config: EtcdLockConfig) -> Result<Self> {
+    pub async fn connect(mut config: EtcdLockConfig) -> Result<Self> {
         config.validate()?;
+        config.prefix = config.normalized_prefix();
         let mut options = ConnectOptions::new()
             .with_connect_timeout(config.dial_timeout)
             .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
@@ -549,21 +550,39 @@ impl Inner {
         self.config.request_timeout
     }
 
-    /// Reads `key`'s queue with `opts` (the oldest entry, i.e. the owner, with `first_create`).
+    /// The owner of `key` (its oldest contender entry) and how many entries wait behind it.
+    /// Keys under the range that are no entries ([`keys::is_entry`]) are skipped.
     async fn read_owner(
         &self,
         key: &LockKey,
-        opts: GetOptions,
         op: &'static str,
-    ) -> Result<etcd_client::GetResponse> {
+    ) -> Result<Option<(KeyValue, usize)>> {
         let name = keys::name_prefix(&self.config.prefix, key);
+        let until = Instant::now() + self.timeout();
         Counters::bump(&self.counters.range);
-        error::request(
+        let resp = error::request(
             self.timeout(),
-            self.client.kv_client().get(name, Some(opts)),
+            self.client
+                .kv_client()
+                .get(name.clone(), Some(first_create())),
         )
         .await
-        .map_err(|e| e.into_error(op))
+        .map_err(|e| e.into_error(op))?;
+        match resp.kvs().first() {
+            None => Ok(None),
+            Some(kv) if keys::is_entry(&name, kv.key(), kv.lease()) => {
+                let waiters = usize::try_from(resp.count() - 1).unwrap_or(0);
+                Ok(Some((kv.clone(), waiters)))
+            }
+            Some(_) => {
+                let entries = self
+                    .entries_of(&name, None, until)
+                    .await
+                    .map_err(|e| e.into_error(op))?;
+                let waiters = entries.len().saturating_sub(1);
+                Ok(entries.into_iter().next().map(|kv| (kv, waiters)))
+            }
+        }
     }
 
     fn forget(&self, session: &Arc<Session>) {
@@ -903,7 +922,6 @@ impl Inner {
     ) -> Result<Vec<KeyValue>, RequestError> {
         let mut opts = GetOptions::new()
             .with_prefix()
-            .with_keys_only()
             .with_sort(SortTarget::Create, SortOrder::Ascend);
         if let Some(rev) = max_rev {
             opts = opts.with_max_create_revision(rev);
@@ -1420,8 +1438,7 @@ impl DistributedLock for EtcdLock {
 
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         let inner = &self.inner;
-        let resp = inner.read_owner(key, first_create(), "inspect").await?;
-        let Some(kv) = resp.kvs().first() else {
+        let Some((kv, waiters)) = inner.read_owner(key, "inspect").await? else {
             return Ok(None);
         };
         let token_digest = std::str::from_utf8(kv.value())
@@ -1445,7 +1462,7 @@ impl DistributedLock for EtcdLock {
             token_digest,
             fencing_token: u64::try_from(kv.create_revision()).ok().map(FencingToken),
             ttl_remaining,
-            waiters: usize::try_from(resp.count() - 1).ok(),
+            waiters: Some(waiters),
         }))
     }
 
@@ -1480,10 +1497,7 @@ async fn force_release_if(
     key: &LockKey,
     holder: Option<FencingToken>,
 ) -> Result<bool> {
-    let resp = inner
-        .read_owner(key, first_create().with_keys_only(), "force_release")
-        .await?;
-    let Some(owner) = resp.kvs().first() else {
+    let Some((owner, _)) = inner.read_owner(key, "force_release").await? else {
         return Ok(false);
     };
     if holder.is_some_and(|f| i64::try_from(f.get()).ok() != Some(owner.create_revision())) {

@@ -148,13 +148,15 @@ fn a_grant_confirmed_after_its_local_deadline_is_never_returned() {
     rt().block_on(async {
         let Some(env) = env().await else { return };
         let (proxy, lock) = env
-            .proxied(|c| c.request_timeout = Duration::from_secs(10))
+            .proxied(|c| c.request_timeout = Duration::from_secs(20))
             .await;
         let ttl = lock.capabilities().min_ttl;
         let key = fresh("s3-late");
-        // The lease grant and the put each take longer than... their sum exceeds the TTL.
-        proxy.delay(ttl * 3 / 4);
+        // Every chunk delayed: the lease grant and the put together take longer than the TTL.
+        proxy.delay(ttl / 4);
+        let start = Instant::now();
         let got = lock.try_acquire(&key, ttl).await;
+        eprintln!("late grant after {:?}: {got:?}", start.elapsed());
         match &got {
             Err(Error::Unavailable { .. }) => {}
             Ok(Some(lease)) => panic!(
@@ -347,5 +349,55 @@ fn a_waiter_rereads_its_place_while_its_watch_is_open() {
         assert!(holder.release(&held).await.unwrap());
         let lease = timeout(SLACK, task).await.unwrap().unwrap().unwrap();
         assert!(waiter.release(&lease).await.unwrap());
+    });
+}
+
+/// Review L12: with an empty prefix an application's key under `NAME/` does not block the lock
+/// `NAME`, and a lock under a prefix that nests in another (`P/` + `b` vs `P/b/` + `x`) is
+/// independent of it.
+#[test]
+fn keys_that_are_no_entries_never_block_a_lock() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let with_prefix = |prefix: &str| {
+            let mut cfg = EtcdLockConfig::from_url(&env.url).unwrap();
+            cfg.prefix = prefix.to_owned();
+            cfg
+        };
+        let ttl = Duration::from_secs(10);
+        // Empty prefix: `NAME/settings` belongs to an application, not to a contender.
+        let bare = EtcdLock::connect(with_prefix("")).await.unwrap();
+        let name = fresh("l12-bare");
+        let app_key = format!("{name}/settings");
+        env.admin
+            .kv_client()
+            .put(app_key.clone(), "v", None)
+            .await
+            .unwrap();
+        let got = bare.try_acquire(&name, ttl).await.unwrap();
+        let lease = got.expect("an application key blocked the lock");
+        let info = bare.inspect(&name).await.unwrap().unwrap();
+        assert_eq!(info.fencing_token, lease.fencing_token());
+        assert!(bare.release(&lease).await.unwrap());
+        env.admin.kv_client().delete(app_key, None).await.unwrap();
+
+        // Nested prefixes: `P/` + `b` and `P/b/` + `x` are different locks.
+        let p = format!("l12-nest-{:x}/", rand::random::<u64>());
+        let outer = EtcdLock::connect(with_prefix(&p)).await.unwrap();
+        let inner = EtcdLock::connect(with_prefix(&format!("{p}b/")))
+            .await
+            .unwrap();
+        let x = inner
+            .try_acquire(&LockKey::new("x").unwrap(), ttl)
+            .await
+            .unwrap()
+            .expect("free");
+        let b = outer
+            .try_acquire(&LockKey::new("b").unwrap(), ttl)
+            .await
+            .unwrap();
+        let b = b.expect("the nested prefix's lock blocked this one");
+        assert!(outer.release(&b).await.unwrap());
+        assert!(inner.release(&x).await.unwrap());
     });
 }
