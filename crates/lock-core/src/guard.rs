@@ -7,6 +7,7 @@ use std::{
 };
 
 use tokio::{
+    sync::oneshot,
     task::JoinHandle,
     time::{Instant, sleep_until, timeout_at},
 };
@@ -45,6 +46,8 @@ pub(crate) struct Shared {
     /// The lease as last renewed, so that `release()` can still release it when the watchdog
     /// task died (a panic in a driver's `renew`) and did not hand the lease back.
     latest: Mutex<Lease>,
+    /// The result of the release a dying watchdog started (see [`DeathWatch`]).
+    death_release: Mutex<Option<oneshot::Receiver<Result<bool>>>>,
 }
 
 /// What a job needs to know about its guard's loss: the signal and the current local deadline.
@@ -103,6 +106,7 @@ impl LockGuard {
             reason: Mutex::new(None),
             renewals: Mutex::new(0),
             latest: Mutex::new(lease.clone()),
+            death_release: Mutex::new(None),
         });
         let lost = CancellationToken::new();
         let stop = CancellationToken::new();
@@ -213,13 +217,14 @@ impl LockGuard {
     /// # Errors
     /// The backend's error; the lease then expires by its TTL.
     pub async fn release(mut self) -> Result<bool> {
-        let Some(lease) = self.stop_watchdog().await else {
-            return Ok(false);
-        };
-        self.lock.release(&lease).await
+        match self.stop_watchdog().await {
+            None => Ok(false),
+            Some(Handback::Lease(lease)) => self.lock.release(&lease).await,
+            Some(Handback::Released(result)) => result,
+        }
     }
 
-    async fn stop_watchdog(&mut self) -> Option<Lease> {
+    async fn stop_watchdog(&mut self) -> Option<Handback> {
         self.stop.cancel();
         let task = self.task.take()?;
         Some(finish_watchdog(task, &self.shared, &self.key).await)
@@ -237,8 +242,11 @@ impl Drop for LockGuard {
         let log_key = key.clone();
         let shared = self.shared.clone();
         let spawned = crate::cleanup::spawn(async move {
-            let lease = finish_watchdog(task, &shared, &key).await;
-            if let Err(e) = lock.release(&lease).await {
+            let released = match finish_watchdog(task, &shared, &key).await {
+                Handback::Lease(lease) => lock.release(&lease).await,
+                Handback::Released(result) => result,
+            };
+            if let Err(e) = released {
                 tracing::warn!(%key, error = %e, "best-effort release on drop failed; the lease will expire by its ttl");
             }
         });
@@ -260,19 +268,40 @@ impl fmt::Debug for LockGuard {
     }
 }
 
-/// Waits for the watchdog task and returns the lease it hands back; when the task died (a
-/// panic in a driver), the lease as last renewed — its token still names our grant, so the
-/// compare-and-release can still release it.
-async fn finish_watchdog(task: JoinHandle<Lease>, shared: &Shared, key: &LockKey) -> Lease {
+/// What the watchdog task hands back when it is stopped.
+enum Handback {
+    /// The lease as last renewed, still to be released.
+    Lease(Lease),
+    /// The watchdog died and its [`DeathWatch`] already released the lease: the result.
+    Released(Result<bool>),
+}
+
+/// Waits for the watchdog task. When the task died (a panic in a driver), its [`DeathWatch`]
+/// has started releasing the last renewed lease: that release's result; failing that, the
+/// last renewed lease itself (its token still names our grant, so a compare-and-release of it
+/// is still right).
+async fn finish_watchdog(task: JoinHandle<Lease>, shared: &Shared, key: &LockKey) -> Handback {
     match task.await {
-        Ok(lease) => lease,
+        Ok(lease) => Handback::Lease(lease),
         Err(e) => {
-            tracing::error!(%key, error = %e, "lock watchdog task failed; releasing the last renewed lease");
-            shared
-                .latest
+            tracing::error!(%key, error = %e, "lock watchdog task failed");
+            let started = shared
+                .death_release
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
-                .clone()
+                .take();
+            if let Some(rx) = started
+                && let Ok(result) = rx.await
+            {
+                return Handback::Released(result);
+            }
+            Handback::Lease(
+                shared
+                    .latest
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .clone(),
+            )
         }
     }
 }
@@ -327,7 +356,10 @@ enum Step {
 
 /// Marks the guard lost if the supervisor ends any other way than by returning: its task
 /// panicked (a driver bug in `renew`) or was dropped with its runtime. Nothing renews the lease
-/// any more, so nobody may go on trusting it.
+/// any more, so nobody may go on trusting it — and nobody gains by keeping it until its TTL
+/// runs out, so it is released in the background at once (after `lost()` has fired: the
+/// release task waits for the token, so no other client can be granted the key while this
+/// guard still looks held).
 struct DeathWatch<'a> {
     supervisor: &'a Supervisor,
     lease: Lease,
@@ -336,17 +368,38 @@ struct DeathWatch<'a> {
 
 impl Drop for DeathWatch<'_> {
     fn drop(&mut self) {
-        if self.armed {
-            let s = self.supervisor;
-            tracing::error!(key = %self.lease.key(), "the lock watchdog stopped unexpectedly");
-            mark_lost(
-                &s.shared,
-                &s.lost,
-                s.lock.backend_name(),
-                &self.lease,
-                LossReason::RenewFailed,
-            );
+        if !self.armed {
+            return;
         }
+        let s = self.supervisor;
+        tracing::error!(key = %self.lease.key(), "the lock watchdog stopped unexpectedly; releasing the lease");
+        let latest = s
+            .shared
+            .latest
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let (tx, rx) = oneshot::channel();
+        let (lock, lost) = (s.lock.clone(), s.lost.clone());
+        // Queued before the loss wakes anyone, so that on a single-threaded runtime the key is
+        // free by the time a waiter on `lost()` looks.
+        let spawned = crate::cleanup::spawn(async move {
+            lost.cancelled().await;
+            let _ = tx.send(lock.release(&latest).await);
+        });
+        if spawned {
+            *s.shared
+                .death_release
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Some(rx);
+        }
+        mark_lost(
+            &s.shared,
+            &s.lost,
+            s.lock.backend_name(),
+            &self.lease,
+            LossReason::RenewFailed,
+        );
     }
 }
 
