@@ -367,10 +367,14 @@ impl RedisLock {
         })
     }
 
-    /// Waits for a spawned clean-up's answer, at most until `by` and the request budget (the
-    /// clean-up goes on in the background regardless).
+    /// Waits for a spawned clean-up's answer within one request budget when the caller has no
+    /// deadline (`try_acquire`: its error then comes after the undo). A waiting `acquire` (`by`
+    /// given) goes on at once: its next attempt need not wait, and the clean-up goes on in the
+    /// background regardless.
     async fn settle(&self, answered: tokio::sync::oneshot::Receiver<()>, by: Option<Instant>) {
-        let _ = timeout_at(request_until(&self.inner, by), answered).await;
+        if by.is_none() {
+            let _ = timeout_at(request_until(&self.inner, None), answered).await;
+        }
     }
 
     /// How long a waiter's registration in a queue lives unless its next attempt renews it:

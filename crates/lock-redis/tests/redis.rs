@@ -1526,3 +1526,127 @@ async fn a_short_registration_never_shortens_the_queue_of_the_others() {
         .unwrap();
     assert!(a.release(&lease).await.unwrap());
 }
+
+/// The argument counts of the `EVALSHA`s in the server's slow log whose first key is
+/// `redis_key` and that pass `numkeys` keys (the slow log keeps at most 32 arguments of a
+/// command and ends the list with `... (N more arguments)`).
+async fn logged_script_args(
+    admin: &mut MultiplexedConnection,
+    redis_key: &str,
+    numkeys: &str,
+) -> Vec<usize> {
+    let entries: Vec<redis::Value> = redis::cmd("SLOWLOG")
+        .arg("GET")
+        .arg(-1)
+        .query_async(admin)
+        .await
+        .unwrap();
+    let text = |v: &redis::Value| match v {
+        redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        redis::Value::SimpleString(s) => s.clone(),
+        _ => String::new(),
+    };
+    let mut counts = Vec::new();
+    for entry in entries {
+        let redis::Value::Array(fields) = entry else {
+            continue;
+        };
+        let Some(redis::Value::Array(args)) = fields.get(3) else {
+            continue;
+        };
+        let args: Vec<String> = args.iter().map(text).collect();
+        if args.len() < 4
+            || !args[0].eq_ignore_ascii_case("evalsha")
+            || args[2] != numkeys
+            || args[3] != redis_key
+        {
+            continue;
+        }
+        let more = args
+            .last()
+            .and_then(|a| a.strip_prefix("... ("))
+            .and_then(|a| a.strip_suffix(" more arguments)"))
+            .and_then(|n| n.parse::<usize>().ok());
+        counts.push(match more {
+            Some(n) => args.len() - 1 + n,
+            None => args.len(),
+        });
+    }
+    counts
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_whose_attempts_keep_failing_sends_a_bounded_request() {
+    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+        return;
+    }
+    let server = OwnRedis::start(free_port()).await;
+    let mut admin = admin(&server.url()).await;
+    for (name, value) in [
+        ("slowlog-log-slower-than", "0"),
+        ("slowlog-max-len", "100000"),
+    ] {
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(value)
+            .query_async::<()>(&mut admin)
+            .await
+            .unwrap();
+    }
+    let holder_client = RedisLock::connect_url(&server.url()).await.unwrap();
+    let (proxy, proxied) = conformance::drill::Proxy::start_for_url(&server.url())
+        .await
+        .unwrap();
+    // Quick polls and quick response timeouts: many failed attempts in little time.
+    let waiter_client = RedisLock::connect_url(&format!(
+        "{proxied}?response_timeout=20ms&connect_timeout=200ms&reconnect_retries=0&max_poll_interval=20ms"
+    ))
+    .await
+    .unwrap();
+    let key = fresh_key("failing-waiter");
+    let redis_key = holder_client.redis_key(&key);
+    let holder = holder_client
+        .try_acquire(&key, LONG)
+        .await
+        .unwrap()
+        .unwrap();
+    let mut waiter = queued_waiter(&waiter_client, &key, LONG, &mut admin).await;
+    // Every attempt now applies (it registers the waiter) but its reply is lost.
+    proxy.drop_replies();
+    let failing = 60;
+    tokio::select! {
+        result = &mut waiter => panic!("the lock is held, yet: {result:?}"),
+        () = wait_until(
+            Duration::from_secs(30),
+            Duration::from_millis(20),
+            "the waiter's attempts stopped",
+            async || logged_script_args(&mut admin, &redis_key, "5").await.len() >= failing,
+        ) => {}
+    }
+    proxy.pass();
+    // Each attempt carried its own member and at most 16 earlier ones: 2 + 1 + 5 keys + 5
+    // arguments + 16. Unbounded, the n-th failed attempt carried n (and Lua's `unpack` fails
+    // past about 8,000).
+    let counts = logged_script_args(&mut admin, &redis_key, "5").await;
+    let most = counts.iter().copied().max().unwrap();
+    assert!(
+        most <= 2 + 1 + 5 + 5 + 16,
+        "an attempt carried {most} arguments after {} attempts",
+        counts.len()
+    );
+    // The waiter recovers, and is handed the lock; nothing of its failed attempts stays queued.
+    assert!(holder_client.release(&holder).await.unwrap());
+    let lease = timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter never got the lock")
+        .unwrap();
+    wait_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        "members of failed attempts stay queued",
+        async || queued(&mut admin, &redis_key).await == 0,
+    )
+    .await;
+    assert!(waiter_client.release(&lease).await.unwrap());
+}
