@@ -560,3 +560,72 @@ async fn malformed_queue_entries_are_skipped_and_dropped() {
     );
     assert!(waiter.release(&got).await.unwrap());
 }
+
+/// The issue-18 drill on PostgreSQL: the server is unreachable (every byte held by the proxy,
+/// as a frozen server's kernel would hold it) for 3 × TTL while 8 clients `acquire` with a 1 s
+/// deadline. Every acquire returns by its deadline plus the slack; after the heal the held
+/// statements reach the server and may grant, yet once a TTL has passed nothing is held or
+/// queued and the next acquire succeeds at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_waiters_against_a_frozen_server_end_in_time_and_leave_nothing() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    // As in acquire_against_a_frozen_server_ends_by_its_deadline, plus 8 clients on 2 cores.
+    const SLACK: Duration = Duration::from_millis(1000);
+    let ttl = Duration::from_secs(1);
+    let (proxy, proxied) = Proxy::start_for_url(&url).await.unwrap();
+    let observer = PgLock::connect_url(&url).await.unwrap();
+    let key = fresh_key("frozen-drill");
+    let mut clients = Vec::new();
+    for _ in 0..8 {
+        let c = Arc::new(PgLock::connect_url(&proxied).await.unwrap());
+        let warm = c.try_acquire(&key, ttl).await.unwrap().unwrap();
+        assert!(c.release(&warm).await.unwrap());
+        clients.push(c);
+    }
+    let held = clients[0].try_acquire(&key, ttl).await.unwrap().unwrap();
+
+    proxy.blackhole();
+    let frozen_at = Instant::now();
+    let waits: Vec<_> = clients
+        .iter()
+        .map(|c| {
+            let (c, key) = (c.clone(), key.clone());
+            tokio::spawn(async move {
+                let start = Instant::now();
+                let res = c.acquire(&key, ttl, start + Duration::from_secs(1)).await;
+                (res.map(|l| l.fencing_token()), start.elapsed())
+            })
+        })
+        .collect();
+    let mut slowest = Duration::ZERO;
+    for w in waits {
+        let (res, took) = timeout(Duration::from_secs(30), w)
+            .await
+            .expect("no hang")
+            .unwrap();
+        assert!(
+            matches!(res, Err(Error::Timeout { .. })),
+            "nobody can be granted a lock by a frozen server: {res:?}"
+        );
+        slowest = slowest.max(took);
+    }
+    println!("slowest acquire against the frozen server: {slowest:?}");
+    assert!(slowest < Duration::from_secs(1) + SLACK, "{slowest:?}");
+    // Frozen for 3 × TTL, then everything held is delivered.
+    sleep((frozen_at + 3 * ttl).saturating_duration_since(Instant::now())).await;
+    proxy.pass();
+    drop(held);
+    sleep(ttl + Duration::from_millis(300)).await;
+    let info = observer.inspect(&key).await.unwrap();
+    assert!(info.is_none(), "still held a TTL after the heal: {info:?}");
+    let got = observer
+        .try_acquire(&key, LONG)
+        .await
+        .unwrap()
+        .expect("the next acquire succeeds at once");
+    let info = observer.inspect(&key).await.unwrap().unwrap();
+    assert_eq!(info.waiters, Some(0), "entries left in the queue");
+    assert!(observer.release(&got).await.unwrap());
+}
