@@ -323,7 +323,11 @@ impl Contender {
     /// When the next request must be answered by: `op_timeout` from now, and never after the
     /// acquire's deadline.
     fn until(&self) -> Instant {
-        let by_op = Instant::now() + self.lock.inner.config.op_timeout;
+        let now = Instant::now();
+        // `op_timeout` is validated, but never let a sum panic.
+        let by_op = now
+            .checked_add(self.lock.inner.config.op_timeout)
+            .unwrap_or(now + ZkLockConfig::MAX_TIMEOUT);
         self.deadline.map_or(by_op, |d| d.min(by_op))
     }
 
