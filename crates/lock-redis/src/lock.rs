@@ -954,11 +954,16 @@ impl DistributedLock for RedisLock {
                         if let Some(r) = r {
                             r.registered = None;
                         }
-                        // An attempt cut short by the deadline (its clean-up runs on).
-                        if Instant::now() >= deadline && e.is_temporary() {
+                        // No answer by the deadline (a stalled server, or the attempt cut
+                        // short by the deadline; its clean-up runs on): the wait timed out. An
+                        // unreachable server stays `Unavailable`.
+                        let unanswered = matches!(e, Error::Indeterminate { .. });
+                        if unanswered && Instant::now() >= deadline {
                             return Err(wait.timeout());
                         }
-                        wait.retry_after(e).await?;
+                        if let Err(e) = wait.retry_after(e).await {
+                            return Err(if unanswered { wait.timeout() } else { e });
+                        }
                         continue;
                     }
                 };

@@ -1650,3 +1650,91 @@ async fn a_waiter_whose_attempts_keep_failing_sends_a_bounded_request() {
     .await;
     assert!(waiter_client.release(&lease).await.unwrap());
 }
+
+/// How late past its deadline an `acquire` against a frozen server may return: the leaving's
+/// grace (200 ms) plus scheduling on a loaded 2-core machine.
+const DEADLINE_SLACK: Duration = Duration::from_millis(600);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquire_against_a_frozen_server_returns_by_its_deadline() {
+    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+        return;
+    }
+    let server = OwnRedis::start(free_port()).await;
+    let mut admin = admin(&server.url()).await;
+    let holder_client = RedisLock::connect_url(&server.url()).await.unwrap();
+    let key = fresh_key("frozen");
+    let redis_key = holder_client.redis_key(&key);
+    let ttl = Duration::from_secs(2);
+    let holder = holder_client.try_acquire(&key, ttl).await.unwrap().unwrap();
+    // Queued waiters (default settings: a request budget of 4.2 s), each on its own client.
+    let mut waiters = Vec::new();
+    for i in 0..4 {
+        let client = Arc::new(RedisLock::connect_url(&server.url()).await.unwrap());
+        let deadline = Instant::now() + Duration::from_millis(1500);
+        let task = {
+            let (client, key) = (client.clone(), key.clone());
+            tokio::spawn(async move {
+                let result = client.acquire(&key, LONG, deadline).await;
+                (Instant::now().saturating_duration_since(deadline), result)
+            })
+        };
+        wait_until(
+            Duration::from_secs(10),
+            Duration::from_millis(5),
+            "a waiter never queued",
+            async || queued(&mut admin, &redis_key).await > i,
+        )
+        .await;
+        waiters.push((client, task));
+    }
+    server.signal("STOP");
+    // A client that starts waiting while the server is frozen (its connection never answers).
+    let late_client =
+        RedisLock::connect_lazy(RedisLockConfig::from_url(&server.url()).unwrap()).unwrap();
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(1);
+    let result = late_client.acquire(&key, LONG, deadline).await;
+    let late = Instant::now().saturating_duration_since(deadline);
+    assert!(
+        matches!(result, Err(Error::Timeout { .. })),
+        "{result:?} after {:?}",
+        started.elapsed()
+    );
+    let mut overshoots = vec![late];
+    for (_, task) in &mut waiters {
+        let (over, result) = task.await.unwrap();
+        assert!(matches!(result, Err(Error::Timeout { .. })), "{result:?}");
+        overshoots.push(over);
+    }
+    server.signal("CONT");
+    eprintln!("acquire returned past its deadline by {overshoots:?}");
+    for over in &overshoots {
+        assert!(
+            *over <= DEADLINE_SLACK,
+            "acquire returned {over:?} past its deadline"
+        );
+    }
+    // Once resumed, the leavings (and the undo of the attempts the freeze cut) finish in the
+    // background: the queue empties, and after the holder's TTL the lock is free.
+    wait_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        "waiters that gave up stay queued",
+        async || queued(&mut admin, &redis_key).await == 0,
+    )
+    .await;
+    drop(holder);
+    wait_until(
+        ttl + Duration::from_secs(10),
+        Duration::from_millis(20),
+        "a grant nobody holds was left behind",
+        async || !exists(&mut admin, &redis_key).await,
+    )
+    .await;
+    let lease = holder_client
+        .acquire(&key, LONG, Instant::now() + Duration::from_secs(2))
+        .await
+        .unwrap();
+    assert!(holder_client.release(&lease).await.unwrap());
+}
