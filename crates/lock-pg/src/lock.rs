@@ -493,6 +493,10 @@ impl Inner {
         query: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
         limit: Instant,
     ) -> std::result::Result<Vec<PgRow>, ExecError> {
+        // No time left: never send a statement whose reply could not be awaited.
+        if Instant::now() >= limit {
+            return Err(ExecError::NotSent(sqlx::Error::PoolTimedOut));
+        }
         let mut pooled = match timeout_at(limit, self.conns.get()).await {
             Ok(got) => got.map_err(ExecError::NotSent)?,
             Err(_) => return Err(ExecError::NotSent(sqlx::Error::PoolTimedOut)),
@@ -693,7 +697,7 @@ impl Inner {
                             op: OP,
                             message: format!(
                                 "the grant's reply came {:?} after it was sent, past the lease's \
-                                 local deadline (ttl {ttl:?}); released it again",
+                                 local deadline (ttl {ttl:?}); the grant is being released",
                                 sent_at.elapsed()
                             ),
                             source: None,
@@ -1430,6 +1434,11 @@ impl DistributedLock for PgLock {
     /// Frees `key` whoever holds it (the runbook's manual delete) and wakes its waiters. The
     /// fence is kept, so the next grant still gets a higher token; the removed holder's next
     /// renewal fails with `NotHeld`.
+    ///
+    /// Two statements: the current grant's fence is read, then only that grant is removed (as
+    /// [`DistributedLock::force_release_grant`]), so re-sending the second after a lost reply
+    /// can never remove the grant the first run handed to the next waiter. A grant made
+    /// between the two is left alone (`Ok(false)`).
     async fn force_release(&self, key: &LockKey) -> Result<bool> {
         self.inner.force_release(key, None).await
     }
