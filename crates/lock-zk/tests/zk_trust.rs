@@ -296,3 +296,60 @@ async fn acquire_against_a_frozen_server_returns_by_its_deadline() {
         }
     }
 }
+
+/// L2: the reply of our create is lost (the request applies, the connection then dies): the
+/// waiter syncs, finds the node it created by its token and takes the lock with it — exactly one
+/// node of ours, no orphan queued ahead of or behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_whose_reply_is_lost_leaves_exactly_one_node() {
+    let Some(config) = config() else { return };
+    let upstream = tokio::net::lookup_host(config.hosts.split(',').next().unwrap())
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    let proxy = conformance::drill::Proxy::start(upstream).await.unwrap();
+    let mut via = config.clone();
+    via.hosts = proxy.addr().to_string();
+    via.session_timeout = Duration::from_secs(4);
+    via.op_timeout = Duration::from_secs(1);
+    let a = Arc::new(ZkLock::connect(via).await.unwrap());
+    let raw = raw_client(&config).await;
+    let key = plain_key();
+    let dir = format!("{ROOT}/{key}");
+    // The lock directory exists, so the very first create is the one whose reply is lost.
+    raw.mkdir(
+        &dir,
+        &zookeeper_client::CreateMode::Container.with_acls(zookeeper_client::Acls::anyone_all()),
+    )
+    .await
+    .unwrap();
+    proxy.drop_replies();
+    let task = {
+        let (a, key) = (a.clone(), key.clone());
+        tokio::spawn(async move {
+            a.acquire(&key, Duration::from_secs(4), Instant::now() + SLACK)
+                .await
+        })
+    };
+    until("the create is applied", async || {
+        children(&raw, &dir).await.len() == 1
+    })
+    .await;
+    let created = children(&raw, &dir).await;
+    proxy.pass();
+    let lease = timeout(SLACK * 2, task)
+        .await
+        .expect("acquire hangs")
+        .unwrap()
+        .expect("acquired with the node whose reply was lost");
+    assert_eq!(
+        children(&raw, &dir).await,
+        created,
+        "a second node was created"
+    );
+    let info = a.inspect(&key).await.unwrap().expect("held");
+    assert_eq!(info.token_digest, Some(lease.token().digest()));
+    assert!(a.release(&lease).await.unwrap());
+    assert!(children(&raw, &dir).await.is_empty());
+}
