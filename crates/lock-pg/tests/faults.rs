@@ -629,3 +629,42 @@ async fn eight_waiters_against_a_frozen_server_end_in_time_and_leave_nothing() {
     assert_eq!(info.waiters, Some(0), "entries left in the queue");
     assert!(observer.release(&got).await.unwrap());
 }
+
+/// L10: an acquire whose reply was lost, dropped by its caller while it is still undoing the
+/// possible grant (the server unreachable for the undo too), leaves the undo to the
+/// background, which removes the grant once the server answers again — long before its TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_dropped_during_its_undo_still_undoes_its_grant() {
+    let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {
+        return;
+    };
+    let (proxy, proxied) = Proxy::start_for_url(&url).await.unwrap();
+    let a = PgLock::connect_url(&url_with(
+        &proxied,
+        "op_timeout=500ms&connect_timeout=2&pool_size=1",
+    ))
+    .await
+    .unwrap();
+    let b = PgLock::connect_url(&url).await.unwrap();
+    let key = fresh_key("dropped-undo");
+    // Prepares the acquire statement on a's one connection.
+    let warm = a.try_acquire(&key, LONG).await.unwrap().unwrap();
+    assert!(a.release(&warm).await.unwrap());
+
+    proxy.drop_replies();
+    // The statement applies, its reply is lost; the undo then waits for a connection whose
+    // replies are lost too, and the caller gives up on it.
+    let dropped = timeout(Duration::from_millis(1200), a.try_acquire(&key, LONG)).await;
+    assert!(
+        dropped.is_err(),
+        "expected the caller to drop it: {dropped:?}"
+    );
+    let info = b.inspect(&key).await.unwrap();
+    assert!(info.is_some(), "the lost grant applied");
+    proxy.pass();
+    let got = b
+        .acquire(&key, LONG, Instant::now() + Duration::from_secs(8))
+        .await
+        .expect("the grant of the dropped acquire was never undone");
+    assert!(b.release(&got).await.unwrap());
+}
