@@ -628,7 +628,9 @@ impl Contender {
     /// [`Contender::remove`] within what is left of the deadline (at least [`REMOVE_GRACE`]).
     async fn remove_in_time(self) {
         let limit = self.limit().max(REMOVE_GRACE);
-        self.remove(limit).await;
+        // One bound for the whole removal (its retries included); cut short, the contender is
+        // dropped undone and its Drop leaves the removal to the background.
+        let _ = timeout(limit, self.remove(limit)).await;
     }
 }
 
