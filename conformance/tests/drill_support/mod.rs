@@ -173,11 +173,19 @@ pub struct Client {
 pub struct Held {
     pub guard: LockGuard,
     pub hold: Hold,
+    rec: ClientRecorder,
     loss: JoinHandle<()>,
     lost_at: Arc<Mutex<Option<Instant>>>,
 }
 
 impl Held {
+    /// Records the guard's renewals so far and the local deadline they gave (the checker
+    /// extends the grant's definite lease to it). Called by `release` and `wait_lost`; call it
+    /// too wherever a drill wants a renewal on record before something happens.
+    pub fn note_renewals(&self) {
+        self.rec.guard_renewed(&self.guard);
+    }
+
     /// When the guard's `lost()` fired, if it did.
     pub fn lost_at(&self) -> Option<Instant> {
         *self.lost_at.lock().unwrap()
@@ -189,6 +197,8 @@ impl Held {
         tokio::time::timeout_at(deadline, self.guard.lost())
             .await
             .ok()?;
+        // The renewals the guard made before its loss (its deadline no longer moves).
+        self.note_renewals();
         // The recorder task runs right after the token is cancelled.
         while self.lost_at().is_none() && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(1)).await;
@@ -223,6 +233,7 @@ impl Client {
 
     /// Releases `held` (recorded); returns what the release returned.
     pub async fn release(&self, held: Held) -> Option<bool> {
+        held.note_renewals();
         let Held {
             guard, hold, loss, ..
         } = held;
@@ -282,6 +293,7 @@ async fn finish_acquire(
     Some(Held {
         guard,
         hold,
+        rec: rec.clone(),
         loss,
         lost_at,
     })
