@@ -25,8 +25,8 @@ pub enum ZkAcl {
 /// | option | default | meaning |
 /// |---|---|---|
 /// | `session_timeout` | `10s` | session timeout asked of the server; also the smallest TTL accepted (see the crate docs) |
-/// | `connect_timeout` | `5s` | bound on establishing a session |
-/// | `op_timeout` | `5s` | bound on each request while connected or reconnecting |
+/// | `connect_timeout` | `5s` | bound on establishing a session (at most 24 h) |
+/// | `op_timeout` | `5s` | bound on each request while connected or reconnecting (at most 24 h; an `acquire`'s requests also end by its deadline) |
 /// | `root` | `/distlock` | parent of every lock directory (`<root>/<escaped key>/_c_<uuid>-lock-<seq>`) |
 /// | `acl` | `open` | `open` (world:anyone) or `creator` (needs `user:password@`) |
 ///

@@ -1102,7 +1102,7 @@ impl DistributedLock for ZkLock {
         // A lapse makes the lease lost for good; if the session then survives, the node must go.
         // Its own task: the caller drops this future as soon as its own deadline passes, which
         // is the same instant (the lease counts from the session's vouched base).
-        tokio::spawn({
+        let removal = {
             let (session, watch, path, lapse) =
                 (session.clone(), watch.clone(), path.clone(), lapse.clone());
             async move {
@@ -1117,7 +1117,11 @@ impl DistributedLock for ZkLock {
                     () = lapse.cancelled() => spawn_removal(session.clone(), path, czxid, limit),
                 }
             }
-        });
+        };
+        // Outside a runtime nothing could run it (the lapse still shows in the future below).
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            drop(rt.spawn(removal));
+        }
         Box::pin(async move {
             let node_gone = async {
                 let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
