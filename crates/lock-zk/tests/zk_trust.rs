@@ -353,3 +353,72 @@ async fn a_create_whose_reply_is_lost_leaves_exactly_one_node() {
     assert!(a.release(&lease).await.unwrap());
     assert!(children(&raw, &dir).await.is_empty());
 }
+
+/// L2: a create applied twice without our hearing of it (here: the reply of the first is lost
+/// and a second node with our token appears meanwhile, as when a retry went to a member that had
+/// not applied the first yet). The waiter adopts the first node carrying its token and deletes
+/// every other one: it never waits behind its own orphan, and no orphan stays queued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_other_node_carrying_our_token_is_deleted() {
+    let Some(config) = config() else { return };
+    let upstream = tokio::net::lookup_host(config.hosts.split(',').next().unwrap())
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    let proxy = conformance::drill::Proxy::start(upstream).await.unwrap();
+    let mut via = config.clone();
+    via.hosts = proxy.addr().to_string();
+    via.session_timeout = Duration::from_secs(4);
+    via.op_timeout = Duration::from_secs(1);
+    let a = Arc::new(ZkLock::connect(via).await.unwrap());
+    let raw = raw_client(&config).await;
+    let key = plain_key();
+    let dir = format!("{ROOT}/{key}");
+    let open = zookeeper_client::Acls::anyone_all();
+    raw.mkdir(
+        &dir,
+        &zookeeper_client::CreateMode::Container.with_acls(open),
+    )
+    .await
+    .unwrap();
+    proxy.drop_replies();
+    let task = {
+        let (a, key) = (a.clone(), key.clone());
+        tokio::spawn(async move {
+            a.acquire(&key, Duration::from_secs(4), Instant::now() + SLACK)
+                .await
+        })
+    };
+    until("the create is applied", async || {
+        children(&raw, &dir).await.len() == 1
+    })
+    .await;
+    let ours = children(&raw, &dir).await.remove(0);
+    // `_c_<uuid>-lock-<seq>`: a second node with the same token, queued behind the first.
+    let marker = ours[..ours.len() - 10].to_owned();
+    let (_, seq) = raw
+        .create(
+            &format!("{dir}/{marker}"),
+            &[],
+            &zookeeper_client::CreateMode::EphemeralSequential.with_acls(open),
+        )
+        .await
+        .unwrap();
+    assert_eq!(children(&raw, &dir).await.len(), 2);
+    proxy.pass();
+    let lease = timeout(SLACK * 2, task)
+        .await
+        .expect("acquire hangs")
+        .unwrap()
+        .expect("acquired with the first node carrying our token");
+    assert_eq!(
+        children(&raw, &dir).await,
+        vec![ours.clone()],
+        "the other node with our token ({marker}{seq}) was left, or a third was created"
+    );
+    let info = a.inspect(&key).await.unwrap().expect("held");
+    assert_eq!(info.token_digest, Some(lease.token().digest()));
+    assert!(a.release(&lease).await.unwrap());
+    assert!(children(&raw, &dir).await.is_empty());
+}
