@@ -80,6 +80,41 @@ struct Answered {
 /// makes a promotion more conservative).
 const MAX_CANDIDATES: usize = 1024;
 
+impl Trust {
+    /// A request answered by the member we are connected to: a candidate, nothing more.
+    fn record(&mut self, answered: Answered) {
+        if self.answered.len() >= MAX_CANDIDATES {
+            self.answered.pop_front();
+        }
+        self.answered.push_back(answered);
+    }
+
+    /// A `sync` (sent at `sync.sent`, answered at `sync.at`) went through the leader: the
+    /// newest candidate of the same connection answered by `sync.sent - lag` becomes the base
+    /// (candidates of other connections are dropped); the sync itself becomes a candidate.
+    /// Returns the base.
+    fn promote(&mut self, sync: Answered, lag: Duration) -> Instant {
+        if let Some(cutoff) = sync.sent.checked_sub(lag) {
+            let mut newest = None::<Instant>;
+            self.answered.retain(|a| {
+                if a.connection != sync.connection {
+                    return false;
+                }
+                if a.at <= cutoff {
+                    newest = Some(newest.map_or(a.sent, |n| n.max(a.sent)));
+                    return false;
+                }
+                true
+            });
+            if let Some(newest) = newest {
+                self.base = self.base.max(newest);
+            }
+        }
+        self.record(sync);
+        self.base
+    }
+}
+
 /// A request about to be sent: when, and on which connection (take it before creating the
 /// request's future: zookeeper-client sends a request when the method is called).
 #[derive(Clone, Copy, Debug)]
@@ -194,15 +229,14 @@ impl Session {
         if self.connection() != probe.connection {
             return;
         }
-        let mut trust = self.trust.lock().unwrap_or_else(PoisonError::into_inner);
-        if trust.answered.len() >= MAX_CANDIDATES {
-            trust.answered.pop_front();
-        }
-        trust.answered.push_back(Answered {
-            sent: probe.sent,
-            at,
-            connection: probe.connection,
-        });
+        self.trust
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .record(Answered {
+                sent: probe.sent,
+                at,
+                connection: probe.connection,
+            });
     }
 
     /// The time a ping from the leader can take to come round (see the type's docs).
@@ -219,35 +253,18 @@ impl Session {
         if connection != probe.connection {
             return;
         }
-        let Some(cutoff) = probe.sent.checked_sub(self.lag()) else {
-            return;
-        };
-        let base = {
-            let mut trust = self.trust.lock().unwrap_or_else(PoisonError::into_inner);
-            let mut newest = None::<Instant>;
-            trust.answered.retain(|a| {
-                if a.connection != connection {
-                    return false;
-                }
-                if a.at <= cutoff {
-                    newest = Some(newest.map_or(a.sent, |n| n.max(a.sent)));
-                    return false;
-                }
-                true
-            });
-            if let Some(newest) = newest {
-                trust.base = trust.base.max(newest);
-            }
-            if trust.answered.len() >= MAX_CANDIDATES {
-                trust.answered.pop_front();
-            }
-            trust.answered.push_back(Answered {
-                sent: probe.sent,
-                at,
-                connection,
-            });
-            trust.base
-        };
+        let base = self
+            .trust
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .promote(
+                Answered {
+                    sent: probe.sent,
+                    at,
+                    connection,
+                },
+                self.lag(),
+            );
         let until = base + self.timeout - drift_margin(self.timeout);
         self.vouched.send_if_modified(|v| {
             let newer = until > *v;
@@ -411,4 +428,67 @@ async fn monitor(
         }
     }
     ended.cancel();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    fn at(t0: Instant, sent: u64, answered: u64, connection: u64) -> Answered {
+        Answered {
+            sent: t0 + MS * u32::try_from(sent).unwrap(),
+            at: t0 + MS * u32::try_from(answered).unwrap(),
+            connection,
+        }
+    }
+
+    fn trust(t0: Instant) -> Trust {
+        Trust {
+            base: t0,
+            answered: VecDeque::new(),
+        }
+    }
+
+    /// With a 1 s session the lag is 250 ms.
+    const LAG: Duration = Duration::from_millis(250);
+
+    #[test]
+    fn answered_reads_alone_never_move_the_base() {
+        let t0 = Instant::now();
+        let mut t = trust(t0);
+        for i in 1..100 {
+            t.record(at(t0, i * 10, i * 10 + 1, 0));
+        }
+        assert_eq!(t.base, t0);
+    }
+
+    #[test]
+    fn a_sync_proves_only_what_was_answered_a_lag_before_it_was_sent() {
+        let t0 = Instant::now();
+        let mut t = trust(t0);
+        t.record(at(t0, 100, 110, 0));
+        t.record(at(t0, 300, 310, 0));
+        // Sent at 500: only the request answered by 250 counts.
+        assert_eq!(t.promote(at(t0, 500, 510, 0), LAG), t0 + MS * 100);
+        // Sent at 700: the one answered at 310 (and not the sync answered at 510).
+        assert_eq!(t.promote(at(t0, 700, 705, 0), LAG), t0 + MS * 300);
+        // Sent at 800: the sync answered at 510 now counts; its send time is the base.
+        assert_eq!(t.promote(at(t0, 800, 805, 0), LAG), t0 + MS * 500);
+        // Never backwards.
+        assert_eq!(t.promote(at(t0, 801, 802, 0), LAG), t0 + MS * 500);
+    }
+
+    #[test]
+    fn requests_of_another_connection_never_count() {
+        let t0 = Instant::now();
+        let mut t = trust(t0);
+        t.record(at(t0, 100, 110, 0));
+        // A sync on the next connection (another member, perhaps) proves nothing about them.
+        assert_eq!(t.promote(at(t0, 1000, 1010, 1), LAG), t0);
+        assert!(t.answered.iter().all(|a| a.connection == 1));
+        // Its own requests count once a later sync of that connection proves them.
+        assert_eq!(t.promote(at(t0, 1300, 1310, 1), LAG), t0 + MS * 1000);
+    }
 }
