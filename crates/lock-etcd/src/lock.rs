@@ -128,10 +128,6 @@ struct Phase {
 }
 
 impl Held {
-    fn deadline(&self) -> Instant {
-        lock(&self.phase).deadline
-    }
-
     fn is_finished(&self) -> bool {
         lock(&self.phase).finished
     }
@@ -1252,7 +1248,14 @@ impl Inner {
 /// shared lease the neighbours' renewals would otherwise keep it alive past its TTL.
 async fn reap(inner: Weak<Inner>, held: Arc<Held>) {
     loop {
-        let deadline = held.deadline();
+        // A little after the local deadline: the holder's `lost()` fires at the deadline, and
+        // the next contender is only granted once this delete lands, so the two never meet
+        // within a round trip (safe either way: deleting later only delays the next grant).
+        let deadline = {
+            let phase = lock(&held.phase);
+            let ttl = phase.deadline.saturating_duration_since(phase.base);
+            phase.deadline + (ttl / 20).clamp(Duration::from_millis(5), Duration::from_millis(250))
+        };
         tokio::select! {
             () = held.stop.cancelled() => return,
             () = held.gone.cancelled() => {

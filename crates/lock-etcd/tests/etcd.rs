@@ -102,6 +102,10 @@ fn etcdctl_lock_excludes_us() {
     rt().block_on(async {
         let Some(env) = env().await else { return };
         if !etcdctl_installed() {
+            assert!(
+                std::env::var("DISTLOCK_REQUIRE_BACKENDS").as_deref() != Ok("1"),
+                "etcdctl is not installed but DISTLOCK_REQUIRE_BACKENDS=1"
+            );
             eprintln!("skipping: etcdctl is not installed");
             return;
         }
@@ -151,6 +155,10 @@ fn we_exclude_etcdctl_lock() {
     rt().block_on(async {
         let Some(env) = env().await else { return };
         if !etcdctl_installed() {
+            assert!(
+                std::env::var("DISTLOCK_REQUIRE_BACKENDS").as_deref() != Ok("1"),
+                "etcdctl is not installed but DISTLOCK_REQUIRE_BACKENDS=1"
+            );
             eprintln!("skipping: etcdctl is not installed");
             return;
         }
