@@ -140,8 +140,10 @@ async fn reads_the_leader_never_saw_extend_no_trust_and_the_lost_node_goes_once_
         "lost {lost_after:?} after the cut ({:?})",
         guard.loss_reason()
     );
+    // By construction at most one session timeout after the cut (the window counts from a
+    // request sent before it); the rest is slack for a loaded machine.
     assert!(
-        lost_after <= SESSION + Duration::from_millis(500),
+        lost_after <= SESSION * 2,
         "lost only {lost_after:?} after the last sync that could have reached the leader"
     );
     assert_eq!(guard.loss_reason(), Some(LossReason::DeadlinePassed));
