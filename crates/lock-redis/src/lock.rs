@@ -77,7 +77,7 @@ enum Failure {
     NotSent(RedisError),
     /// The request may have been applied: sent, but no reply (timeout, dropped connection).
     Unknown(String),
-    /// The server answered with an error; nothing was applied.
+    /// The server answered with an error (a script may have run partly: Lua does not roll back).
     Server(RedisError),
 }
 
@@ -915,6 +915,13 @@ impl DistributedLock for RedisLock {
     /// A waiter that gives up passes on a grant that crossed its leaving. A waiter whose
     /// process died may be granted the lock before its registration lapses, and then holds it
     /// until its TTL runs out.
+    ///
+    /// Every request gets at most what is left of `deadline` (leaving the queue: 200 ms past
+    /// it); clean-ups that need longer go on in the background.
+    ///
+    /// # Cancellation safety
+    /// Dropping the future leaves the queue and undoes an attempt in flight, in the background
+    /// (`lock_core::cleanup::finish` waits for both).
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
         self.capabilities().check_ttl(ttl)?;
         let backoff = Backoff::new(
