@@ -1052,7 +1052,7 @@ impl Inner {
         // Even with a watch open, look at the queue again on this period: a watch served by a
         // member cut off from the cluster, or an event lost, must not leave the waiter asleep
         // until its deadline (review L4).
-        let reread_every = (ttl / 2).clamp(Duration::from_millis(500), Duration::from_secs(5));
+        let reread_every = (ttl / 2).clamp(Duration::from_secs(1), Duration::from_secs(5));
         let session = &entry.session;
         // Cleared when a queue watch from our creation revision was refused (compacted).
         let mut queue_watch_ok = true;
