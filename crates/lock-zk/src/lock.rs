@@ -414,20 +414,20 @@ impl Contender {
             Err(zk::Error::NoNode) => return Ok(false),
             Err(e) => return Err(e),
         };
-        let Some(name) = sorted_contenders(children)
+        // The first (in queue order) that is ephemeral to our session.
+        for name in sorted_contenders(children)
             .into_iter()
-            .find(|c| c.starts_with(&marker))
-        else {
-            return Ok(false);
-        };
-        let path = format!("{}/{name}", self.dir);
-        match self.call(self.session.client.check_stat(&path)).await? {
-            Some(stat) if stat.ephemeral_owner == self.session.id => {
+            .filter(|c| c.starts_with(&marker))
+        {
+            let path = format!("{}/{name}", self.dir);
+            if let Some(stat) = self.call(self.session.client.check_stat(&path)).await?
+                && stat.ephemeral_owner == self.session.id
+            {
                 self.node = Some((name, stat));
-                Ok(true)
+                return Ok(true);
             }
-            _ => Ok(false),
         }
+        Ok(false)
     }
 
     async fn position(&self, op: &'static str) -> Result<Position> {
