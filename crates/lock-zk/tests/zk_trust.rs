@@ -424,3 +424,34 @@ async fn every_other_node_carrying_our_token_is_deleted() {
     assert!(a.release(&lease).await.unwrap());
     assert!(children(&raw, &dir).await.is_empty());
 }
+
+/// S9: the server lowers the session timeout (its `maxSessionTimeout`, 60 s on the test server)
+/// below the one configured: leases count the negotiated timeout, not the TTL nor the configured
+/// timeout, and `renew` accepts the lease's own (negotiated) TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_count_the_negotiated_session_timeout() {
+    let Some(mut config) = config() else { return };
+    config.session_timeout = Duration::from_secs(600);
+    let a = ZkLock::connect(config.clone()).await.unwrap();
+    let negotiated = a.zk_client().await.unwrap().session_timeout();
+    if negotiated >= config.session_timeout {
+        eprintln!("skipping: the server accepted a {negotiated:?} session");
+        return;
+    }
+    let key = plain_key();
+    let mut lease = a
+        .try_acquire(&key, config.session_timeout)
+        .await
+        .unwrap()
+        .expect("free");
+    assert!(
+        lease.remaining() <= negotiated && lease.ttl() <= negotiated,
+        "trusted for {:?} (ttl {:?}) on a {negotiated:?} session",
+        lease.remaining(),
+        lease.ttl()
+    );
+    let ttl = lease.ttl();
+    a.renew(&mut lease, ttl).await.unwrap();
+    assert!(lease.remaining() <= negotiated);
+    assert!(a.release(&lease).await.unwrap());
+}
