@@ -585,10 +585,13 @@ impl Inner {
         lock(&self.sessions).retain(|s| !Arc::ptr_eq(s, session));
     }
 
-    async fn revoke(&self, session: &Session) {
+    /// Revokes a retired session's lease, bounded by `until`. On failure the lease expires by
+    /// its TTL: nothing keeps a retired session alive.
+    async fn revoke(&self, session: &Session, until: Instant) {
         Counters::bump(&self.counters.lease_revoke);
-        match error::request(
+        match error::request_until(
             self.timeout(),
+            until,
             self.client.lease_client().revoke(session.id),
         )
         .await
@@ -624,7 +627,9 @@ impl Inner {
             if session.retire_if_idle(idle_since)
                 && let Some(inner) = me.upgrade()
             {
-                inner.revoke(&session).await;
+                inner
+                    .revoke(&session, Instant::now() + inner.timeout())
+                    .await;
                 inner.forget(&session);
             }
         });
@@ -639,7 +644,7 @@ impl Inner {
         if t.session.take_last_user(&t.name) {
             // Revoking the lease deletes the entry with it.
             self.forget(&t.session);
-            self.revoke(&t.session).await;
+            self.revoke(&t.session, until).await;
             return Ok(());
         }
         Counters::bump(&self.counters.txn);
@@ -785,7 +790,7 @@ impl Inner {
         ));
         if granted < ttl {
             // Never happens with etcd (it only raises short TTLs), but never trust a shorter lease.
-            self.revoke(&session).await;
+            self.revoke(&session, until).await;
             return Err(protocol(
                 "acquire",
                 format!("etcd granted a {granted:?} lease for a {ttl:?} ttl"),

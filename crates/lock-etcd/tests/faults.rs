@@ -333,6 +333,60 @@ fn acquire_against_a_stalled_server_returns_by_its_deadline() {
     });
 }
 
+/// Review L3: waiters on clients of their own, queued behind a holder when the link stalls,
+/// return by their deadline although leaving the queue (a txn, or revoking the waiter's own
+/// lease) cannot get through; their entries are gone once the link heals.
+#[test]
+fn queued_waiters_return_by_their_deadline_when_the_link_stalls() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let (proxy, proxied) = Proxy::start_for_url(&env.url).await.unwrap();
+        let holder = env.client().await;
+        let ttl = Duration::from_secs(4);
+        let key = fresh("l3-queued");
+        let held = holder.try_acquire(&key, LONG).await.unwrap().unwrap();
+        let mut waiters = Vec::new();
+        for _ in 0..4 {
+            // The default request timeout (5 s): the deadline must be what bounds the wait.
+            waiters.push(Arc::new(EtcdLock::connect_url(&proxied).await.unwrap()));
+        }
+        let wait = Duration::from_millis(1500);
+        let start = Instant::now();
+        let tasks: Vec<_> = waiters
+            .iter()
+            .map(|w| {
+                let (w, key) = (w.clone(), key.clone());
+                tokio::spawn(async move {
+                    let r = w.acquire(&key, ttl, start + wait).await;
+                    (r.map(|l| l.fencing_token()), start.elapsed())
+                })
+            })
+            .collect();
+        let until = Instant::now() + SLACK;
+        while env.entries(&key).await.len() < 5 {
+            assert!(Instant::now() < until, "the waiters never queued");
+            sleep(Duration::from_millis(10)).await;
+        }
+        proxy.blackhole();
+        let slack = Duration::from_millis(400);
+        for t in tasks {
+            let (r, took) = t.await.unwrap();
+            assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+            assert!(
+                took <= wait + slack,
+                "a queued waiter returned after {took:?}"
+            );
+        }
+        proxy.pass();
+        let until = Instant::now() + ttl + SLACK;
+        while env.entries(&key).await.len() > 1 {
+            assert!(Instant::now() < until, "a timed-out waiter left its entry");
+            sleep(Duration::from_millis(50)).await;
+        }
+        assert!(holder.release(&held).await.unwrap());
+    });
+}
+
 /// Review L4: a waiter with its watch open still re-reads its place on a bounded period, so a
 /// silent watch (a member cut off from the cluster, a lost event) cannot put it to sleep until
 /// its deadline.
