@@ -300,8 +300,9 @@ struct Contender {
     node: Option<(String, zk::Stat)>,
     /// The deletion watch on our node, armed while we wait in the queue; handed to the lease.
     watch: Arc<NodeWatch>,
-    /// The deadline of the `acquire` this contender belongs to: no request gets more than
-    /// what is left of it (`None`: `try_acquire`, each request gets `op_timeout`).
+    /// The deadline of the `acquire` (or the bound of the `try_acquire`) this contender
+    /// belongs to: no request gets more than what is left of it (`None`: each request gets
+    /// `op_timeout`).
     deadline: Option<Instant>,
     done: bool,
 }
@@ -825,10 +826,17 @@ impl DistributedLock for ZkLock {
         }
     }
 
+    // Bounded as a whole: twice `op_timeout` (a create and a listing) for everything after the
+    // session, however many times the create is retried or looked for.
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
         self.capabilities().check_ttl(ttl)?;
         let session = self.session().await?;
-        let mut c = self.contender(session, key, None);
+        let now = Instant::now();
+        let budget = self.inner.config.op_timeout.saturating_mul(2);
+        let until = now
+            .checked_add(budget)
+            .unwrap_or(now + ZkLockConfig::MAX_TIMEOUT);
+        let mut c = self.contender(session, key, Some(until));
         c.create("try_acquire").await?;
         match c.position("try_acquire").await? {
             Position::First => match c.grant(key, ttl) {

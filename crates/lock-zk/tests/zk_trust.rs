@@ -455,3 +455,37 @@ async fn leases_count_the_negotiated_session_timeout() {
     assert!(lease.remaining() <= negotiated);
     assert!(a.release(&lease).await.unwrap());
 }
+
+/// L3: `try_acquire` against a server that stopped answering is bounded as a whole (twice
+/// `op_timeout`, whatever it retries), and fails with a temporary error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn try_acquire_against_a_frozen_server_is_bounded() {
+    let Some(config) = config() else { return };
+    let upstream = tokio::net::lookup_host(config.hosts.split(',').next().unwrap())
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    let proxy = conformance::drill::Proxy::start(upstream).await.unwrap();
+    let mut via = config.clone();
+    via.hosts = proxy.addr().to_string();
+    via.session_timeout = Duration::from_secs(10);
+    via.op_timeout = Duration::from_millis(500);
+    let a = ZkLock::connect(via).await.unwrap();
+    let key = plain_key();
+    proxy.blackhole();
+    let started = Instant::now();
+    let err = a
+        .try_acquire(&key, Duration::from_secs(10))
+        .await
+        .unwrap_err();
+    let took = started.elapsed();
+    proxy.pass();
+    eprintln!("{err} after {took:?}");
+    assert!(err.is_temporary(), "{err}");
+    // 2 × op_timeout, plus scheduling on a loaded machine.
+    assert!(
+        took < Duration::from_millis(1500),
+        "try_acquire took {took:?}"
+    );
+}
