@@ -669,6 +669,10 @@ struct Registration {
     /// Cleared when a grant removed the entries already, or the leaving was handed to the
     /// background.
     armed: bool,
+    /// An attempt is in flight (sent, no answer yet).
+    in_flight: bool,
+    /// An attempt got no answer: it may still reach the server after the leaving.
+    unsure: bool,
 }
 
 impl Registration {
@@ -680,11 +684,18 @@ impl Registration {
             .member(self.seq, ttl_millis(ttl), &self.grant.expose_hex());
         let previous = std::mem::replace(&mut self.member, member);
         remember(&mut self.earlier, previous);
+        self.in_flight = true;
         Waiting {
             member: &self.member,
             grant: self.grant,
             earlier: &self.earlier,
         }
+    }
+
+    /// The latest attempt ended; `unanswered`: without an answer (it may still arrive).
+    fn ended(&mut self, unanswered: bool) {
+        self.in_flight = false;
+        self.unsure |= unanswered;
     }
 
     /// The latest attempt's registration was confirmed: the earlier members are gone.
@@ -710,9 +721,10 @@ impl Registration {
     }
 
     /// Hands the leaving to the background: removes every member this waiter may have
-    /// queued, releases (passing on) a grant that crossed the leaving, and leaves the marker
-    /// that makes a late attempt of this `acquire` a no-op. Retried until answered, for as
-    /// long as a registration of this waiter could still be granted and its grant last.
+    /// queued, releases (passing on) a grant that crossed the leaving and, when an attempt of
+    /// this `acquire` may still arrive (one got no answer, or is in flight), leaves the marker
+    /// that makes it a no-op (so a plain timeout leaves no key behind). Retried until answered,
+    /// for as long as a registration of this waiter could still be granted and its grant last.
     fn spawn_leaving(&mut self) -> Option<tokio::sync::oneshot::Receiver<()>> {
         if !std::mem::replace(&mut self.armed, false) {
             return None;
@@ -726,7 +738,7 @@ impl Registration {
             names: self.names.clone(),
             prefix: owner_prefix(&self.grant),
             members,
-            marker: Some(self.ttl.max(lifetime)),
+            marker: (self.unsure || self.in_flight).then(|| self.ttl.max(lifetime)),
         };
         let until = after(lifetime.saturating_add(self.ttl));
         Some(spawn_undo(self.inner.clone(), undo, until))
@@ -939,6 +951,9 @@ impl DistributedLock for RedisLock {
                 let sent_at = Instant::now();
                 let waiting = registration.as_mut().map(|r| r.next_attempt(ttl));
                 let outcome = self.attempt(key, ttl, waiting.as_ref(), Some(deadline)).await;
+                if let Some(r) = registration.as_mut() {
+                    r.ended(matches!(outcome, Err(Error::Indeterminate { .. })));
+                }
                 let holder_ttl = match (outcome, &mut registration) {
                     (Ok(Attempt::Granted(lease)), r) => {
                         if let Some(r) = r {
@@ -989,6 +1004,8 @@ impl DistributedLock for RedisLock {
                                 earlier: Vec::new(),
                                 registered: None,
                                 armed: true,
+                                in_flight: false,
+                                unsure: false,
                             });
                             continue;
                         }

@@ -1137,6 +1137,13 @@ async fn a_waiter_that_times_out_has_left_the_queue_when_acquire_returns() {
         0,
         "the waiter is still queued"
     );
+    // Every attempt of it was answered: nothing can arrive late, so no undo marker is left.
+    let markers: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{{{redis_key}}}\x1fundone:*"))
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert!(markers.is_empty(), "{markers:?}");
     // So the release does not hand the lock to the gone waiter.
     assert!(lock.release(&holder).await.unwrap());
     assert!(lock.inspect(&key).await.unwrap().is_none());
