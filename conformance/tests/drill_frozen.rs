@@ -191,12 +191,12 @@ fn run(backend: Backend, port: u16) {
 
 #[test]
 fn redis() {
-    run(Backend::Redis, 26395);
+    run(Backend::Redis, 26411);
 }
 
 #[test]
 fn etcd() {
-    run(Backend::Etcd, 22711);
+    run(Backend::Etcd, 22721);
 }
 
 #[test]
