@@ -241,7 +241,7 @@ impl Session {
 
     /// The time a ping from the leader can take to come round (see the type's docs).
     fn lag(&self) -> Duration {
-        self.timeout / 4
+        lag(self.timeout)
     }
 
     /// A `sync` sent at `probe` was answered: every request of ours answered on the same
@@ -365,6 +365,12 @@ impl Session {
     }
 }
 
+/// A quarter of the session timeout: how long a ping from the leader can take to come round
+/// (ZooKeeper negotiates at least 2 × tickTime and the leader pings every tickTime / 2).
+fn lag(timeout: Duration) -> Duration {
+    timeout / 4
+}
+
 /// How many renewals one batched session check answers at most (they all share its one read).
 const MAX_CHECK_IN_BATCH: usize = 100_000;
 
@@ -399,8 +405,9 @@ async fn watch_lapse(
     }
 }
 
-/// Heartbeats (a `sync` every timeout/5, so the vouched window keeps moving while nothing else
-/// is sent) and marks the session ended when it terminates or its `ZkLock` is dropped.
+/// Heartbeats (a `sync` one [`lag`] after the previous one was answered, so that each proves the
+/// one before it and the vouched window keeps moving while nothing else is sent) and marks the
+/// session ended when it terminates or its `ZkLock` is dropped.
 async fn monitor(
     client: zk::Client,
     session: Weak<Session>,
@@ -408,7 +415,7 @@ async fn monitor(
     ended: CancellationToken,
 ) {
     let mut states = client.state_watcher();
-    let period = client.session_timeout() / 5;
+    let period = lag(client.session_timeout());
     loop {
         if states.peek_state().is_terminated() {
             break;

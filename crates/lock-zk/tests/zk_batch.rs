@@ -133,7 +133,7 @@ async fn a_round_of_renewals_costs_a_few_requests_and_a_deleted_node_fails_only_
     // The first round reads each node once (arming its deletion watch).
     assert!(renew_all(&a, &mut leases).await.iter().all(Result::is_ok));
     // Later rounds: one batched session `sync` for all of them (plus the session's heartbeat,
-    // a `sync` every timeout/5, more of which fall into a round the slower the machine).
+    // a `sync` every quarter timeout, more of which fall into a round the slower the machine).
     // Unbatched, a round is N requests; a quarter of that tells the two apart on any load.
     for _ in 0..3 {
         let before = counter.checks();
