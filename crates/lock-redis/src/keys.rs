@@ -218,6 +218,9 @@ mod tests {
                 assert!(seen.insert(n.fence()), "fence {ns:?} {key:?}");
                 assert_eq!(key_slot(&n.queue()), key_slot(&n.lock), "{ns:?} {key:?}");
                 assert!(seen.insert(n.queue()), "queue {ns:?} {key:?}");
+                let undone = n.undone("0123456789abcdef0123456789abcdef:");
+                assert_eq!(key_slot(&undone), key_slot(&n.lock), "{ns:?} {key:?}");
+                assert!(seen.insert(undone), "undo marker {ns:?} {key:?}");
             }
         }
     }
