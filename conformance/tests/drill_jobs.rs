@@ -240,7 +240,16 @@ async fn slow_downstream_cancelled(backend: &str, url: String) {
     link.set(Fault::Blackhole);
     let started = Instant::now();
     let fault = history.fault("blackholed", Some("c1"));
-    let contender = tokio::spawn(c2.start_acquire(&key, WAIT));
+    // Whether the job's future had been dropped is read the moment c2's acquire returns (not
+    // after awaiting the job, which would make the order true by construction).
+    let contender = tokio::spawn({
+        let (acquire, dropped_at) = (c2.start_acquire(&key, WAIT), dropped_at.clone());
+        async move {
+            let held = acquire.await;
+            let dropped_by_then = dropped_at.lock().unwrap().is_some();
+            (held, Instant::now(), dropped_by_then)
+        }
+    });
 
     let outcome = timeout(SOON, job).await.expect("the job ends").unwrap();
     let cancelled_at = Instant::now();
@@ -248,21 +257,20 @@ async fn slow_downstream_cancelled(backend: &str, url: String) {
         matches!(outcome, Err(Error::NotHeld { .. })),
         "the loss must cancel the job with NotHeld: {outcome:?}"
     );
-    let held2 = contender.await.unwrap().expect("c2 is granted");
-    let granted_at = Instant::now();
+    let (held2, granted_at, dropped_before_grant) = contender.await.unwrap();
+    let held2 = held2.expect("c2 is granted");
+    // (run_exclusive itself returns only after its release attempt through the dead link.)
+    assert!(
+        dropped_before_grant,
+        "c1's job was still running when c2 was granted at {:?} (dropped at {:?})",
+        granted_at - started,
+        dropped_at.lock().unwrap().map(|at| at - started),
+    );
     let lost_at = lost_at.lock().unwrap().expect("the loss was recorded");
     let dropped_at = dropped_at
         .lock()
         .unwrap()
         .expect("the job's future was dropped");
-    // (run_exclusive itself returns only after its release attempt through the dead link.)
-    assert!(
-        lost_at <= granted_at && dropped_at <= granted_at,
-        "c1 lost at {:?} / its job was dropped at {:?}, after c2 was granted at {:?}",
-        lost_at - started,
-        dropped_at - started,
-        granted_at - started
-    );
     let hold1 = c1_hold.lock().unwrap().clone().unwrap();
     assert!(fencing(&held2.hold) > fencing(&hold1));
     let lost_seq = seq_of(&history, |r| {
