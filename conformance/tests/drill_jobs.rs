@@ -559,10 +559,10 @@ async fn delivered_twice_wait(backend: &str, url: String) {
     delivered_twice(backend, url, true).await;
 }
 
-/// 4. An operator force-releases a held lock while a contender waits: the contender is granted
-/// while the old holder still believes (until its guard learns the loss), which the checker must
-/// accept only because the intervention is on record; the old holder's guard reports the loss
-/// and its stale write is rejected by the fence.
+/// Drill 4: an operator force-releases a held lock while a contender waits; the contender is
+/// granted while the old holder still believes (until its guard learns the loss), which the
+/// checker must accept only because the intervention is on record; the old holder's guard
+/// reports the loss and its stale write is rejected by the fence.
 async fn force_released_holder(backend: &str, url: String) {
     let history = History::new(format!("{backend}_force_released_holder"));
     let key = conformance::fresh_key("drill-force-release");
