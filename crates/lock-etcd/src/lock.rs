@@ -834,7 +834,7 @@ impl Inner {
                 session,
                 token,
                 rev: 0,
-                marker: keys::attempt_marker(&self.config.prefix, &token.expose_hex()),
+                marker: keys::attempt_marker(&self.config.prefix, rand::random()),
                 armed: true,
             };
             let txn = entry.put_txn();
@@ -1638,7 +1638,7 @@ mod tests {
                 name: name.clone(),
                 token,
                 rev: 0,
-                marker: keys::attempt_marker(&inner.config.prefix, &token.expose_hex()),
+                marker: keys::attempt_marker(&inner.config.prefix, rand::random()),
                 armed: false,
             };
             let put = entry.put_txn();
