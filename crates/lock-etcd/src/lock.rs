@@ -425,7 +425,8 @@ impl EtcdLock {
         Self::connect(EtcdLockConfig::from_url(url)?).await
     }
 
-    /// The settings this client was built with.
+    /// The settings this client was built with (the prefix as used: see
+    /// [`EtcdLockConfig::normalized_prefix`]).
     pub fn config(&self) -> &EtcdLockConfig {
         &self.inner.config
     }
