@@ -61,6 +61,13 @@ const LONG_TTL: Duration = Duration::from_secs(30);
 /// Slack for a loaded 2-core machine on top of any expected duration.
 const SLACK: Duration = Duration::from_secs(3);
 
+/// The TTL of properties that must keep a lease alive by renewing it: the backend's short TTL,
+/// but at least 1 s, so that one scheduling stall of a loaded 2-core machine (a few hundred ms)
+/// cannot outlast the gap between renewals (at 300 ms a 200 ms stall did).
+fn stall_proof_ttl(h: &Harness) -> Duration {
+    h.short_ttl().max(Duration::from_secs(1))
+}
+
 async fn take(client: &DynLock, key: &LockKey, ttl: Duration) -> Lease {
     match client.try_acquire(key, ttl).await {
         Ok(Some(lease)) => lease,
@@ -230,7 +237,7 @@ pub async fn renew_extends_the_lease(h: Harness) -> Outcome {
     if !a.capabilities().renew {
         return Outcome::Skipped("renew not claimed");
     }
-    let ttl = h.short_ttl();
+    let ttl = stall_proof_ttl(&h);
     let key = h.key("renew");
     let mut lease = take(&a, &key, ttl).await;
     let first_deadline = lease.local_deadline();
@@ -559,7 +566,7 @@ pub async fn watchdog_keeps_the_lease_alive(h: Harness) -> Outcome {
     if !a.capabilities().renew {
         return Outcome::Skipped("renew not claimed");
     }
-    let ttl = h.short_ttl();
+    let ttl = stall_proof_ttl(&h);
     let key = h.key("watchdog");
     let guard = a
         .lock(&key)
