@@ -346,8 +346,9 @@ pub async fn fencing_tokens_strictly_increase(h: Harness) -> Outcome {
     Outcome::Passed
 }
 
-/// A holder whose lease expired (paused process) has its late write rejected by the fenced
-/// resource after the new holder wrote.
+/// A holder whose lease expired (paused process) has its late writes — with the token its guard
+/// handed to the job — rejected by the fenced resource once the new holder wrote, and still
+/// after the new holder released; the resource keeps the new holder's value.
 pub async fn stale_holder_write_is_rejected(h: Harness) -> Outcome {
     let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
     if !fencing_claimed(&a) {
@@ -355,16 +356,38 @@ pub async fn stale_holder_write_is_rejected(h: Harness) -> Outcome {
     }
     let key = h.key("fenced-write");
     let register = FencedRegister::new();
-    let old = take(&a, &key, LONG_TTL).await;
-    h.force_expire(&old).await; // a is "paused" past its ttl
+    let guard = a
+        .lock(&key)
+        .ttl(LONG_TTL)
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    let stale_token = guard.fencing_token().expect("fencing claimed but no token");
+    register
+        .write(stale_token, "a#1")
+        .expect("the holder's own write");
+    h.force_expire(guard.granted_lease()).await; // a is "paused" past its ttl
     let new = take(&b, &key, LONG_TTL).await;
     register
         .write(new.fencing_token().unwrap(), "b")
         .expect("the new holder's write");
-    let stale = register.write(old.fencing_token().unwrap(), "a (stale)");
-    assert!(stale.is_err(), "a stale holder's write was accepted");
-    assert_eq!((register.value(), register.rejected()), (Some("b"), 1));
-    release(&b, &new).await;
+    // a resumes and writes before it has noticed anything.
+    assert!(
+        register.write(stale_token, "a#2 (stale)").is_err(),
+        "a stale holder's write was accepted"
+    );
+    // The new holder's release does not make the old token good again.
+    assert!(release(&b, &new).await);
+    assert!(
+        register.write(stale_token, "a#3 (stale)").is_err(),
+        "a stale holder's write was accepted after the new holder released"
+    );
+    assert_eq!((register.value(), register.rejected()), (Some("b"), 2));
+    assert!(
+        !guard.release().await.unwrap_or(false),
+        "the stale guard's release must not report success"
+    );
     Outcome::Passed
 }
 
