@@ -51,6 +51,12 @@ async fn killed_holder(backend: Backend, url: String) {
     .await;
     let f1 = holder.wait_acquired().await;
     holder.wait_writes(2).await;
+    // Kill after a renewal, so the checker holds the contender to the renewed deadline.
+    holder
+        .process
+        .wait_for(SOON, |e| matches!(e, HolderEvent::Renewed { .. }))
+        .await
+        .expect("the holder's watchdog renews");
 
     let c2 = Client::new(&history, "c2", &url).await;
     let contender = tokio::spawn(c2.start_acquire(&key, WAIT));
@@ -96,6 +102,12 @@ async fn paused_holder(backend: Backend, url: String) {
     .await;
     let f1 = holder.wait_acquired().await;
     holder.wait_writes(2).await;
+    // Pause after a renewal, so the checker holds the contender to the renewed deadline.
+    holder
+        .process
+        .wait_for(SOON, |e| matches!(e, HolderEvent::Renewed { .. }))
+        .await
+        .expect("the holder's watchdog renews");
 
     holder.process.stop().await.expect("SIGSTOP");
     let pause = history.fault("paused (SIGSTOP)", Some("holder"));
