@@ -63,3 +63,100 @@ async fn bad_input_makes_no_request() {
     );
     assert_eq!(coordinator.requests(), before + 1);
 }
+
+/// The whole suite on a backend that does not claim `renew` (the in-memory coordinator behind a
+/// wrapper that refuses renewals): the renewal properties are declared skipped (reported as
+/// ignored, each checked against the capability), and `capabilities_are_honest` runs its
+/// "renew refused" branch, which no real backend reaches.
+mod without_renew {
+    use std::{sync::Arc, time::Duration};
+
+    use conformance::{Harness, TestBackend};
+    use futures::future::BoxFuture;
+    use lock_core::{
+        Capabilities, DistributedLock, DynLock, Error, FencingToken, HolderInfo, InMemoryLock,
+        Lease, LockKey, LossReason, Result,
+    };
+    use tokio::time::Instant;
+
+    #[derive(Debug)]
+    struct NoRenew(DynLock);
+
+    #[conformance::async_trait]
+    impl DistributedLock for NoRenew {
+        fn backend_name(&self) -> &'static str {
+            self.0.backend_name()
+        }
+
+        fn capabilities(&self) -> Capabilities {
+            Capabilities {
+                renew: false,
+                ..self.0.capabilities()
+            }
+        }
+
+        async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
+            self.0.try_acquire(key, ttl).await
+        }
+
+        async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
+            self.0.acquire(key, ttl, deadline).await
+        }
+
+        async fn renew(&self, _lease: &mut Lease, _ttl: Duration) -> Result<()> {
+            Err(Error::unsupported(self.backend_name(), "renew"))
+        }
+
+        async fn release(&self, lease: &Lease) -> Result<bool> {
+            self.0.release(lease).await
+        }
+
+        async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+            self.0.inspect(key).await
+        }
+
+        async fn force_release(&self, key: &LockKey) -> Result<bool> {
+            self.0.force_release(key).await
+        }
+
+        async fn force_release_grant(&self, key: &LockKey, holder: FencingToken) -> Result<bool> {
+            self.0.force_release_grant(key, holder).await
+        }
+
+        fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
+            self.0.watch_lost(lease)
+        }
+    }
+
+    struct MemoryWithoutRenew {
+        coordinator: InMemoryLock,
+    }
+
+    #[conformance::async_trait]
+    impl TestBackend for MemoryWithoutRenew {
+        async fn client(&self) -> Result<DynLock> {
+            Ok(Arc::new(NoRenew(Arc::new(self.coordinator.client()))))
+        }
+
+        fn short_ttl(&self) -> Duration {
+            Duration::from_millis(300)
+        }
+
+        async fn force_expire(&self, lease: &Lease) -> Result<()> {
+            self.coordinator.force_expire(lease.key());
+            Ok(())
+        }
+    }
+
+    async fn setup() -> Option<Harness> {
+        Some(Harness::new(MemoryWithoutRenew {
+            coordinator: InMemoryLock::new(),
+        }))
+    }
+
+    conformance::conformance_tests!(setup; skip: {
+        renew_extends_the_lease: "renew not claimed",
+        renew_after_expiry_fails_and_does_not_extend_the_new_holder: "renew not claimed",
+        watchdog_keeps_the_lease_alive: "renew not claimed",
+    });
+}
