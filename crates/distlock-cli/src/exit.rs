@@ -12,8 +12,15 @@ pub const USAGE: u8 = 2;
 pub const UNAVAILABLE: u8 = 69;
 /// `run`: the lock was not acquired (held elsewhere, or `--wait` ran out). Settable with `-E`.
 pub const NOT_ACQUIRED: u8 = 75;
-/// `run`: the lease was lost while the command ran; the command was terminated.
+/// `run`: the lease was lost (or could not be renewed in time) while the command ran; the
+/// command's process group was terminated.
 pub const LOST: u8 = 76;
+/// `run`: distlock itself failed (its guard process could not start or died); the command, if
+/// it was started, was terminated.
+pub const INTERNAL: u8 = 70;
+/// `run`: the lease was lost before the command finished, but the loss was noticed only after
+/// it had exited, so it was not terminated: its work may have overlapped another holder's.
+pub const LOST_UNTERMINATED: u8 = 79;
 /// Configuration error: bad URL, unknown scheme, backend not compiled in, invalid option, or
 /// an operation the backend does not support.
 pub const CONFIG: u8 = 78;

@@ -2,9 +2,12 @@
 //! a coordinator. See `distlock --help` and the crate README.
 #![forbid(unsafe_code)]
 
+mod clock;
 mod commands;
 mod duration;
 mod exit;
+mod guard;
+mod procfs;
 mod run;
 
 use std::{ffi::OsString, process::ExitCode, time::Duration};
@@ -18,9 +21,21 @@ use crate::duration::parse_duration;
 #[command(name = "distlock", version, after_long_help = exit::HELP, after_help = exit::HELP)]
 struct Cli {
     /// Coordinator URL, e.g. redis://127.0.0.1:6379, etcd://127.0.0.1:2379, zk://127.0.0.1:2181,
-    /// postgres://user@host/db; driver options in the query string.
+    /// postgres://user@host/db; driver options in the query string. A URL with a password shows
+    /// in `ps`: use --url-file or DISTLOCK_URL for those.
     #[arg(long, env = "DISTLOCK_URL", global = true, hide_env_values = true)]
     url: Option<String>,
+
+    /// Read the coordinator URL from this file (its first line), which keeps a password out of
+    /// `ps` and of the environment. Overrides DISTLOCK_URL.
+    #[arg(
+        long,
+        env = "DISTLOCK_URL_FILE",
+        global = true,
+        value_name = "PATH",
+        conflicts_with = "url"
+    )]
+    url_file: Option<std::path::PathBuf>,
 
     /// Print a Prometheus text snapshot of distlock's metrics to stderr on exit.
     #[arg(long, global = true)]
@@ -35,12 +50,15 @@ enum Command {
     /// Run a command while holding the lock (like flock(1), across machines).
     ///
     /// The command runs in its own process group with DISTLOCK_KEY and DISTLOCK_FENCING_TOKEN in
-    /// its environment; pass the fencing token to the resource you protect. The lease is renewed
-    /// while it runs. If the lease is lost, the process group gets SIGTERM, then SIGKILL after
-    /// --kill-after, and distlock exits with 76. SIGINT and SIGTERM sent to distlock are
-    /// forwarded to the command. The lock is released when the command exits, and distlock
-    /// exits with the command's status. Commands that read from the terminal are not supported
-    /// (the command is not the terminal's foreground process group).
+    /// its environment (and without DISTLOCK_URL); pass the fencing token to the resource you
+    /// protect. The lease is renewed while it runs. The command's process group never outlives
+    /// the lease: if the lease is lost, cannot be renewed in time, or distlock is killed or
+    /// frozen, a guard process sends the group SIGTERM and then SIGKILL, at the latest at the
+    /// lease's local deadline (before the coordinator can grant the lock to anyone else); then
+    /// distlock exits with 76. SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to distlock are forwarded
+    /// to the group. On a terminal the command gets the terminal's foreground, so it can read
+    /// from it. The lock is released when the command exits (with --wait-group: when its whole
+    /// process group is gone), and distlock exits with the command's status.
     Run(RunArgs),
     /// Show who holds a lock: token digest, fencing token, remaining TTL.
     Inspect(InspectArgs),
@@ -48,6 +66,9 @@ enum Command {
     Release(ReleaseArgs),
     /// Connect, print the backend's capabilities and run a quick acquire/renew/release self-test.
     Check(CheckArgs),
+    /// Internal: the guard process of `run`.
+    #[command(name = "__guard", hide = true)]
+    Guard(guard::GuardArgs),
 }
 
 /// Arguments of `distlock run`.
@@ -55,15 +76,21 @@ enum Command {
 pub struct RunArgs {
     /// The lock key.
     pub key: String,
-    /// Lease TTL; the lease is renewed every third of it while the command runs.
+    /// Lease TTL; the lease is renewed every quarter of it while the command runs.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub ttl: Duration,
     /// Wait up to this long for the lock (default: give up at once if it is held).
     #[arg(short, long, value_parser = parse_duration, value_name = "DURATION")]
     pub wait: Option<Duration>,
-    /// After the lease is lost: how long after SIGTERM to send SIGKILL to the command's group.
-    #[arg(long, default_value = "5s", value_parser = parse_duration, value_name = "DURATION")]
-    pub kill_after: Duration,
+    /// How long before SIGKILL the command's group gets SIGTERM when the lease is lost or about
+    /// to run out (default: 5s or a quarter of --ttl, whichever is less; at most a third of
+    /// --ttl, so that SIGKILL lands before the lease's local deadline).
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub kill_after: Option<Duration>,
+    /// Keep the lock until every process of the command's group has exited, not only the
+    /// command itself (for commands that leave background processes working).
+    #[arg(long)]
+    pub wait_group: bool,
     /// Exit status when the lock is not acquired (like flock -E).
     #[arg(short = 'E', long, default_value_t = exit::NOT_ACQUIRED, value_name = "CODE")]
     pub conflict_exit_code: u8,
@@ -103,12 +130,56 @@ pub struct CheckArgs {
     pub ttl: Option<Duration>,
 }
 
+/// The coordinator URL from --url-file, --url or DISTLOCK_URL.
+fn coordinator_url(cli: &Cli) -> Result<String, u8> {
+    if let Some(path) = &cli.url_file {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            eprintln!("distlock: cannot read the URL file {}: {e}", path.display());
+            exit::CONFIG
+        })?;
+        let url = text.lines().next().unwrap_or_default().trim();
+        if url.is_empty() {
+            eprintln!("distlock: the URL file {} is empty", path.display());
+            return Err(exit::CONFIG);
+        }
+        return Ok(url.to_owned());
+    }
+    match cli.url.as_deref().map(str::trim) {
+        Some(url) if !url.is_empty() => Ok(url.to_owned()),
+        _ => {
+            eprintln!(
+                "distlock: no coordinator URL: pass --url URL or --url-file PATH, or set DISTLOCK_URL"
+            );
+            Err(exit::USAGE)
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let Some(url) = cli.url.filter(|u| !u.trim().is_empty()) else {
-        eprintln!("distlock: no coordinator URL: pass --url URL or set DISTLOCK_URL");
+    if let Command::Guard(args) = &cli.command {
+        return ExitCode::from(guard::main(args));
+    }
+    // Checked before any I/O.
+    if let Command::Run(args) = &cli.command
+        && let Err(message) = run::Timing::new(args.kill_after, args.ttl, args.ttl)
+    {
+        eprintln!("distlock: {message}");
         return ExitCode::from(exit::USAGE);
+    }
+    let url = match coordinator_url(&cli) {
+        Ok(url) => url,
+        Err(code) => return ExitCode::from(code),
     };
+    // `run` hands the terminal to the command and takes it back from the background afterwards,
+    // and may write to the terminal meanwhile: both need SIGTTOU blocked (the runtime's threads
+    // inherit the mask; the command gets a clean one from the spawn).
+    let mut ttou = nix::sys::signal::SigSet::empty();
+    ttou.add(nix::sys::signal::Signal::SIGTTOU);
+    if let Err(e) = ttou.thread_block() {
+        eprintln!("distlock: cannot block SIGTTOU: {e}");
+        return ExitCode::from(exit::INTERNAL);
+    }
     let metrics = if cli.metrics {
         match metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder() {
             Ok(handle) => Some(handle),
@@ -144,6 +215,7 @@ fn main() -> ExitCode {
             Command::Inspect(args) => commands::inspect(lock.clone(), args).await,
             Command::Release(args) => commands::release(lock.clone(), args).await,
             Command::Check(args) => commands::check(lock.clone(), args).await,
+            Command::Guard(_) => exit::USAGE,
         };
         // Clean-ups the drivers started in the background (a waiter leaving its queue, a
         // guard's release) get done before the process goes; they need the client alive.
