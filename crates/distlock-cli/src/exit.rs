@@ -36,14 +36,19 @@ Exit status:
   1        `check`: the self-test failed; `release`: not confirmed
   2        usage error (bad arguments, invalid key or duration, no URL)
   69       the coordinator is unavailable or failed
+  70       `run`: distlock's guard process failed; the command was terminated
   75       `run`: lock not acquired (held elsewhere or --wait ran out); change with -E
-  76       `run`: the lease was lost while the command ran; the command was terminated
+  76       `run`: the lease was lost (or not renewed in time) while the command ran; the
+           command's process group was terminated
   78       configuration error (bad URL, unknown scheme, backend not compiled in, bad option)
+  79       `run`: the lease was lost before the command finished, noticed too late to
+           terminate it
   126/127  `run`: the command could not be executed / was not found
-  128+N    `run`: the command was killed by signal N, or distlock was interrupted by
-           signal N (SIGINT, SIGTERM) while waiting for the lock
+  128+N    `run`: the command was killed by signal N (149/150: stopped on a terminal it does
+           not own), or distlock was interrupted by signal N (SIGINT, SIGTERM, SIGHUP,
+           SIGQUIT) while waiting for the lock
 
-The URL comes from --url or DISTLOCK_URL: memory://NAME (this process only), redis://,
+The URL comes from --url, --url-file or DISTLOCK_URL (--url shows in ps): memory://NAME (this process only), redis://,
 rediss://, etcd://, etcds://, zk://, postgres://, postgresql:// (as compiled in); driver
 options go in the query string.";
 

@@ -255,3 +255,115 @@ fn metrics_flag_prints_a_prometheus_snapshot_without_tokens() {
     let quiet = output(distlock().args(["--url", "memory://metrics", "check"]));
     assert!(!stderr(&quiet).contains("distlock_acquire_total"));
 }
+
+/// The URL may carry a password: the command does not inherit DISTLOCK_URL, and with
+/// --url-file the URL is neither in distlock's command line nor in anyone's environment.
+#[test]
+fn the_url_stays_out_of_the_commands_environment_and_of_ps() {
+    let show = "env; echo; tr '\\0' ' ' < /proc/$PPID/cmdline";
+    let out = output(
+        distlock()
+            .env("DISTLOCK_URL", "memory://s3cret")
+            .args(["run", "k", "--", "sh", "-c", show]),
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(!stdout(&out).contains("s3cret"), "{}", stdout(&out));
+    assert!(stdout(&out).contains("DISTLOCK_KEY=k"), "{}", stdout(&out));
+
+    let dir = std::env::temp_dir().join(format!("distlock-cli-urlfile-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("url");
+    std::fs::write(&file, "memory://s3cret\n").unwrap();
+    let out = output(
+        distlock()
+            .arg("--url-file")
+            .arg(&file)
+            .args(["run", "k", "--", "sh", "-c", show]),
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(!text.contains("s3cret"), "{text}");
+    assert!(
+        text.contains("--url-file"),
+        "the parent is distlock: {text}"
+    );
+    let out = output(
+        distlock()
+            .env("DISTLOCK_URL_FILE", &file)
+            .args(["inspect", "k"]),
+    );
+    assert_eq!(stdout(&out), "k: free\n", "{}", stderr(&out));
+
+    // The file is what is used: a bad URL in it is reported as such.
+    std::fs::write(&file, "memory://x?bogus=1\n").unwrap();
+    let out = output(distlock().arg("--url-file").arg(&file).args(["check"]));
+    assert_one_line_error(&out, 78, "unknown memory:// option `bogus`");
+    let out = output(distlock().args(["--url-file", "/nonexistent/url", "check"]));
+    assert_one_line_error(&out, 78, "cannot read the URL file /nonexistent/url");
+    let out = output(
+        distlock()
+            .arg("--url-file")
+            .arg(&file)
+            .args(["--url", "memory://", "check"]),
+    );
+    assert_eq!(out.status.code(), Some(2), "--url and --url-file conflict");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--kill-after` the lease cannot cover is refused before any I/O (the URL is unreachable).
+#[test]
+fn a_kill_after_the_lease_cannot_cover_is_refused_before_connecting() {
+    let out = output(distlock().args([
+        "--url",
+        "redis://127.0.0.1:1",
+        "run",
+        "k",
+        "--ttl",
+        "3s",
+        "--kill-after",
+        "2s",
+        "--",
+        "true",
+    ]));
+    assert_one_line_error(
+        &out,
+        2,
+        "--kill-after 2.0s is more than the lease can cover",
+    );
+}
+
+/// With --wait-group the lock is held until the command's whole process group is gone, not
+/// only its top process; without it, distlock returns when the top process exits.
+#[test]
+fn wait_group_holds_until_background_processes_are_gone() {
+    let dir = std::env::temp_dir().join(format!("distlock-cli-group-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let late = dir.join("late");
+    let script = format!("(sleep 1; touch {}) > /dev/null 2>&1 &", late.display());
+    let out = output(distlock().args([
+        "--url",
+        "memory://",
+        "run",
+        "--wait-group",
+        "k",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(
+        late.exists(),
+        "distlock returned before the background process ended"
+    );
+    std::fs::remove_file(&late).unwrap();
+
+    let out =
+        output(distlock().args(["--url", "memory://", "run", "k", "--", "sh", "-c", &script]));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(
+        !late.exists(),
+        "without --wait-group only the top process is waited for"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
