@@ -155,18 +155,48 @@ fn coordinator_url(cli: &Cli) -> Result<String, u8> {
     }
 }
 
+/// The arguments' checks that need no coordinator.
+fn check_before_io(command: &Command) -> Result<(), String> {
+    let ttl = match command {
+        Command::Run(args) => {
+            run::Timing::new(args.kill_after, args.ttl, args.ttl)?;
+            Some(args.ttl)
+        }
+        Command::Check(args) => args.ttl,
+        _ => None,
+    };
+    match ttl {
+        Some(ttl) if ttl < MIN_TTL => Err(format!(
+            "invalid ttl {}: distlock needs at least {} (a shorter lease is lost before it can be renewed)",
+            duration::format_duration(ttl),
+            duration::format_duration(MIN_TTL)
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The shortest `--ttl` distlock accepts, whatever the backend's minimum.
+const MIN_TTL: Duration = Duration::from_secs(1);
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Command::Guard(args) = &cli.command {
         return ExitCode::from(guard::main(args));
     }
     // Checked before any I/O.
-    if let Command::Run(args) = &cli.command
-        && let Err(message) = run::Timing::new(args.kill_after, args.ttl, args.ttl)
-    {
+    if let Err(message) = check_before_io(&cli.command) {
         eprintln!("distlock: {message}");
         return ExitCode::from(exit::USAGE);
     }
+    // `run --wait W` gives up within W plus a little, also while the coordinator does not
+    // answer (connecting included).
+    let started = tokio::time::Instant::now();
+    let wait_deadline = match &cli.command {
+        Command::Run(RunArgs {
+            wait: Some(wait), ..
+        }) => started.checked_add(*wait + run::WAIT_SLACK),
+        _ => None,
+    };
     let url = match coordinator_url(&cli) {
         Ok(url) => url,
         Err(code) => return ExitCode::from(code),
@@ -203,23 +233,50 @@ fn main() -> ExitCode {
         }
     };
     let code = runtime.block_on(async {
-        let lock = match distlock::connect(&url).await {
-            Ok(lock) => lock,
-            Err(e) => {
+        let connecting = distlock::connect(&url);
+        let connected = match wait_deadline {
+            Some(deadline) => tokio::time::timeout_at(deadline, connecting).await,
+            None => Ok(connecting.await),
+        };
+        let lock = match connected {
+            Ok(Ok(lock)) => lock,
+            Ok(Err(e)) => {
                 eprintln!("distlock: {e}");
-                return exit::code_for(&e);
+                return exit::connect_code(&e);
+            }
+            Err(_elapsed) => {
+                eprintln!(
+                    "distlock: the coordinator did not answer within the wait (connecting to it)"
+                );
+                return exit::UNAVAILABLE;
             }
         };
         let code = match cli.command {
-            Command::Run(args) => run::run(lock.clone(), args).await,
+            Command::Run(args) => run::run(lock.clone(), args, wait_deadline).await,
             Command::Inspect(args) => commands::inspect(lock.clone(), args).await,
             Command::Release(args) => commands::release(lock.clone(), args).await,
             Command::Check(args) => commands::check(lock.clone(), args).await,
             Command::Guard(_) => exit::USAGE,
         };
         // Clean-ups the drivers started in the background (a waiter leaving its queue, a
-        // guard's release) get done before the process goes; they need the client alive.
-        distlock::cleanup::finish(Duration::from_secs(5)).await;
+        // guard's release) get done before the process goes; they need the client alive. Not
+        // for long when the coordinator is unavailable (they would most likely time out), and
+        // a signal ends the wait at once.
+        let budget = if code == exit::UNAVAILABLE {
+            Duration::from_secs(1)
+        } else {
+            Duration::from_secs(5)
+        };
+        let code = match run::Signals::new() {
+            Ok(mut signals) => tokio::select! {
+                _ = distlock::cleanup::finish(budget) => code,
+                signal = signals.recv() => exit::signalled(signal as i32),
+            },
+            Err(_) => {
+                distlock::cleanup::finish(budget).await;
+                code
+            }
+        };
         drop(lock);
         code
     });

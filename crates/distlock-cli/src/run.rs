@@ -27,7 +27,7 @@ use tokio::{
     io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines},
     process::{Child, ChildStdin, ChildStdout, Command},
     signal::unix::{Signal as SignalStream, SignalKind, signal},
-    time::{Instant, sleep, sleep_until, timeout},
+    time::{Instant, sleep, sleep_until, timeout, timeout_at},
 };
 
 use crate::{
@@ -43,7 +43,7 @@ use crate::{
 pub const PRIVATE_ENV: [&str; 2] = ["DISTLOCK_URL", "DISTLOCK_URL_FILE"];
 
 /// Runs the command under the lock and returns distlock's exit status.
-pub async fn run(lock: DynLock, args: RunArgs) -> u8 {
+pub async fn run(lock: DynLock, args: RunArgs, wait_deadline: Option<Instant>) -> u8 {
     let key = match LockKey::new(&args.key) {
         Ok(key) => key,
         Err(e) => {
@@ -59,7 +59,7 @@ pub async fn run(lock: DynLock, args: RunArgs) -> u8 {
             return exit::USAGE;
         }
     };
-    let guard = match acquire(&lock, &key, &args, &timing).await {
+    let guard = match acquire(&lock, &key, &args, &timing, wait_deadline).await {
         Ok(Some(guard)) => guard,
         Ok(None) => return args.conflict_exit_code,
         Err(code) => return code,
@@ -131,6 +131,7 @@ async fn acquire(
     key: &LockKey,
     args: &RunArgs,
     timing: &Timing,
+    wait_deadline: Option<Instant>,
 ) -> Result<Option<LockGuard>, u8> {
     let mut builder = lock.lock(key).ttl(args.ttl);
     if lock.capabilities().renew && !timing.renew_every.is_zero() {
@@ -144,14 +145,27 @@ async fn acquire(
             let progress = std::io::stderr()
                 .is_terminal()
                 .then(|| tokio::spawn(show_progress(lock.clone(), key.clone())));
-            let result = unless_interrupted(builder.wait(wait).acquire()).await;
+            let bounded = async {
+                match wait_deadline {
+                    Some(deadline) => timeout_at(deadline, builder.wait(wait).acquire()).await,
+                    None => Ok(builder.wait(wait).acquire().await),
+                }
+            };
+            let result = unless_interrupted(bounded).await;
             if let Some(progress) = progress {
                 progress.abort();
                 let _ = progress.await;
                 eprint!("\r\x1b[K");
             }
             match result {
-                Ok(result) => result.map(Some),
+                Ok(Ok(result)) => result.map(Some),
+                Ok(Err(_elapsed)) => {
+                    eprintln!(
+                        "distlock: lock {key} not acquired: the coordinator did not answer within the wait of {}",
+                        format_duration(wait)
+                    );
+                    return Err(exit::UNAVAILABLE);
+                }
                 Err(signal) => {
                     // The dropped acquire leaves the wait queue in the background; `main`
                     // waits for that before exiting.
@@ -164,13 +178,26 @@ async fn acquire(
     match result {
         Ok(Some(guard)) => Ok(Some(guard)),
         Ok(None) | Err(Error::Timeout { .. }) => {
-            let holder = match lock.inspect(key).await {
-                Ok(Some(h)) => format!("held by {}", describe_holder(&h)),
-                _ => "held by another owner".to_owned(),
-            };
             let waited = args.wait.map_or(String::new(), |w| {
                 format!(" after waiting {}", format_duration(w))
             });
+            let holder = match timeout(INSPECT_LIMIT, lock.inspect(key)).await {
+                Ok(Ok(Some(h))) => format!("held by {}", describe_holder(&h)),
+                Ok(Ok(None)) => "held by another owner, free by now".to_owned(),
+                // The wait ran out and the coordinator does not answer now: that may be an
+                // outage as well as a conflict, so it is not reported as a conflict.
+                failed if args.wait.is_some() => {
+                    let why = match failed {
+                        Ok(Err(e)) => e.to_string(),
+                        _ => format!("no answer within {}", format_duration(INSPECT_LIMIT)),
+                    };
+                    eprintln!(
+                        "distlock: lock {key} not acquired{waited}, and the coordinator cannot be reached to tell whether another owner holds it: {why}"
+                    );
+                    return Err(exit::UNAVAILABLE);
+                }
+                _ => "held by another owner".to_owned(),
+            };
             eprintln!("distlock: lock {key} not acquired{waited}: {holder}");
             Ok(None)
         }
@@ -180,6 +207,13 @@ async fn acquire(
         }
     }
 }
+
+/// `run --wait W` gives up after W plus this at the latest, connecting included, also when the
+/// coordinator does not answer.
+pub const WAIT_SLACK: Duration = Duration::from_secs(1);
+
+/// How long the holder is looked up for the not-acquired message.
+const INSPECT_LIMIT: Duration = Duration::from_millis(500);
 
 /// SIGINT, SIGTERM, SIGHUP and SIGQUIT: what ends a job from a terminal, a session or a
 /// service manager. All four are handled alike.
@@ -502,6 +536,11 @@ async fn supervise(lease: LockGuard, args: &RunArgs, timing: &Timing) -> u8 {
             line = guard.lines.next_line(), if !guard.out_closed => guard.on_line(line),
             _ = guard.child.wait(), if !guard.exited => {
                 guard.exited = true;
+                // What it reported before it went is still in the pipe.
+                while !guard.out_closed {
+                    let line = guard.lines.next_line().await;
+                    guard.on_line(line);
+                }
                 if guard.terminating.is_none() {
                     // Without its guard the command is not safe to leave running.
                     let code = without_guard(&mut child, &guard, &lease, kill_after, margin).await;

@@ -209,15 +209,23 @@ fn check_passes_on_the_memory_backend() {
     let text = stdout(&out);
     assert_eq!(out.status.code(), Some(0), "{text}{}", stderr(&out));
     assert!(text.starts_with("backend: memory\n"), "{text}");
-    assert!(text.contains("fencing tokens:     quorum"), "{text}");
+    assert!(
+        text.contains("fencing tokens:     in this process only"),
+        "{text}"
+    );
+    assert!(
+        text.contains("self-test on distlock-check/self-test"),
+        "{text}"
+    );
     assert!(text.contains("fencing token 2 > 1"), "{text}");
     assert!(text.ends_with("result: OK\n"), "{text}");
 }
 
 #[test]
 fn inspect_and_release_of_a_free_key() {
+    // Like grep: 0 when held, 1 when free.
     let out = output(distlock().args(["--url", "memory://", "inspect", "k", "--json"]));
-    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     let value: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(value["key"], "k");
     assert_eq!(value["held"], false);
@@ -226,10 +234,11 @@ fn inspect_and_release_of_a_free_key() {
 
     let out = output(distlock().args(["--url", "memory://", "inspect", "k"]));
     assert_eq!(stdout(&out), "k: free\n");
+    assert_eq!(out.status.code(), Some(1));
 
+    // Nothing released is not a success.
     let out = output(distlock().args(["--url", "memory://", "release", "--force", "k"]));
-    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
-    assert!(stdout(&out).contains("not held"));
+    assert_one_line_error(&out, 1, "not held; nothing released");
 }
 
 #[test]
