@@ -4,6 +4,7 @@
 
 mod clock;
 mod commands;
+mod connect_error;
 mod duration;
 mod exit;
 mod guard;
@@ -178,8 +179,28 @@ fn check_before_io(command: &Command) -> Result<(), String> {
 /// The shortest `--ttl` distlock accepts, whatever the backend's minimum.
 const MIN_TTL: Duration = Duration::from_secs(1);
 
+/// Parses the command line; on a mistake, clap's message (and a hint for a `run` whose command
+/// was not put after `--`).
+fn parse() -> Result<Cli, ExitCode> {
+    Cli::try_parse().map_err(|e| {
+        let _ = e.print();
+        let args: Vec<OsString> = std::env::args_os().collect();
+        let is_run = args.iter().any(|a| a == "run");
+        let has_separator = args.iter().any(|a| a == "--");
+        if e.kind() == clap::error::ErrorKind::UnknownArgument && is_run && !has_separator {
+            eprintln!(
+                "hint: the command goes after `--`: distlock run KEY [OPTIONS] -- COMMAND [ARGS..]"
+            );
+        }
+        ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(exit::USAGE))
+    })
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match parse() {
+        Ok(cli) => cli,
+        Err(code) => return code,
+    };
     if let Command::Guard(args) = &cli.command {
         return ExitCode::from(guard::main(args));
     }
@@ -241,7 +262,7 @@ fn main() -> ExitCode {
         let lock = match connected {
             Ok(Ok(lock)) => lock,
             Ok(Err(e)) => {
-                eprintln!("distlock: {e}");
+                eprintln!("distlock: {}", connect_error::describe(&url, &e).await);
                 return exit::connect_code(&e);
             }
             Err(_elapsed) => {

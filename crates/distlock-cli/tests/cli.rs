@@ -376,3 +376,36 @@ fn wait_group_holds_until_background_processes_are_gone() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A refused connection is one line with the backend, the address and the cause, and no
+/// client library's debug output or credentials.
+#[test]
+fn a_refused_connection_is_one_line_with_the_address_and_the_cause() {
+    for (backend, url) in [
+        (Backend::Redis, "redis://127.0.0.1:1"),
+        (Backend::Etcd, "etcd://127.0.0.1:1"),
+        (Backend::ZooKeeper, "zk://127.0.0.1:1"),
+        (Backend::Postgres, "postgres://u:secret@127.0.0.1:1/db"),
+    ] {
+        if !backend.is_enabled() {
+            continue;
+        }
+        let out = output(distlock().args(["--url", url, "inspect", "k"]));
+        assert_one_line_error(&out, 69, "at 127.0.0.1:1");
+        let err = stderr(&out);
+        assert!(err.to_lowercase().contains("refused"), "{err}");
+        for noise in ["source:", "tonic::", "Os {", "secret"] {
+            assert!(!err.contains(noise), "{err}");
+        }
+    }
+}
+
+/// `distlock run KEY CMD` (no `--`) says where the command goes.
+#[test]
+fn a_run_without_the_separator_gets_a_hint() {
+    let out = output(distlock().args(["--url", "memory://", "run", "k", "true"]));
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(err.contains("unexpected argument 'true'"), "{err}");
+    assert!(err.contains("hint: the command goes after `--`"), "{err}");
+}

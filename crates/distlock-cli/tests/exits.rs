@@ -286,7 +286,10 @@ fn refused_credentials_are_a_configuration_error() {
         let out = distlock(&url).args(["inspect", "k"]).output().unwrap();
         let err = stderr(&out);
         assert_eq!(out.status.code(), Some(78), "{err}");
+        assert!(err.starts_with("distlock: refused by "), "{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
         assert!(!err.contains("wrong-password"), "{err}");
+        assert!(!err.contains(" at line "), "{err}");
     }
 }
 
