@@ -81,7 +81,7 @@ pub struct RunArgs {
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub ttl: Duration,
     /// Wait up to this long for the lock (default: give up at once if it is held).
-    #[arg(short, long, value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(short, long, visible_alias = "timeout", value_parser = parse_duration, value_name = "DURATION")]
     pub wait: Option<Duration>,
     /// How long before SIGKILL the command's group gets SIGTERM when the lease is lost or about
     /// to run out (default: 5s or a quarter of --ttl, whichever is less; at most a third of
@@ -95,9 +95,40 @@ pub struct RunArgs {
     /// Exit status when the lock is not acquired (like flock -E).
     #[arg(short = 'E', long, default_value_t = exit::NOT_ACQUIRED, value_name = "CODE")]
     pub conflict_exit_code: u8,
+    /// Say nothing when the lock is not acquired (only the exit status tells), e.g. for cron.
+    #[arg(short, long, conflicts_with = "verbose")]
+    pub quiet: bool,
+    /// Also say when the lock is acquired (with its fencing token) and released.
+    #[arg(short, long)]
+    pub verbose: bool,
+    /// Report what happens as JSON lines on stderr (acquired, not_acquired, lost, exit).
+    #[arg(long)]
+    pub json: bool,
+    /// Run this shell command (`sh -c`), like flock -c, instead of a command after `--`.
+    #[arg(
+        short = 'c',
+        long = "command",
+        value_name = "SHELL_COMMAND",
+        conflicts_with = "command"
+    )]
+    pub shell_command: Option<OsString>,
     /// The command and its arguments, after `--`.
-    #[arg(required = true, last = true, value_name = "COMMAND")]
+    #[arg(
+        required_unless_present = "shell_command",
+        last = true,
+        value_name = "COMMAND"
+    )]
     pub command: Vec<OsString>,
+}
+
+impl RunArgs {
+    /// The program and its arguments to run.
+    pub fn program(&self) -> Vec<OsString> {
+        match &self.shell_command {
+            Some(line) => vec!["sh".into(), "-c".into(), line.clone()],
+            None => self.command.clone(),
+        }
+    }
 }
 
 /// Arguments of `distlock inspect`.

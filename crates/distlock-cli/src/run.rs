@@ -42,8 +42,24 @@ use crate::{
 /// URL may carry a password.
 pub const PRIVATE_ENV: [&str; 2] = ["DISTLOCK_URL", "DISTLOCK_URL_FILE"];
 
+/// `--json`: one JSON object per event on stderr (stdout is the command's).
+fn event(args: &RunArgs, value: serde_json::Value) {
+    if args.json {
+        eprintln!("{value}");
+    }
+}
+
 /// Runs the command under the lock and returns distlock's exit status.
 pub async fn run(lock: DynLock, args: RunArgs, wait_deadline: Option<Instant>) -> u8 {
+    let code = run_inner(lock, &args, wait_deadline).await;
+    event(
+        &args,
+        serde_json::json!({"event": "exit", "key": args.key, "status": code}),
+    );
+    code
+}
+
+async fn run_inner(lock: DynLock, args: &RunArgs, wait_deadline: Option<Instant>) -> u8 {
     let key = match LockKey::new(&args.key) {
         Ok(key) => key,
         Err(e) => {
@@ -59,12 +75,28 @@ pub async fn run(lock: DynLock, args: RunArgs, wait_deadline: Option<Instant>) -
             return exit::USAGE;
         }
     };
-    let guard = match acquire(&lock, &key, &args, &timing, wait_deadline).await {
+    let guard = match acquire(&lock, &key, args, &timing, wait_deadline).await {
         Ok(Some(guard)) => guard,
-        Ok(None) => return args.conflict_exit_code,
+        Ok(None) => {
+            event(
+                args,
+                serde_json::json!({"event": "not_acquired", "key": key.as_str()}),
+            );
+            return args.conflict_exit_code;
+        }
         Err(code) => return code,
     };
-    supervise(guard, &args, &timing).await
+    let fencing = guard.fencing_token().map(|f| f.get());
+    event(
+        args,
+        serde_json::json!({"event": "acquired", "key": key.as_str(), "fencing_token": fencing,
+            "ttl_ms": u64::try_from(guard.ttl().as_millis()).unwrap_or(u64::MAX)}),
+    );
+    if args.verbose {
+        let token = fencing.map_or(String::new(), |f| format!(" (fencing token {f})"));
+        eprintln!("distlock: acquired {key}{token}");
+    }
+    supervise(guard, args, &timing).await
 }
 
 /// How long a lease lasts from a renewal: the TTL, except on a session-bound backend
@@ -142,8 +174,7 @@ async fn acquire(
     let result = match args.wait {
         None => builder.try_acquire().await,
         Some(wait) => {
-            let progress = std::io::stderr()
-                .is_terminal()
+            let progress = (std::io::stderr().is_terminal() && !args.quiet && !args.json)
                 .then(|| tokio::spawn(show_progress(lock.clone(), key.clone())));
             let bounded = async {
                 match wait_deadline {
@@ -198,7 +229,9 @@ async fn acquire(
                 }
                 _ => "held by another owner".to_owned(),
             };
-            eprintln!("distlock: lock {key} not acquired{waited}: {holder}");
+            if !args.quiet {
+                eprintln!("distlock: lock {key} not acquired{waited}: {holder}");
+            }
             Ok(None)
         }
         Err(e) => {
@@ -443,7 +476,8 @@ impl Drop for Foreground {
 /// Runs the command while holding `lease`; terminates it on loss; releases at the end.
 async fn supervise(lease: LockGuard, args: &RunArgs, timing: &Timing) -> u8 {
     let (kill_after, margin) = (timing.kill_after, timing.margin);
-    let Some((program, program_args)) = args.command.split_first() else {
+    let command_line = args.program();
+    let Some((program, program_args)) = command_line.split_first() else {
         eprintln!("distlock: no command given");
         return exit::USAGE;
     };
@@ -571,6 +605,7 @@ async fn supervise(lease: LockGuard, args: &RunArgs, timing: &Timing) -> u8 {
                 let reason = lease
                     .loss_reason()
                     .map_or("unknown reason".to_owned(), |r| r.to_string());
+                event(args, serde_json::json!({"event": "lost", "key": key.as_str(), "reason": reason}));
                 if guard.terminating.is_none() && !guard.exited {
                     eprintln!(
                         "distlock: lost the lock {key} ({reason}); terminating the command (SIGTERM, SIGKILL after at most {})",
@@ -609,7 +644,11 @@ async fn supervise(lease: LockGuard, args: &RunArgs, timing: &Timing) -> u8 {
         return exit::LOST_UNTERMINATED;
     }
     match lease.release().await {
-        Ok(true) => {}
+        Ok(true) => {
+            if args.verbose {
+                eprintln!("distlock: released {key}");
+            }
+        }
         Ok(false) => {
             eprintln!(
                 "distlock: the lease on {key} had already expired when the command finished (it exited with {}, not terminated)",

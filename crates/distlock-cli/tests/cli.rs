@@ -409,3 +409,47 @@ fn a_run_without_the_separator_gets_a_hint() {
     assert!(err.contains("unexpected argument 'true'"), "{err}");
     assert!(err.contains("hint: the command goes after `--`"), "{err}");
 }
+
+/// Flags users reach for: `-c` (like flock), `--timeout` for `--wait`, `-v` with the fencing
+/// token, `--json` events, a `d` unit.
+#[test]
+fn flock_style_flags_verbose_and_json_events() {
+    let out = output(distlock().args([
+        "--url",
+        "memory://",
+        "run",
+        "k",
+        "--timeout",
+        "1d",
+        "-v",
+        "-c",
+        "echo \"token $DISTLOCK_FENCING_TOKEN\"; exit 3",
+    ]));
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    assert_eq!(stdout(&out), "token 1\n");
+    let err = stderr(&out);
+    assert!(
+        err.contains("distlock: acquired k (fencing token 1)"),
+        "{err}"
+    );
+    assert!(err.contains("distlock: released k"), "{err}");
+
+    let out = output(distlock().args(["--url", "memory://", "run", "k", "--json", "--", "true"]));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let events: Vec<serde_json::Value> = stderr(&out)
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert_eq!(events[0]["event"], "acquired");
+    assert_eq!(events[0]["fencing_token"], 1);
+    assert_eq!(events[1]["event"], "exit");
+    assert_eq!(events[1]["status"], 0);
+
+    let out = output(distlock().args(["--url", "memory://", "run", "k", "-c", "x", "--", "y"]));
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "-c and a command after -- conflict"
+    );
+}

@@ -316,13 +316,33 @@ fn a_loss_noticed_after_the_command_finished_is_not_reported_as_terminated() {
     assert!(err.contains("not terminated"), "{err}");
 }
 
-/// `release --force --yes` prints no warning (it asks nothing), and exits non-zero when it
-/// released nothing.
+/// `run -q` and `run --json` on a held lock; `release --force --yes` prints no warning (it asks
+/// nothing), and exits non-zero when it released nothing.
 #[test]
 fn release_force_exits_non_zero_when_nothing_was_released() {
     for (backend, url) in backends() {
         let key = fresh_key("release");
         let holder = hold(&url, &key, &std::env::temp_dir());
+        // -q: not acquired says nothing (cron mails nothing); --json says it as an event.
+        let out = distlock(&url)
+            .args(["run", "-q", &key, "--", "true"])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(75), "{backend}");
+        assert_eq!(stderr(&out), "", "{backend}");
+        let out = distlock(&url)
+            .args(["run", "--json", &key, "--", "true"])
+            .output()
+            .unwrap();
+        let err = stderr(&out);
+        let last: serde_json::Value = serde_json::from_str(err.lines().last().unwrap()).unwrap();
+        assert_eq!(last["event"], "exit", "{backend}: {err}");
+        assert_eq!(last["status"], 75, "{backend}: {err}");
+        assert!(
+            err.contains("\"event\":\"not_acquired\""),
+            "{backend}: {err}"
+        );
+
         let out = distlock(&url)
             .args(["release", "--force", "--yes", &key])
             .output()
