@@ -151,7 +151,7 @@ impl Timing {
         };
         Ok(Self {
             kill_after,
-            margin: (span / 20).clamp(Duration::from_millis(50), Duration::from_millis(250)),
+            margin: (span / 10).clamp(Duration::from_millis(100), Duration::from_secs(1)),
             renew_every: span / 4,
         })
     }
@@ -492,8 +492,10 @@ async fn supervise(lease: LockGuard, args: &RunArgs, timing: &Timing) -> u8 {
         }
     };
     // A lease granted with little of its span left (a hand-over, a session vouched for a while
-    // ago): the guard would terminate the command at once, so wait for the first renewal.
-    while lease.local_deadline() <= Instant::now() + kill_after + margin {
+    // ago): the guard could start terminating the command before the first renewal reaches it,
+    // so wait for that renewal.
+    let needed = kill_after + margin + timing.renew_every + Duration::from_millis(100);
+    while lease.local_deadline() <= Instant::now() + needed {
         if lease.is_lost() || lease.local_deadline() <= Instant::now() {
             eprintln!("distlock: lost the lock {key} before the command could start");
             let _ = lease.release().await;
@@ -546,7 +548,7 @@ async fn supervise(lease: LockGuard, args: &RunArgs, timing: &Timing) -> u8 {
     let lost = lease.lost();
     tokio::pin!(lost);
     let mut lost_seen = false;
-    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    let mut tick = tokio::time::interval(Duration::from_millis(20));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut leader: Option<ExitStatus> = None;
     let mut stopped = false;

@@ -1,8 +1,8 @@
 //! The command of `distlock run` never outlives the lease: whatever happens to distlock (killed,
 //! hung up, frozen) or to the lease (lost), the command's whole process group is gone before the
 //! coordinator can grant the lock to someone else, and a second `run` never overlaps it.
-//! Against Redis (`DISTLOCK_TEST_REDIS_URL`; the guard does not depend on the backend) and the
-//! in-memory backend under a pseudo-terminal (`script`).
+//! Against every coordinator whose test URL is set (`DISTLOCK_TEST_{REDIS,ETCD,ZK,PG}_URL`), in
+//! parallel, and the in-memory backend under a pseudo-terminal (`script`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::{
@@ -10,9 +10,10 @@ use std::{
     path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
     thread,
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime},
 };
 
+use distlock::Backend;
 use nix::{
     sys::signal::{Signal, kill, killpg},
     unistd::Pid,
@@ -24,8 +25,37 @@ fn distlock(url: &str) -> Command {
     command
 }
 
-fn redis_url() -> Option<String> {
-    conformance::backend_url("DISTLOCK_TEST_REDIS_URL")
+fn backends() -> Vec<(Backend, String)> {
+    [
+        (Backend::Redis, "DISTLOCK_TEST_REDIS_URL"),
+        (Backend::Etcd, "DISTLOCK_TEST_ETCD_URL"),
+        (Backend::ZooKeeper, "DISTLOCK_TEST_ZK_URL"),
+        (Backend::Postgres, "DISTLOCK_TEST_PG_URL"),
+    ]
+    .into_iter()
+    .filter(|(backend, _)| backend.is_enabled())
+    .filter_map(|(backend, var)| {
+        conformance::backend_url(var).map(|url| {
+            if backend == Backend::ZooKeeper {
+                let separator = if url.contains('?') { '&' } else { '?' };
+                (backend, format!("{url}{separator}session_timeout=2s"))
+            } else {
+                (backend, url)
+            }
+        })
+    })
+    .collect()
+}
+
+/// Runs `test` for every backend at once, each in its own thread.
+fn on_every_backend(test: fn(Backend, String)) {
+    let workers: Vec<_> = backends()
+        .into_iter()
+        .map(|(backend, url)| thread::spawn(move || test(backend, url)))
+        .collect();
+    for worker in workers {
+        worker.join().unwrap();
+    }
 }
 
 fn fresh_key(label: &str) -> String {
@@ -103,27 +133,37 @@ fn stderr(out: &Output) -> String {
 }
 
 /// When the lease on `key` ends at the coordinator at the earliest, from `inspect` (no renewal
-/// can come any more).
-fn lease_end(url: &str, key: &str) -> Instant {
-    let asked = Instant::now();
+/// can come any more). Only where `inspect` tells it to the millisecond: etcd rounds to
+/// seconds, ZooKeeper says nothing (its session expires).
+fn lease_end(backend: Backend, url: &str, key: &str) -> Option<SystemTime> {
+    if !matches!(backend, Backend::Redis | Backend::Postgres) {
+        return None;
+    }
+    let asked = SystemTime::now();
     let out = distlock(url)
         .args(["inspect", key, "--json"])
         .output()
         .unwrap();
     let value: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(value["held"], true, "{value}");
-    asked + Duration::from_millis(value["ttl_remaining_ms"].as_u64().unwrap())
+    Some(asked + Duration::from_millis(value["ttl_remaining_ms"].as_u64().unwrap()))
 }
 
 /// The holder's command: it and a background grandchild that ignores SIGTERM both append
-/// `first` lines to `log` every 20 ms; `pids` gets both pids and the process group.
+/// `first` lines to `log` and to `first` (whose modification time is then their last write)
+/// every 20 ms; `pids` gets both pids and the process group.
 fn holder_script(dir: &Path) -> String {
     format!(
-        "(trap '' TERM; while :; do echo first >> {d}/log; sleep 0.02; done) & \
+        "w() {{ echo first >> {d}/log; echo >> {d}/first; }}; \
+         (trap '' TERM; while :; do w; sleep 0.02; done) & \
          echo \"$$ $! $(cut -d' ' -f5 /proc/$$/stat)\" > {d}/pids.tmp; mv {d}/pids.tmp {d}/pids; \
-         while :; do echo first >> {d}/log; sleep 0.02; done",
+         while :; do w; sleep 0.02; done",
         d = dir.display()
     )
+}
+
+fn modified(path: &Path) -> SystemTime {
+    std::fs::metadata(path).unwrap().modified().unwrap()
 }
 
 fn read_pids(text: &str) -> (i32, i32, i32) {
@@ -135,26 +175,28 @@ fn read_pids(text: &str) -> (i32, i32, i32) {
 }
 
 /// No `first` line after the second holder's line: the two never overlapped.
-fn assert_no_overlap(log: &Path) {
+fn assert_no_overlap(backend: Backend, log: &Path) {
     let text = std::fs::read_to_string(log).unwrap();
     let lines: Vec<&str> = text.lines().collect();
     let second = lines
         .iter()
         .position(|l| *l == "second")
-        .unwrap_or_else(|| panic!("the second holder never ran:\n{text}"));
+        .unwrap_or_else(|| panic!("{backend}: the second holder never ran:\n{text}"));
     let after: Vec<&&str> = lines[second..].iter().filter(|l| **l == "first").collect();
     assert!(
         after.is_empty(),
-        "the first holder's command wrote {} lines after the second holder started",
+        "{backend}: the first holder's command wrote {} lines after the second holder started",
         after.len()
     );
-    assert!(second > 0, "the first holder's command never wrote");
+    assert!(
+        second > 0,
+        "{backend}: the first holder's command never wrote"
+    );
 }
 
 /// distlock gets `signal` while its command runs; the command and its grandchild are gone
 /// before the lease ends, and a second `run` waiting for the lock starts only after them.
-fn distlock_signalled_mid_run(signal: Signal) {
-    let Some(url) = redis_url() else { return };
+fn distlock_signalled_mid_run(signal: Signal, backend: Backend, url: String) {
     let key = fresh_key(&format!("signalled-{signal}"));
     let dir = temp_dir("signalled");
     let mut holder = distlock(&url)
@@ -172,35 +214,53 @@ fn distlock_signalled_mid_run(signal: Signal) {
     ));
     let distlock_pid = Pid::from_raw(i32::try_from(holder.id()).unwrap());
     kill(distlock_pid, signal).unwrap();
-    let end = (signal != Signal::SIGHUP).then(|| lease_end(&url, &key));
+    let end = if signal == Signal::SIGHUP {
+        None
+    } else {
+        lease_end(backend, &url, &key)
+    };
     let second = distlock(&url)
         .args(["run", &key, "--wait", "20s", "--", "sh", "-c"])
-        .arg(format!("echo second >> {}/log", dir.display()))
+        .arg(format!(
+            "echo second >> {d}/log; echo >> {d}/second",
+            d = dir.display()
+        ))
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
 
-    let gone = wait_until_dead(&[top, grandchild], Duration::from_secs(10));
-    let gone = gone.unwrap_or_else(|living| {
+    if let Err(living) = wait_until_dead(&[top, grandchild], Duration::from_secs(10)) {
         let _ = killpg(Pid::from_raw(group), Signal::SIGKILL);
         let _ = kill(distlock_pid, Signal::SIGKILL);
-        panic!("after {signal}, the command's processes {living:?} still run")
-    });
+        panic!("{backend}: after {signal}, the command's processes {living:?} still run")
+    }
+    // Judged by the command's last write (the file's modification time), not by when this
+    // thread happened to look: robust to a busy machine.
+    let last_write = modified(&dir.join("first"));
     if let Some(end) = end {
-        assert!(
-            gone < end,
-            "after {signal}: the command was still running {:?} after the lease ended",
-            gone - end
-        );
-        eprintln!(
-            "after {signal}: the command and its grandchild were gone {:?} before the lease ended",
-            end - gone
-        );
+        match end.duration_since(last_write) {
+            Ok(before) => eprintln!(
+                "{backend}: after {signal}: the command's last write was {before:?} before the lease ended"
+            ),
+            Err(e) => panic!(
+                "{backend}: after {signal}: the command wrote {:?} after the lease ended",
+                e.duration()
+            ),
+        }
     }
     let out = wait_with_timeout(second, Duration::from_secs(30));
-    assert_eq!(out.status.code(), Some(0), "second run: {}", stderr(&out));
-    assert_no_overlap(&dir.join("log"));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{backend}: second run: {}",
+        stderr(&out)
+    );
+    assert_no_overlap(backend, &dir.join("log"));
+    assert!(
+        last_write <= modified(&dir.join("second")),
+        "{backend}: the first holder's command wrote after the second holder's"
+    );
 
     if signal == Signal::SIGSTOP {
         kill(distlock_pid, Signal::SIGCONT).unwrap();
@@ -212,23 +272,23 @@ fn distlock_signalled_mid_run(signal: Signal) {
         _ => Some(76),
     };
     let err = std::fs::read_to_string(dir.join("stderr")).unwrap_or_default();
-    assert_eq!(out.status.code(), expected, "{signal}: {err}");
+    assert_eq!(out.status.code(), expected, "{backend}: {signal}: {err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn a_killed_distlock_leaves_no_command_running_past_the_lease() {
-    distlock_signalled_mid_run(Signal::SIGKILL);
+    on_every_backend(|backend, url| distlock_signalled_mid_run(Signal::SIGKILL, backend, url));
 }
 
 #[test]
 fn a_hung_up_distlock_stops_its_command_before_releasing() {
-    distlock_signalled_mid_run(Signal::SIGHUP);
+    on_every_backend(|backend, url| distlock_signalled_mid_run(Signal::SIGHUP, backend, url));
 }
 
 #[test]
 fn a_frozen_distlock_leaves_no_command_running_past_the_lease() {
-    distlock_signalled_mid_run(Signal::SIGSTOP);
+    on_every_backend(|backend, url| distlock_signalled_mid_run(Signal::SIGSTOP, backend, url));
 }
 
 /// The lease is taken away (force-released) while the command runs; the command's top process
@@ -236,7 +296,10 @@ fn a_frozen_distlock_leaves_no_command_running_past_the_lease() {
 /// deadline, before distlock exits with 76.
 #[test]
 fn a_lost_lease_kills_a_background_child_that_ignores_sigterm() {
-    let Some(url) = redis_url() else { return };
+    on_every_backend(lost_lease_with_a_background_child);
+}
+
+fn lost_lease_with_a_background_child(backend: Backend, url: String) {
     let key = fresh_key("lost-background");
     let dir = temp_dir("lost-background");
     let mut holder = distlock(&url)
@@ -246,7 +309,7 @@ fn a_lost_lease_kills_a_background_child_that_ignores_sigterm() {
             "--ttl",
             "3s",
             "--kill-after",
-            "1s",
+            "500ms",
             "--",
             "sh",
             "-c",
@@ -269,7 +332,7 @@ fn a_lost_lease_kills_a_background_child_that_ignores_sigterm() {
         .unwrap();
     // The last renewal was before this, so the local deadline is less than a TTL away.
     let released = Instant::now();
-    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(out.status.code(), Some(0), "{backend}: {}", stderr(&out));
 
     let out = wait_with_timeout(holder, Duration::from_secs(20));
     let exited = Instant::now();
@@ -280,12 +343,12 @@ fn a_lost_lease_kills_a_background_child_that_ignores_sigterm() {
     let err = std::fs::read_to_string(dir.join("stderr")).unwrap_or_default();
     assert!(
         !survived,
-        "distlock exited while the background child still ran: {err}"
+        "{backend}: distlock exited while the background child still ran: {err}"
     );
-    assert_eq!(out.status.code(), Some(76), "{err}");
+    assert_eq!(out.status.code(), Some(76), "{backend}: {err}");
     assert!(
         exited - released < Duration::from_secs(3),
-        "the background child outlived the local deadline: {:?} after the release",
+        "{backend}: the background child outlived the local deadline: {:?} after the release",
         exited - released
     );
     let _ = std::fs::remove_dir_all(&dir);
