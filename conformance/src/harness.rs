@@ -169,7 +169,33 @@ pub enum Outcome {
     Skipped(&'static str),
 }
 
-/// Runs one property on a fresh multi-threaded runtime (what the generated tests call).
+fn runtime() -> tokio::runtime::Runtime {
+    match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => panic!("cannot build a tokio runtime: {e}"),
+    }
+}
+
+/// Runs `property` on a fresh multi-threaded runtime; `None` when `setup` found no server.
+fn outcome_of<S, SF, P, PF>(setup: S, property: P) -> Option<Outcome>
+where
+    S: FnOnce() -> SF,
+    SF: Future<Output = Option<Harness>>,
+    P: FnOnce(Harness) -> PF,
+    PF: Future<Output = Outcome>,
+{
+    runtime().block_on(async {
+        let harness = setup().await?;
+        Some(property(harness).await)
+    })
+}
+
+/// Runs one property on a fresh multi-threaded runtime (what the generated tests of the older
+/// `conformance_tests!(setup)` form call): a skip passes, printing why.
 pub fn run_property<S, SF, P, PF>(name: &str, setup: S, property: P)
 where
     S: FnOnce() -> SF,
@@ -177,21 +203,61 @@ where
     P: FnOnce(Harness) -> PF,
     PF: Future<Output = Outcome>,
 {
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => panic!("cannot build a tokio runtime: {e}"),
-    };
-    runtime.block_on(async {
-        let Some(harness) = setup().await else {
-            return;
-        };
-        match property(harness).await {
-            Outcome::Passed => {}
-            Outcome::Skipped(why) => eprintln!("{name}: skipped: {why}"),
-        }
-    });
+    if let Some(Outcome::Skipped(why)) = outcome_of(setup, property) {
+        eprintln!("{name}: skipped: {why}");
+    }
+}
+
+/// Runs one property that is not declared skipped: a skip at runtime fails the test (it would
+/// otherwise show as `ok`), telling how to declare it.
+///
+/// # Panics
+/// When the property fails or skips.
+pub fn run_property_strict<S, SF, P, PF>(name: &str, setup: S, property: P)
+where
+    S: FnOnce() -> SF,
+    SF: Future<Output = Option<Harness>>,
+    P: FnOnce(Harness) -> PF,
+    PF: Future<Output = Outcome>,
+{
+    if let Some(Outcome::Skipped(why)) = outcome_of(setup, property) {
+        panic!(
+            "{name} skipped at runtime ({why}) but is not declared: add `{name}: \"{why}\"` to \
+             `conformance_tests!(setup; skip: {{ .. }})` so it reports as ignored"
+        );
+    }
+}
+
+/// Runs a property declared skipped (an ignored test, run only with `--ignored`): a skip passes.
+///
+/// # Panics
+/// When the property fails.
+pub fn run_declared_skip<S, SF, P, PF>(name: &str, setup: S, property: P)
+where
+    S: FnOnce() -> SF,
+    SF: Future<Output = Option<Harness>>,
+    P: FnOnce(Harness) -> PF,
+    PF: Future<Output = Outcome>,
+{
+    run_property(name, setup, property);
+}
+
+/// Checks a declared skip: the property must answer "skipped" (the backend lacks its
+/// capability); one that runs means the declaration hides a property the backend claims.
+///
+/// # Panics
+/// When the property runs (or fails).
+pub fn check_declared_skip<S, SF, P, PF>(name: &str, setup: S, property: P)
+where
+    S: FnOnce() -> SF,
+    SF: Future<Output = Option<Harness>>,
+    P: FnOnce(Harness) -> PF,
+    PF: Future<Output = Outcome>,
+{
+    if outcome_of(setup, property) == Some(Outcome::Passed) {
+        panic!(
+            "{name} is declared skipped, but the backend claims the capability it checks and it \
+             ran: remove it from the skip list"
+        );
+    }
 }

@@ -5,7 +5,8 @@
 //! `DISTLOCK_REQUIRE_BACKENDS=1` and the server's URL is missing) and calls
 //! `conformance::conformance_tests!(setup);`, which expands into one named test per property in
 //! [`properties`]. A property is skipped only when the backend does not claim the capability it
-//! checks.
+//! checks; declare those skips in the macro (`skip: { property: "reason" }`) and they report as
+//! ignored with their reason (see [`conformance_tests!`]).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test-support code: a failed expectation is a failed test
 
 pub mod drill;
@@ -15,56 +16,99 @@ pub mod security;
 mod url_props;
 
 pub use harness::{
-    Harness, Outcome, TestBackend, backend_url, backends_required, fresh_key, run_property,
-    run_then_exit,
+    Harness, Outcome, TestBackend, backend_url, backends_required, check_declared_skip, fresh_key,
+    run_declared_skip, run_property, run_property_strict, run_then_exit,
 };
 pub use lock_core::async_trait;
 pub use url_props::check_url_parser;
 
 /// Expands into one `#[test]` per conformance property, each running on its own multi-threaded
 /// tokio runtime against the [`Harness`] returned by `$setup` (an `async fn() -> Option<Harness>`).
+///
+/// Declare the properties your backend skips for a missing capability, with the reason:
+///
+/// ```ignore
+/// conformance::conformance_tests!(setup; skip: {
+///     waiters_are_served_in_fifo_order: "fair_queue not claimed: waiters race on each release",
+/// });
+/// ```
+///
+/// A declared property becomes `#[ignore = "reason"]` (libtest reports it as ignored, with the
+/// reason), and `declared_skips::<property>` checks that the backend really lacks the capability
+/// (the property must answer "skipped"; one that runs is a stale declaration and fails). Any other
+/// property that skips at runtime fails: a skip never shows as `ok`. `skip: {}` declares none.
+///
+/// The older form without `skip:` runs every property and lets a runtime skip pass (printing
+/// why); it is kept for drivers that have not declared their skips yet.
 #[macro_export]
 macro_rules! conformance_tests {
     ($setup:path) => {
-        $crate::__conformance_tests!(
-            $setup;
-            exclusive_try_acquire,
-            concurrent_first_acquire_has_one_winner,
-            independent_keys,
-            release_then_reacquire,
-            release_by_stale_token_is_a_no_op,
-            renew_extends_the_lease,
-            renew_after_expiry_fails_and_does_not_extend_the_new_holder,
-            abandoned_lease_becomes_acquirable_after_ttl,
-            fencing_tokens_strictly_increase,
-            stale_holder_write_is_rejected,
-            mutual_exclusion_under_contention,
-            acquire_times_out_at_its_deadline,
-            waiter_is_woken_promptly_by_release,
-            waiters_are_served_in_fifo_order,
-            dropped_acquire_leaves_nothing_behind,
-            watchdog_keeps_the_lease_alive,
-            lost_fires_when_the_lock_is_taken_away,
-            lost_fires_at_the_local_deadline_before_anyone_else_is_granted,
-            run_exclusive_skips_when_held_and_releases_after,
-            dropped_guard_releases_the_lock,
-            inspect_reports_the_holder,
-            bad_input_is_rejected_before_io,
-            capabilities_are_honest,
-            force_release_removes_any_holder,
-        );
+        $crate::__conformance_properties!($crate::__conformance_lenient_test, $setup);
+    };
+    ($setup:path; skip: { $($skipped:ident : $why:literal),* $(,)? }) => {
+        $crate::__conformance_strict!(($) $setup; { $($skipped : $why),* });
     };
 }
 
 #[doc(hidden)]
 #[macro_export]
-macro_rules! __conformance_tests {
-    ($setup:path; $($property:ident),+ $(,)?) => {
-        $(
-            #[test]
-            fn $property() {
-                $crate::run_property(stringify!($property), $setup, $crate::properties::$property);
-            }
-        )+
+macro_rules! __conformance_lenient_test {
+    ($setup:path, $property:ident) => {
+        #[test]
+        fn $property() {
+            $crate::run_property(stringify!($property), $setup, $crate::properties::$property);
+        }
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_strict {
+    // `$d` is a `$` token, so that the helper macro defined here can have metavariables of its
+    // own: it matches each declared property by name (macro_rules cannot compare identifiers any
+    // other way) and makes it an ignored test.
+    (($d:tt) $setup:path; { $($skipped:ident : $why:literal),* }) => {
+        macro_rules! __distlock_conformance_test {
+            $(
+                ($d setup_:path, $skipped) => {
+                    #[test]
+                    #[ignore = $why]
+                    fn $skipped() {
+                        $crate::run_declared_skip(
+                            stringify!($skipped),
+                            $d setup_,
+                            $crate::properties::$skipped,
+                        );
+                    }
+                };
+            )*
+            ($d setup_:path, $d property:ident) => {
+                #[test]
+                fn $d property() {
+                    $crate::run_property_strict(
+                        stringify!($d property),
+                        $d setup_,
+                        $crate::properties::$d property,
+                    );
+                }
+            };
+        }
+        $crate::__conformance_properties!(__distlock_conformance_test, $setup);
+
+        /// Each declared skip is checked: the backend must really lack the capability.
+        mod declared_skips {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                #[test]
+                fn $skipped() {
+                    $crate::check_declared_skip(
+                        stringify!($skipped),
+                        $setup,
+                        $crate::properties::$skipped,
+                    );
+                }
+            )*
+        }
     };
 }

@@ -1,6 +1,45 @@
 //! The properties. Each is a `pub async fn(Harness) -> Outcome` whose doc line states what it
 //! checks; `conformance_tests!` turns each into a named test.
 
+/// The list of properties, kept next to them: `$callback!($setup, property)` for each (what
+/// [`crate::conformance_tests!`] expands). A property added below must be added here.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_properties {
+    ($callback:path, $setup:path) => {
+        $callback!($setup, exclusive_try_acquire);
+        $callback!($setup, concurrent_first_acquire_has_one_winner);
+        $callback!($setup, independent_keys);
+        $callback!($setup, release_then_reacquire);
+        $callback!($setup, release_by_stale_token_is_a_no_op);
+        $callback!($setup, renew_extends_the_lease);
+        $callback!(
+            $setup,
+            renew_after_expiry_fails_and_does_not_extend_the_new_holder
+        );
+        $callback!($setup, abandoned_lease_becomes_acquirable_after_ttl);
+        $callback!($setup, fencing_tokens_strictly_increase);
+        $callback!($setup, stale_holder_write_is_rejected);
+        $callback!($setup, mutual_exclusion_under_contention);
+        $callback!($setup, acquire_times_out_at_its_deadline);
+        $callback!($setup, waiter_is_woken_promptly_by_release);
+        $callback!($setup, waiters_are_served_in_fifo_order);
+        $callback!($setup, dropped_acquire_leaves_nothing_behind);
+        $callback!($setup, watchdog_keeps_the_lease_alive);
+        $callback!($setup, lost_fires_when_the_lock_is_taken_away);
+        $callback!(
+            $setup,
+            lost_fires_at_the_local_deadline_before_anyone_else_is_granted
+        );
+        $callback!($setup, run_exclusive_skips_when_held_and_releases_after);
+        $callback!($setup, dropped_guard_releases_the_lock);
+        $callback!($setup, inspect_reports_the_holder);
+        $callback!($setup, bad_input_is_rejected_before_io);
+        $callback!($setup, capabilities_are_honest);
+        $callback!($setup, force_release_removes_any_holder);
+    };
+}
+
 use std::{
     sync::{
         Arc,

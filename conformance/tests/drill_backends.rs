@@ -8,8 +8,9 @@
 //!    larger token and writes; on SIGCONT the old holder reports its loss before any write.
 //! 3. `blackholed_holder`: the holder's connection is blackholed (proxy) for 2 × TTL; it reports
 //!    its loss by its local deadline, before the contender (connected directly) is granted.
-//! 4. `lost_acquire_reply`: the reply of an acquire is dropped: no grant, no orphan (a contender
-//!    is granted within TTL + margin while the first client lives on), no double holder.
+//! 4. `lost_acquire_reply`: the reply of an acquire (asked with a 30 s TTL) is dropped: no
+//!    grant, no orphan (a contender is granted within the drill TTL + margin while the first
+//!    client lives on, long before the attempt's own TTL could free the key), no double holder.
 //!    `lost_release_reply`: the reply of a release is dropped; after a new holder is granted,
 //!    the stale retry of that release returns `false` and the new incarnation survives.
 //!
@@ -27,6 +28,8 @@ use tokio::time::{Instant, sleep, timeout};
 
 /// A contender's wait: long enough for any expiry here.
 const WAIT: Duration = Duration::from_secs(20);
+/// The TTL of the acquire whose reply is lost: an orphan would outlive the contender's wait.
+const ORPHAN_TTL: Duration = Duration::from_secs(30);
 
 fn fencing(hold: &Hold) -> u64 {
     hold.fencing.map_or(0, FencingToken::get)
@@ -157,18 +160,27 @@ async fn blackholed_holder(backend: Backend, url: String) {
     proxy.blackhole();
     let started = Instant::now();
     let fault = history.fault("blackholed", Some("c1"));
-    let contender = tokio::spawn(c2.start_acquire(&key, WAIT));
+    // Whether c1's guard had reported the loss is read the moment c2's acquire returns (not
+    // after waiting for the loss, which would make the order true by construction).
+    let c1_lost = held1.guard.lost_token();
+    let contender = tokio::spawn({
+        let acquire = c2.start_acquire(&key, WAIT);
+        async move {
+            let held = acquire.await;
+            (held, Instant::now(), c1_lost.is_cancelled())
+        }
+    });
     let lost_at = held1
         .wait_lost(SOON)
         .await
         .expect("the partitioned holder must give up by its local deadline");
-    let held2 = contender.await.unwrap().expect("c2 is granted");
-    let granted_at = Instant::now();
+    let (held2, granted_at, lost_before_grant) = contender.await.unwrap();
+    let held2 = held2.expect("c2 is granted");
     assert!(
-        lost_at <= granted_at,
-        "c1 gave up at {:?}, after c2 was granted at {:?}",
-        lost_at - started,
-        granted_at - started
+        lost_before_grant,
+        "c2 was granted at {:?} while c1's guard had not reported the loss (it did at {:?})",
+        granted_at - started,
+        lost_at - started
     );
     assert!(fencing(&held2.hold) > fencing(&held1.hold));
     let records = history.snapshot();
@@ -232,8 +244,10 @@ async fn lost_acquire_reply(backend: Backend, url: String) {
 
     proxy.drop_replies();
     let fault = history.fault("replies dropped", Some("c1"));
-    let op = c1.rec.acquire(&key, TTL);
-    let outcome = timeout(SOON, c1.lock.try_acquire(&key, TTL)).await;
+    // A TTL far longer than the contender's wait: an orphan left by the lost reply cannot
+    // expire in time, so only the driver's undo lets the contender in.
+    let op = c1.rec.acquire(&key, ORPHAN_TTL);
+    let outcome = timeout(SOON, c1.lock.try_acquire(&key, ORPHAN_TTL)).await;
     match &outcome {
         // Whatever the driver calls it, the request was sent and its reply lost: unknown.
         Ok(Err(e)) => op.unknown(e),
@@ -264,10 +278,11 @@ async fn lost_acquire_reply(backend: Backend, url: String) {
     proxy.pass();
     fault.heal();
 
-    // No orphan: c2 is granted within the TTL (+ margin, checked by the checker) while c1 lives.
+    // No orphan: c2 is granted well before the attempt's TTL could free the key (within the
+    // drill TTL + margin after the heal, checked by the checker) while c1 lives.
     let started = Instant::now();
     let held2 = c2
-        .acquire(&key, WAIT)
+        .acquire(&key, ORPHAN_TTL / 2)
         .await
         .expect("c2 is granted: no orphan lock");
     eprintln!(
@@ -350,10 +365,18 @@ async fn lost_release_reply(backend: Backend, url: String) {
         Ok(None) => op.busy(),
         other => panic!("c3 must find the lock held by c2: {other:?}"),
     }
-    sleep(Duration::from_millis(50)).await;
+    // A renewal after the stale release proves the coordinator still has c2's lease.
+    let renewed = held2.guard.renewals();
+    let until = Instant::now() + SOON;
+    while held2.guard.renewals() <= renewed && !held2.guard.is_lost() && Instant::now() < until {
+        sleep(Duration::from_millis(10)).await;
+    }
     assert!(
-        !held2.guard.is_lost(),
-        "the stale release ended the new holder's lease"
+        !held2.guard.is_lost() && held2.guard.renewals() > renewed,
+        "the stale release ended the new holder's lease (lost: {}, renewals {} -> {})",
+        held2.guard.is_lost(),
+        renewed,
+        held2.guard.renewals()
     );
     assert!(write(&c2.rec, &held2.hold, &log, "c2#2"));
     assert_eq!(c2.release(held2).await, Some(true));

@@ -12,9 +12,11 @@
 //!    after the contender's write and its write is rejected by the fence.
 //! 3. `delivered_twice_skip` / `delivered_twice_wait`: two instances receive the same job id at
 //!    the same moment and both call `run_exclusive` on `job/<id>`; the job's effect is a
-//!    conditional update of its status (`pending → done`, fenced). With no wait the second
-//!    instance skips because the key is held (or, if it came late, runs and finds the job done);
-//!    with a wait it runs after the first released and finds the job done. Exactly one effect.
+//!    read of its status, the job's work, then its fenced effect and `pending → done`, with
+//!    nothing but the lock around them. With no wait the instance that got the lock holds it
+//!    until the other has tried, which must have skipped; with a wait the other is granted only
+//!    after the first released and finds the job done. Exactly one effect, by the instance that
+//!    got the lock.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed expectation is a failed test
 
 mod drill_support;
@@ -25,11 +27,11 @@ use std::{
     time::Duration,
 };
 
-use conformance::drill::{Fault, History, Hold, Kind};
+use conformance::drill::{Fault, History, Hold, Kind, Op};
 use drill_support::{Client, FencedLog, RESOURCE, SOON, TTL, finish, linked_client, seq_of, write};
 use lock_core::{DistributedLockExt, Error, FencingToken, JobContext, LockKey, LockOptions};
 use tokio::{
-    sync::{Barrier, Notify, oneshot},
+    sync::{Barrier, Notify, oneshot, watch},
     time::{Instant, sleep, timeout},
 };
 
@@ -238,7 +240,16 @@ async fn slow_downstream_cancelled(backend: &str, url: String) {
     link.set(Fault::Blackhole);
     let started = Instant::now();
     let fault = history.fault("blackholed", Some("c1"));
-    let contender = tokio::spawn(c2.start_acquire(&key, WAIT));
+    // Whether the job's future had been dropped is read the moment c2's acquire returns (not
+    // after awaiting the job, which would make the order true by construction).
+    let contender = tokio::spawn({
+        let (acquire, dropped_at) = (c2.start_acquire(&key, WAIT), dropped_at.clone());
+        async move {
+            let held = acquire.await;
+            let dropped_by_then = dropped_at.lock().unwrap().is_some();
+            (held, Instant::now(), dropped_by_then)
+        }
+    });
 
     let outcome = timeout(SOON, job).await.expect("the job ends").unwrap();
     let cancelled_at = Instant::now();
@@ -246,21 +257,20 @@ async fn slow_downstream_cancelled(backend: &str, url: String) {
         matches!(outcome, Err(Error::NotHeld { .. })),
         "the loss must cancel the job with NotHeld: {outcome:?}"
     );
-    let held2 = contender.await.unwrap().expect("c2 is granted");
-    let granted_at = Instant::now();
+    let (held2, granted_at, dropped_before_grant) = contender.await.unwrap();
+    let held2 = held2.expect("c2 is granted");
+    // (run_exclusive itself returns only after its release attempt through the dead link.)
+    assert!(
+        dropped_before_grant,
+        "c1's job was still running when c2 was granted at {:?} (dropped at {:?})",
+        granted_at - started,
+        dropped_at.lock().unwrap().map(|at| at - started),
+    );
     let lost_at = lost_at.lock().unwrap().expect("the loss was recorded");
     let dropped_at = dropped_at
         .lock()
         .unwrap()
         .expect("the job's future was dropped");
-    // (run_exclusive itself returns only after its release attempt through the dead link.)
-    assert!(
-        lost_at <= granted_at && dropped_at <= granted_at,
-        "c1 lost at {:?} / its job was dropped at {:?}, after c2 was granted at {:?}",
-        lost_at - started,
-        dropped_at - started,
-        granted_at - started
-    );
     let hold1 = c1_hold.lock().unwrap().clone().unwrap();
     assert!(fencing(&held2.hold) > fencing(&hold1));
     let lost_seq = seq_of(&history, |r| {
@@ -327,33 +337,25 @@ impl Drop for OnDrop {
     }
 }
 
-/// The jobs table: each job's status, changed only by a conditional, fenced update
-/// (`UPDATE jobs SET status = 'done' WHERE id = $1 AND status = 'pending'`, with the fencing
-/// token checked by the fenced log that carries the job's effect).
+/// The jobs table: each job's status. A delivery reads it, does the job's work, applies the
+/// job's effect (a fenced append to the log) and marks the job done: separate steps with nothing
+/// but the lock around them, as a job calling an outside service has. Two deliveries running at
+/// once both find the job pending and both apply it.
 #[derive(Default)]
 struct Jobs {
     done: Mutex<HashMap<String, String>>,
 }
 
-enum Update {
-    Applied,
-    AlreadyDone,
-    Stale(u64),
-}
-
 impl Jobs {
-    fn complete(&self, id: &str, hold: &Hold, log: &FencedLog, value: &str) -> Update {
-        let mut done = self.done.lock().unwrap();
-        if done.contains_key(id) {
-            return Update::AlreadyDone;
-        }
-        match log.write(fencing(hold), &hold.token.to_string(), value.to_owned()) {
-            Ok(()) => {
-                done.insert(id.to_owned(), value.to_owned());
-                Update::Applied
-            }
-            Err(h) => Update::Stale(h),
-        }
+    fn is_done(&self, id: &str) -> bool {
+        self.done.lock().unwrap().contains_key(id)
+    }
+
+    fn mark_done(&self, id: &str, by: &str) {
+        self.done
+            .lock()
+            .unwrap()
+            .insert(id.to_owned(), by.to_owned());
     }
 }
 
@@ -364,7 +366,24 @@ enum Delivery {
     FoundDone,
 }
 
+/// How far the two deliveries are, so the first one's job can hold the lock until the second
+/// has tried (without these waits a slow start of the second would let it pass the first).
+#[derive(Clone, Copy, Debug, Default)]
+struct Progress {
+    /// Deliveries that invoked their acquisition.
+    invoked: u32,
+    /// Jobs that started (were granted).
+    entered: u32,
+    /// Deliveries whose `run_exclusive` returned.
+    returned: u32,
+}
+
 /// 3. The same job delivered twice at the same moment.
+///
+/// The lock alone keeps the effect single: with no wait the job that got the lock holds it until the other delivery has tried, so the
+/// other must have skipped; with a wait the other is granted only after the first released and
+/// finds the job done. A lock that grants both lets both jobs in (they then wait for nothing
+/// and both apply the job, or the fence rejects one: either fails the drill).
 async fn delivered_twice(backend: &str, url: String, wait: bool) {
     let variant = if wait { "wait" } else { "skip" };
     let history = History::new(format!("{backend}_delivered_twice_{variant}"));
@@ -375,14 +394,17 @@ async fn delivered_twice(backend: &str, url: String, wait: bool) {
     let i1 = Client::new(&history, "i1", &url).await;
     let i2 = Client::new(&history, "i2", &url).await;
     let barrier = Arc::new(Barrier::new(2));
+    let (progress, _) = watch::channel(Progress::default());
+    let progress = Arc::new(progress);
 
     let deliver = |instance: Client| {
-        let (key, log, jobs, barrier, job_id) = (
+        let (key, log, jobs, barrier, job_id, progress) = (
             key.clone(),
             log.clone(),
             jobs.clone(),
             barrier.clone(),
             job_id.clone(),
+            progress.clone(),
         );
         async move {
             let mut opts = LockOptions::with_ttl(TTL);
@@ -391,32 +413,50 @@ async fn delivered_twice(backend: &str, url: String, wait: bool) {
             }
             barrier.wait().await;
             let acquire = Arc::new(Mutex::new(Some(instance.rec.acquire(&key, TTL))));
+            progress.send_modify(|p| p.invoked += 1);
             let release = Arc::new(Mutex::new(None));
             let rec = instance.rec.clone();
-            let (acq, rel) = (acquire.clone(), release.clone());
+            let (acq, rel, job_progress) = (acquire.clone(), release.clone(), progress.clone());
             let outcome = instance
                 .lock
                 .run_exclusive(key.as_str(), opts, move |ctx: JobContext| async move {
                     let hold = hold_of(&ctx);
                     acq.lock().unwrap().take().unwrap().granted(hold.clone());
-                    // The job's work before its effect.
-                    sleep(Duration::from_millis(200)).await;
+                    job_progress.send_modify(|p| p.entered += 1);
+                    // Hold the lock until the other delivery tried: skip mode, until its
+                    // try returned (busy); wait mode, until it is waiting. Both jobs inside at
+                    // once (a broken lock) end the wait at once.
+                    let mut seen = job_progress.subscribe();
+                    let _ = timeout(
+                        SOON,
+                        seen.wait_for(|p| {
+                            p.entered >= 2
+                                || if wait {
+                                    p.invoked >= 2
+                                } else {
+                                    p.returned >= 1
+                                }
+                        }),
+                    )
+                    .await;
                     let value = format!("{job_id} done by {}", rec.id());
                     let op = rec.write(hold.clone(), RESOURCE, &value);
                     let result = if ctx.is_lost() {
                         op.fail("ownership lost before the update");
                         None
+                    } else if jobs.is_done(&job_id) {
+                        op.fail("the job is done: nothing to apply");
+                        Some(Delivery::FoundDone)
                     } else {
-                        match jobs.complete(&job_id, &hold, &log, &value) {
-                            Update::Applied => {
+                        // The job's work between reading its status and applying its effect.
+                        sleep(Duration::from_millis(200)).await;
+                        match log.write(fencing(&hold), &hold.token.to_string(), value.clone()) {
+                            Ok(()) => {
                                 op.ok();
+                                jobs.mark_done(&job_id, rec.id());
                                 Some(Delivery::Applied)
                             }
-                            Update::AlreadyDone => {
-                                op.fail("conditional update matched no row: the job is done");
-                                Some(Delivery::FoundDone)
-                            }
-                            Update::Stale(h) => {
+                            Err(h) => {
                                 op.rejected(Some(FencingToken(h)));
                                 None
                             }
@@ -426,17 +466,19 @@ async fn delivered_twice(backend: &str, url: String, wait: bool) {
                     result
                 })
                 .await;
+            progress.send_modify(|p| p.returned += 1);
             if let Some(op) = release.lock().unwrap().take() {
                 op.ok();
             }
-            match outcome {
+            let delivery = match outcome {
                 Ok(None) => {
                     acquire.lock().unwrap().take().unwrap().busy();
                     Delivery::Skipped
                 }
                 Ok(Some(Some(d))) => d,
                 other => panic!("{}: the delivery failed: {other:?}", instance.rec.id()),
-            }
+            };
+            (instance.rec.id().to_owned(), delivery)
         }
     };
     let (d1, d2) = tokio::join!(
@@ -444,25 +486,54 @@ async fn delivered_twice(backend: &str, url: String, wait: bool) {
         tokio::spawn(deliver(i2.clone()))
     );
     let (d1, d2) = (d1.unwrap(), d2.unwrap());
-    eprintln!("{}: i1 {d1:?}, i2 {d2:?}", history.name());
-    let applied = [&d1, &d2]
-        .iter()
-        .filter(|d| ***d == Delivery::Applied)
-        .count();
+    eprintln!("{}: {d1:?}, {d2:?}", history.name());
+    let (winner, other) = match (&d1.1, &d2.1) {
+        (Delivery::Applied, _) => (&d1, &d2),
+        (_, Delivery::Applied) => (&d2, &d1),
+        _ => panic!("one delivery must apply the job: {d1:?} {d2:?}"),
+    };
+    let expected = if wait {
+        Delivery::FoundDone
+    } else {
+        Delivery::Skipped
+    };
     assert_eq!(
-        applied, 1,
-        "exactly one delivery applies the job: {d1:?} {d2:?}"
+        other.1,
+        expected,
+        "{} applied the job; {} must have {}: {d1:?} {d2:?}",
+        winner.0,
+        other.0,
+        if wait {
+            "waited for the lock and found the job done"
+        } else {
+            "skipped because the key was held"
+        }
     );
     assert_eq!(
-        log.values().len(),
-        1,
-        "exactly one effect: {:?}",
-        log.values()
+        log.values(),
+        vec![format!("{job_id} done by {}", winner.0)],
+        "exactly one effect, by {}",
+        winner.0
     );
     if wait {
+        // The other was granted only after the winner had started its release.
+        let released = seq_of(&history, |r| {
+            r.kind == Kind::Invoke
+                && r.op == Some(Op::Release)
+                && r.client.as_deref() == Some(winner.0.as_str())
+        })
+        .expect("the winner's release is recorded");
+        let granted = seq_of(&history, |r| {
+            r.kind == Kind::Ok
+                && r.granted == Some(true)
+                && r.client.as_deref() == Some(other.0.as_str())
+        })
+        .expect("the waiting delivery's grant is recorded");
         assert!(
-            [&d1, &d2].contains(&&Delivery::FoundDone),
-            "with a wait, the second delivery runs and finds the job done: {d1:?} {d2:?}"
+            released < granted,
+            "{} was granted (record {granted}) before {} released (record {released})",
+            other.0,
+            winner.0
         );
     }
     // Liveness: the key is free again for both instances.

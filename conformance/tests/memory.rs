@@ -37,7 +37,7 @@ async fn setup() -> Option<Harness> {
     }))
 }
 
-conformance::conformance_tests!(setup);
+conformance::conformance_tests!(setup; skip: {});
 
 /// The "no I/O" half of bad-input checks, which only the in-memory coordinator can count.
 #[tokio::test]

@@ -11,8 +11,10 @@
 //!   `lost` record for that token, the end of the history.
 //! * A grant's **definite lease** is when the coordinator must still have recorded it: from its
 //!   `ok` until the earliest of its hold's end, any force-release or [`super::History::expire`] of
-//!   the key, and `invoke + ttl − slack` (the lease cannot have expired before its TTL counted
-//!   from the moment the request was sent; `slack` covers clock-rate differences).
+//!   the key after the acquire was invoked, and the latest of `invoke + ttl − slack` (the lease
+//!   cannot have expired before its TTL counted from the moment the request was sent; `slack`
+//!   covers clock-rate differences), each successful renewal's `invoke + ttl − slack`, and each
+//!   [`Kind::Renewed`] record's local deadline (a watchdog's renewal, as the guard counts it).
 //! * A write is **accepted** when its outcome is `ok`, or when its outcome is unknown but its
 //!   value is in the resource's final state (then it certainly applied). Its window is
 //!   `[invoke, completion]`.
@@ -36,7 +38,11 @@
 //! * (c) [`Rule::StaleReleaseTookEffect`]: a release returns `true` only while its token is the
 //!   current one — never once a later grant was made — and a stale release never ends a newer
 //!   hold (no grant lands inside another grant's definite lease after a stale release).
-//!   [`Rule::DoubleGrant`]: the same overlap without a stale release to blame.
+//!   [`Rule::DoubleGrant`]: the same overlap without a stale release to blame. Grant C is
+//!   compared with every grant B answered before it, whether or not their `[invoke, ok]`
+//!   windows overlap: each was granted at the latest at its `ok`, so both were certainly held
+//!   together when C's `ok` lies inside B's definite lease and B's `ok` inside C's (C's lease
+//!   counts from C's invoke, so C may have been granted first and still be definite there).
 //! * (d) [`Rule::AcknowledgedWriteLost`]: every acknowledged (`ok`) write is in its resource's
 //!   final state: for a [`ResourceKind::Log`] its value is there; for a
 //!   [`ResourceKind::Register`] the final value is the acknowledged write with the highest fencing
@@ -562,70 +568,114 @@ fn check_releases_and_grants(
                 || (r.kind == Kind::FaultStart && r.key.is_some())
         })
         .collect();
-    for b in grants {
-        let mut definite_end_seq = b.hold_end_seq().min(end_seq);
-        if let Some(r) = interventions
-            .iter()
-            .find(|r| r.seq > b.ok.seq && r.key.as_deref() == Some(b.key))
-        {
-            definite_end_seq = definite_end_seq.min(r.seq);
-        }
-        let definite_end_us = b.ttl.map_or(u64::MAX, |ttl| {
-            let slack = options
-                .lease_slack
-                .unwrap_or_else(|| lock_core::drift_margin(ttl));
-            b.invoke
+    let slack = |ttl: Duration| {
+        options
+            .lease_slack
+            .unwrap_or_else(|| lock_core::drift_margin(ttl))
+    };
+    // Until when the TTL counted from `invoke` keeps a grant or renewal on the coordinator.
+    let ttl_end = |invoke: &Record, ttl: Option<Duration>| {
+        ttl.map_or(u64::MAX, |ttl| {
+            invoke
                 .at_us
                 .saturating_add(micros(ttl))
-                .saturating_sub(micros(slack))
-        });
-        for c in grants {
-            if std::ptr::eq(b, c) || b.key != c.key {
+                .saturating_sub(micros(slack(ttl)))
+        })
+    };
+    // The first intervention on the key after `from`: it may have ended any grant not yet
+    // answered by then, and ends every grant's exclusivity from then on.
+    let intervention_after = |key: &str, from: u64| {
+        interventions
+            .iter()
+            .find(|r| r.seq > from && r.key.as_deref() == Some(key))
+            .map_or(u64::MAX, |r| r.seq)
+    };
+    let definite: Vec<(u64, u64)> = grants
+        .iter()
+        .map(|b| {
+            // Seq bound: the hold's end, the first intervention after the acquire was invoked
+            // (a grant made before a force-release answered is gone), the end of the history.
+            let end_seq = b
+                .hold_end_seq()
+                .min(end_seq)
+                .min(intervention_after(b.key, b.invoke.seq));
+            // Time bound: the grant's TTL from its invoke, pushed out by every renewal that
+            // succeeded (a renewal's TTL counts from its own invoke; a watchdog's renewal is
+            // recorded with the local deadline it gave).
+            let renewed_us = records
+                .iter()
+                .filter(|r| r.seq > b.ok.seq && b.same_hold(r))
+                .filter_map(|r| match (r.kind, r.op) {
+                    (Kind::Renewed, _) => r.deadline_us,
+                    (Kind::Invoke, Some(Op::Renew)) => ops
+                        .iter()
+                        .find(|op| std::ptr::eq(op.invoke, r))
+                        .and_then(|op| op.done)
+                        .filter(|d| d.kind == Kind::Ok)
+                        .map(|_| ttl_end(r, r.ttl_ms.map(Duration::from_millis).or(b.ttl))),
+                    _ => None,
+                })
+                .max()
+                .unwrap_or(0);
+            (end_seq, ttl_end(b.invoke, b.ttl).max(renewed_us))
+        })
+        .collect();
+    for (bi, b) in grants.iter().enumerate() {
+        let (definite_end_seq, definite_end_us) = definite[bi];
+        for (ci, c) in grants.iter().enumerate() {
+            if bi == ci || b.key != c.key || c.ok.seq <= b.ok.seq {
                 continue;
             }
-            // c was granted after b's grant, before b's definite lease could have ended.
-            if c.invoke.seq > b.ok.seq
-                && c.ok.seq < definite_end_seq
-                && c.ok.at_us < definite_end_us
+            // Each was granted at some instant of its [invoke, ok] window, at the latest at its
+            // ok; both were certainly held together when c answered inside b's definite lease
+            // and b answered inside c's (c may have been granted first when c asked before b's
+            // answer: then c's own lease must still have been definite at b's answer).
+            let (c_end_seq, c_end_us) = definite[ci];
+            if c.ok.seq >= definite_end_seq
+                || c.ok.at_us >= definite_end_us
+                || b.ok.seq >= c_end_seq
+                || b.ok.at_us >= c_end_us
             {
-                let stale = releases.iter().find(|(op, owner)| {
-                    op.invoke.seq > b.ok.seq
-                        && op.invoke.seq < c.ok.seq
-                        && op.invoke.key.as_deref() == Some(b.key)
-                        && owner.is_none_or(|o| !std::ptr::eq(o, b))
-                });
-                let (rule, why) = match stale {
-                    Some((op, _)) => (
-                        Rule::StaleReleaseTookEffect,
-                        format!(
-                            " after {}'s release with a stale token at {:.1} ms",
-                            op.invoke.client.as_deref().unwrap_or("?"),
-                            op.invoke.at_ms()
-                        ),
-                    ),
-                    None => (Rule::DoubleGrant, String::new()),
-                };
-                let mut involved = vec![b.ok, c.invoke, c.ok];
-                if let Some((op, _)) = stale {
-                    involved.push(op.invoke);
-                }
-                out.push(violation(
-                    rule,
-                    format!(
-                        "{} was granted at {:.1} ms while {} was still definitely held (until {:.1} ms){why}",
-                        c.name(),
-                        c.ok.at_ms(),
-                        b.name(),
-                        (definite_end_us.min(
-                            records
-                                .get(usize::try_from(definite_end_seq).unwrap_or(usize::MAX))
-                                .map_or(u64::MAX, |r| r.at_us)
-                        )) as f64
-                            / 1000.0,
-                    ),
-                    involved,
-                ));
+                continue;
             }
+            let stale = releases.iter().find(|(op, owner)| {
+                op.invoke.seq > b.ok.seq
+                    && op.invoke.seq < c.ok.seq
+                    && op.invoke.key.as_deref() == Some(b.key)
+                    && owner.is_none_or(|o| !std::ptr::eq(o, b))
+            });
+            let (rule, why) = match stale {
+                Some((op, _)) => (
+                    Rule::StaleReleaseTookEffect,
+                    format!(
+                        " after {}'s release with a stale token at {:.1} ms",
+                        op.invoke.client.as_deref().unwrap_or("?"),
+                        op.invoke.at_ms()
+                    ),
+                ),
+                None => (Rule::DoubleGrant, String::new()),
+            };
+            let mut involved = vec![b.ok, c.invoke, c.ok];
+            if let Some((op, _)) = stale {
+                involved.push(op.invoke);
+            }
+            out.push(violation(
+                rule,
+                format!(
+                    "{} was granted at {:.1} ms (asked at {:.1} ms) while {} was still definitely held (until {:.1} ms){why}",
+                    c.name(),
+                    c.ok.at_ms(),
+                    c.invoke.at_ms(),
+                    b.name(),
+                    (definite_end_us.min(
+                        records
+                            .get(usize::try_from(definite_end_seq).unwrap_or(usize::MAX))
+                            .map_or(u64::MAX, |r| r.at_us)
+                    )) as f64
+                        / 1000.0,
+                ),
+                involved,
+            ));
         }
     }
 }
@@ -748,8 +798,6 @@ fn check_liveness(
             .max()
             .map(Duration::from_millis)
     });
-    let Some(ttl) = ttl else { return };
-    let allowed = micros(ttl + options.liveness_margin);
 
     // client -> (first try after the heal, its acquires that could count)
     let mut tries: BTreeMap<&str, (u64, &Record, Vec<Operation<'_>>)> = BTreeMap::new();
@@ -775,6 +823,9 @@ fn check_liveness(
             last_heal,
         ));
     }
+    // Nobody tried at all (so no TTL is known either): reported above.
+    let Some(ttl) = ttl else { return };
+    let allowed = micros(ttl + options.liveness_margin);
     for (client, (from, first, acquires)) in tries {
         let granted = acquires
             .iter()
@@ -833,7 +884,7 @@ mod tests {
     use tokio::time::{Instant, advance};
 
     use super::*;
-    use crate::drill::history::{History, Hold};
+    use crate::drill::history::{ClientRecorder, History, Hold};
 
     const TTL: Duration = Duration::from_millis(100);
 
@@ -1105,6 +1156,256 @@ mod tests {
         // A dropped operation is recorded as unknown, not forgotten.
         drop(c.acquire(&k, TTL));
         assert_eq!(h.snapshot().last().map(|r| r.kind), Some(Kind::Unknown));
+    }
+
+    /// `a` is granted at 1 ms; `c` asks at `c_invoke` and is answered at `c_ok`; `a` releases at
+    /// 300 ms. `between` runs at 10 ms (renewals, interventions).
+    async fn two_grants(
+        c_invoke: u64,
+        c_ok: u64,
+        between: impl FnOnce(&History, &ClientRecorder),
+    ) -> Vec<Record> {
+        let h = History::new("two_grants");
+        let start = h.start();
+        let (a, c) = (h.client("a"), h.client("c"));
+        let k = key();
+        let op = a.acquire(&k, TTL);
+        at(start, 1).await;
+        op.granted(hold(1, "a"));
+        at(start, 10).await;
+        between(&h, &a);
+        at(start, c_invoke).await;
+        let op = c.acquire(&k, TTL);
+        at(start, c_ok).await;
+        op.granted(hold(2, "c"));
+        at(start, 300).await;
+        a.release(hold(1, "a")).released(false);
+        c.release(hold(2, "c")).released(true);
+        h.snapshot()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn grants_whose_windows_overlap_are_compared() {
+        // a and c both ask, then both are answered "granted": at a's answer c was asked but
+        // maybe not yet granted; at c's answer both were certainly held.
+        let h = History::new("overlap");
+        let start = h.start();
+        let (a, c) = (h.client("a"), h.client("c"));
+        let k = key();
+        let op_a = a.acquire(&k, TTL);
+        at(start, 1).await;
+        let op_c = c.acquire(&k, TTL);
+        at(start, 2).await;
+        op_a.granted(hold(1, "a"));
+        at(start, 3).await;
+        op_c.granted(hold(2, "c"));
+        a.release(hold(1, "a")).released(true);
+        c.release(hold(2, "c")).released(true);
+        assert_eq!(rules(&h.snapshot()), BTreeSet::from([Rule::DoubleGrant]));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_late_answer_for_a_grant_that_expired_first_is_no_double_grant() {
+        // c asks at 0 and may have been granted at once; its lease (TTL from 0) ended by 94 ms,
+        // a was granted by 95 ms, c's answer arrives late at 120 ms. Both may never have been
+        // held together; they still must not share a fencing token.
+        for same_token in [false, true] {
+            let h = History::new("late_answer");
+            let start = h.start();
+            let (a, c) = (h.client("a"), h.client("c"));
+            let k = key();
+            let op_c = c.acquire(&k, TTL);
+            at(start, 50).await;
+            let op_a = a.acquire(&k, TTL);
+            at(start, 95).await;
+            op_a.granted(hold(2, "a"));
+            at(start, 120).await;
+            let c_fencing = if same_token { 2 } else { 1 };
+            op_c.granted(hold(c_fencing, "c"));
+            c.release(hold(c_fencing, "c")).released(false);
+            a.release(hold(2, "a")).released(true);
+            let expected = if same_token {
+                BTreeSet::from([Rule::FencingNotIncreasing])
+            } else {
+                BTreeSet::new()
+            };
+            assert_eq!(rules(&h.snapshot()), expected, "same token: {same_token}");
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn renewals_extend_the_definite_lease() {
+        // Without a renewal a's lease is definite until 94 ms: c's grant at 151 ms is fine.
+        assert_eq!(
+            rules(&two_grants(150, 151, |_, _| {}).await),
+            BTreeSet::new()
+        );
+        // A watchdog's renewal recorded with its local deadline (250 ms).
+        let watchdog = two_grants(150, 151, |h, a| {
+            a.renewed(hold(1, "a"), h.start() + Duration::from_millis(250), 1);
+        })
+        .await;
+        assert_eq!(rules(&watchdog), BTreeSet::from([Rule::DoubleGrant]));
+        // A direct renewal invoked at 10 ms: definite until 10 + 100 − slack = 104 ms.
+        assert_eq!(
+            rules(&two_grants(100, 101, |_, _| {}).await),
+            BTreeSet::new()
+        );
+        let direct = two_grants(100, 101, |_, a| a.renew(hold(1, "a"), TTL).ok()).await;
+        assert_eq!(rules(&direct), BTreeSet::from([Rule::DoubleGrant]));
+        // A refused renewal extends nothing.
+        let refused = two_grants(100, 101, |_, a| {
+            a.renew(hold(1, "a"), TTL).fail("not held");
+        })
+        .await;
+        assert_eq!(rules(&refused), BTreeSet::new());
+        // Another holder's renewal does not extend a's lease.
+        let other = two_grants(150, 151, |h, _| {
+            h.client("b")
+                .renewed(hold(1, "a"), h.start() + Duration::from_millis(250), 1);
+        })
+        .await;
+        assert_eq!(rules(&other), BTreeSet::new());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn force_release_and_expire_end_the_definite_lease() {
+        // c granted at 21 ms inside a's lease: a double grant unless something ended a's hold.
+        assert_eq!(
+            rules(&two_grants(20, 21, |_, _| {}).await),
+            BTreeSet::from([Rule::DoubleGrant])
+        );
+        let forced = two_grants(20, 21, |h, _| {
+            h.client("operator").force_release(&key()).ok();
+        })
+        .await;
+        assert_eq!(rules(&forced), BTreeSet::new());
+        let expired = two_grants(20, 21, |h, _| h.expire(&key(), "force-expired")).await;
+        assert_eq!(rules(&expired), BTreeSet::new());
+        // An intervention on another key changes nothing.
+        let elsewhere = two_grants(20, 21, |h, _| {
+            h.expire(&LockKey::new("checker/other").unwrap(), "force-expired");
+        })
+        .await;
+        assert_eq!(rules(&elsewhere), BTreeSet::from([Rule::DoubleGrant]));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_intervention_before_the_answer_may_have_ended_the_grant() {
+        // The force-release ran between a's invoke and a's answer: a's grant may already be
+        // gone, so c's grant right after is no double grant.
+        let h = History::new("intervention_in_window");
+        let start = h.start();
+        let (a, c) = (h.client("a"), h.client("c"));
+        let k = key();
+        let op = a.acquire(&k, TTL);
+        at(start, 1).await;
+        h.client("operator").force_release(&k).ok();
+        at(start, 2).await;
+        op.granted(hold(1, "a"));
+        at(start, 3).await;
+        let op = c.acquire(&k, TTL);
+        op.granted(hold(2, "c"));
+        c.release(hold(2, "c")).released(true);
+        assert_eq!(rules(&h.snapshot()), BTreeSet::new());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn writes_with_a_token_never_granted_are_outside_any_hold() {
+        let h = History::new("never_granted");
+        let c = h.client("c");
+        c.write(hold(9, "never"), "log", "v").ok();
+        h.final_state("log", ResourceKind::Log, vec!["v".to_owned()]);
+        assert_eq!(
+            rules(&h.snapshot()),
+            BTreeSet::from([Rule::WriteOutsideHold])
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn stale_writes_are_found_without_fencing_tokens() {
+        // No fencing tokens: the grant order decides. a's grant (expired by 94 ms) writes after
+        // b's newer grant wrote.
+        let unfenced = |token: &str| Hold {
+            fencing: None,
+            ..hold(0, token)
+        };
+        let h = History::new("unfenced");
+        let start = h.start();
+        let (a, b) = (h.client("a"), h.client("b"));
+        let k = key();
+        let op = a.acquire(&k, TTL);
+        op.granted(unfenced("a"));
+        at(start, 150).await;
+        let op = b.acquire(&k, TTL);
+        op.granted(unfenced("b"));
+        b.write(unfenced("b"), "log", "b1").ok();
+        b.release(unfenced("b")).released(true);
+        at(start, 160).await;
+        a.write(unfenced("a"), "log", "a1").ok();
+        a.release(unfenced("a")).released(false);
+        h.final_state(
+            "log",
+            ResourceKind::Log,
+            vec!["b1".to_owned(), "a1".to_owned()],
+        );
+        assert_eq!(
+            rules(&h.snapshot()),
+            BTreeSet::from([Rule::StaleWriteAccepted])
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn liveness_needs_a_timely_grant_and_someone_trying() {
+        for late in [true, false] {
+            let h = History::new("liveness");
+            let start = h.start();
+            let c = h.client("c");
+            let k = key();
+            h.fault("paused", None).heal();
+            if late {
+                at(start, 10).await;
+                let op = c.acquire(&k, TTL);
+                // ttl 100 ms + margin 2 s after the try: 2.2 s is too late.
+                at(start, 2_210).await;
+                op.granted(hold(1, "c"));
+                c.release(hold(1, "c")).released(true);
+            }
+            let violations = check(&h.snapshot(), &CheckOptions::default());
+            assert_eq!(
+                violations.iter().map(|v| v.rule).collect::<Vec<_>>(),
+                vec![Rule::Liveness],
+                "late: {late}: {violations:?}"
+            );
+            let expected = if late {
+                "granted only at"
+            } else {
+                "nobody tried"
+            };
+            assert!(violations[0].message.contains(expected), "{violations:?}");
+        }
+    }
+
+    #[test]
+    fn operations_invoked_or_completed_twice_are_malformed() {
+        let rec = |seq, kind| Record {
+            seq,
+            kind,
+            op: Some(Op::Release),
+            op_id: Some(1),
+            ..Record::default()
+        };
+        for records in [
+            vec![rec(0, Kind::Invoke), rec(1, Kind::Invoke), rec(2, Kind::Ok)],
+            vec![rec(0, Kind::Invoke), rec(1, Kind::Ok), rec(2, Kind::Fail)],
+        ] {
+            let found = check(&records, &CheckOptions::default());
+            assert_eq!(
+                found.iter().map(|v| v.rule).collect::<Vec<_>>(),
+                vec![Rule::Malformed],
+                "{found:?}"
+            );
+        }
     }
 
     #[test]

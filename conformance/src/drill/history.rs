@@ -65,6 +65,12 @@ pub enum Kind {
     Unknown,
     /// A holder learned that its lease is gone (guard's `lost()` fired, a renewal was refused…).
     Lost,
+    /// A holder's watchdog has renewed its lease: `deadline_us` is the local deadline the
+    /// holder trusts after its latest successful renewal (measured from that renewal's send
+    /// time, so the coordinator keeps the grant at least that long). Recorded whenever the
+    /// drill looks at the guard, so it may come later than the renewal itself; the deadline is
+    /// a fact about the grant whenever it is recorded.
+    Renewed,
     /// A fault began.
     FaultStart,
     /// A fault healed.
@@ -135,6 +141,13 @@ pub struct Record {
     /// The TTL asked for (acquire, renew).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl_ms: Option<u64>,
+    /// Renewed: the holder's local deadline after its latest renewal, in microseconds since the
+    /// history started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_us: Option<u64>,
+    /// Renewed: how many renewals had succeeded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub renewals: Option<u64>,
     /// Acquire ok: `true` granted, `false` busy (`try_acquire` returned `None`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub granted: Option<bool>,
@@ -504,6 +517,34 @@ impl ClientRecorder {
             fill_hold(r, &hold);
             r.ttl_ms = Some(millis(ttl));
         })
+    }
+
+    /// Records that `hold`'s watchdog has renewed it `renewals` times and now trusts it until
+    /// `local_deadline` ([`LockGuard::local_deadline`]). The checker extends the grant's
+    /// definite lease to that deadline. See [`ClientRecorder::guard_renewed`].
+    pub fn renewed(&self, hold: impl Into<Hold>, local_deadline: Instant, renewals: u64) {
+        let hold = hold.into();
+        let mut record = Record {
+            kind: Kind::Renewed,
+            client: Some(self.id.to_string()),
+            key: Some(hold.key.to_string()),
+            deadline_us: Some(micros(
+                local_deadline.saturating_duration_since(self.history.start()),
+            )),
+            renewals: Some(renewals),
+            ..Record::default()
+        };
+        fill_hold(&mut record, &hold);
+        self.history.push(record);
+    }
+
+    /// [`ClientRecorder::renewed`] from `guard`'s own numbers, when it has renewed at least once
+    /// (nothing to record otherwise: the grant's TTL already bounds its definite lease).
+    pub fn guard_renewed(&self, guard: &LockGuard) {
+        let renewals = guard.renewals();
+        if renewals > 0 {
+            self.renewed(guard, guard.local_deadline(), renewals);
+        }
     }
 
     /// Records the start of a release of `hold`.

@@ -113,36 +113,72 @@ type LogState = (Option<(u64, String)>, Vec<String>);
 /// An append-only log that checks fencing: a write is accepted iff its fencing token is newer
 /// than every accepted one, or equal to the newest with the same owner (that holder writing
 /// again).
-#[derive(Debug, Default)]
+///
+/// Every accepted write is appended to a file before it is acknowledged, and the drill's final
+/// state is read back from that file ([`FencedLog::read_back`]), not from the in-process state
+/// that acknowledged the writes: an acknowledgement whose write did not reach the store shows as
+/// [`Rule::AcknowledgedWriteLost`].
+#[derive(Debug)]
 pub struct FencedLog {
     state: Mutex<LogState>,
+    path: std::path::PathBuf,
 }
 
 impl FencedLog {
     pub fn new() -> Arc<Self> {
-        Arc::new(Self::default())
+        let dir = conformance::drill::history::histories_dir().join("resources");
+        std::fs::create_dir_all(&dir).expect("create the fenced logs' directory");
+        let path = dir.join(format!("log-{:016x}.jsonl", rand::random::<u64>()));
+        std::fs::File::create(&path).expect("create the fenced log's file");
+        Arc::new(Self {
+            state: Mutex::default(),
+            path,
+        })
     }
 
-    /// `Err(highest)` when stale.
+    /// `Err(highest)` when stale. Panics when the accepted write cannot be stored.
     pub fn write(&self, fencing: u64, owner: &str, value: String) -> Result<(), u64> {
+        use std::io::Write as _;
         let mut state = self.state.lock().unwrap();
         if let Some((highest, who)) = &state.0
             && (fencing < *highest || (fencing == *highest && who != owner))
         {
             return Err(*highest);
         }
+        let mut line = serde_json::to_string(&value).expect("a string serialises");
+        line.push('\n');
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&self.path)
+            .and_then(|mut file| file.write_all(line.as_bytes()))
+            .expect("append the accepted write to the log's file");
         state.0 = Some((fencing, owner.to_owned()));
         state.1.push(value);
         Ok(())
     }
 
+    /// The accepted values as the process acknowledged them.
     pub fn values(&self) -> Vec<String> {
         self.state.lock().unwrap().1.clone()
+    }
+
+    /// The accepted values as stored, read back from the log's file.
+    pub fn read_back(&self) -> Vec<String> {
+        let text = std::fs::read_to_string(&self.path).expect("read the log's file back");
+        text.lines()
+            .map(|line| serde_json::from_str(line).expect("a stored value"))
+            .collect()
     }
 
     /// The newest accepted fencing token.
     pub fn highest(&self) -> Option<u64> {
         self.state.lock().unwrap().0.as_ref().map(|(h, _)| *h)
+    }
+}
+
+impl Drop for FencedLog {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
     }
 }
 
@@ -173,11 +209,19 @@ pub struct Client {
 pub struct Held {
     pub guard: LockGuard,
     pub hold: Hold,
+    rec: ClientRecorder,
     loss: JoinHandle<()>,
     lost_at: Arc<Mutex<Option<Instant>>>,
 }
 
 impl Held {
+    /// Records the guard's renewals so far and the local deadline they gave (the checker
+    /// extends the grant's definite lease to it). Called by `release` and `wait_lost`; call it
+    /// too wherever a drill wants a renewal on record before something happens.
+    pub fn note_renewals(&self) {
+        self.rec.guard_renewed(&self.guard);
+    }
+
     /// When the guard's `lost()` fired, if it did.
     pub fn lost_at(&self) -> Option<Instant> {
         *self.lost_at.lock().unwrap()
@@ -189,6 +233,8 @@ impl Held {
         tokio::time::timeout_at(deadline, self.guard.lost())
             .await
             .ok()?;
+        // The renewals the guard made before its loss (its deadline no longer moves).
+        self.note_renewals();
         // The recorder task runs right after the token is cancelled.
         while self.lost_at().is_none() && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(1)).await;
@@ -223,6 +269,7 @@ impl Client {
 
     /// Releases `held` (recorded); returns what the release returned.
     pub async fn release(&self, held: Held) -> Option<bool> {
+        held.note_renewals();
         let Held {
             guard, hold, loss, ..
         } = held;
@@ -282,6 +329,7 @@ async fn finish_acquire(
     Some(Held {
         guard,
         hold,
+        rec: rec.clone(),
         loss,
         lost_at,
     })
@@ -444,7 +492,8 @@ impl Holder {
 /// whose rule is not in `expected` (documented limits measured by the drill). Returns every
 /// violation.
 pub fn finish(history: &History, log: &FencedLog, expected: &[Rule]) -> Vec<Violation> {
-    history.final_state(RESOURCE, ResourceKind::Log, log.values());
+    // Read back from the store, independently of what acknowledged the writes.
+    history.final_state(RESOURCE, ResourceKind::Log, log.read_back());
     let violations = check(
         &history.snapshot(),
         &CheckOptions {

@@ -164,9 +164,11 @@ impl LockBuilder {
                     "renew (needed by the watchdog)",
                 ));
             }
-            Watchdog::Every(i) if i.is_zero() || i >= self.opts.ttl => {
+            Watchdog::Every(i) if i.is_zero() || i >= max_watchdog_interval(self.opts.ttl) => {
                 return Err(Error::Config(format!(
-                    "the watchdog interval {i:?} must be positive and shorter than the ttl {:?}",
+                    "the watchdog interval {i:?} must be positive and shorter than {:?}, what a \
+                     lease of ttl {:?} can have left when it is granted (¾ ttl minus the drift margin)",
+                    max_watchdog_interval(self.opts.ttl),
                     self.opts.ttl
                 )));
             }
@@ -219,19 +221,29 @@ impl LockBuilder {
                 None => return Ok(None),
             }
         };
+        let key = guard.key().clone();
+        if guard.is_lost() {
+            // The lease was past its local deadline when it arrived: never start the job on it.
+            tracing::warn!(%key, reason = ?guard.loss_reason(), "the lease was lost before the job could start");
+            let _ = guard.release().await;
+            return Err(Error::NotHeld {
+                key: key.as_str().to_owned(),
+            });
+        }
         let ctx = JobContext {
-            key: guard.key().clone(),
+            key: key.clone(),
             fencing: guard.fencing_token(),
             digest: guard.token_digest(),
-            lost: guard.lost_token(),
+            loss: guard.loss_view(),
         };
         let lost = guard.lost();
+        // The job first: a job that finished in the same poll as the loss did its work, and
+        // reporting it cancelled would make a retrying caller run it twice.
         let output = tokio::select! {
             biased;
-            () = lost => None,
             output = job(ctx) => Some(output),
+            () = lost => None,
         };
-        let key = guard.key().clone();
         match output {
             None => {
                 tracing::warn!(%key, reason = ?guard.loss_reason(), "ownership lost; the job was cancelled");
@@ -256,6 +268,13 @@ impl LockBuilder {
     }
 }
 
+/// The longest watchdog interval for `ttl`: what a lease can have left when it is handed over
+/// (a direct grant counts from its waiter's request, up to a quarter TTL earlier), minus the
+/// drift margin. A longer interval would renew only after the local deadline.
+fn max_watchdog_interval(ttl: Duration) -> Duration {
+    (ttl * 3 / 4).saturating_sub(crate::drift_margin(ttl))
+}
+
 /// `now + wait`, saturating far in the future instead of overflowing.
 fn deadline_after(wait: Duration) -> Instant {
     let now = Instant::now();
@@ -269,7 +288,7 @@ pub struct JobContext {
     key: LockKey,
     fencing: Option<FencingToken>,
     digest: TokenDigest,
-    lost: CancellationToken,
+    loss: crate::guard::LossView,
 }
 
 impl JobContext {
@@ -291,17 +310,18 @@ impl JobContext {
 
     /// Completes when ownership is lost.
     pub fn lost(&self) -> WaitForCancellationFutureOwned {
-        self.lost.clone().cancelled_owned()
+        self.loss.token().clone().cancelled_owned()
     }
 
-    /// `true` once ownership is lost.
+    /// `true` once ownership is lost or the local deadline has passed. Check it before each
+    /// irreversible step that the fencing token does not protect.
     pub fn is_lost(&self) -> bool {
-        self.lost.is_cancelled()
+        self.loss.is_lost()
     }
 
     /// A token cancelled on loss, for spawned sub-tasks.
     pub fn cancellation_token(&self) -> CancellationToken {
-        self.lost.child_token()
+        self.loss.token().child_token()
     }
 }
 

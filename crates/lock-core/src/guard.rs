@@ -7,6 +7,7 @@ use std::{
 };
 
 use tokio::{
+    sync::oneshot,
     task::JoinHandle,
     time::{Instant, sleep_until, timeout_at},
 };
@@ -38,10 +39,54 @@ pub struct LockGuard {
 }
 
 #[derive(Debug)]
-struct Shared {
+pub(crate) struct Shared {
     deadline: Mutex<Instant>,
     reason: Mutex<Option<LossReason>>,
     renewals: Mutex<u64>,
+    /// The lease as last renewed, so that `release()` can still release it when the watchdog
+    /// task died (a panic in a driver's `renew`) and did not hand the lease back.
+    latest: Mutex<Lease>,
+    /// The result of the release a dying watchdog started (see [`DeathWatch`]).
+    death_release: Mutex<Option<oneshot::Receiver<Result<bool>>>>,
+}
+
+/// What a job needs to know about its guard's loss: the signal and the current local deadline.
+/// `is_lost()` is true from the moment the deadline passes, even before the watchdog task has
+/// run to cancel the token (a starved runtime, a lease that arrived already expired).
+#[derive(Clone, Debug)]
+pub(crate) struct LossView {
+    lost: CancellationToken,
+    shared: Arc<Shared>,
+}
+
+impl LossView {
+    pub(crate) fn is_lost(&self) -> bool {
+        self.lost.is_cancelled() || Instant::now() >= locked(&self.shared.deadline)
+    }
+
+    pub(crate) fn token(&self) -> &CancellationToken {
+        &self.lost
+    }
+}
+
+/// Marks a guard lost once: records the reason and the metric, logs, cancels the token.
+fn mark_lost(
+    shared: &Shared,
+    lost: &CancellationToken,
+    backend: &'static str,
+    lease: &Lease,
+    reason: LossReason,
+) {
+    {
+        let mut slot = shared.reason.lock().unwrap_or_else(PoisonError::into_inner);
+        if slot.is_some() || lost.is_cancelled() {
+            return;
+        }
+        *slot = Some(reason);
+    }
+    crate::observe::record_loss(backend, reason);
+    tracing::warn!(key = %lease.key(), token = %lease.token(), fencing = ?lease.fencing_token(), %reason, "lock ownership lost");
+    lost.cancel();
 }
 
 fn locked<T: Copy>(m: &Mutex<T>) -> T {
@@ -51,14 +96,29 @@ fn locked<T: Copy>(m: &Mutex<T>) -> T {
 impl LockGuard {
     /// Starts supervising `lease`: renews every `watchdog` interval (none: only the local
     /// deadline and the backend's loss reports are watched).
+    ///
+    /// A lease whose local deadline has already passed (its reply arrived late) gives a guard
+    /// that is lost from the start: `is_lost()` is true and `lost()` complete before the caller
+    /// sees it, so no job starts on it.
     pub(crate) fn start(lock: DynLock, lease: Lease, watchdog: Option<Duration>) -> Self {
         let shared = Arc::new(Shared {
             deadline: Mutex::new(lease.local_deadline()),
             reason: Mutex::new(None),
             renewals: Mutex::new(0),
+            latest: Mutex::new(lease.clone()),
+            death_release: Mutex::new(None),
         });
         let lost = CancellationToken::new();
         let stop = CancellationToken::new();
+        if !lease.is_locally_valid() {
+            mark_lost(
+                &shared,
+                &lost,
+                lock.backend_name(),
+                &lease,
+                LossReason::DeadlinePassed,
+            );
+        }
         let supervisor = Supervisor {
             lock: lock.clone(),
             shared: shared.clone(),
@@ -121,14 +181,24 @@ impl LockGuard {
         locked(&self.shared.renewals)
     }
 
-    /// `true` once ownership can no longer be trusted.
+    /// `true` once ownership can no longer be trusted: `lost()` fired, or the local deadline
+    /// has passed (even if the watchdog task has not yet run to say so).
     pub fn is_lost(&self) -> bool {
-        self.lost.is_cancelled()
+        self.loss_view().is_lost()
     }
 
     /// Why ownership was lost, once it was.
     pub fn loss_reason(&self) -> Option<LossReason> {
-        locked(&self.shared.reason)
+        locked(&self.shared.reason).or_else(|| {
+            (Instant::now() >= self.local_deadline()).then_some(LossReason::DeadlinePassed)
+        })
+    }
+
+    pub(crate) fn loss_view(&self) -> LossView {
+        LossView {
+            lost: self.lost.child_token(),
+            shared: self.shared.clone(),
+        }
     }
 
     /// Completes when ownership is lost. Never completes after a clean release.
@@ -147,22 +217,17 @@ impl LockGuard {
     /// # Errors
     /// The backend's error; the lease then expires by its TTL.
     pub async fn release(mut self) -> Result<bool> {
-        let Some(lease) = self.stop_watchdog().await else {
-            return Ok(false);
-        };
-        self.lock.release(&lease).await
+        match self.stop_watchdog().await {
+            None => Ok(false),
+            Some(Handback::Lease(lease)) => self.lock.release(&lease).await,
+            Some(Handback::Released(result)) => result,
+        }
     }
 
-    async fn stop_watchdog(&mut self) -> Option<Lease> {
+    async fn stop_watchdog(&mut self) -> Option<Handback> {
         self.stop.cancel();
         let task = self.task.take()?;
-        match task.await {
-            Ok(lease) => Some(lease),
-            Err(e) => {
-                tracing::error!(key = %self.key, error = %e, "lock watchdog task failed");
-                None
-            }
-        }
+        Some(finish_watchdog(task, &self.shared, &self.key).await)
     }
 }
 
@@ -175,10 +240,13 @@ impl Drop for LockGuard {
         let lock = self.lock.clone();
         let key = self.key.clone();
         let log_key = key.clone();
+        let shared = self.shared.clone();
         let spawned = crate::cleanup::spawn(async move {
-            if let Ok(lease) = task.await
-                && let Err(e) = lock.release(&lease).await
-            {
+            let released = match finish_watchdog(task, &shared, &key).await {
+                Handback::Lease(lease) => lock.release(&lease).await,
+                Handback::Released(result) => result,
+            };
+            if let Err(e) = released {
                 tracing::warn!(%key, error = %e, "best-effort release on drop failed; the lease will expire by its ttl");
             }
         });
@@ -198,6 +266,55 @@ impl fmt::Debug for LockGuard {
             .field("lost", &self.is_lost())
             .finish_non_exhaustive()
     }
+}
+
+/// What the watchdog task hands back when it is stopped.
+enum Handback {
+    /// The lease as last renewed, still to be released.
+    Lease(Lease),
+    /// The watchdog died and its [`DeathWatch`] already released the lease: the result.
+    Released(Result<bool>),
+}
+
+/// Waits for the watchdog task. When the task died (a panic in a driver), its [`DeathWatch`]
+/// has started releasing the last renewed lease: that release's result; failing that, the
+/// last renewed lease itself (its token still names our grant, so a compare-and-release of it
+/// is still right).
+async fn finish_watchdog(task: JoinHandle<Lease>, shared: &Shared, key: &LockKey) -> Handback {
+    match task.await {
+        Ok(lease) => Handback::Lease(lease),
+        Err(e) => {
+            tracing::error!(%key, error = %e, "lock watchdog task failed");
+            let started = shared
+                .death_release
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            if let Some(rx) = started
+                && let Ok(result) = rx.await
+            {
+                return Handback::Released(result);
+            }
+            Handback::Lease(
+                shared
+                    .latest
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .clone(),
+            )
+        }
+    }
+}
+
+/// When to renew next: `renewal_time(now, interval)`, but never so late that the renewal has
+/// less than a quarter TTL (or, for a lease with less than that left, half of what is left)
+/// to get through before the local deadline: a lease that started old (a direct grant counts
+/// from its waiter's request) or an interval close to the TTL would otherwise renew only after
+/// the deadline and be lost for nothing.
+fn next_renewal(now: Instant, interval: Duration, deadline: Instant, ttl: Duration) -> Instant {
+    let remaining = deadline.saturating_duration_since(now);
+    let latest = (now + remaining / 2).max(deadline.checked_sub(ttl / 4).unwrap_or(now));
+    renewal_time(now, interval).min(latest)
 }
 
 /// When to renew next: `interval` after `now`, moved *earlier* onto a process-wide grid of
@@ -237,10 +354,73 @@ enum Step {
     Renew,
 }
 
+/// Marks the guard lost if the supervisor ends any other way than by returning: its task
+/// panicked (a driver bug in `renew`) or was dropped with its runtime. Nothing renews the lease
+/// any more, so nobody may go on trusting it — and nobody gains by keeping it until its TTL
+/// runs out, so it is released in the background at once (after `lost()` has fired: the
+/// release task waits for the token, so no other client can be granted the key while this
+/// guard still looks held).
+struct DeathWatch<'a> {
+    supervisor: &'a Supervisor,
+    lease: Lease,
+    armed: bool,
+}
+
+impl Drop for DeathWatch<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let s = self.supervisor;
+        tracing::error!(key = %self.lease.key(), "the lock watchdog stopped unexpectedly; releasing the lease");
+        let latest = s
+            .shared
+            .latest
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let (tx, rx) = oneshot::channel();
+        let (lock, lost) = (s.lock.clone(), s.lost.clone());
+        // Queued before the loss wakes anyone, so that on a single-threaded runtime the key is
+        // free by the time a waiter on `lost()` looks.
+        let spawned = crate::cleanup::spawn(async move {
+            lost.cancelled().await;
+            let _ = tx.send(lock.release(&latest).await);
+        });
+        if spawned {
+            *s.shared
+                .death_release
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Some(rx);
+        }
+        mark_lost(
+            &s.shared,
+            &s.lost,
+            s.lock.backend_name(),
+            &self.lease,
+            LossReason::RenewFailed,
+        );
+    }
+}
+
 impl Supervisor {
-    async fn run(self, mut lease: Lease) -> Lease {
+    async fn run(self, lease: Lease) -> Lease {
+        let mut watch = DeathWatch {
+            supervisor: &self,
+            lease: lease.clone(),
+            armed: true,
+        };
+        let lease = self.supervise(lease).await;
+        watch.armed = false;
+        lease
+    }
+
+    async fn supervise(&self, mut lease: Lease) -> Lease {
         let mut pushed = self.lock.watch_lost(&lease);
-        let mut next_renew = self.interval.map(|i| renewal_time(Instant::now(), i));
+        let ttl0 = lease.ttl();
+        let mut next_renew = self
+            .interval
+            .map(|i| next_renewal(Instant::now(), i, lease.local_deadline(), ttl0));
         let mut retry = self
             .interval
             .map(|i| Backoff::new(i / 8, i / 2))
@@ -284,6 +464,11 @@ impl Supervisor {
                 Some(Ok(Ok(()))) => {
                     *self
                         .shared
+                        .latest
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner) = lease.clone();
+                    *self
+                        .shared
                         .deadline
                         .lock()
                         .unwrap_or_else(PoisonError::into_inner) = lease.local_deadline();
@@ -293,7 +478,12 @@ impl Supervisor {
                         .lock()
                         .unwrap_or_else(PoisonError::into_inner) += 1;
                     retry.reset();
-                    next_renew = Some(renewal_time(Instant::now(), interval));
+                    next_renew = Some(next_renewal(
+                        Instant::now(),
+                        interval,
+                        lease.local_deadline(),
+                        lease.ttl(),
+                    ));
                 }
                 Some(Ok(Err(e))) if e.is_temporary() => {
                     tracing::warn!(key = %lease.key(), error = %e, "lease renewal failed; retrying until the local deadline");
@@ -314,14 +504,13 @@ impl Supervisor {
     }
 
     fn mark_lost(&self, lease: &Lease, reason: LossReason) {
-        *self
-            .shared
-            .reason
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(reason);
-        crate::observe::record_loss(self.lock.backend_name(), reason);
-        tracing::warn!(key = %lease.key(), token = %lease.token(), fencing = ?lease.fencing_token(), %reason, "lock ownership lost");
-        self.lost.cancel();
+        mark_lost(
+            &self.shared,
+            &self.lost,
+            self.lock.backend_name(),
+            lease,
+            reason,
+        );
     }
 }
 

@@ -134,7 +134,20 @@ pub async fn poll_acquire<L: DistributedLock + ?Sized>(
     let mut wait = AcquireWait::new(key, deadline, Backoff::default())?;
     loop {
         match lock.try_acquire(key, ttl).await {
-            Ok(Some(lease)) => return Ok(lease),
+            Ok(Some(lease)) if lease.is_locally_valid() => return Ok(lease),
+            Ok(Some(late)) => {
+                // The reply came after the lease's local deadline: it is worth nothing to us,
+                // and the coordinator may already grant it to someone else. Give it back.
+                tracing::warn!(%key, "a grant arrived after its local deadline; releasing it and trying again");
+                let _ = tokio::time::timeout_at(deadline, lock.release(&late)).await;
+                wait.retry_after(crate::Error::Unavailable {
+                    backend: lock.backend_name(),
+                    op: "acquire",
+                    message: "the grant arrived after its local deadline".into(),
+                    source: None,
+                })
+                .await?;
+            }
             Ok(None) => wait.wait(std::future::pending()).await?,
             Err(e) => wait.retry_after(e).await?,
         }

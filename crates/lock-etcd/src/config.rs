@@ -18,11 +18,14 @@ pub struct EtcdLockConfig {
     /// Password for etcd authentication (never shown by `Debug`).
     pub password: Option<String>,
     /// Prepended to every lock's name; may be empty. Default `"distlock/"`, so the lock `NAME` is
-    /// the one `etcdctl lock distlock/NAME` takes.
+    /// the one `etcdctl lock distlock/NAME` takes. A non-empty prefix is used with a trailing
+    /// `/` (added when missing: `locks` is `locks/`), so `locks` + `a` and `lock` + `sa` never
+    /// collide; no control characters, at most [`EtcdLockConfig::MAX_PREFIX_LEN`] bytes.
     pub prefix: String,
-    /// Timeout for establishing a connection (default 3 s).
+    /// Timeout for establishing a connection (default 3 s; at most
+    /// [`EtcdLockConfig::MAX_TIMEOUT`]).
     pub dial_timeout: Duration,
-    /// Timeout for each request (default 5 s).
+    /// Timeout for each request (default 5 s; at most [`EtcdLockConfig::MAX_TIMEOUT`]).
     pub request_timeout: Duration,
     /// The smallest lease TTL the cluster grants. `None` (default): asked from the server at
     /// connect (a 1 s lease is granted and revoked; etcd answers with the TTL it applies).
@@ -48,6 +51,12 @@ pub struct EtcdTlsConfig {
 impl EtcdLockConfig {
     /// The default lock name prefix.
     pub const DEFAULT_PREFIX: &'static str = "distlock/";
+    /// The longest `dial_timeout` or `request_timeout` accepted (1 hour).
+    pub const MAX_TIMEOUT: Duration = Duration::from_secs(3600);
+    /// The longest prefix accepted, in bytes.
+    pub const MAX_PREFIX_LEN: usize = 1024;
+    /// The longest `min_ttl` accepted: etcd's longest lease (`MaxLeaseTTL`, 9,000,000,000 s).
+    pub const MAX_MIN_TTL: Duration = Duration::from_secs(9_000_000_000);
 
     /// Defaults for the given `host:port` endpoints.
     pub fn new<S: Into<String>>(endpoints: impl IntoIterator<Item = S>) -> Self {
@@ -173,24 +182,82 @@ impl EtcdLockConfig {
             cfg.tls = Some(tls_cfg);
         }
         cfg.validate()?;
+        cfg.prefix = cfg.normalized_prefix();
         Ok(cfg)
     }
 
-    /// Checks the settings (also done by `connect`).
+    /// The prefix as the client uses it: with a trailing `/` unless empty. Every lock range is
+    /// `<prefix><escaped name>/` and an escaped name has no `/`, so ranges of two prefixes
+    /// can only overlap when one prefix nests in the other (`a/` + `b` vs `a/b/` + `x`); the
+    /// client then only counts keys shaped like its own entries (`<range><lease hex>`, attached
+    /// to that lease), so neither that nor an application's key under an empty prefix blocks
+    /// a lock.
+    pub fn normalized_prefix(&self) -> String {
+        if self.prefix.is_empty() || self.prefix.ends_with('/') {
+            self.prefix.clone()
+        } else {
+            format!("{}/", self.prefix)
+        }
+    }
+
+    /// Checks the settings however they were set (also done by `connect`, before any I/O).
     ///
     /// # Errors
-    /// [`Error::Config`] when there is no endpoint or a timeout is zero.
+    /// [`Error::Config`] when there is no endpoint or one is not `host:port`, a timeout is zero
+    /// or above [`EtcdLockConfig::MAX_TIMEOUT`], `min_ttl` is below 1 s or above
+    /// [`EtcdLockConfig::MAX_MIN_TTL`], the prefix is too long or has control characters, or
+    /// the TLS files are given inconsistently.
     pub fn validate(&self) -> Result<()> {
         if self.endpoints.is_empty() {
             return Err(config("at least one endpoint is needed"));
         }
-        if self.dial_timeout.is_zero() || self.request_timeout.is_zero() {
-            return Err(config("timeouts must be positive"));
+        for e in &self.endpoints {
+            parse_endpoint(e)?;
+        }
+        for (what, t) in [
+            ("dial_timeout", self.dial_timeout),
+            ("request_timeout", self.request_timeout),
+        ] {
+            if t.is_zero() {
+                return Err(config(format!("{what} must be positive")));
+            }
+            if t > Self::MAX_TIMEOUT {
+                return Err(config(format!(
+                    "{what} must be at most {:?}",
+                    Self::MAX_TIMEOUT
+                )));
+            }
         }
         if self.min_ttl.is_some_and(|t| t < Duration::from_secs(1)) {
             return Err(config(
                 "etcd leases are whole seconds: min_ttl must be at least 1s",
             ));
+        }
+        if self.min_ttl.is_some_and(|t| t > Self::MAX_MIN_TTL) {
+            return Err(config(format!(
+                "min_ttl must be at most etcd's longest lease, {:?}",
+                Self::MAX_MIN_TTL
+            )));
+        }
+        if self.prefix.len() > Self::MAX_PREFIX_LEN {
+            return Err(config(format!(
+                "the prefix is longer than {} bytes",
+                Self::MAX_PREFIX_LEN
+            )));
+        }
+        if self.prefix.chars().any(char::is_control) {
+            return Err(config("the prefix has a control character"));
+        }
+        if let Some(tls) = &self.tls {
+            if tls.cert_file.is_some() != tls.key_file.is_some() {
+                return Err(config("cert_file and key_file must be given together"));
+            }
+            if tls.domain.as_ref().is_some_and(String::is_empty) {
+                return Err(config("tls domain is empty"));
+            }
+        }
+        if self.user.as_ref().is_some_and(String::is_empty) {
+            return Err(config("the user name is empty"));
         }
         Ok(())
     }
@@ -277,6 +344,43 @@ mod tests {
         assert!(d.tls.is_none() && d.user.is_none() && d.min_ttl.is_none());
         let p = EtcdLockConfig::from_url("etcd://h:1?prefix=locks%2Fx%2F").unwrap();
         assert_eq!(p.prefix, "locks/x/");
+        let p = EtcdLockConfig::from_url("etcd://h:1?prefix=locks").unwrap();
+        assert_eq!(p.prefix, "locks/", "a prefix is one path segment or more");
+    }
+
+    /// Review L12: `prefix=locks` + `a` and `prefix=lock` + `sa` must not be the same lock.
+    #[test]
+    fn prefixes_never_collide_after_normalising() {
+        let key = |s: &str| lock_core::LockKey::new(s).unwrap();
+        let range = |prefix: &str, name: &str| {
+            let c = EtcdLockConfig::from_url(&format!("etcd://h:1?prefix={prefix}")).unwrap();
+            crate::keys::name_prefix(&c.prefix, &key(name))
+        };
+        let (a, b) = (range("locks", "a"), range("lock", "sa"));
+        assert!(!a.starts_with(&b) && !b.starts_with(&a), "{a:?} {b:?}");
+    }
+
+    /// Review L12: settings set directly on the struct are checked as strictly as URL ones.
+    #[test]
+    fn struct_set_values_are_validated() {
+        let ok = EtcdLockConfig::new(["h:1"]);
+        assert!(ok.validate().is_ok());
+        type Set = Box<dyn Fn(&mut EtcdLockConfig)>;
+        let bad: Vec<Set> = vec![
+            Box::new(|c| c.request_timeout = Duration::MAX),
+            Box::new(|c| c.dial_timeout = Duration::MAX),
+            Box::new(|c| c.request_timeout = Duration::ZERO),
+            Box::new(|c| c.min_ttl = Some(Duration::MAX)),
+            Box::new(|c| c.endpoints = vec!["nonsense".into()]),
+            Box::new(|c| c.prefix = "a\0b".into()),
+            Box::new(|c| c.prefix = "x".repeat(5000)),
+            Box::new(|c| c.user = Some(String::new())),
+        ];
+        for (i, set) in bad.iter().enumerate() {
+            let mut c = ok.clone();
+            set(&mut c);
+            assert!(matches!(c.validate(), Err(Error::Config(_))), "case {i}");
+        }
     }
 
     #[test]
@@ -332,5 +436,117 @@ mod url_proptests {
     #[test]
     fn from_url_never_panics_or_shows_the_password() {
         conformance::check_url_parser("etcd|etcds", super::EtcdLockConfig::from_url);
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod config_proptests {
+    use proptest::{collection::vec, option, prelude::*};
+
+    use super::*;
+
+    fn duration() -> impl Strategy<Value = Duration> {
+        prop_oneof![
+            Just(Duration::ZERO),
+            Just(Duration::MAX),
+            Just(EtcdLockConfig::MAX_TIMEOUT),
+            (0u64..10_000).prop_map(Duration::from_millis),
+            (any::<u64>(), 0u32..1_000_000_000).prop_map(|(s, n)| Duration::new(s, n)),
+        ]
+    }
+
+    fn duration_text() -> impl Strategy<Value = String> {
+        prop_oneof![
+            "[0-9]{1,12}(ms|s|m|h|)",
+            Just("4294967295m".to_owned()),
+            Just("0s".to_owned()),
+            "\\PC{0,6}",
+        ]
+    }
+
+    /// Whatever `validate` accepts can be used without a panic: the client adds the timeouts
+    /// to each other and to `Instant::now()`.
+    fn usable(c: &EtcdLockConfig) {
+        let _ = tokio::time::Instant::now() + c.dial_timeout + c.request_timeout;
+        let _ = c.normalized_prefix();
+    }
+
+    /// A valid config connects (lazily, to a closed port) and fails its first lock with a typed
+    /// error, never a panic.
+    fn connects(c: EtcdLockConfig) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let attempt = async {
+                let lock = crate::EtcdLock::connect(c).await?;
+                let key = lock_core::LockKey::new("config-prop").unwrap();
+                lock_core::DistributedLock::try_acquire(&lock, &key, Duration::from_secs(5)).await
+            };
+            let _ = tokio::time::timeout(Duration::from_secs(10), attempt).await;
+        });
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Review L12: any combination of struct-set fields is a typed error or a config that
+        /// works, never a panic.
+        #[test]
+        fn any_struct_set_config_is_a_typed_error_or_usable(
+            endpoints in vec(prop_oneof!["[a-z0-9.:]{0,12}", Just("127.0.0.1:1".to_owned())], 0..3),
+            prefix in prop_oneof!["\\PC{0,8}", "[\\x00-\\x1f/a]{0,3}", Just("x".repeat(2000))],
+            dial in duration(),
+            request in duration(),
+            min_ttl in option::of(duration()),
+            user in option::of("[a-z]{0,3}"),
+        ) {
+            let mut c = EtcdLockConfig::new(endpoints);
+            c.prefix = prefix;
+            c.dial_timeout = dial;
+            c.request_timeout = request;
+            c.min_ttl = min_ttl;
+            c.user = user;
+            match c.validate() {
+                Ok(()) => {
+                    usable(&c);
+                    if c.endpoints.iter().all(|e| e == "127.0.0.1:1") && c.min_ttl.is_some() {
+                        c.dial_timeout = c.dial_timeout.min(Duration::from_secs(1));
+                        connects(c);
+                    }
+                }
+                Err(Error::Config(_)) => {}
+                Err(e) => prop_assert!(false, "not a config error: {e:?}"),
+            }
+        }
+
+        /// Review L12: every URL option with any value is a typed error or a usable config.
+        #[test]
+        fn any_url_option_value_is_a_typed_error_or_usable(
+            dial in duration_text(),
+            request in duration_text(),
+            min_ttl in duration_text(),
+            prefix in "[a-z/%0-9]{0,6}",
+        ) {
+            let url = format!(
+                "etcd://127.0.0.1:1?dial_timeout={}&request_timeout={}&min_ttl={}&prefix={}",
+                url::form_urlencoded::byte_serialize(dial.as_bytes()).collect::<String>(),
+                url::form_urlencoded::byte_serialize(request.as_bytes()).collect::<String>(),
+                url::form_urlencoded::byte_serialize(min_ttl.as_bytes()).collect::<String>(),
+                prefix,
+            );
+            match EtcdLockConfig::from_url(&url) {
+                Ok(mut c) => {
+                    usable(&c);
+                    prop_assert!(c.prefix.is_empty() || c.prefix.ends_with('/'));
+                    c.dial_timeout = c.dial_timeout.min(Duration::from_secs(1));
+                    connects(c);
+                }
+                Err(Error::Config(_)) => {}
+                Err(e) => prop_assert!(false, "not a config error: {e:?}"),
+            }
+        }
     }
 }

@@ -66,6 +66,13 @@ pub(crate) fn classify(e: &etcd_client::Error) -> Failure {
                     Failure::LeaseNotFound
                 }
                 Code::Unavailable if is_connect_failure(&full) => Failure::NotSent,
+                // An expired token: refused before anything was applied, and the client
+                // re-authenticates (auto token refresh), so it is temporary (review L5).
+                Code::Unauthenticated | Code::Unknown
+                    if status.message().contains("invalid auth token") =>
+                {
+                    Failure::NotSent
+                }
                 Code::Unavailable
                 | Code::DeadlineExceeded
                 | Code::Cancelled
@@ -97,6 +104,23 @@ pub(crate) async fn request<T>(
             source: format!("no reply within the request timeout of {timeout:?}").into(),
         }),
     }
+}
+
+/// Runs one request with at most what is left until `until` (and never more than `timeout`).
+/// Past `until` the request is not sent at all ([`Failure::NotSent`]).
+pub(crate) async fn request_until<T>(
+    timeout: Duration,
+    until: tokio::time::Instant,
+    fut: impl Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, RequestError> {
+    let left = until.saturating_duration_since(tokio::time::Instant::now());
+    if left.is_zero() {
+        return Err(RequestError {
+            failure: Failure::NotSent,
+            source: "the caller's deadline passed before the request was sent".into(),
+        });
+    }
+    request(timeout.min(left), fut).await
 }
 
 /// A `Backend` error with a message of our own.

@@ -29,6 +29,29 @@ pub(crate) fn entry_key(name_prefix: &[u8], lease_id: i64) -> Vec<u8> {
     out
 }
 
+/// Whether `key` (attached to `lease`) is a contender entry of the range `name_prefix`: exactly
+/// the range followed by the hex id of the lease it is attached to, as Go's mutex writes it.
+/// Anything else under the range — an application's key under an empty prefix, an entry of a
+/// lock under a longer prefix that nests inside this one (`a/` + `b` vs `a/b/` + `x`) — is not
+/// a contender and never blocks the lock.
+pub(crate) fn is_entry(name_prefix: &[u8], key: &[u8], lease: i64) -> bool {
+    lease != 0
+        && key
+            .strip_prefix(name_prefix)
+            .is_some_and(|suffix| suffix == format!("{lease:x}").as_bytes())
+}
+
+/// The marker that abandons one acquisition attempt (its ownership token in hex): a put whose
+/// outcome is unknown requires it absent, so once it is written the put can never apply.
+/// `<prefix>\0attempt/<token>`: a lock key has no control characters, so this is in no lock's
+/// range (neither ours nor Go's `concurrency.Mutex` ever reads it as a contender).
+pub(crate) fn attempt_marker(prefix: &str, token_hex: &str) -> Vec<u8> {
+    let mut out = prefix.as_bytes().to_vec();
+    out.extend_from_slice(b"\0attempt/");
+    out.extend_from_slice(token_hex.as_bytes());
+    out
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
@@ -58,6 +81,26 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn only_keys_shaped_like_entries_are_entries() {
+        let range = p("a/", "b").into_bytes();
+        assert!(is_entry(&range, b"a/b/ff", 255));
+        assert!(
+            !is_entry(&range, b"a/b/ff", 254),
+            "attached to another lease"
+        );
+        assert!(!is_entry(&range, b"a/b/ff", 0), "no lease");
+        assert!(
+            !is_entry(&range, b"a/b/x/ff", 255),
+            "nested prefix a/b/ + x"
+        );
+        assert!(!is_entry(&range, b"a/b/0ff", 255), "not Go's hex");
+        assert!(!is_entry(&range, b"a/b/", 255));
+        let marker = attempt_marker("a/", "00ff");
+        assert!(!marker.starts_with(&range));
+        assert!(marker.contains(&0));
     }
 
     #[test]

@@ -14,8 +14,8 @@ use etcd_client::{
 };
 use futures::future::BoxFuture;
 use lock_core::{
-    AcquireWait, Backoff, Capabilities, DistributedLock, Error, FencingGuarantee, FencingToken,
-    HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result,
+    AcquireWait, Backoff, Batcher, Capabilities, DistributedLock, Error, FencingGuarantee,
+    FencingToken, HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result,
 };
 use tokio::time::{Instant, sleep, sleep_until};
 use tokio_util::sync::CancellationToken;
@@ -63,8 +63,18 @@ struct Inner {
     granting: tokio::sync::Mutex<()>,
     /// The deletion watches of held locks, on one stream.
     watches: WatchMux,
+    /// Renewals' proofs that their entries still exist, batched into one read-only txn.
+    checks: Batcher<Check, CheckAnswer>,
     counters: Arc<Counters>,
 }
+
+/// An entry a renewal must find: key, create revision, lease.
+type Check = (Vec<u8>, i64, i64);
+/// Whether it was found as it should be, or why the read failed.
+type CheckAnswer = std::result::Result<bool, (Failure, Arc<str>)>;
+
+/// The most operations etcd accepts in one txn by default (`--max-txn-ops`).
+const MAX_TXN_OPS: usize = 128;
 
 /// How many requests one [`EtcdLock`] client has sent to etcd, by kind (for measuring overhead).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -118,10 +128,6 @@ struct Phase {
 }
 
 impl Held {
-    fn deadline(&self) -> Instant {
-        lock(&self.phase).deadline
-    }
-
     fn is_finished(&self) -> bool {
         lock(&self.phase).finished
     }
@@ -152,15 +158,38 @@ struct Entry {
     token: OwnershipToken,
     /// Create revision; 0 while unknown (then the key is matched by its token value).
     rev: i64,
+    /// This attempt's abandonment marker (see [`keys::attempt_marker`]).
+    marker: Vec<u8>,
     armed: bool,
 }
 
 impl Entry {
-    /// Deletes the entry now (falling back to background retries when that fails).
-    async fn discard(mut self) {
+    /// The attempt's put (Go's `tryAcquire` txn): put our key if it does not exist and read the
+    /// oldest key of the range, else read our key. Conditional on the attempt's marker too:
+    /// once a withdrawal wrote it, this put can never apply, however late it arrives (review L1).
+    fn put_txn(&self) -> Txn {
+        Txn::new()
+            .when([
+                Compare::create_revision(self.key.clone(), CompareOp::Equal, 0),
+                Compare::create_revision(self.marker.clone(), CompareOp::Equal, 0),
+            ])
+            .and_then([
+                TxnOp::put(
+                    self.key.clone(),
+                    self.token.expose_hex(),
+                    Some(PutOptions::new().with_lease(self.session.id)),
+                ),
+                TxnOp::get(self.name.clone(), Some(first_create())),
+            ])
+            .or_else([TxnOp::get(self.key.clone(), None)])
+    }
+
+    /// Deletes the entry now, bounded by `until` (falling back to background retries when that
+    /// fails).
+    async fn discard(mut self, until: Instant) {
         self.armed = false;
         let target = Target::of(&self);
-        if let Err(e) = self.inner.remove_entry(&target).await {
+        if let Err(e) = self.inner.remove_entry(&target, until).await {
             tracing::debug!(error = %e.source, "deleting a queue entry failed; retrying in the background");
             spawn_cleanup(Arc::downgrade(&self.inner), target);
         }
@@ -183,6 +212,9 @@ struct Target {
     key: Vec<u8>,
     rev: i64,
     token: OwnershipToken,
+    /// Set when the create revision is unknown (a put whose outcome is unknown may still be
+    /// applied later): removing it also puts this marker, which the put requires absent.
+    marker: Option<Vec<u8>>,
 }
 
 impl Target {
@@ -193,14 +225,38 @@ impl Target {
             key: e.key.clone(),
             rev: e.rev,
             token: e.token,
+            marker: (e.rev <= 0).then(|| e.marker.clone()),
         }
     }
 
-    fn ours(&self) -> Compare {
-        if self.rev > 0 {
-            Compare::create_revision(self.key.clone(), CompareOp::Equal, self.rev)
-        } else {
-            Compare::value(self.key.clone(), CompareOp::Equal, self.token.expose_hex())
+    /// The compare-and-delete of this entry. With an unknown create revision it matches the
+    /// token, and also puts the attempt's marker in the same txn whatever the compare says:
+    /// from then on the original put (conditional on the marker's absence) can never apply, so
+    /// a put still in flight cannot leave a ghost entry behind (review L1).
+    fn removal(&self) -> Txn {
+        match &self.marker {
+            None => Txn::new()
+                .when([Compare::create_revision(
+                    self.key.clone(),
+                    CompareOp::Equal,
+                    self.rev,
+                )])
+                .and_then([TxnOp::delete(self.key.clone(), None)]),
+            Some(marker) => {
+                let put_marker = TxnOp::put(
+                    marker.clone(),
+                    "",
+                    Some(PutOptions::new().with_lease(self.session.id)),
+                );
+                Txn::new()
+                    .when([Compare::value(
+                        self.key.clone(),
+                        CompareOp::Equal,
+                        self.token.expose_hex(),
+                    )])
+                    .and_then([TxnOp::delete(self.key.clone(), None), put_marker.clone()])
+                    .or_else([put_marker])
+            }
         }
     }
 }
@@ -218,7 +274,8 @@ fn spawn_cleanup(inner: Weak<Inner>, target: Target) {
             let Some(inner) = inner.upgrade() else {
                 return; // The client is gone: the entry expires with its lease.
             };
-            match inner.remove_entry(&target).await {
+            let until = Instant::now() + inner.timeout();
+            match inner.remove_entry(&target, until).await {
                 Ok(()) => return,
                 Err(e) => {
                     tracing::debug!(error = %e.source, "deleting a lock entry failed; retrying")
@@ -276,13 +333,21 @@ impl EtcdLock {
     /// # Errors
     /// [`Error::Config`] for bad settings or unreadable TLS files; `Unavailable` when the server
     /// cannot be reached for authentication or the probe.
-    pub async fn connect(config: EtcdLockConfig) -> Result<Self> {
+    pub async fn connect(mut config: EtcdLockConfig) -> Result<Self> {
         config.validate()?;
+        config.prefix = config.normalized_prefix();
         let mut options = ConnectOptions::new()
             .with_connect_timeout(config.dial_timeout)
-            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5));
+            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
+            // A member that has lost its leader refuses at once instead of serving stale
+            // watches or stalling requests (review L4).
+            .with_require_leader(true);
         if let Some(user) = &config.user {
-            options = options.with_user(user.clone(), config.password.clone().unwrap_or_default());
+            // Re-authenticates when the token expired (etcd's simple tokens live 5 min by
+            // default), instead of failing every later request for good (review L5).
+            options = options
+                .with_user(user.clone(), config.password.clone().unwrap_or_default())
+                .with_auto_token_refresh(true);
         }
         let scheme = if let Some(tls) = &config.tls {
             let mut t = TlsOptions::new();
@@ -309,7 +374,7 @@ impl EtcdLock {
             .map(|e| format!("{scheme}://{e}"))
             .collect();
         let client = error::request(
-            config.dial_timeout + config.request_timeout,
+            config.dial_timeout.saturating_add(config.request_timeout),
             Client::connect(endpoints, Some(options)),
         )
         .await
@@ -342,6 +407,7 @@ impl EtcdLock {
                 sessions: Mutex::new(Vec::new()),
                 granting: tokio::sync::Mutex::new(()),
                 watches,
+                checks: Batcher::new(MAX_TXN_OPS),
                 counters,
             }),
         })
@@ -391,6 +457,61 @@ impl EtcdLock {
     }
 }
 
+impl EtcdLock {
+    /// One pass of `acquire`: put our entry, wait for our turn, prove the lease alive. Every
+    /// request gets at most what is left of the wait's deadline.
+    async fn acquire_once(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+        wait: &AcquireWait,
+    ) -> Result<Lease> {
+        let inner = &self.inner;
+        let until = wait.deadline();
+        let (entry, owned, base) = inner.put_entry(key, ttl, "acquire", until).await?;
+        let (entry, base) = if owned {
+            (entry, base)
+        } else {
+            if let Err(e) = inner.wait_turn(&entry, key, ttl, wait).await {
+                entry.discard(until).await;
+                return Err(e);
+            }
+            match entry.session.keep_alive(ttl / 8, None, until).await {
+                Ok(base) => (entry, base),
+                Err(KeepAliveError::Gone) => {
+                    entry.discard(until).await;
+                    return Err(queue_entry_lost(key));
+                }
+                // The waiter's last acknowledged keepalive still bounds the lease; `hold`
+                // refuses it if that is already too old.
+                Err(KeepAliveError::Failed(_)) => {
+                    let ack = entry.session.ack();
+                    (entry, ack)
+                }
+            }
+        };
+        match inner.hold(entry, key, ttl, base) {
+            Ok(lease) => Ok(lease),
+            Err(entry) => {
+                // Too late to trust: give the turn up (the next in line is granted) and try
+                // again while the deadline allows (review S3).
+                entry.discard(Instant::now() + inner.timeout()).await;
+                Err(expired_on_arrival("acquire"))
+            }
+        }
+    }
+}
+
+/// A grant whose local deadline had passed by the time it was confirmed.
+fn expired_on_arrival(op: &'static str) -> Error {
+    Error::Unavailable {
+        backend: BACKEND,
+        op,
+        message: "etcd answered too late: the lease's local deadline had already passed, so the grant was withdrawn".into(),
+        source: None,
+    }
+}
+
 fn read_file(path: &std::path::Path, what: &str) -> Result<Vec<u8>> {
     std::fs::read(path)
         .map_err(|e| Error::Config(format!("etcd: cannot read {what} {}: {e}", path.display())))
@@ -425,31 +546,52 @@ impl Inner {
         self.config.request_timeout
     }
 
-    /// Reads `key`'s queue with `opts` (the oldest entry, i.e. the owner, with `first_create`).
+    /// The owner of `key` (its oldest contender entry) and how many entries wait behind it.
+    /// Keys under the range that are no entries ([`keys::is_entry`]) are skipped.
     async fn read_owner(
         &self,
         key: &LockKey,
-        opts: GetOptions,
         op: &'static str,
-    ) -> Result<etcd_client::GetResponse> {
+    ) -> Result<Option<(KeyValue, usize)>> {
         let name = keys::name_prefix(&self.config.prefix, key);
+        let until = Instant::now() + self.timeout();
         Counters::bump(&self.counters.range);
-        error::request(
+        let resp = error::request(
             self.timeout(),
-            self.client.kv_client().get(name, Some(opts)),
+            self.client
+                .kv_client()
+                .get(name.clone(), Some(first_create())),
         )
         .await
-        .map_err(|e| e.into_error(op))
+        .map_err(|e| e.into_error(op))?;
+        match resp.kvs().first() {
+            None => Ok(None),
+            Some(kv) if keys::is_entry(&name, kv.key(), kv.lease()) => {
+                let waiters = usize::try_from(resp.count() - 1).unwrap_or(0);
+                Ok(Some((kv.clone(), waiters)))
+            }
+            Some(_) => {
+                let entries = self
+                    .entries_of(&name, None, until)
+                    .await
+                    .map_err(|e| e.into_error(op))?;
+                let waiters = entries.len().saturating_sub(1);
+                Ok(entries.into_iter().next().map(|kv| (kv, waiters)))
+            }
+        }
     }
 
     fn forget(&self, session: &Arc<Session>) {
         lock(&self.sessions).retain(|s| !Arc::ptr_eq(s, session));
     }
 
-    async fn revoke(&self, session: &Session) {
+    /// Revokes a retired session's lease, bounded by `until`. On failure the lease expires by
+    /// its TTL: nothing keeps a retired session alive.
+    async fn revoke(&self, session: &Session, until: Instant) {
         Counters::bump(&self.counters.lease_revoke);
-        match error::request(
+        match error::request_until(
             self.timeout(),
+            until,
             self.client.lease_client().revoke(session.id),
         )
         .await
@@ -485,14 +627,16 @@ impl Inner {
             if session.retire_if_idle(idle_since)
                 && let Some(inner) = me.upgrade()
             {
-                inner.revoke(&session).await;
+                inner
+                    .revoke(&session, Instant::now() + inner.timeout())
+                    .await;
                 inner.forget(&session);
             }
         });
     }
 
     /// Compare-and-delete of one entry; revokes the session instead when it was its last user.
-    async fn remove_entry(&self, t: &Target) -> Result<(), RequestError> {
+    async fn remove_entry(&self, t: &Target, until: Instant) -> Result<(), RequestError> {
         if t.session.gone.is_cancelled() {
             self.drop_user(&t.session, &t.name).await;
             return Ok(());
@@ -500,21 +644,89 @@ impl Inner {
         if t.session.take_last_user(&t.name) {
             // Revoking the lease deletes the entry with it.
             self.forget(&t.session);
-            self.revoke(&t.session).await;
+            self.revoke(&t.session, until).await;
             return Ok(());
         }
         Counters::bump(&self.counters.txn);
-        let txn = Txn::new()
-            .when([t.ours()])
-            .and_then([TxnOp::delete(t.key.clone(), None)]);
-        error::request(self.timeout(), self.client.kv_client().txn(txn)).await?;
+        match error::request_until(
+            self.timeout(),
+            until,
+            self.client.kv_client().txn(t.removal()),
+        )
+        .await
+        {
+            Ok(_) => {}
+            Err(RequestError {
+                failure: Failure::LeaseNotFound,
+                ..
+            }) => {
+                // The lease is gone, and every key on it; a late put on it fails.
+                t.session.mark_gone();
+                self.forget(&t.session);
+            }
+            Err(e) => return Err(e),
+        }
         self.drop_user(&t.session, &t.name).await;
         Ok(())
     }
 
+    /// Proves that each entry still exists with its create revision on its lease: one
+    /// linearizable read-only txn for every renewal that asks while another batch is out.
+    async fn check_entries(&self, check: Check, until: Instant) -> CheckAnswer {
+        let (client, counters, timeout) =
+            (self.client.clone(), self.counters.clone(), self.timeout());
+        let run = move |items: Vec<Check>| {
+            let (client, counters) = (client.clone(), counters.clone());
+            async move {
+                Counters::bump(&counters.txn);
+                let reads = items.iter().map(|(key, _, _)| {
+                    TxnOp::get(key.clone(), Some(GetOptions::new().with_keys_only()))
+                });
+                let txn = Txn::new().and_then(reads.collect::<Vec<_>>());
+                match error::request(timeout, client.kv_client().txn(txn)).await {
+                    Ok(resp) => items
+                        .iter()
+                        .enumerate()
+                        .map(|(i, (_, rev, lease))| match txn_get(&resp, i) {
+                            Some(get) => Ok(get.kvs().first().is_some_and(|kv| {
+                                kv.create_revision() == *rev && kv.lease() == *lease
+                            })),
+                            None => {
+                                Err((Failure::Rejected, "etcd's txn reply lacks a read".into()))
+                            }
+                        })
+                        .collect(),
+                    Err(e) => {
+                        let why: Arc<str> = e.source.to_string().into();
+                        items
+                            .iter()
+                            .map(|_| Err((e.failure, why.clone())))
+                            .collect()
+                    }
+                }
+            }
+        };
+        match tokio::time::timeout_at(until, self.checks.submit(check, run)).await {
+            Ok(Some(answer)) => answer,
+            Ok(None) => Err((
+                Failure::Unknown,
+                "the entry check ended without an answer".into(),
+            )),
+            Err(_) => Err((
+                Failure::Unknown,
+                "no answer to the entry check within the caller's deadline".into(),
+            )),
+        }
+    }
+
     /// A live session for `ttl` with `name` registered on it, and when its lease was last
     /// confirmed alive (the lease lives at least until then plus its TTL).
-    async fn session_for(&self, name: &[u8], ttl: Duration) -> Result<(Arc<Session>, Instant)> {
+    async fn session_for(
+        &self,
+        name: &[u8],
+        ttl: Duration,
+        until: Instant,
+    ) -> Result<(Arc<Session>, Instant)> {
         let secs = ttl_secs(ttl);
         // Held while granting, so acquisitions that start together share one new lease
         // instead of granting one each.
@@ -526,14 +738,24 @@ impl Inner {
                 .cloned();
             let Some(session) = existing else {
                 if granting.is_none() {
-                    granting = Some(self.granting.lock().await);
+                    granting = Some(
+                        tokio::time::timeout_at(until, self.granting.lock())
+                            .await
+                            .map_err(|_| {
+                                Error::unavailable(
+                                    BACKEND,
+                                    "acquire",
+                                    "waiting for another acquisition's lease grant took the whole deadline",
+                                )
+                            })?,
+                    );
                     // Someone may have granted while we waited: look again.
                     continue;
                 }
                 break;
             };
             drop(granting.take());
-            match session.keep_alive(ttl / 8, None).await {
+            match session.keep_alive(ttl / 8, None, until).await {
                 Ok(base) => return Ok((session, base)),
                 Err(KeepAliveError::Gone) => {
                     self.forget(&session);
@@ -546,9 +768,13 @@ impl Inner {
         }
         let sent = Instant::now();
         Counters::bump(&self.counters.lease_grant);
-        let resp = error::request(self.timeout(), self.client.lease_client().grant(secs, None))
-            .await
-            .map_err(|e| e.into_error("acquire"))?;
+        let resp = error::request_until(
+            self.timeout(),
+            until,
+            self.client.lease_client().grant(secs, None),
+        )
+        .await
+        .map_err(|e| e.into_error("acquire"))?;
         let granted = Duration::from_secs(u64::try_from(resp.ttl()).unwrap_or(0));
         let session = Arc::new(Session::new(
             Grant {
@@ -564,7 +790,7 @@ impl Inner {
         ));
         if granted < ttl {
             // Never happens with etcd (it only raises short TTLs), but never trust a shorter lease.
-            self.revoke(&session).await;
+            self.revoke(&session, until).await;
             return Err(protocol(
                 "acquire",
                 format!("etcd granted a {granted:?} lease for a {ttl:?} ttl"),
@@ -575,58 +801,77 @@ impl Inner {
     }
 
     /// Puts this contender's entry for `key` (Go's `tryAcquire`): returns it, whether it is the
-    /// owner, and the base instant of its local deadline.
+    /// owner, and the base instant of its local deadline. Every request gets at most what is
+    /// left until `until`.
     async fn put_entry(
         self: &Arc<Self>,
         key: &LockKey,
         ttl: Duration,
         op: &'static str,
+        until: Instant,
     ) -> Result<(Entry, bool, Instant)> {
         let name = keys::name_prefix(&self.config.prefix, key);
         for _ in 0..3 {
-            let (session, base) = self.session_for(&name, ttl).await?;
+            let (session, base) = self.session_for(&name, ttl, until).await?;
+            let token = OwnershipToken::generate();
             let mut entry = Entry {
                 inner: self.clone(),
                 key: keys::entry_key(&name, session.id),
                 name: name.clone(),
                 session,
-                token: OwnershipToken::generate(),
+                token,
                 rev: 0,
+                marker: keys::attempt_marker(&self.config.prefix, &token.expose_hex()),
                 armed: true,
             };
-            let txn = Txn::new()
-                .when([Compare::create_revision(
-                    entry.key.clone(),
-                    CompareOp::Equal,
-                    0,
-                )])
-                .and_then([
-                    TxnOp::put(
-                        entry.key.clone(),
-                        entry.token.expose_hex(),
-                        Some(PutOptions::new().with_lease(entry.session.id)),
-                    ),
-                    TxnOp::get(name.clone(), Some(first_create())),
-                ])
-                .or_else([TxnOp::get(entry.key.clone(), None)]);
+            let txn = entry.put_txn();
             Counters::bump(&self.counters.txn);
-            match error::request(self.timeout(), self.client.kv_client().txn(txn)).await {
+            match error::request_until(self.timeout(), until, self.client.kv_client().txn(txn))
+                .await
+            {
                 Ok(resp) if resp.succeeded() => {
                     let rev = resp.header().map_or(0, |h| h.revision());
-                    let owner = txn_get(&resp, 1)
-                        .and_then(|g| g.kvs().first().map(KeyValue::create_revision));
-                    if rev <= 0 || owner.is_none() {
+                    let first = txn_get(&resp, 1).and_then(|g| g.kvs().first().cloned());
+                    let Some(first) = first.filter(|_| rev > 0) else {
+                        // Applied, but unreadable: ours to remove (the marker makes sure).
+                        entry.discard(until).await;
                         return Err(protocol(op, "etcd's txn reply lacks a revision or owner"));
-                    }
+                    };
                     entry.rev = rev;
+                    let owner = match self.owner_rev(&name, &first, until).await {
+                        Ok(owner) => owner,
+                        Err(e) => {
+                            entry.discard(until).await;
+                            return Err(e.into_error(op));
+                        }
+                    };
                     return Ok((entry, owner == Some(rev), base));
                 }
-                Ok(_) => {
-                    // Our key already exists: a leftover of an earlier attempt on this lease that
-                    // is still being cleaned up. Not ours to delete here.
+                Ok(resp) => {
+                    // Our key already exists although nobody in this client has an entry for
+                    // this name on this lease (the name is registered per session): a leftover
+                    // of an attempt whose outcome was unknown. Nobody owns it; delete it and try
+                    // again, so it can never block this or any other client for good.
+                    let leftover = txn_get(&resp, 0)
+                        .and_then(|g| g.kvs().first().map(KeyValue::create_revision));
                     entry.armed = false;
-                    self.drop_user(&entry.session, &name).await;
-                    return Err(protocol(op, "an entry for this lease already exists"));
+                    if let Some(rev) = leftover {
+                        tracing::debug!(%key, "deleting a leftover entry on this client's lease");
+                        let target = Target {
+                            session: entry.session.clone(),
+                            name: entry.name.clone(),
+                            key: entry.key.clone(),
+                            rev,
+                            token: entry.token,
+                            marker: None,
+                        };
+                        if let Err(e) = self.remove_entry(&target, until).await {
+                            spawn_cleanup(Arc::downgrade(self), target);
+                            return Err(e.into_error(op));
+                        }
+                    } else {
+                        self.drop_user(&entry.session, &name).await;
+                    }
                 }
                 Err(e) if e.failure == Failure::LeaseNotFound => {
                     entry.armed = false;
@@ -634,7 +879,7 @@ impl Inner {
                     self.forget(&entry.session);
                 }
                 Err(e) if e.failure == Failure::Unknown => {
-                    return self.find_lost_put(entry, key, e, base, op).await;
+                    return self.find_lost_put(entry, key, e, base, op, until).await;
                 }
                 Err(e) => {
                     entry.armed = false;
@@ -643,10 +888,64 @@ impl Inner {
                 }
             }
         }
-        Err(protocol(op, "the session lease kept vanishing"))
+        Err(Error::unavailable(
+            BACKEND,
+            op,
+            "the session lease kept vanishing or a leftover entry kept coming back",
+        ))
     }
 
-    /// The put's reply was lost: look for our key (its name is known) before deciding.
+    /// The create revision of the owner of the range `name`, given the oldest key under it.
+    /// Keys that are not contender entries ([`keys::is_entry`]) are skipped with a full read
+    /// of the range (only then: normally the oldest key is an entry).
+    async fn owner_rev(
+        &self,
+        name: &[u8],
+        first: &KeyValue,
+        until: Instant,
+    ) -> Result<Option<i64>, RequestError> {
+        if keys::is_entry(name, first.key(), first.lease()) {
+            return Ok(Some(first.create_revision()));
+        }
+        Ok(self
+            .entries_of(name, None, until)
+            .await?
+            .first()
+            .map(|kv| kv.create_revision()))
+    }
+
+    /// Every contender entry under `name` (created at or before `max_rev`), oldest first.
+    async fn entries_of(
+        &self,
+        name: &[u8],
+        max_rev: Option<i64>,
+        until: Instant,
+    ) -> Result<Vec<KeyValue>, RequestError> {
+        let mut opts = GetOptions::new()
+            .with_prefix()
+            .with_sort(SortTarget::Create, SortOrder::Ascend);
+        if let Some(rev) = max_rev {
+            opts = opts.with_max_create_revision(rev);
+        }
+        Counters::bump(&self.counters.range);
+        let resp = error::request_until(
+            self.timeout(),
+            until,
+            self.client.kv_client().get(name.to_vec(), Some(opts)),
+        )
+        .await?;
+        Ok(resp
+            .kvs()
+            .iter()
+            .filter(|kv| keys::is_entry(name, kv.key(), kv.lease()))
+            .cloned()
+            .collect())
+    }
+
+    /// The put's reply was lost: look for our key (its name is known) before deciding. Found
+    /// with our token → adopted. Absent is not trusted on its own (the put may still be on its
+    /// way): the attempt is abandoned with its marker, which also deletes the entry should it
+    /// have landed meanwhile. Only once that succeeded is "not applied" certain.
     async fn find_lost_put(
         self: &Arc<Self>,
         mut entry: Entry,
@@ -654,63 +953,64 @@ impl Inner {
         err: RequestError,
         base: Instant,
         op: &'static str,
+        until: Instant,
     ) -> Result<(Entry, bool, Instant)> {
         Counters::bump(&self.counters.range);
-        let found = error::request(
+        let found = error::request_until(
             self.timeout(),
+            until,
             self.client.kv_client().get(entry.key.clone(), None),
         )
         .await;
-        if let Ok(resp) = found {
-            match resp.kvs().first() {
-                Some(kv) if kv.value() == entry.token.expose_hex().as_bytes() => {
-                    entry.rev = kv.create_revision();
-                    Counters::bump(&self.counters.range);
-                    let owner = error::request(
-                        self.timeout(),
-                        self.client
-                            .kv_client()
-                            .get(entry.name.clone(), Some(first_create())),
-                    )
-                    .await;
-                    if let Ok(owner) = owner {
-                        let owner = owner.kvs().first().map(KeyValue::create_revision);
-                        let owned = owner == Some(entry.rev);
-                        return Ok((entry, owned, base));
-                    }
-                }
-                _ => {
-                    // Not applied.
-                    entry.armed = false;
-                    self.drop_user(&entry.session, &entry.name).await;
-                    return Err(Error::Unavailable {
-                        backend: BACKEND,
-                        op,
-                        message: err.source.to_string(),
-                        source: Some(err.source),
-                    });
-                }
+        if let Ok(resp) = found
+            && let Some(kv) = resp.kvs().first()
+            && kv.value() == entry.token.expose_hex().as_bytes()
+            && kv.lease() == entry.session.id
+        {
+            entry.rev = kv.create_revision();
+            if let Ok(owner) = self.entries_of(&entry.name, None, until).await {
+                let owned = owner.first().map(KeyValue::create_revision) == Some(entry.rev);
+                return Ok((entry, owned, base));
+            }
+            // Ours, but its place is unknown: delete it by its create revision.
+        }
+        let target = Target::of(&entry);
+        entry.armed = false;
+        match self.remove_entry(&target, until).await {
+            Ok(()) => Err(Error::Unavailable {
+                backend: BACKEND,
+                op,
+                message: format!("{}; the attempt was withdrawn", err.source),
+                source: Some(err.source),
+            }),
+            Err(e) => {
+                tracing::debug!(error = %e.source, "withdrawing an attempt failed; retrying in the background");
+                spawn_cleanup(Arc::downgrade(self), target);
+                Err(Error::Indeterminate {
+                    backend: BACKEND,
+                    op,
+                    key: key.as_str().to_owned(),
+                    message: err.source.to_string(),
+                })
             }
         }
-        // Still unknown: compare-and-release this attempt's entry now (background retries if that
-        // fails too), and never report it as held.
-        entry.discard().await;
-        Err(Error::Indeterminate {
-            backend: BACKEND,
-            op,
-            key: key.as_str().to_owned(),
-            message: err.source.to_string(),
-        })
     }
 
-    /// Turns an owning entry into a lease, and arms its reaper.
+    /// Turns an owning entry into a lease, and arms its reaper. Hands the entry back when the
+    /// lease's local deadline (from `base`, the send time of the request that last proved the
+    /// session alive) has already passed: such a lease must never reach the caller (review S3).
     fn hold(
         self: &Arc<Self>,
         mut entry: Entry,
         key: &LockKey,
         ttl: Duration,
         base: Instant,
-    ) -> Lease {
+    ) -> std::result::Result<Lease, Entry> {
+        let fence = u64::try_from(entry.rev).ok().map(FencingToken);
+        let lease = Lease::new(key.clone(), entry.token, fence, ttl, base);
+        if !lease.is_locally_valid() {
+            return Err(entry);
+        }
         entry.armed = false;
         let held = Arc::new(Held {
             gone: entry.session.gone.child_token(),
@@ -725,12 +1025,10 @@ impl Inner {
             }),
             stop: CancellationToken::new(),
         });
-        let fence = u64::try_from(entry.rev).ok().map(FencingToken);
-        let lease =
-            Lease::new(key.clone(), entry.token, fence, ttl, base).with_backend_state(held.clone());
+        let lease = lease.with_backend_state(held.clone());
         lock(&held.phase).deadline = lease.local_deadline();
         tokio::spawn(reap(Arc::downgrade(self), held));
-        lease
+        Ok(lease)
     }
 
     /// Waits until every entry created before ours is gone (Go's `waitDeletes`), keeping our
@@ -752,14 +1050,19 @@ impl Inner {
         ttl: Duration,
         wait: &AcquireWait,
     ) -> Result<()> {
+        let until = wait.deadline();
         let keepalive_every = ttl / 3;
         let mut next_keepalive = Instant::now() + keepalive_every;
         let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(1));
+        // Even with a watch open, look at the queue again on this period: a watch served by a
+        // member cut off from the cluster, or an event lost, must not leave the waiter asleep
+        // until its deadline (review L4).
+        let reread_every = (ttl / 2).clamp(Duration::from_secs(1), Duration::from_secs(5));
         let session = &entry.session;
         // Cleared when a queue watch from our creation revision was refused (compacted).
         let mut queue_watch_ok = true;
         'queue: loop {
-            if Instant::now() >= wait.deadline() {
+            if Instant::now() >= until {
                 return Err(wait.timeout());
             }
             // One read-only transaction: the newest entry older than ours, and our own entry.
@@ -773,7 +1076,9 @@ impl Inner {
                 TxnOp::get(entry.name.clone(), Some(opts)),
                 TxnOp::get(entry.key.clone(), None),
             ]);
-            let read = error::request(self.timeout(), self.client.kv_client().txn(read)).await;
+            let read =
+                error::request_until(self.timeout(), until, self.client.kv_client().txn(read))
+                    .await;
             let pred = match read {
                 Ok(resp) => {
                     let (Some(queue), Some(own)) = (txn_get(&resp, 0), txn_get(&resp, 1)) else {
@@ -788,8 +1093,37 @@ impl Inner {
                         (None, _) => return Ok(()),
                         // `more` is computed after the create-revision filter: false means this
                         // is the only earlier entry.
-                        (Some(kv), Some(h)) => {
+                        (Some(kv), Some(h))
+                            if keys::is_entry(&entry.name, kv.key(), kv.lease()) =>
+                        {
                             Some((kv.key().to_vec(), h.revision() + 1, !queue.more()))
+                        }
+                        (Some(_), Some(_)) => {
+                            // A key under our range that is no contender: look at the entries
+                            // only (rare). No shortcut: the watch is then on the predecessor.
+                            match self
+                                .entries_of(&entry.name, Some(entry.rev - 1), until)
+                                .await
+                            {
+                                Ok(earlier) => match earlier.last() {
+                                    None => {
+                                        // Ours must still exist: read again, it costs one txn.
+                                        if self.own_entry_exists(entry, until).await? {
+                                            return Ok(());
+                                        }
+                                        return Err(queue_entry_lost(key));
+                                    }
+                                    Some(kv) => Some((
+                                        kv.key().to_vec(),
+                                        kv.mod_revision().max(kv.create_revision()) + 1,
+                                        false,
+                                    )),
+                                },
+                                Err(e) => {
+                                    tracing::debug!(%key, error = %e.source, "reading the lock queue failed; retrying");
+                                    None
+                                }
+                            }
                         }
                         (Some(_), None) => None,
                     }
@@ -808,8 +1142,9 @@ impl Inner {
                         .with_prefix()
                         .with_start_revision(entry.rev + 1)
                         .with_filters([WatchFilterType::NoPut]);
-                    let stream = error::request(
+                    let stream = error::request_until(
                         self.timeout(),
+                        until,
                         self.client
                             .watch_client()
                             .watch(entry.name.clone(), Some(opts)),
@@ -826,8 +1161,9 @@ impl Inner {
                     let opts = WatchOptions::new()
                         .with_start_revision(from)
                         .with_filters([WatchFilterType::NoPut]);
-                    error::request(
+                    error::request_until(
                         self.timeout(),
+                        until,
                         self.client.watch_client().watch(pred_key, Some(opts)),
                     )
                     .await
@@ -835,14 +1171,20 @@ impl Inner {
                 }
                 None => None,
             };
-            let retry_at = Instant::now() + backoff.next_delay();
+            let mut retry_at = if stream.is_some() {
+                Instant::now() + reread_every
+            } else {
+                Instant::now() + backoff.next_delay()
+            };
             loop {
                 tokio::select! {
                     biased;
                     () = session.gone.cancelled() => return Err(queue_entry_lost(key)),
-                    () = sleep_until(wait.deadline()) => return Err(wait.timeout()),
+                    () = sleep_until(until) => return Err(wait.timeout()),
                     () = sleep_until(next_keepalive) => {
-                        next_keepalive = match session.keep_alive(ttl / 8, None).await {
+                        // Bounded by the deadline: a stalled keepalive never holds the waiter
+                        // past it (review L3).
+                        next_keepalive = match session.keep_alive(ttl / 8, None, until).await {
                             Ok(_) => Instant::now() + keepalive_every,
                             Err(KeepAliveError::Gone) => return Err(queue_entry_lost(key)),
                             Err(KeepAliveError::Failed(e)) => {
@@ -851,7 +1193,7 @@ impl Inner {
                             }
                         };
                     }
-                    () = sleep_until(retry_at), if stream.is_none() => continue 'queue,
+                    () = sleep_until(retry_at) => continue 'queue,
                     msg = async { match stream.as_mut() { Some(s) => s.message().await, None => std::future::pending().await } } => {
                         match msg {
                             Ok(Some(resp)) if resp.events().is_empty() && !resp.canceled() => {}
@@ -879,12 +1221,31 @@ impl Inner {
                                     }
                                 }
                             }
-                            Ok(None) | Err(_) => stream = None,
+                            Ok(None) | Err(_) => {
+                                stream = None;
+                                retry_at = retry_at.min(Instant::now() + backoff.next_delay());
+                            }
                         }
                     }
                 }
             }
         }
+    }
+
+    /// Whether `entry`'s own key still exists with its create revision.
+    async fn own_entry_exists(&self, entry: &Entry, until: Instant) -> Result<bool> {
+        Counters::bump(&self.counters.range);
+        let resp = error::request_until(
+            self.timeout(),
+            until,
+            self.client.kv_client().get(entry.key.clone(), None),
+        )
+        .await
+        .map_err(|e| e.into_error("acquire"))?;
+        Ok(resp
+            .kvs()
+            .first()
+            .is_some_and(|kv| kv.create_revision() == entry.rev))
     }
 }
 
@@ -892,7 +1253,14 @@ impl Inner {
 /// shared lease the neighbours' renewals would otherwise keep it alive past its TTL.
 async fn reap(inner: Weak<Inner>, held: Arc<Held>) {
     loop {
-        let deadline = held.deadline();
+        // A little after the local deadline: the holder's `lost()` fires at the deadline, and
+        // the next contender is only granted once this delete lands, so the two never meet
+        // within a round trip (safe either way: deleting later only delays the next grant).
+        let deadline = {
+            let phase = lock(&held.phase);
+            let ttl = phase.deadline.saturating_duration_since(phase.base);
+            phase.deadline + (ttl / 20).clamp(Duration::from_millis(5), Duration::from_millis(250))
+        };
         tokio::select! {
             () = held.stop.cancelled() => return,
             () = held.gone.cancelled() => {
@@ -913,9 +1281,13 @@ async fn reap(inner: Weak<Inner>, held: Arc<Held>) {
                 key: held.key.clone(),
                 rev: held.rev,
                 token: OwnershipToken::from_bytes([0; 16]),
+                marker: None,
             };
             if let Some(inner) = inner.upgrade()
-                && inner.remove_entry(&target).await.is_err()
+                && inner
+                    .remove_entry(&target, Instant::now() + inner.timeout())
+                    .await
+                    .is_err()
             {
                 spawn_cleanup(Arc::downgrade(&inner), target);
             }
@@ -936,47 +1308,40 @@ impl DistributedLock for EtcdLock {
 
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
         self.inner.caps.check_ttl(ttl)?;
-        let (entry, owned, base) = self.inner.put_entry(key, ttl, "try_acquire").await?;
-        if owned {
-            return Ok(Some(self.inner.hold(entry, key, ttl, base)));
+        // One attempt is bounded as a whole by one request timeout (review L3); a clean-up that
+        // needs longer goes on in the background.
+        let until = Instant::now() + self.inner.timeout();
+        let (entry, owned, base) = self.inner.put_entry(key, ttl, "try_acquire", until).await?;
+        if !owned {
+            entry.discard(until).await;
+            return Ok(None);
         }
-        entry.discard().await;
-        Ok(None)
+        match self.inner.hold(entry, key, ttl, base) {
+            Ok(lease) => Ok(Some(lease)),
+            Err(entry) => {
+                entry.discard(Instant::now() + self.inner.timeout()).await;
+                Err(expired_on_arrival("try_acquire"))
+            }
+        }
     }
 
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
         self.inner.caps.check_ttl(ttl)?;
         let mut wait = AcquireWait::new(key, deadline, Backoff::default())?;
         loop {
-            let (entry, owned, base) = match self.inner.put_entry(key, ttl, "acquire").await {
-                Ok(v) => v,
-                Err(e) => {
-                    wait.retry_after(e).await?;
-                    continue;
-                }
+            let err = match self.acquire_once(key, ttl, &wait).await {
+                Ok(lease) => return Ok(lease),
+                Err(e) => e,
             };
-            if owned {
-                return Ok(self.inner.hold(entry, key, ttl, base));
+            if matches!(err, Error::Timeout { .. }) || Instant::now() >= deadline {
+                return Err(if err.is_temporary() {
+                    wait.timeout()
+                } else {
+                    err
+                });
             }
-            match self.inner.wait_turn(&entry, key, ttl, &wait).await {
-                Ok(()) => {
-                    let base = match entry.session.keep_alive(ttl / 8, None).await {
-                        Ok(base) => base,
-                        Err(KeepAliveError::Gone) => {
-                            entry.discard().await;
-                            return Err(queue_entry_lost(key));
-                        }
-                        Err(KeepAliveError::Failed(_)) => entry.session.ack(),
-                    };
-                    return Ok(self.inner.hold(entry, key, ttl, base));
-                }
-                Err(e) => {
-                    entry.discard().await;
-                    if matches!(e, Error::Timeout { .. }) {
-                        return Err(e);
-                    }
-                    wait.retry_after(e).await?;
-                }
+            if let Err(e) = wait.retry_after(err).await {
+                return Err(if e.is_temporary() { wait.timeout() } else { e });
             }
         }
     }
@@ -1002,23 +1367,45 @@ impl DistributedLock for EtcdLock {
             }
             phase.base
         };
-        match held.session.keep_alive(ttl / 4, Some(previous)).await {
-            Ok(base) => {
-                let mut phase = lock(&held.phase);
-                if phase.finished || held.gone.is_cancelled() {
-                    return Err(Error::not_held(lease.key()));
-                }
-                lease.renewed(ttl, base);
-                phase.base = phase.base.max(base);
-                phase.deadline = lease.local_deadline();
-                Ok(())
-            }
+        let until = Instant::now() + self.inner.timeout();
+        let base = match held
+            .session
+            .keep_alive(ttl / 4, Some(previous), until)
+            .await
+        {
+            Ok(base) => base,
             Err(KeepAliveError::Gone) => {
                 held.gone.cancel();
-                Err(Error::not_held(lease.key()))
+                return Err(Error::not_held(lease.key()));
             }
-            Err(KeepAliveError::Failed(e)) => Err(e.into_error("renew")),
+            Err(KeepAliveError::Failed(e)) => return Err(e.into_error("renew")),
+        };
+        // The keepalive proves the lease; a read after it proves our entry is still on it
+        // (deleted by an operator, `release --force`: `NotHeld`, review S8). Batched: one txn
+        // answers every renewal that asks while another check is out.
+        let check = (held.key.clone(), held.rev, held.session.id);
+        match self.inner.check_entries(check, until).await {
+            Ok(true) => {}
+            Ok(false) => {
+                held.gone.cancel();
+                return Err(Error::not_held(lease.key()));
+            }
+            Err((failure, why)) => {
+                return Err(RequestError {
+                    failure,
+                    source: why.to_string().into(),
+                }
+                .into_error("renew"));
+            }
         }
+        let mut phase = lock(&held.phase);
+        if phase.finished || held.gone.is_cancelled() {
+            return Err(Error::not_held(lease.key()));
+        }
+        lease.renewed(ttl, base);
+        phase.base = phase.base.max(base);
+        phase.deadline = lease.local_deadline();
+        Ok(())
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
@@ -1059,8 +1446,7 @@ impl DistributedLock for EtcdLock {
 
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         let inner = &self.inner;
-        let resp = inner.read_owner(key, first_create(), "inspect").await?;
-        let Some(kv) = resp.kvs().first() else {
+        let Some((kv, waiters)) = inner.read_owner(key, "inspect").await? else {
             return Ok(None);
         };
         let token_digest = std::str::from_utf8(kv.value())
@@ -1084,7 +1470,7 @@ impl DistributedLock for EtcdLock {
             token_digest,
             fencing_token: u64::try_from(kv.create_revision()).ok().map(FencingToken),
             ttl_remaining,
-            waiters: usize::try_from(resp.count() - 1).ok(),
+            waiters: Some(waiters),
         }))
     }
 
@@ -1119,10 +1505,7 @@ async fn force_release_if(
     key: &LockKey,
     holder: Option<FencingToken>,
 ) -> Result<bool> {
-    let resp = inner
-        .read_owner(key, first_create().with_keys_only(), "force_release")
-        .await?;
-    let Some(owner) = resp.kvs().first() else {
+    let Some((owner, _)) = inner.read_owner(key, "force_release").await? else {
         return Ok(false);
     };
     if holder.is_some_and(|f| i64::try_from(f.get()).ok() != Some(owner.create_revision())) {
@@ -1201,5 +1584,74 @@ impl fmt::Debug for EtcdLock {
             .field("prefix", &self.inner.config.prefix)
             .field("sessions", &self.session_count())
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    /// Review L1 at the level of the requests: a withdrawal of an attempt whose put is still on
+    /// its way makes that put harmless whenever it lands (after: it fails; before: the
+    /// withdrawal deleted it), so no ghost entry can be left on the shared lease.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_withdrawn_put_never_applies_late() {
+        let Some(url) = conformance::backend_url("DISTLOCK_TEST_ETCD_URL") else {
+            return;
+        };
+        let lock = EtcdLock::connect_url(&url).await.unwrap();
+        let ttl = Duration::from_secs(20);
+        let anchor = lock
+            .try_acquire(
+                &LockKey::new(format!("l1-anchor-{:x}", rand::random::<u64>())).unwrap(),
+                ttl,
+            )
+            .await
+            .unwrap()
+            .unwrap();
+        let inner = &lock.inner;
+        let session = anchor.backend_state::<Arc<Held>>().unwrap().session.clone();
+        let kv = inner.client.kv_client();
+        for late in [true, false] {
+            let key = LockKey::new(format!("l1-late-{:x}", rand::random::<u64>())).unwrap();
+            let name = keys::name_prefix(&inner.config.prefix, &key);
+            let token = OwnershipToken::generate();
+            assert!(session.try_add_user(&name));
+            let mut entry = Entry {
+                inner: inner.clone(),
+                session: session.clone(),
+                key: keys::entry_key(&name, session.id),
+                name: name.clone(),
+                token,
+                rev: 0,
+                marker: keys::attempt_marker(&inner.config.prefix, &token.expose_hex()),
+                armed: false,
+            };
+            let put = entry.put_txn();
+            if !late {
+                // The put lands first, then the withdrawal runs.
+                assert!(kv.clone().txn(put.clone()).await.unwrap().succeeded());
+            }
+            let target = Target::of(&entry);
+            inner
+                .remove_entry(&target, Instant::now() + Duration::from_secs(5))
+                .await
+                .unwrap();
+            if late {
+                // The put lands after the withdrawal.
+                assert!(
+                    !kv.clone().txn(put).await.unwrap().succeeded(),
+                    "a put that arrived after its withdrawal applied"
+                );
+            }
+            let left = kv.clone().get(entry.key.clone(), None).await.unwrap();
+            assert!(
+                left.kvs().is_empty(),
+                "late = {late}: a ghost entry is left"
+            );
+            entry.armed = false;
+        }
+        assert!(lock.release(&anchor).await.unwrap());
     }
 }

@@ -15,7 +15,7 @@ use std::{
 };
 
 use etcd_client::{LeaseClient, LeaseKeepAliveStream, LeaseKeeper};
-use tokio::time::Instant;
+use tokio::{sync::watch, time::Instant};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{self, Failure, RequestError};
@@ -83,7 +83,10 @@ pub(crate) struct Session {
     lease: LeaseClient,
     request_timeout: Duration,
     counters: Arc<Counters>,
-    stream: tokio::sync::Mutex<Option<(LeaseKeeper, LeaseKeepAliveStream)>>,
+    /// The keepalive stream, taken out by the one keepalive in flight.
+    stream: Mutex<Option<(LeaseKeeper, LeaseKeepAliveStream)>>,
+    /// The answer channel of the keepalive in flight, if any.
+    inflight: Mutex<Option<watch::Receiver<Option<Answer>>>>,
     /// When the last acknowledged grant/keepalive was sent: the lease lives at least until
     /// `ack + granted`.
     ack: Mutex<Instant>,
@@ -118,7 +121,8 @@ impl Session {
             lease,
             request_timeout,
             counters,
-            stream: tokio::sync::Mutex::new(None),
+            stream: Mutex::new(None),
+            inflight: Mutex::new(None),
             gone: CancellationToken::new(),
             users: Mutex::new(Users {
                 names: HashSet::from([first_user]),
@@ -183,52 +187,107 @@ impl Session {
 
     /// Makes sure the lease was confirmed alive by a request sent no longer than `max_age` ago
     /// and after `newer_than`, sending one keepalive if needed (shared with concurrent callers).
-    /// Returns when that confirming request was sent.
+    /// Returns when that confirming request was sent. Gives up at `until` (the caller's budget)
+    /// with a temporary failure; the keepalive itself goes on and answers whoever waits for it.
     ///
     /// A renewal passes its lease's previous base as `newer_than`: every renewal is confirmed by
     /// a keepalive sent after the one that confirmed its predecessor (so a revoked lease is
     /// noticed), while one keepalive still answers every lock whose base is older — about one
     /// keepalive per renewal interval for any number of locks.
+    ///
+    /// Each keepalive runs in a task of its own that owns the session's stream while its request
+    /// is out and always reads its answer (or discards the stream), so a caller that gives up or
+    /// is dropped never leaves an unread answer behind for the next one (review S1). Callers
+    /// that join a keepalive in flight all get its answer at once, success or failure (L3).
     pub(crate) async fn keep_alive(
-        &self,
+        self: &Arc<Self>,
         max_age: Duration,
         newer_than: Option<Instant>,
+        until: Instant,
     ) -> Result<Instant, KeepAliveError> {
         let fresh = |ack: Instant| {
             Instant::now().saturating_duration_since(ack) <= max_age
                 && newer_than.is_none_or(|t| ack > t)
         };
-        if self.gone.is_cancelled() {
-            return Err(KeepAliveError::Gone);
+        loop {
+            if self.gone.is_cancelled() {
+                return Err(KeepAliveError::Gone);
+            }
+            let ack = self.ack();
+            if fresh(ack) {
+                return Ok(ack);
+            }
+            if Instant::now() >= until {
+                return Err(KeepAliveError::Failed(out_of_budget()));
+            }
+            let mut answer = self.join_or_send();
+            let answer = tokio::select! {
+                biased;
+                changed = answer.wait_for(Option::is_some) => match changed {
+                    Ok(a) => a.clone(),
+                    Err(_) => None,
+                },
+                () = tokio::time::sleep_until(until) => {
+                    return Err(KeepAliveError::Failed(out_of_budget()));
+                }
+            };
+            match answer {
+                Some(Answer::Alive(sent)) => {
+                    if newer_than.is_none_or(|t| sent > t) {
+                        return Ok(self.ack().max(sent));
+                    }
+                    // An older keepalive than we need (only possible right after a new
+                    // base): send the next one.
+                }
+                Some(Answer::Gone) => return Err(KeepAliveError::Gone),
+                Some(Answer::Failed { failure, message }) => {
+                    return Err(KeepAliveError::Failed(RequestError {
+                        failure,
+                        source: message.to_string().into(),
+                    }));
+                }
+                None => {
+                    return Err(KeepAliveError::Failed(RequestError {
+                        failure: Failure::Unknown,
+                        source: "the keepalive task ended without an answer".into(),
+                    }));
+                }
+            }
         }
-        let ack = self.ack();
-        if fresh(ack) {
-            return Ok(ack);
+    }
+
+    /// The answer channel of the keepalive in flight, starting one if there is none.
+    fn join_or_send(self: &Arc<Self>) -> watch::Receiver<Option<Answer>> {
+        let mut inflight = lock(&self.inflight);
+        if let Some(rx) = inflight.as_ref() {
+            return rx.clone();
         }
-        let mut slot = self.stream.lock().await;
-        // Someone else may have refreshed it while we waited for the stream.
-        let ack = self.ack();
-        if fresh(ack) {
-            return Ok(ack);
-        }
-        if self.gone.is_cancelled() {
-            return Err(KeepAliveError::Gone);
-        }
+        let (tx, rx) = watch::channel(None);
+        *inflight = Some(rx.clone());
         let sent = Instant::now();
         Counters::bump(&self.counters.lease_keepalive);
-        let outcome = error::request(self.request_timeout, async {
-            match slot.as_mut() {
+        tokio::spawn(self.clone().send_keepalive(sent, tx));
+        rx
+    }
+
+    /// One keepalive round trip on the session's stream, answered to every caller waiting.
+    async fn send_keepalive(self: Arc<Self>, sent: Instant, tx: watch::Sender<Option<Answer>>) {
+        // The stream is out of the slot while this request is: nobody else can read its answer.
+        let taken = lock(&self.stream).take();
+        let lease = self.lease.clone();
+        let id = self.id;
+        let outcome = error::request(self.request_timeout, async move {
+            match taken {
                 None => {
                     // Opening the stream sends the first keepalive and waits for its answer
                     // (an error when the lease is gone).
-                    let pair = self.lease.clone().keep_alive(self.id).await?;
-                    *slot = Some(pair);
-                    Ok(true)
+                    let pair = lease.clone().keep_alive(id).await?;
+                    Ok((pair, true))
                 }
-                Some((keeper, stream)) => {
+                Some((mut keeper, mut stream)) => {
                     keeper.keep_alive().await?;
                     match stream.message().await? {
-                        Some(resp) => Ok(resp.ttl() > 0),
+                        Some(resp) => Ok(((keeper, stream), resp.ttl() > 0)),
                         None => Err(etcd_client::Error::LeaseKeepAliveError(
                             "keepalive stream closed".into(),
                         )),
@@ -237,26 +296,175 @@ impl Session {
             }
         })
         .await;
-        match outcome {
-            Ok(true) => {
+        // On any failure the stream stays out of the slot (dropped): a late answer on it can
+        // never be read as the next request's.
+        let answer = match outcome {
+            Ok((pair, true)) => {
+                *lock(&self.stream) = Some(pair);
                 let mut ack = lock(&self.ack);
                 *ack = (*ack).max(sent);
-                Ok(*ack)
+                Answer::Alive(sent)
             }
-            Ok(false)
+            Ok((_, false))
             | Err(RequestError {
                 failure: Failure::LeaseNotFound,
                 ..
             }) => {
-                *slot = None;
                 self.mark_gone();
-                Err(KeepAliveError::Gone)
+                Answer::Gone
             }
-            Err(e) => {
-                // A late answer would be read as the next one's: start a new stream next time.
-                *slot = None;
-                Err(KeepAliveError::Failed(e))
-            }
+            Err(e) => Answer::Failed {
+                failure: e.failure,
+                message: e.source.to_string().into(),
+            },
+        };
+        *lock(&self.inflight) = None;
+        let _ = tx.send(Some(answer));
+    }
+}
+
+/// What one keepalive round trip found, for every caller that waited for it.
+#[derive(Clone, Debug)]
+enum Answer {
+    /// The lease was alive when the keepalive sent at this instant reached the leader.
+    Alive(Instant),
+    /// The lease does not exist any more.
+    Gone,
+    /// No answer; the lease may still be alive.
+    Failed { failure: Failure, message: Arc<str> },
+}
+
+fn out_of_budget() -> RequestError {
+    RequestError {
+        failure: Failure::Unknown,
+        source: "no keepalive answer within the caller's deadline".into(),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    async fn etcd() -> Option<etcd_client::Client> {
+        let url = conformance::backend_url("DISTLOCK_TEST_ETCD_URL")?;
+        let cfg = crate::EtcdLockConfig::from_url(&url).unwrap();
+        let endpoints: Vec<String> = cfg
+            .endpoints
+            .iter()
+            .map(|e| format!("http://{e}"))
+            .collect();
+        Some(etcd_client::Client::connect(endpoints, None).await.unwrap())
+    }
+
+    /// Review S1: a keepalive whose caller is dropped at any point (before its request is
+    /// sent, while it is out, while its answer is being read) never leaves an answer behind
+    /// that a later keepalive would read as its own: after a revoke the next one says `Gone`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dropped_keepalive_never_answers_a_later_one() {
+        let Some(client) = etcd().await else { return };
+        let sent_at = Instant::now();
+        let granted = client.lease_client().grant(30, None).await.unwrap();
+        let session = Arc::new(Session::new(
+            Grant {
+                id: granted.id(),
+                requested_secs: 30,
+                granted: Duration::from_secs(30),
+                sent_at,
+            },
+            b"n/".to_vec(),
+            client.lease_client(),
+            Duration::from_secs(5),
+            Arc::new(Counters::default()),
+        ));
+        let far = || Instant::now() + Duration::from_secs(10);
+        // Opens the stream.
+        session
+            .keep_alive(Duration::ZERO, None, far())
+            .await
+            .unwrap();
+        // Cut points from "never polled" to "answer almost read".
+        for cut_us in [0, 1, 10, 50, 100, 200, 400, 700, 1_000, 2_000, 5_000] {
+            let base = session.ack();
+            let renewal = session.keep_alive(Duration::ZERO, Some(base), far());
+            let _ = tokio::time::timeout(Duration::from_micros(cut_us), renewal).await;
         }
+        {
+            // Polled exactly once, then dropped.
+            let renewal = session.keep_alive(Duration::ZERO, Some(session.ack()), far());
+            let mut renewal = std::pin::pin!(renewal);
+            let _ = futures::poll!(renewal.as_mut());
+        }
+        // Every abandoned keepalive's answer has arrived by now (or been discarded).
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        client.lease_client().revoke(granted.id()).await.unwrap();
+        for _ in 0..3 {
+            let next = session
+                .keep_alive(Duration::ZERO, Some(session.ack()), far())
+                .await;
+            assert!(
+                matches!(next, Err(KeepAliveError::Gone)),
+                "a keepalive after the revoke answered {next:?}: it read an abandoned one's answer"
+            );
+        }
+    }
+
+    /// Review L3: callers that joined a keepalive that fails are all answered when it does,
+    /// and a caller's own budget bounds its wait.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn callers_waiting_on_a_stalled_keepalive_get_their_answer_by_their_budget() {
+        let Some(url) = conformance::backend_url("DISTLOCK_TEST_ETCD_URL") else {
+            return;
+        };
+        let (proxy, proxied) = conformance::drill::Proxy::start_for_url(&url)
+            .await
+            .unwrap();
+        let cfg = crate::EtcdLockConfig::from_url(&proxied).unwrap();
+        let client = etcd_client::Client::connect([format!("http://{}", cfg.endpoints[0])], None)
+            .await
+            .unwrap();
+        let sent_at = Instant::now();
+        let granted = client.lease_client().grant(30, None).await.unwrap();
+        let session = Arc::new(Session::new(
+            Grant {
+                id: granted.id(),
+                requested_secs: 30,
+                granted: Duration::from_secs(30),
+                sent_at,
+            },
+            b"n/".to_vec(),
+            client.lease_client(),
+            Duration::from_secs(5),
+            Arc::new(Counters::default()),
+        ));
+        session
+            .keep_alive(
+                Duration::ZERO,
+                None,
+                Instant::now() + Duration::from_secs(5),
+            )
+            .await
+            .unwrap();
+        proxy.blackhole();
+        let start = Instant::now();
+        let budget = Duration::from_millis(700);
+        let waits = (0..8).map(|_| {
+            let session = session.clone();
+            async move {
+                let r = session
+                    .keep_alive(Duration::ZERO, Some(session.ack()), start + budget)
+                    .await;
+                (r.is_err(), start.elapsed())
+            }
+        });
+        for (failed, took) in futures::future::join_all(waits).await {
+            assert!(failed, "a blackholed keepalive succeeded");
+            assert!(
+                took < budget + Duration::from_millis(500),
+                "waited {took:?}"
+            );
+        }
+        proxy.pass();
+        let _ = client.lease_client().revoke(granted.id()).await;
     }
 }

@@ -102,6 +102,10 @@ fn etcdctl_lock_excludes_us() {
     rt().block_on(async {
         let Some(env) = env().await else { return };
         if !etcdctl_installed() {
+            assert!(
+                std::env::var("DISTLOCK_REQUIRE_BACKENDS").as_deref() != Ok("1"),
+                "etcdctl is not installed but DISTLOCK_REQUIRE_BACKENDS=1"
+            );
             eprintln!("skipping: etcdctl is not installed");
             return;
         }
@@ -151,6 +155,10 @@ fn we_exclude_etcdctl_lock() {
     rt().block_on(async {
         let Some(env) = env().await else { return };
         if !etcdctl_installed() {
+            assert!(
+                std::env::var("DISTLOCK_REQUIRE_BACKENDS").as_deref() != Ok("1"),
+                "etcdctl is not installed but DISTLOCK_REQUIRE_BACKENDS=1"
+            );
             eprintln!("skipping: etcdctl is not installed");
             return;
         }
@@ -313,7 +321,8 @@ fn locks_of_one_client_share_a_lease_and_release_independently() {
         assert!(leases.iter().all(|l| EtcdLock::lease_id(l) == Some(id)));
         assert_eq!(a.session_count(), 1);
 
-        // Renewing all of them at once costs one keepalive, not twenty.
+        // Renewing all of them at once costs one keepalive and at most two batched entry
+        // checks (a lone first one, then everything that queued behind it), not twenty.
         let before = a.request_counts();
         let renewals = leases.iter_mut().map(|l| {
             let a = a.clone();
@@ -323,8 +332,12 @@ fn locks_of_one_client_share_a_lease_and_release_independently() {
             r.unwrap();
         }
         let after = a.request_counts();
-        assert_eq!(after.total() - before.total(), 1, "{before:?} -> {after:?}");
+        assert!(
+            after.total() - before.total() <= 3,
+            "{before:?} -> {after:?}"
+        );
         assert_eq!(after.lease_keepalive - before.lease_keepalive, 1);
+        assert!(after.txn - before.txn <= 2, "{before:?} -> {after:?}");
 
         // Releasing one deletes only its key; the lease lives on for the others.
         assert!(a.release(&leases[0]).await.unwrap());

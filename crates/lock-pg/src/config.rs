@@ -71,6 +71,15 @@ impl TableName {
         };
         if let Some(schema) = schema {
             check_identifier(schema)?;
+            // `pg_temp` names the session's own temporary schema: a table there is private to
+            // one connection and excludes nobody.
+            let lower = schema.to_ascii_lowercase();
+            if lower.starts_with("pg_temp") || lower.starts_with("pg_toast_temp") {
+                return Err(Error::Config(format!(
+                    "table name {name:?}: {schema} is a temporary schema (a table there is \
+                     private to one session and cannot exclude anyone)"
+                )));
+            }
         }
         check_identifier(table)?;
         Ok(Self {
@@ -188,10 +197,16 @@ impl PgLockConfig {
     /// Configuration for an already-built set of connection options, with default driver
     /// options.
     pub fn new(connect: PgConnectOptions) -> Self {
+        let host = connect.get_host();
+        let host = if host.contains(':') {
+            format!("[{host}]")
+        } else {
+            host.to_owned()
+        };
         let display = format!(
             "postgres://{}@{}:{}/{}",
             connect.get_username(),
-            connect.get_host(),
+            host,
             connect.get_port(),
             connect.get_database().unwrap_or_default()
         );
@@ -247,8 +262,15 @@ impl PgLockConfig {
         if passthrough.query() == Some("") {
             passthrough.set_query(None);
         }
-        let connect = PgConnectOptions::from_str(passthrough.as_str())
+        let mut connect = PgConnectOptions::from_str(passthrough.as_str())
             .map_err(|e| Error::Config(format!("invalid PostgreSQL URL: {e}")))?;
+        // sqlx keeps an IPv6 literal's brackets (`[::1]`), which no resolver accepts; a `host=`
+        // option, applied after the authority, wins as in libpq.
+        if let Some(url::Host::Ipv6(addr)) = parsed.host()
+            && !parsed.query_pairs().any(|(k, _)| k == "host")
+        {
+            connect = connect.host(&addr.to_string());
+        }
         let mut config = Self::new(connect);
         config.display = redact(&parsed);
         for (k, v) in driver {
@@ -275,8 +297,46 @@ impl PgLockConfig {
                 _ => return Err(Error::Config(format!("unknown option {k:?}"))),
             }
         }
+        config.validate()?;
         Ok(config)
     }
+
+    /// Checks every option against its bounds, however it was set (URL or field): a pool of 1
+    /// to [`MAX_POOL_SIZE`](Self::MAX_POOL_SIZE) connections, and `connect_timeout`,
+    /// `op_timeout` and `poll_interval` between 1 ms and [`MAX_DURATION`](Self::MAX_DURATION),
+    /// so that no deadline computed from them can overflow the clock.
+    /// [`crate::PgLock::connect`] and [`crate::PgLock::connect_lazy`] call it before any I/O.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the first option out of bounds.
+    pub fn validate(&self) -> Result<()> {
+        if !(1..=Self::MAX_POOL_SIZE).contains(&self.pool_size) {
+            return Err(Error::Config(format!(
+                "pool_size={} is out of bounds: expected 1 to {}",
+                self.pool_size,
+                Self::MAX_POOL_SIZE
+            )));
+        }
+        for (name, d) in [
+            ("connect_timeout", self.connect_timeout),
+            ("op_timeout", self.op_timeout),
+            ("poll_interval", self.poll_interval),
+        ] {
+            if d < Duration::from_millis(1) || d > Self::MAX_DURATION {
+                return Err(Error::Config(format!(
+                    "{name}={d:?} is out of bounds: expected 1ms to {:?}",
+                    Self::MAX_DURATION
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The largest `pool_size`.
+    pub const MAX_POOL_SIZE: u32 = 10_000;
+
+    /// The longest `connect_timeout`, `op_timeout` and `poll_interval`: one day.
+    pub const MAX_DURATION: Duration = Duration::from_secs(24 * 3600);
 
     /// The connection options handed to `sqlx`.
     pub fn connect_options(&self) -> &PgConnectOptions {
@@ -392,6 +452,8 @@ mod tests {
             "postgres://h/db?table=\"x\"",
             "postgres://h/db?table=a.b.c",
             "postgres://h/db?table=1abc",
+            "postgres://h/db?table=pg_temp.x",
+            "postgres://h/db?table=PG_TEMP_3.x",
             "redis://h/db",
             "not a url",
         ] {
@@ -402,6 +464,41 @@ mod tests {
         }
         assert!(TableName::new(&"a".repeat(64)).is_err());
         assert!(TableName::new(&"a".repeat(63)).is_ok());
+    }
+
+    #[test]
+    fn ipv6_literal_hosts_are_accepted() {
+        let c = PgLockConfig::from_url("postgres://u@[::1]:6432/db").unwrap();
+        assert_eq!(c.connect_options().get_host(), "::1");
+        assert_eq!(c.connect_options().get_port(), 6432);
+        let c = PgLockConfig::from_url("postgresql://u@[fe80::1]/db?host=db2").unwrap();
+        assert_eq!(c.connect_options().get_host(), "db2");
+    }
+
+    #[test]
+    fn options_out_of_bounds_are_config_errors_however_set() {
+        for url in [
+            "postgres://h/db?op_timeout=4294967295m",
+            "postgres://h/db?poll_interval=4294967295m",
+            "postgres://h/db?connect_timeout=4294967295",
+            "postgres://h/db?pool_size=4294967295",
+        ] {
+            assert!(
+                matches!(PgLockConfig::from_url(url), Err(Error::Config(_))),
+                "{url}"
+            );
+        }
+        let base = PgLockConfig::from_url("postgres://h/db").unwrap();
+        assert!(base.validate().is_ok());
+        let mut c = base.clone();
+        c.op_timeout = Duration::MAX;
+        assert!(matches!(c.validate(), Err(Error::Config(_))));
+        let mut c = base.clone();
+        c.poll_interval = Duration::ZERO;
+        assert!(matches!(c.validate(), Err(Error::Config(_))));
+        let mut c = base;
+        c.pool_size = 0;
+        assert!(matches!(c.validate(), Err(Error::Config(_))));
     }
 
     #[test]

@@ -267,6 +267,31 @@ fn attempt_of(row: &PgRow, mode: Mode<'_>, by: Registered) -> Result<Attempt<Gra
     })
 }
 
+/// `at + d`, saturating far in the future instead of overflowing the clock.
+pub(crate) fn later(at: Instant, d: Duration) -> Instant {
+    at.checked_add(d)
+        .or_else(|| at.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)))
+        .unwrap_or(at)
+}
+
+/// Refuses a lease table that does not keep its rows: an `UNLOGGED` table is emptied by a
+/// crash (every fence restarts at 1), a temporary one is private to one session (no exclusion
+/// between clients at all). `persistence`: `pg_class.relpersistence`, `None` when absent.
+fn check_persistence(table: &crate::TableName, persistence: Option<&str>) -> Result<()> {
+    match persistence {
+        Some("u") => Err(Error::Config(format!(
+            "the lease table {table} is UNLOGGED: a crash would empty it and fencing tokens \
+             would repeat; use a logged table (ALTER TABLE {} SET LOGGED)",
+            table.quoted()
+        ))),
+        Some("t") => Err(Error::Config(format!(
+            "the lease table {table} is a temporary table, private to one session: it cannot \
+             exclude anyone; use a regular table"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 fn micros(ttl: Duration) -> i64 {
     i64::try_from(ttl.as_micros()).unwrap_or(i64::MAX)
 }
@@ -279,7 +304,7 @@ impl PgLock {
     /// URL requires), [`Error::Backend`] when it refuses the credentials, its TLS certificate is
     /// not trusted, or the table cannot be created or checked.
     pub async fn connect(config: PgLockConfig) -> Result<Self> {
-        let lock = Self::connect_lazy(config);
+        let lock = Self::connect_lazy(config)?;
         lock.inner.ensure_table().await?;
         Ok(lock)
     }
@@ -293,14 +318,18 @@ impl PgLock {
     }
 
     /// A client that connects on first use; no I/O here. The table is checked on first use.
-    pub fn connect_lazy(config: PgLockConfig) -> Self {
+    ///
+    /// # Errors
+    /// [`Error::Config`] when an option is out of bounds ([`PgLockConfig::validate`]).
+    pub fn connect_lazy(config: PgLockConfig) -> Result<Self> {
+        config.validate()?;
         let conns = ConnPool::new(
             config.connect_options().clone(),
             config.pool_size,
             config.connect_timeout,
         );
         let sql = Statements::new(&config.table);
-        Self {
+        Ok(Self {
             inner: Arc::new(Inner {
                 config,
                 conns,
@@ -311,7 +340,7 @@ impl PgLock {
                 renewals: Batcher::new(MAX_RENEW_BATCH),
                 statements: AtomicU64::new(0),
             }),
-        }
+        })
     }
 
     /// The configuration.
@@ -373,12 +402,14 @@ impl Inner {
                 let Some(conn) = pooled.conn() else {
                     return Err(Error::unavailable(BACKEND, op, "no connection"));
                 };
-                let (found, queue): (Option<String>, bool) = timeout(
+                let (found, queue, persistence): (Option<String>, bool, Option<String>) = timeout(
                     self.config.op_timeout,
                     sqlx::query_as(
                         "SELECT to_regclass($1)::text, EXISTS (SELECT 1 FROM pg_attribute \
-                         WHERE attrelid = to_regclass($1) AND attname = 'waiters' \
-                             AND NOT attisdropped)",
+                             WHERE attrelid = to_regclass($1) AND attname = 'waiters' \
+                                 AND NOT attisdropped), \
+                             (SELECT relpersistence::text FROM pg_class \
+                                 WHERE oid = to_regclass($1))",
                     )
                     .bind(self.config.table.quoted())
                     .fetch_one(&mut *conn),
@@ -386,6 +417,7 @@ impl Inner {
                 .await
                 .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?
                 .map_err(map)?;
+                check_persistence(&self.config.table, persistence.as_deref())?;
                 if found.is_some() && queue {
                     pooled.put_back();
                     return Ok(());
@@ -423,33 +455,58 @@ impl Inner {
                 .await
                 .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?;
                 match created {
-                    Ok(_) => {
-                        pooled.put_back();
-                        Ok(())
-                    }
-                    Err(e) if exists(&e) => {
-                        pooled.put_back();
-                        Ok(())
-                    }
-                    Err(e) => Err(map(e)),
+                    Ok(_) => {}
+                    Err(e) if exists(&e) => {}
+                    Err(e) => return Err(map(e)),
                 }
+                // Whatever made it (this statement, or a concurrent creator).
+                let (persistence,): (Option<String>,) = timeout(
+                    self.config.op_timeout,
+                    sqlx::query_as(
+                        "SELECT relpersistence::text FROM pg_class WHERE oid = to_regclass($1)",
+                    )
+                    .bind(self.config.table.quoted())
+                    .fetch_one(&mut *conn),
+                )
+                .await
+                .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?
+                .map_err(map)?;
+                check_persistence(&self.config.table, persistence.as_deref())?;
+                pooled.put_back();
+                Ok(())
             })
             .await
             .map(|_| ())
     }
 
-    /// Runs one statement on a pooled connection, bounded by `op_timeout`, and classifies
-    /// the failure. A connection that failed mid-statement is closed, never reused.
+    /// `op_timeout` from now (saturating: a huge timeout cannot overflow the clock).
+    fn op_deadline(&self) -> Instant {
+        later(Instant::now(), self.config.op_timeout)
+    }
+
+    /// Runs one statement on a pooled connection, bounded by `op_timeout` and by `limit` (the
+    /// caller's deadline: waiting for a connection and the statement together never outlast
+    /// it), and classifies the failure. A connection that failed mid-statement is closed,
+    /// never reused.
     async fn fetch_all(
         &self,
         query: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
+        limit: Instant,
     ) -> std::result::Result<Vec<PgRow>, ExecError> {
-        let mut pooled = self.conns.get().await.map_err(ExecError::NotSent)?;
+        // No time left: never send a statement whose reply could not be awaited.
+        if Instant::now() >= limit {
+            return Err(ExecError::NotSent(sqlx::Error::PoolTimedOut));
+        }
+        let mut pooled = match timeout_at(limit, self.conns.get()).await {
+            Ok(got) => got.map_err(ExecError::NotSent)?,
+            Err(_) => return Err(ExecError::NotSent(sqlx::Error::PoolTimedOut)),
+        };
         let Some(conn) = pooled.conn() else {
             return Err(ExecError::NotSent(sqlx::Error::PoolClosed));
         };
         self.statements.fetch_add(1, Ordering::Relaxed);
-        match timeout(self.config.op_timeout, query.fetch_all(&mut *conn)).await {
+        let until = self.op_deadline().min(limit);
+        match timeout_at(until, query.fetch_all(&mut *conn)).await {
             Ok(Ok(rows)) => {
                 pooled.put_back();
                 Ok(rows)
@@ -464,39 +521,39 @@ impl Inner {
                 Err(ExecError::Rejected(e))
             }
             Err(_) => Err(ExecError::Unknown {
-                message: format!("no reply within {:?}", self.config.op_timeout),
+                message: if until < limit {
+                    format!("no reply within {:?}", self.config.op_timeout)
+                } else {
+                    "no reply by the deadline".to_owned()
+                },
                 retry: false,
             }),
         }
     }
 
-    /// [`Inner::fetch_all`] of a statement that returns at most one row.
-    async fn fetch_optional(
-        &self,
-        query: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
-    ) -> std::result::Result<Option<PgRow>, ExecError> {
-        self.fetch_all(query)
-            .await
-            .map(|rows| rows.into_iter().next())
-    }
-
     /// Runs an idempotent statement, retrying on another connection when the connection died
     /// under it (e.g. the pool's idle connections were terminated), or at once when the server
     /// rolled it back to break a deadlock or a serialization conflict (nothing was applied),
-    /// up to once per pooled connection plus one, within `op_timeout`.
+    /// up to once per pooled connection plus one, within `op_timeout` and `limit`. Also
+    /// answers whether the statement was re-sent after a reply that was lost (the first one
+    /// may have applied). Only for statements that are idempotent: running one twice must do
+    /// what running it once does (never re-send one that could act on a later holder).
     async fn fetch_all_idempotent<'q>(
         &self,
         make: impl Fn() -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
-    ) -> std::result::Result<Vec<PgRow>, ExecError> {
-        let give_up = Instant::now() + self.config.op_timeout;
+        limit: Instant,
+    ) -> std::result::Result<(Vec<PgRow>, bool), ExecError> {
+        let give_up = self.op_deadline().min(limit);
         let mut attempts = self.config.pool_size.saturating_add(1);
+        let mut resent = false;
         loop {
-            match self.fetch_all(make()).await {
-                Ok(rows) => return Ok(rows),
+            match self.fetch_all(make(), limit).await {
+                Ok(rows) => return Ok((rows, resent)),
                 Err(ExecError::Unknown { retry: true, .. })
                     if attempts > 1 && Instant::now() < give_up =>
                 {
                     attempts -= 1;
+                    resent = true;
                 }
                 Err(ExecError::Rejected(e))
                     if is_transient_conflict(&e) && attempts > 1 && Instant::now() < give_up =>
@@ -512,32 +569,63 @@ impl Inner {
     async fn fetch_idempotent<'q>(
         &self,
         make: impl Fn() -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
+        limit: Instant,
     ) -> std::result::Result<Option<PgRow>, ExecError> {
-        self.fetch_all_idempotent(make)
+        self.fetch_all_idempotent(make, limit)
             .await
-            .map(|rows| rows.into_iter().next())
+            .map(|(rows, _)| rows.into_iter().next())
+    }
+
+    /// `connect_timeout` + `op_timeout` from now: the bound of one request outside `acquire`
+    /// (a connection, then the statement).
+    fn request_deadline(&self) -> Instant {
+        later(
+            Instant::now(),
+            self.config
+                .connect_timeout
+                .saturating_add(self.config.op_timeout),
+        )
+    }
+
+    /// Until when an attempt sent at `sent_at` whose outcome is unknown may still hold a
+    /// grant: the statement may run on the server for up to `op_timeout` after it was sent
+    /// (the server does not notice that its connection was closed), then its grant lasts `ttl`.
+    fn undo_until(&self, sent_at: Instant, ttl: Duration) -> Instant {
+        later(later(sent_at, self.config.op_timeout), ttl)
     }
 
     /// One acquire statement (retried only when its connection died and the attempt was
-    /// provably undone). `mode`: the bare upsert, or a waiter's statement.
+    /// provably undone). `mode`: the bare upsert, or a waiter's statement. Every request it
+    /// sends ends by `limit` (the caller's deadline); a clean-up that needs longer goes on in
+    /// the background.
+    ///
+    /// A grant whose reply came after the lease's local deadline is released again (compare
+    /// by token and fence) and answered with [`Error::Unavailable`]: it can no longer be
+    /// trusted, and the holder must never see a lease that is already expired.
     async fn attempt(
         self: &Arc<Self>,
         key: &LockKey,
         ttl: Duration,
         mode: Mode<'_>,
+        limit: Instant,
     ) -> Result<Attempt> {
         const OP: &str = "try_acquire";
-        self.ensure_table().await?;
-        let give_up = Instant::now() + self.config.op_timeout;
+        match timeout_at(limit, self.ensure_table()).await {
+            Ok(ready) => ready?,
+            Err(_) => return Err(Error::unavailable(BACKEND, OP, "no answer by the deadline")),
+        }
+        let give_up = self.op_deadline().min(limit);
         let mut attempts = self.config.pool_size.saturating_add(1);
         loop {
             let token = OwnershipToken::generate();
             let sent_at = Instant::now();
+            // Armed until the outcome is known (or its undo is done): dropped earlier, with the
+            // future or on an error, it undoes the grant in the background.
             let mut undo = UndoOnDrop {
                 inner: Some(self.clone()),
                 key: key.clone(),
                 token,
-                until: sent_at + ttl,
+                until: self.undo_until(sent_at, ttl),
             };
             // Each statement of a queued attempt writes a seq of its own.
             let mut seq = 0;
@@ -563,94 +651,183 @@ impl Inner {
                         .bind(i64::try_from(seq).unwrap_or(i64::MAX))
                 }
             };
-            let outcome = self.fetch_optional(query).await;
-            undo.inner = None;
+            let outcome = self
+                .fetch_all(query, limit)
+                .await
+                .map(|rows| rows.into_iter().next());
             match outcome {
                 // Only the bare upsert returns no row: held (or taken meanwhile).
-                Ok(None) if matches!(mode, Mode::Try) => return Ok(Attempt::Lost),
+                Ok(None) if matches!(mode, Mode::Try) => {
+                    undo.disarm();
+                    return Ok(Attempt::Lost);
+                }
+                // Unexpected: whatever the statement did is undone (by the armed guard).
                 Ok(None) => return Err(Error::backend(BACKEND, OP, "the acquire returned no row")),
                 Ok(Some(row)) => {
-                    let granted = match attempt_of(&row, mode, Registered { seq, sent_at })? {
-                        Attempt::Granted(granted) => granted,
-                        Attempt::Held { remaining, queued } => {
+                    let granted = match attempt_of(&row, mode, Registered { seq, sent_at }) {
+                        Ok(Attempt::Granted(granted)) => granted,
+                        Ok(Attempt::Held { remaining, queued }) => {
+                            undo.disarm();
                             return Ok(Attempt::Held { remaining, queued });
                         }
-                        Attempt::Lost => return Ok(Attempt::Lost),
+                        Ok(Attempt::Lost) => {
+                            undo.disarm();
+                            return Ok(Attempt::Lost);
+                        }
+                        Err(e) => {
+                            // The statement completed but its row cannot be read: it may have
+                            // granted. Undo by token (the guard, if this is dropped meanwhile).
+                            self.undo_now(undo, limit).await;
+                            return Err(e);
+                        }
                     };
                     let fence = granted.fence;
                     // A grant to the waiter's grant owner was made by a release and extended by
                     // this statement (from `sent_at` on, like a fresh grant).
-                    let token = match mode.grant_owner() {
+                    let lease_token = match mode.grant_owner() {
                         Some(grant_owner) if granted.to_grant_owner => grant_owner,
                         _ => token,
                     };
-                    tracing::debug!(%key, token = %token.digest(), %fence, direct = granted.to_grant_owner, "acquired");
-                    return Ok(Attempt::Granted(Lease::new(
-                        key.clone(),
-                        token,
-                        Some(fence),
-                        ttl,
-                        sent_at,
-                    )));
+                    let lease = Lease::new(key.clone(), lease_token, Some(fence), ttl, sent_at);
+                    if !lease.is_locally_valid() {
+                        self.release_late_grant(&lease, limit).await;
+                        undo.disarm();
+                        return Err(Error::Unavailable {
+                            backend: BACKEND,
+                            op: OP,
+                            message: format!(
+                                "the grant's reply came {:?} after it was sent, past the lease's \
+                                 local deadline (ttl {ttl:?}); the grant is being released",
+                                sent_at.elapsed()
+                            ),
+                            source: None,
+                        });
+                    }
+                    undo.disarm();
+                    tracing::debug!(%key, token = %lease_token.digest(), %fence, direct = granted.to_grant_owner, "acquired");
+                    return Ok(Attempt::Granted(lease));
                 }
                 Err(ExecError::Unknown { message, retry }) => {
                     // The grant may have been applied: undo it by token before anything else.
-                    let cleaned = self.release_token(key, token).await;
-                    if cleaned.is_err() {
-                        // Keep trying while a phantom grant could still block others.
-                        self.clone()
-                            .undo_in_background(key.clone(), token, sent_at + ttl);
-                    }
+                    // The guard stays armed while this is awaited.
+                    let cleaned = self.release_token(key, token, limit).await;
                     tracing::debug!(%key, token = %token.digest(), %message, cleaned = ?cleaned.as_ref().map_err(|e| e.kind()), "acquire outcome unknown");
+                    if matches!(cleaned, Ok(true)) {
+                        // Found and removed: the statement has run, nothing of it is left.
+                        undo.disarm();
+                    }
+                    // Otherwise the statement may still commit later (on the server, after its
+                    // connection was closed): the guard's background undo keeps trying until
+                    // any grant it makes would have expired.
+                    drop(undo);
                     attempts -= 1;
                     if retry && cleaned.is_ok() && attempts > 0 && Instant::now() < give_up {
-                        // Our token provably holds nothing now: a fresh attempt is safe.
+                        // A fresh attempt (a fresh token) is safe; one that the old statement
+                        // blocks is cleared by the undo.
                         continue;
                     }
                     return Err(exec_error(OP, key, ExecError::Unknown { message, retry }));
                 }
-                Err(e) => return Err(exec_error(OP, key, e)),
+                // Not sent, or refused (rolled back): nothing was applied.
+                Err(e) => {
+                    undo.disarm();
+                    return Err(exec_error(OP, key, e));
+                }
             }
+        }
+    }
+
+    /// Undoes the attempt of `undo` by its token once within `limit`; when that does not
+    /// settle it, the guard goes on in the background.
+    async fn undo_now(&self, mut undo: UndoOnDrop, limit: Instant) {
+        if let Ok(true) = self.release_token(&undo.key, undo.token, limit).await {
+            undo.disarm();
+        }
+    }
+
+    /// Releases a grant that can no longer be trusted (its reply came too late), by token and
+    /// fence (so a later grant to the same owner is never touched); in the background when
+    /// that fails within `limit`.
+    async fn release_late_grant(self: &Arc<Self>, lease: &Lease, limit: Instant) {
+        let released = self.release_by(lease, &self.sql.release, limit).await;
+        tracing::debug!(key = %lease.key(), fence = ?lease.fencing_token(), released = ?released.as_ref().map_err(|e| e.kind()), "a grant came after its local deadline");
+        if released.is_err() {
+            let (inner, lease) = (self.clone(), lease.clone());
+            let until = later(Instant::now(), lease.ttl());
+            lock_core::cleanup::spawn(async move {
+                let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+                while Instant::now() < until {
+                    let limit = inner.request_deadline().min(until);
+                    if inner
+                        .release_by(&lease, &inner.sql.release, limit)
+                        .await
+                        .is_ok()
+                    {
+                        return;
+                    }
+                    sleep(
+                        backoff
+                            .next_delay()
+                            .min(until.saturating_duration_since(Instant::now())),
+                    )
+                    .await;
+                }
+            });
         }
     }
 
     /// How long a queue entry lives without a refresh: two poll intervals (a queued waiter
     /// refreshes it at least once per poll interval), at least 100 ms.
     fn queue_entry_lifetime_ms(&self) -> i64 {
-        let ms = (self.config.poll_interval * 2)
+        let ms = self
+            .config
+            .poll_interval
+            .saturating_mul(2)
             .max(Duration::from_millis(100))
             .as_millis();
         i64::try_from(ms).unwrap_or(i64::MAX)
     }
 
-    /// Retries [`Inner::release_token`] in a background task until it succeeds or the grant it
-    /// undoes would have expired anyway (`until`).
+    /// Retries [`Inner::release_token`] in a background task until it removes the grant or
+    /// the grant it undoes would have expired anyway (`until`). An answer "nothing to undo" is
+    /// not the end: the statement of unknown outcome may still commit later (it may be queued
+    /// on the server behind a row lock, or still in flight on a dead connection).
     fn undo_in_background(self: Arc<Self>, key: LockKey, token: OwnershipToken, until: Instant) {
         lock_core::cleanup::spawn(async move {
             let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
             while Instant::now() < until {
-                match self.release_token(&key, token).await {
-                    Ok(released) => {
-                        tracing::debug!(%key, token = %token.digest(), released, "undid an acquire of unknown outcome");
-                        return;
-                    }
-                    Err(_) => {
-                        sleep(backoff.next_delay().min(until - Instant::now().min(until))).await
-                    }
+                let limit = self.request_deadline().min(until);
+                if let Ok(true) = self.release_token(&key, token, limit).await {
+                    tracing::debug!(%key, token = %token.digest(), "undid an acquire of unknown outcome");
+                    return;
                 }
+                sleep(
+                    backoff
+                        .next_delay()
+                        .min(until.saturating_duration_since(Instant::now())),
+                )
+                .await;
             }
-            tracing::warn!(%key, token = %token.digest(), "could not undo an acquire of unknown outcome; it expired with its ttl");
+            tracing::debug!(%key, token = %token.digest(), "stopped undoing an acquire of unknown outcome: any grant it made has expired");
         });
     }
 
     /// Compare-and-release by token alone (the fence of a lost reply is unknown).
-    async fn release_token(&self, key: &LockKey, token: OwnershipToken) -> Result<bool> {
+    async fn release_token(
+        &self,
+        key: &LockKey,
+        token: OwnershipToken,
+        limit: Instant,
+    ) -> Result<bool> {
         let hex = token.expose_hex();
-        self.fetch_idempotent(|| {
-            sqlx::query(self.sql.release_token.clone())
-                .bind(key.as_str())
-                .bind(hex.clone())
-        })
+        self.fetch_idempotent(
+            || {
+                sqlx::query(self.sql.release_token.clone())
+                    .bind(key.as_str())
+                    .bind(hex.clone())
+            },
+            limit,
+        )
         .await
         .map(|row| row.is_some())
         .map_err(|e| exec_error("release", key, e))
@@ -709,14 +886,18 @@ impl Inner {
             let fences: Vec<i64> = group.iter().map(|&i| batch[i].fence).collect();
             let ttls: Vec<i64> = group.iter().map(|&i| batch[i].ttl_micros).collect();
             let outcome = self
-                .fetch_all_idempotent(|| {
-                    sqlx::query(self.sql.renew.clone())
-                        .bind(&names)
-                        .bind(&owners)
-                        .bind(&fences)
-                        .bind(&ttls)
-                })
-                .await;
+                .fetch_all_idempotent(
+                    || {
+                        sqlx::query(self.sql.renew.clone())
+                            .bind(&names)
+                            .bind(&owners)
+                            .bind(&fences)
+                            .bind(&ttls)
+                    },
+                    self.request_deadline(),
+                )
+                .await
+                .map(|(rows, _)| rows);
             let renewed = outcome.map_err(Failure::from).and_then(|rows| {
                 rows.iter()
                     .map(|row| row.try_get::<String, _>(0))
@@ -734,53 +915,85 @@ impl Inner {
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
-        const OP: &str = "release";
-        let key = lease.key();
-        let fence = lease_fence(lease, OP)?;
-        let hex = lease.token().expose_hex();
         let sql = if self.config.async_release {
             &self.sql.release_async
         } else {
             &self.sql.release
         };
+        self.release_by(lease, sql, self.request_deadline()).await
+    }
+
+    /// Compare-and-release by name, token and fence (idempotent: a fence is never granted
+    /// twice), with statement `sql`.
+    async fn release_by(&self, lease: &Lease, sql: &sqlx::SqlStr, limit: Instant) -> Result<bool> {
+        const OP: &str = "release";
+        let key = lease.key();
+        let fence = lease_fence(lease, OP)?;
+        let hex = lease.token().expose_hex();
         let row = self
-            .fetch_idempotent(|| {
-                sqlx::query(sql.clone())
-                    .bind(key.as_str())
-                    .bind(hex.clone())
-                    .bind(fence)
-            })
+            .fetch_idempotent(
+                || {
+                    sqlx::query(sql.clone())
+                        .bind(key.as_str())
+                        .bind(hex.clone())
+                        .bind(fence)
+                },
+                limit,
+            )
             .await
             .map_err(|e| exec_error(OP, key, e))?;
         Ok(row.is_some())
     }
 
+    /// The operator override. Without `holder`, the current grant's fence is read first and
+    /// only that grant is removed: the statement is then idempotent, so re-sending it after a
+    /// lost reply can never remove the grant its first run just handed to the next waiter.
     async fn force_release(&self, key: &LockKey, holder: Option<FencingToken>) -> Result<bool> {
         const OP: &str = "force_release";
-        let fence = match holder.map(|f| i64::try_from(f.get())) {
-            Some(Ok(f)) => Some(f),
-            // No grant has a fence beyond bigint: nothing to remove.
-            Some(Err(_)) => return Ok(false),
-            None => None,
+        let fence = match holder {
+            Some(f) => match i64::try_from(f.get()) {
+                Ok(f) => f,
+                // No grant has a fence beyond bigint: nothing to remove.
+                Err(_) => return Ok(false),
+            },
+            None => match self.inspect(key).await? {
+                Some(HolderInfo {
+                    fencing_token: Some(f),
+                    ..
+                }) => match i64::try_from(f.get()) {
+                    Ok(f) => f,
+                    Err(_) => return Ok(false),
+                },
+                _ => return Ok(false),
+            },
         };
         self.ensure_table().await?;
-        let row = self
-            .fetch_idempotent(|| {
-                sqlx::query(self.sql.force_release.clone())
-                    .bind(key.as_str())
-                    .bind(fence)
-            })
+        let (rows, resent) = self
+            .fetch_all_idempotent(
+                || {
+                    sqlx::query(self.sql.force_release.clone())
+                        .bind(key.as_str())
+                        .bind(fence)
+                },
+                self.request_deadline(),
+            )
             .await
             .map_err(|e| exec_error(OP, key, e))?;
-        tracing::info!(%key, removed = row.is_some(), "forced release");
-        Ok(row.is_some())
+        // A re-sent statement that finds the grant gone: the lost first run (or the holder)
+        // ended it. Either way the grant the operator meant is no longer held.
+        let removed = !rows.is_empty() || resent;
+        tracing::info!(%key, removed, resent, "forced release");
+        Ok(removed)
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         const OP: &str = "inspect";
         self.ensure_table().await?;
         let row = self
-            .fetch_idempotent(|| sqlx::query(self.sql.inspect.clone()).bind(key.as_str()))
+            .fetch_idempotent(
+                || sqlx::query(self.sql.inspect.clone()).bind(key.as_str()),
+                self.request_deadline(),
+            )
             .await
             .map_err(|e| match e {
                 // A read changes nothing: an unknown outcome is just an unreachable server.
@@ -837,15 +1050,16 @@ impl Queued {
     /// Leaves the queue before `acquire` returns without the lock, freeing (and handing on) a
     /// grant made to this waiter meanwhile. Awaited, so that a process that exits right after
     /// a timeout (the CLI's `run --wait`) leaves no entry that a release would grant the lock
-    /// to; when it fails, the drop keeps trying in the background.
-    async fn leave(&mut self) {
+    /// to; when it fails, the drop keeps trying in the background. Bounded by `limit` (the
+    /// acquire's deadline plus [`LEAVE_GRACE`]).
+    async fn leave(&mut self, limit: Instant) {
         if !self.queued {
             return;
         }
         let grant_owner = self.grant_owner.expose_hex();
         match self
             .inner
-            .dequeue(&self.key, &self.entry, &grant_owner)
+            .dequeue(&self.key, &self.entry, &grant_owner, limit)
             .await
         {
             Ok(_) => self.queued = false,
@@ -860,7 +1074,11 @@ impl Queued {
     /// [`lock_core::handoff`]).
     fn granted(&mut self, by: Option<Registered>, key: &LockKey, ttl: Duration) -> Option<Lease> {
         let grant = self.subscription.mark_seen()?;
-        let lease = by?.lease(grant, key, self.grant_owner, ttl)?;
+        // A lease already past its local deadline is not taken: the next attempt confirms
+        // and extends the grant instead.
+        let lease = by?
+            .lease(grant, key, self.grant_owner, ttl)
+            .filter(Lease::is_locally_valid)?;
         // The release read the entry this attempt wrote, so it granted after `sent_at`: the
         // local deadline cannot be later than the server's expiry.
         self.queued = false;
@@ -877,13 +1095,17 @@ impl Inner {
         key: &LockKey,
         entry: &str,
         grant_owner: &str,
+        limit: Instant,
     ) -> std::result::Result<Option<PgRow>, ExecError> {
-        self.fetch_idempotent(|| {
-            sqlx::query(self.sql.dequeue.clone())
-                .bind(key.as_str())
-                .bind(entry.to_owned())
-                .bind(grant_owner.to_owned())
-        })
+        self.fetch_idempotent(
+            || {
+                sqlx::query(self.sql.dequeue.clone())
+                    .bind(key.as_str())
+                    .bind(entry.to_owned())
+                    .bind(grant_owner.to_owned())
+            },
+            limit,
+        )
         .await
     }
 }
@@ -904,11 +1126,12 @@ impl Drop for Queued {
         let lifetime = Duration::from_millis(
             u64::try_from(inner.queue_entry_lifetime_ms()).unwrap_or(u64::MAX),
         );
-        let until = Instant::now() + inner.config.op_timeout + lifetime + self.ttl;
+        let until = later(later(inner.op_deadline(), lifetime), self.ttl);
         lock_core::cleanup::spawn(async move {
             let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
             loop {
-                let Err(e) = inner.dequeue(&key, &entry, &grant_owner).await else {
+                let limit = inner.request_deadline().min(until);
+                let Err(e) = inner.dequeue(&key, &entry, &grant_owner, limit).await else {
                     return;
                 };
                 let failure = Failure::from(e);
@@ -921,11 +1144,21 @@ impl Drop for Queued {
                 }
                 // The server is unreachable: a grant to this waiter would block the lock after
                 // it comes back, so keep trying (dequeueing twice is harmless).
-                sleep(backoff.next_delay().min(until - now)).await;
+                sleep(
+                    backoff
+                        .next_delay()
+                        .min(until.saturating_duration_since(now)),
+                )
+                .await;
             }
         });
     }
 }
+
+/// How long past its deadline an `acquire` that gives up may spend leaving the queue before it
+/// returns (a dequeue takes a millisecond on a healthy server; past this, the background takes
+/// over), so a process that exits on the timeout leaves no entry behind.
+const LEAVE_GRACE: Duration = Duration::from_millis(250);
 
 /// The most leases renewed by one statement.
 const MAX_RENEW_BATCH: usize = 1000;
@@ -983,6 +1216,13 @@ struct UndoOnDrop {
     until: Instant,
 }
 
+impl UndoOnDrop {
+    /// The outcome is known (or undone): nothing to do on drop.
+    fn disarm(&mut self) {
+        self.inner = None;
+    }
+}
+
 impl Drop for UndoOnDrop {
     fn drop(&mut self) {
         if let Some(inner) = self.inner.take() {
@@ -1016,7 +1256,8 @@ impl DistributedLock for PgLock {
     /// free.
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
         self.capabilities().check_ttl(ttl)?;
-        match self.inner.attempt(key, ttl, Mode::Try).await? {
+        let limit = self.inner.request_deadline();
+        match self.inner.attempt(key, ttl, Mode::Try, limit).await? {
             Attempt::Granted(lease) => Ok(Some(lease)),
             Attempt::Held { .. } | Attempt::Lost => Ok(None),
         }
@@ -1092,7 +1333,8 @@ impl DistributedLock for PgLock {
                     None => Mode::Poll { grant_owner: None },
                 };
                 let queue_mode = matches!(mode, Mode::Queue(_));
-                let (expires_in, queued) = match self.inner.attempt(key, ttl, mode).await {
+                let attempt = self.inner.attempt(key, ttl, mode, deadline).await;
+                let (expires_in, queued) = match attempt {
                     Ok(Attempt::Granted(lease)) => {
                         // A queued grant dropped the entry from the queue, and a grant to the grant
                         // owner consumed it; after a polled grant the entry (and any later grant to
@@ -1113,6 +1355,10 @@ impl DistributedLock for PgLock {
                     }
                     // Taken by a grant that committed during the statement: look again now.
                     Ok(Attempt::Lost) => (Duration::ZERO, false),
+                    // Cut by the deadline (its clean-up, if any, goes on in the background).
+                    Err(e) if e.is_temporary() && Instant::now() >= deadline => {
+                        return Err(wait.timeout());
+                    }
                     Err(e) => {
                         wait.retry_after(e).await?;
                         continue;
@@ -1167,7 +1413,7 @@ impl DistributedLock for PgLock {
         if result.is_err()
             && let Some(q) = queue.as_mut()
         {
-            q.leave().await;
+            q.leave(later(deadline, LEAVE_GRACE)).await;
         }
         result
     }
@@ -1188,6 +1434,11 @@ impl DistributedLock for PgLock {
     /// Frees `key` whoever holds it (the runbook's manual delete) and wakes its waiters. The
     /// fence is kept, so the next grant still gets a higher token; the removed holder's next
     /// renewal fails with `NotHeld`.
+    ///
+    /// Two statements: the current grant's fence is read, then only that grant is removed (as
+    /// [`DistributedLock::force_release_grant`]), so re-sending the second after a lost reply
+    /// can never remove the grant the first run handed to the next waiter. A grant made
+    /// between the two is left alone (`Ok(false)`).
     async fn force_release(&self, key: &LockKey) -> Result<bool> {
         self.inner.force_release(key, None).await
     }
@@ -1215,7 +1466,7 @@ mod tests {
     fn debug_never_shows_the_password() {
         let config =
             PgLockConfig::from_url("postgres://app:hunter2@127.0.0.1:1/db?table=t").unwrap();
-        let lock = PgLock::connect_lazy(config);
+        let lock = PgLock::connect_lazy(config).unwrap();
         let shown = format!("{lock:?} {:?}", lock.inner.conns);
         assert!(!shown.contains("hunter2"), "{shown}");
         assert!(shown.contains("127.0.0.1"), "{shown}");
@@ -1244,5 +1495,78 @@ mod tests {
         ))));
         assert!(!is_connection_error(&sqlx::Error::RowNotFound));
         assert!(!is_connection_error(&sqlx::Error::PoolTimedOut));
+    }
+
+    fn duration() -> impl proptest::strategy::Strategy<Value = Duration> {
+        use proptest::prelude::*;
+        prop_oneof![
+            Just(Duration::ZERO),
+            Just(Duration::MAX),
+            (0u64..5_000).prop_map(Duration::from_millis),
+            (any::<u64>(), 0u32..1_000_000_000).prop_map(|(s, n)| Duration::new(s, n)),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// Whatever the fields hold (set directly, not through the URL): a typed error or a
+        /// lock whose deadlines, queue lifetimes and acquire never panic.
+        #[test]
+        fn any_config_fields_give_a_typed_error_or_a_working_lock(
+            pool_size in proptest::prelude::any::<u32>(),
+            connect_timeout in duration(),
+            op_timeout in duration(),
+            poll_interval in duration(),
+            ttl in duration(),
+        ) {
+            let mut config =
+                PgLockConfig::from_url("postgres://postgres@127.0.0.1:1/db?table=t").unwrap();
+            config.pool_size = pool_size;
+            config.connect_timeout = connect_timeout;
+            config.op_timeout = op_timeout;
+            config.poll_interval = poll_interval;
+            let valid = config.validate();
+            let lock = match PgLock::connect_lazy(config) {
+                Ok(lock) => lock,
+                Err(e) => {
+                    proptest::prop_assert!(matches!(e, Error::Config(_)), "{e}");
+                    proptest::prop_assert!(valid.is_err());
+                    return Ok(());
+                }
+            };
+            proptest::prop_assert!(valid.is_ok());
+            let inner = &lock.inner;
+            proptest::prop_assert!(inner.queue_entry_lifetime_ms() >= 100);
+            let now = Instant::now();
+            proptest::prop_assert!(inner.request_deadline() >= now);
+            proptest::prop_assert!(inner.undo_until(now, ttl) >= now);
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let key = LockKey::new("props").unwrap();
+            let res = rt.block_on(async {
+                let deadline = Instant::now() + Duration::from_millis(20);
+                lock.acquire(&key, ttl, deadline).await
+            });
+            // Nothing listens on port 1: a typed error, whatever the TTL.
+            proptest::prop_assert!(res.is_err());
+        }
+
+        /// Every driver option in the URL, any value of the usual shapes: a config that
+        /// validates, or a configuration error.
+        #[test]
+        fn any_url_option_gives_a_valid_config_or_a_config_error(
+            key in proptest::sample::select(vec![
+                "pool_size", "connect_timeout", "op_timeout", "poll_interval", "listen",
+                "async_release", "create_table", "table",
+            ]),
+            n in proptest::prelude::any::<u64>(),
+            unit in proptest::sample::select(vec!["", "ms", "s", "m", "h", "x", ".5s"]),
+        ) {
+            let url = format!("postgres://u@[::1]:5/db?{key}={n}{unit}");
+            match PgLockConfig::from_url(&url) {
+                Ok(config) => proptest::prop_assert!(config.validate().is_ok()),
+                Err(e) => proptest::prop_assert!(matches!(e, Error::Config(_)), "{e}"),
+            }
+        }
     }
 }

@@ -88,6 +88,20 @@ pub(crate) struct Statements {
     pub(crate) force_release: SqlStr,
 }
 
+/// The `synchronous_commit` a grant, renewal or durable release commits with: the session's
+/// own setting unless that is `off`, then `on` — so a role or database default of `off` (or a
+/// pooler's session) never makes a grant an asynchronous commit that a crash could lose (its
+/// fence then handed out twice). `local`, `remote_write` and `remote_apply` all flush the WAL
+/// locally before the commit returns.
+const DURABLE: &str = "CASE current_setting('synchronous_commit') WHEN 'off' THEN 'on' \
+                       ELSE current_setting('synchronous_commit') END";
+
+/// A `RETURNING`/`SELECT` column that makes the statement's transaction commit durably
+/// (`SET LOCAL synchronous_commit`, evaluated before the implicit transaction commits).
+fn durable() -> String {
+    format!("set_config('synchronous_commit', {DURABLE}, true)")
+}
+
 fn sql(s: String) -> SqlStr {
     AssertSqlSafe(Arc::<str>::from(s)).into_sql_str()
 }
@@ -100,9 +114,25 @@ fn id(w: &str) -> String {
     format!("split_part({w}, ' ', 1)")
 }
 
-/// The expiry (ms since the epoch) of queue entry `w`.
+/// The `<channel>:<number>` of a well-formed entry: a channel `pg_notify` accepts (1 to 63
+/// ASCII letters, digits or `_`) and a waiter number.
+const ENTRY_ID: &str = "[A-Za-z0-9_]{1,63}:[0-9]{1,20}";
+
+/// A well-formed queue entry: an older client's two fields, or all five of ours; the expiry and
+/// the TTL short enough to be a `bigint`.
+fn well_formed() -> String {
+    format!("^{ENTRY_ID} [0-9]{{1,18}}( [0-9]{{1,19}} [0-9]{{1,14}} [0-9a-f]{{32}})?$")
+}
+
+/// The expiry (ms since the epoch) of queue entry `w`; 0 (lapsed) for a malformed one — an entry
+/// some other tool wrote, a lapsed grant marker — so every reader skips it and the next write of
+/// the row drops it. Checked before the cast: one foreign entry must never make the row's
+/// statements fail.
 fn expiry(w: &str) -> String {
-    format!("split_part({w}, ' ', 2)::bigint")
+    format!(
+        "CASE WHEN {w} ~ '{}' THEN split_part({w}, ' ', 2)::bigint ELSE 0 END",
+        well_formed()
+    )
 }
 
 /// Whether row `l`'s queue has an entry with id `param`.
@@ -125,7 +155,7 @@ fn live_entries() -> String {
 /// clients' entries (two fields) cannot, nor can a malformed one, which a release must never
 /// fail on.
 fn grantable(w: &str) -> String {
-    format!("{w} ~ '^[^ ]+ [0-9]+ [0-9]+ [0-9]{{1,14}} [0-9a-f]{{32}}$'")
+    format!("{w} ~ '^{ENTRY_ID} [0-9]{{1,18}} [0-9]{{1,19}} [0-9]{{1,14}} [0-9a-f]{{32}}$'")
 }
 
 /// A statement that frees row `l` where `cond` holds: one `UPDATE`, whose `SET` is computed
@@ -149,10 +179,10 @@ fn free_and_grant(t: &str, cond: &str, frees: &str, keep: &str, async_commit: bo
     let durability = if async_commit {
         format!(
             ", set_config('synchronous_commit', CASE WHEN {granted} \
-                 THEN current_setting('synchronous_commit') ELSE 'off' END, true)"
+                 THEN {DURABLE} ELSE 'off' END, true)"
         )
     } else {
-        String::new()
+        format!(", {}", durable())
     };
     format!(
         "UPDATE {t} AS l SET (owner, fence, expires_at, waiters) = (\
@@ -208,7 +238,8 @@ impl Statements {
              SET owner = excluded.owner, fence = l.fence + 1, \
                  expires_at = clock_timestamp() + $3::bigint * interval '1 microsecond' \
              WHERE l.owner IS NULL OR l.expires_at <= clock_timestamp() \
-             RETURNING l.fence"
+             RETURNING l.fence, {durable}",
+            durable = durable()
         );
         let remaining = "GREATEST(0, floor(extract(epoch FROM l.expires_at - clock_timestamp()) \
                          * 1000000))::bigint";
@@ -241,7 +272,10 @@ impl Statements {
              ) \
              SELECT COALESCE((SELECT fence FROM granted), (SELECT fence FROM kept)) AS fence, \
                  (SELECT remaining FROM cur WHERE NOT mine) AS remaining, \
-                 EXISTS (SELECT 1 FROM kept) AS granted"
+                 EXISTS (SELECT 1 FROM kept) AS granted, \
+                 CASE WHEN EXISTS (SELECT 1 FROM granted) OR EXISTS (SELECT 1 FROM kept) \
+                     THEN {durable} END",
+            durable = durable()
         );
         // A queued waiter's attempt: one upsert that always writes the row, under its lock,
         // with one reading of the clock (`d`): a free row is granted (fence bumped, this entry
@@ -286,7 +320,7 @@ impl Statements {
                  {remaining} AS remaining, {mine} AS queued, \
                  COALESCE(l.owner = $6, false) AS granted, \
                  set_config('synchronous_commit', CASE WHEN l.owner IN ($2, $6) \
-                     THEN current_setting('synchronous_commit') ELSE 'off' END, true)"
+                     THEN {DURABLE} ELSE 'off' END, true)"
         );
         // Many leases in one statement (one transaction, one durable commit). The rows are
         // locked first, in name order, whatever join the planner picks, so two batches that
@@ -305,7 +339,8 @@ impl Statements {
              ) \
              UPDATE {t} AS l SET expires_at = clock_timestamp() + mine.ttl * interval '1 microsecond' \
              FROM mine WHERE l.name = mine.name AND l.expires_at > clock_timestamp() \
-             RETURNING l.name"
+             RETURNING l.name, {durable}",
+            durable = durable()
         );
         // Releases: each locks the row first and then hands it to the first waiter in the
         // same statement (see `free_and_grant`).

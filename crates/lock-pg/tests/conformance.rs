@@ -41,7 +41,7 @@ impl TestBackend for PgBackend {
             "postgres://postgres@127.0.0.1:1/distlock?connect_timeout=2&op_timeout=2s",
         )
         .ok()?;
-        Some(Arc::new(PgLock::connect_lazy(config)))
+        Some(Arc::new(PgLock::connect_lazy(config).ok()?))
     }
 }
 

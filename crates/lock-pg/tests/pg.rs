@@ -277,7 +277,8 @@ async fn terminated_connections_are_replaced_transparently() {
             (Instant::now(), got)
         })
     };
-    sleep(Duration::from_millis(300)).await; // the waiter is LISTENing now
+    // Queued: the waiter is LISTENing now.
+    wait_for_queue(&a, &key, 1).await;
     let killed = terminate(&pool, &app).await;
     assert!(killed >= 3, "only {killed} connections terminated");
 

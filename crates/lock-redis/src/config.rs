@@ -23,7 +23,9 @@ use lock_core::{Error, Result};
 /// | `max_poll_interval` | `500ms` | cap of the jittered fallback poll of a waiting `acquire` |
 /// | `ca` | system roots | `rediss://` only: PEM file of the CA(s) the server certificate must chain to |
 ///
-/// Durations take a unit: `250ms`, `2s`, `1m` (a bare number is refused, not guessed). Unknown or malformed
+/// Durations take a unit: `250ms`, `2s`, `1m` (a bare number is refused, not guessed), and are
+/// at most one hour ([`RedisLockConfig::MAX_DURATION`]), whether set in the URL or on the fields
+/// ([`RedisLockConfig::validate`]). Unknown or malformed
 /// options are an [`Error::Config`], and so is `ca` on a plain `redis://` URL (a TLS setting
 /// never silently runs unencrypted). With `rediss://` the connection is TLS only: the server
 /// certificate is verified against `ca` (or the system roots) and the host name, with no
@@ -62,6 +64,13 @@ pub struct RedisLockConfig {
 impl RedisLockConfig {
     /// The default namespace.
     pub const DEFAULT_NAMESPACE: &'static str = "distlock:";
+
+    /// The longest `connect_timeout`, `response_timeout` and `max_poll_interval` accepted (one
+    /// hour), from a URL or set on the fields.
+    pub const MAX_DURATION: Duration = Duration::from_secs(3600);
+
+    /// The most `reconnect_retries` accepted.
+    pub const MAX_RECONNECT_RETRIES: usize = 100;
 
     /// Parses `redis://[user:password@]host[:port][/db][?option=value&...]`.
     ///
@@ -110,6 +119,7 @@ impl RedisLockConfig {
         for (name, value) in parsed.query_pairs() {
             config.set_option(&name, &value)?;
         }
+        config.validate()?;
         Ok(config)
     }
 
@@ -144,10 +154,14 @@ impl RedisLockConfig {
                 self.ca_file = Some(PathBuf::from(value));
             }
             "reconnect_retries" => {
-                self.reconnect_retries =
-                    value.parse().ok().filter(|n| *n <= 100).ok_or_else(|| {
+                self.reconnect_retries = value
+                    .parse()
+                    .ok()
+                    .filter(|n| *n <= Self::MAX_RECONNECT_RETRIES)
+                    .ok_or_else(|| {
                         config_err(format!(
-                            "reconnect_retries must be a number from 0 to 100, not {value:?}"
+                            "reconnect_retries must be a number from 0 to {}, not {value:?}",
+                            Self::MAX_RECONNECT_RETRIES
                         ))
                     })?;
             }
@@ -160,8 +174,16 @@ impl RedisLockConfig {
         Ok(())
     }
 
-    /// Checks values that may have been set directly on the fields.
-    pub(crate) fn validate(&self) -> Result<()> {
+    /// Checks values that may have been set directly on the fields (also run by
+    /// [`RedisLockConfig::from_url`] and by every constructor of the client, `connect_lazy`
+    /// included).
+    ///
+    /// # Errors
+    /// [`Error::Config`]: an empty host, a namespace with control characters, a duration that
+    /// is zero or longer than [`RedisLockConfig::MAX_DURATION`], more than
+    /// [`RedisLockConfig::MAX_RECONNECT_RETRIES`] retries, a database number outside
+    /// `0..=i32::MAX`, or a CA file without TLS.
+    pub fn validate(&self) -> Result<()> {
         if self.host.is_empty() {
             return Err(config_err("the host is empty"));
         }
@@ -178,9 +200,27 @@ impl RedisLockConfig {
             if d.is_zero() {
                 return Err(config_err(format!("{name} must be positive")));
             }
+            // Bounded, so that no deadline computed from it can overflow.
+            if d > Self::MAX_DURATION {
+                return Err(config_err(format!(
+                    "{name} must be at most {:?}, not {d:?}",
+                    Self::MAX_DURATION
+                )));
+            }
         }
-        if self.db < 0 {
-            return Err(config_err("the database number must not be negative"));
+        if self.reconnect_retries > Self::MAX_RECONNECT_RETRIES {
+            return Err(config_err(format!(
+                "reconnect_retries must be at most {}, not {}",
+                Self::MAX_RECONNECT_RETRIES,
+                self.reconnect_retries
+            )));
+        }
+        if !(0..=i64::from(i32::MAX)).contains(&self.db) {
+            return Err(config_err(format!(
+                "the database number must be from 0 to {}, not {}",
+                i32::MAX,
+                self.db
+            )));
         }
         if self.ca_file.is_some() && !self.tls {
             return Err(config_err("ca_file needs tls (rediss://)"));

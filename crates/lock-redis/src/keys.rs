@@ -13,7 +13,8 @@
 //!     the smallest hex number whose hash slot equals the lock key's (two separators tell this
 //!     form apart).
 //! * The waiter queue is derived the same way with `waiters` in place of `fence`
-//!   (`{distlock:orders}\x1fwaiters`, `<lock key>\x1ftagged-waiters`, …).
+//!   (`{distlock:orders}\x1fwaiters`, `<lock key>\x1ftagged-waiters`, …), and so are the
+//!   short-lived undo markers of clean-ups, `undone:<token hex>:` in place of `fence`.
 
 use std::sync::OnceLock;
 
@@ -45,6 +46,14 @@ impl KeyNames {
     /// registration (server time in milliseconds).
     pub(crate) fn queue(&self) -> Vec<u8> {
         derived_key(&self.lock, b"waiters")
+    }
+
+    /// The undo marker of an owner prefix (`<token hex>:`): left by the clean-up of a request
+    /// whose outcome is unknown, so that the request, should it still arrive, does nothing.
+    pub(crate) fn undone(&self, prefix: &str) -> Vec<u8> {
+        let mut name = b"undone:".to_vec();
+        name.extend_from_slice(prefix.as_bytes());
+        derived_key(&self.lock, &name)
     }
 }
 
@@ -209,6 +218,9 @@ mod tests {
                 assert!(seen.insert(n.fence()), "fence {ns:?} {key:?}");
                 assert_eq!(key_slot(&n.queue()), key_slot(&n.lock), "{ns:?} {key:?}");
                 assert!(seen.insert(n.queue()), "queue {ns:?} {key:?}");
+                let undone = n.undone("0123456789abcdef0123456789abcdef:");
+                assert_eq!(key_slot(&undone), key_slot(&n.lock), "{ns:?} {key:?}");
+                assert!(seen.insert(undone), "undo marker {ns:?} {key:?}");
             }
         }
     }

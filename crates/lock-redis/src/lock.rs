@@ -52,6 +52,10 @@ const RENEW_BATCH: usize = 16 * RENEW_CHUNK;
 /// well under a millisecond and other clients' commands interleave between chunks.
 const RENEW_CHUNK: usize = 500;
 
+/// How long past its deadline an `acquire` that gives up waits for the answer to its leaving
+/// the queue: a round trip on a loaded machine, far less than a stalled request's budget.
+const LEAVE_GRACE: Duration = Duration::from_millis(200);
+
 /// One lock's part in a batched renewal.
 struct RenewItem {
     lock: Vec<u8>,
@@ -73,7 +77,7 @@ enum Failure {
     NotSent(RedisError),
     /// The request may have been applied: sent, but no reply (timeout, dropped connection).
     Unknown(String),
-    /// The server answered with an error; nothing was applied.
+    /// The server answered with an error (a script may have run partly: Lua does not roll back).
     Server(RedisError),
 }
 
@@ -203,111 +207,173 @@ impl RedisLock {
 
     /// One acquisition attempt. `waiter`: a waiting `acquire` (subscribed to its wake-ups),
     /// registered in the lock's waiter queue when the lock is held; the attempt also finds a
-    /// grant a release made to it.
+    /// grant a release made to it. `by`: the caller's deadline, which bounds the request (and
+    /// the wait for a clean-up) besides the request budget.
+    ///
+    /// Never returns a lease whose local deadline passed before its reply came: that grant is
+    /// undone and the attempt is `Unavailable` (temporary). A grant whose reply was not read
+    /// (no reply, an unexpected one, a script error after the grant) is undone as well: the
+    /// undo runs in the background from the moment the outcome is known (or the future is
+    /// dropped), retried until answered.
     async fn attempt(
         &self,
         key: &LockKey,
         ttl: Duration,
         waiter: Option<&Waiting<'_>>,
+        by: Option<Instant>,
     ) -> Result<Attempt> {
         let token = OwnershipToken::generate();
         let sent_at = Instant::now();
-        // Should this future be dropped while the request is in flight, the guard removes a
-        // grant that nobody would ever renew or release.
-        let inflight = Inflight {
-            inner: Some(self.inner.clone()),
-            names: self.names(key),
-            prefix: owner_prefix(&token),
-            until: sent_at + ttl,
-        };
-        let mut invocation = self.inner.scripts.acquire.key(&inflight.names.lock);
+        let names = self.names(key);
+        let prefix = owner_prefix(&token);
+        let mut invocation = self.inner.scripts.acquire.key(&names.lock);
         invocation
-            .key(inflight.names.fence())
-            .arg(&inflight.prefix)
+            .key(names.fence())
+            .key(names.undone(&prefix))
+            .arg(&prefix)
             .arg(ttl_millis(ttl));
         if let Some(waiting) = waiter {
+            let grant_prefix = owner_prefix(&waiting.grant);
             invocation
-                .key(inflight.names.queue())
+                .key(names.queue())
+                .key(names.undone(&grant_prefix))
                 .arg(waiting.member)
                 .arg(ttl_millis(self.registration_lifetime()))
-                .arg(owner_prefix(&waiting.grant))
+                .arg(grant_prefix)
                 .arg(waiting.earlier);
         }
+        // Should this future be dropped while the request is in flight, the guard undoes a
+        // grant (and a registration) that nobody would ever renew or release.
+        let inflight = Inflight {
+            inner: Some(self.inner.clone()),
+            undo: Undo {
+                names,
+                prefix,
+                members: waiter
+                    .map(|w| vec![w.member.to_owned()])
+                    .unwrap_or_default(),
+                marker: None,
+            },
+            ttl,
+        };
         let reply = self
-            .run(invocation.invoke_async::<redis::Value>(&mut self.inner.conn.clone()))
+            .run(
+                invocation.invoke_async::<redis::Value>(&mut self.inner.conn.clone()),
+                by,
+            )
             .await;
-        let (names, prefix) = inflight.disarm();
-        match reply {
-            Ok(redis::Value::Int(fence)) => {
-                let Ok(fence) = u64::try_from(fence) else {
-                    self.cleanup(names, prefix, sent_at + ttl).await;
-                    return Err(Error::Backend {
-                        backend: BACKEND,
-                        op: "try_acquire",
-                        message: format!("the fence counter of {key:?} is negative ({fence})"),
-                        source: None,
-                    });
-                };
-                Ok(Attempt::Granted(Lease::new(
-                    key.clone(),
-                    token,
-                    Some(FencingToken(fence)),
-                    ttl,
-                    sent_at,
-                )))
-            }
+        let bad_reply = |message: String| Error::Backend {
+            backend: BACKEND,
+            op: "try_acquire",
+            message,
+            source: None,
+        };
+        let lease = match reply {
+            // The fence as the counter's decimal string (exact over the whole counter range).
+            Ok(redis::Value::BulkString(fence)) => match parse_fence(&fence) {
+                Some(fence) => {
+                    let lease =
+                        Lease::new(key.clone(), token, Some(FencingToken(fence)), ttl, sent_at);
+                    (lease, inflight)
+                }
+                None => {
+                    // Whatever was granted, take no grant home.
+                    self.settle(inflight.undo(false), by).await;
+                    return Err(bad_reply(format!(
+                        "the fence counter of {key:?} is not a non-negative integer ({:?})",
+                        String::from_utf8_lossy(&fence)
+                    )));
+                }
+            },
             // A release had granted the lock to the waiter's grant token; the script restarted
             // its TTL, so this attempt's send time starts the lease.
             Ok(redis::Value::Array(granted)) if waiter.is_some() => {
                 let fence = match &granted[..] {
-                    [redis::Value::BulkString(fence)] => std::str::from_utf8(fence)
-                        .ok()
-                        .and_then(|f| f.parse::<u64>().ok()),
+                    [redis::Value::BulkString(fence)] => parse_fence(fence),
                     _ => None,
                 };
                 match (fence, waiter) {
-                    (Some(fence), Some(waiting)) => Ok(Attempt::Granted(Lease::new(
-                        key.clone(),
-                        waiting.grant,
-                        Some(FencingToken(fence)),
-                        ttl,
-                        sent_at,
-                    ))),
-                    _ => Err(Error::Backend {
-                        backend: BACKEND,
-                        op: "try_acquire",
-                        message: "the acquire script reported a grant without a fence".to_owned(),
-                        source: None,
-                    }),
+                    (Some(fence), Some(waiting)) => {
+                        let lease = Lease::new(
+                            key.clone(),
+                            waiting.grant,
+                            Some(FencingToken(fence)),
+                            ttl,
+                            sent_at,
+                        );
+                        (lease, inflight.regrant(owner_prefix(&waiting.grant)))
+                    }
+                    // The waiter's `leave` releases its grant when `acquire` gives up.
+                    _ => {
+                        inflight.disarm();
+                        return Err(bad_reply(
+                            "the acquire script reported a grant without a fence".to_owned(),
+                        ));
+                    }
                 }
             }
-            Ok(redis::Value::BulkString(pttl)) => {
-                let pttl = std::str::from_utf8(&pttl)
-                    .ok()
-                    .and_then(|p| p.parse::<u64>().ok());
-                Ok(Attempt::Held(pttl.map(Duration::from_millis)))
+            // Held: the holder's pttl (negative when it has no TTL).
+            Ok(redis::Value::Int(pttl)) => {
+                inflight.disarm();
+                return Ok(Attempt::Held(
+                    u64::try_from(pttl).ok().map(Duration::from_millis),
+                ));
             }
             Ok(_) => {
-                // Not an answer of our script: whatever happened, take no grant home.
-                self.cleanup(names, prefix, sent_at + ttl).await;
-                Err(Error::Backend {
-                    backend: BACKEND,
-                    op: "try_acquire",
-                    message: "unexpected reply type from the acquire script".to_owned(),
-                    source: None,
-                })
+                self.settle(inflight.undo(false), by).await;
+                return Err(bad_reply(
+                    "unexpected reply type from the acquire script".to_owned(),
+                ));
             }
             Err(Failure::Unknown(message)) => {
-                self.cleanup(names, prefix, sent_at + ttl).await;
-                Err(Error::Indeterminate {
+                // Sent, no reply: it may still apply, even after the clean-up ran on another
+                // connection; the clean-up's marker makes it a no-op then.
+                self.settle(inflight.undo(true), by).await;
+                return Err(Error::Indeterminate {
                     backend: BACKEND,
                     op: "try_acquire",
                     key: key.as_str().to_owned(),
                     message,
-                })
+                });
             }
-            Err(Failure::NotSent(e)) => Err(Error::unavailable(BACKEND, "try_acquire", e)),
-            Err(Failure::Server(e)) => Err(Error::backend(BACKEND, "try_acquire", e)),
+            Err(Failure::NotSent(e)) => {
+                inflight.disarm();
+                return Err(Error::unavailable(BACKEND, "try_acquire", e));
+            }
+            Err(Failure::Server(e)) => {
+                // A script is not rolled back when a command in it fails: an error after the
+                // `SET` leaves a grant behind.
+                self.settle(inflight.undo(false), by).await;
+                return Err(Error::backend(BACKEND, "try_acquire", e));
+            }
+        };
+        let (lease, inflight) = lease;
+        if lease.is_locally_valid() {
+            inflight.disarm();
+            return Ok(Attempt::Granted(lease));
+        }
+        // The reply came after the lease's local deadline (a stalled server or link): the
+        // grant may already be someone else's by the server's clock soon; never hand it out.
+        self.settle(inflight.undo(false), by).await;
+        Err(Error::Unavailable {
+            backend: BACKEND,
+            op: "try_acquire",
+            message: format!(
+                "the grant's reply came {:?} after the request, past its lease's local deadline \
+                 (TTL {ttl:?}); the grant was released",
+                sent_at.elapsed()
+            ),
+            source: None,
+        })
+    }
+
+    /// Waits for a spawned clean-up's answer within one request budget when the caller has no
+    /// deadline (`try_acquire`: its error then comes after the undo). A waiting `acquire` (`by`
+    /// given) goes on at once: its next attempt need not wait, and the clean-up goes on in the
+    /// background regardless.
+    async fn settle(&self, answered: tokio::sync::oneshot::Receiver<()>, by: Option<Instant>) {
+        if by.is_none() {
+            let _ = timeout_at(request_until(&self.inner, None), answered).await;
         }
     }
 
@@ -315,37 +381,21 @@ impl RedisLock {
     /// longer than the longest fallback poll, so a live waiter never drops out, and short, so a
     /// crashed waiter is skipped soon.
     fn registration_lifetime(&self) -> Duration {
-        self.inner.config.max_poll_interval * 2 + Duration::from_secs(1)
+        registration_lifetime(&self.inner.config)
     }
 
-    /// Runs one request under the request budget and classifies its failure.
+    /// Runs one request under the request budget (and until `by`, when given) and classifies
+    /// its failure.
     async fn run<T>(
         &self,
         request: impl Future<Output = redis::RedisResult<T>>,
+        by: Option<Instant>,
     ) -> Result<T, Failure> {
-        let budget = self.inner.config.request_budget();
-        match timeout(budget, request).await {
-            Ok(Ok(value)) => Ok(value),
-            Ok(Err(e)) => Err(classify(e)),
-            Err(_) => Err(Failure::Unknown(format!("no reply within {budget:?}"))),
-        }
-    }
-
-    /// Compare-and-delete of a grant whose outcome is unknown: once now, then in the background
-    /// until the grant would have expired by itself (a delayed request could still be applied
-    /// after a reconnect). Only ever deletes a lock carrying this attempt's token.
-    async fn cleanup(&self, names: KeyNames, prefix: String, until: Instant) {
-        match self.release_by_prefix(&names, &prefix).await {
-            Ok(true) => {}
-            Ok(false) | Err(_) if Instant::now() < until => {
-                spawn_cleanup(self.inner.clone(), names, prefix, until, false);
-            }
-            Ok(false) | Err(_) => {}
-        }
+        run_until(request, request_until(&self.inner, by)).await
     }
 
     async fn release_by_prefix(&self, names: &KeyNames, prefix: &str) -> Result<bool, Failure> {
-        release_by_prefix(&self.inner, names, prefix, &[]).await
+        release_by_prefix(&self.inner, names, prefix, &[], None, None).await
     }
 
     /// The operator override, of any holder or only of the grant with fence `holder`.
@@ -363,6 +413,7 @@ impl RedisLock {
                     .arg(fence)
                     .arg(WAKE_CHANNEL_PREFIX)
                     .invoke_async::<i64>(&mut self.inner.conn.clone()),
+                None,
             )
             .await
             .map_err(|f| Self::map_failure("force_release", key, f))?;
@@ -381,30 +432,6 @@ impl RedisLock {
             },
             Failure::Server(e) => Error::backend(BACKEND, op, e),
         }
-    }
-}
-
-/// Compare-and-delete by owner prefix, handing the lock to the next waiter when one marked it;
-/// `leaving`: waiter queue members removed first (a waiter that gives up).
-async fn release_by_prefix(
-    inner: &Inner,
-    names: &KeyNames,
-    prefix: &str,
-    leaving: &[String],
-) -> Result<bool, Failure> {
-    let budget = inner.config.request_budget();
-    let mut invocation = inner.scripts.release.key(&names.lock);
-    invocation
-        .key(names.queue())
-        .key(names.fence())
-        .arg(prefix)
-        .arg(WAKE_CHANNEL_PREFIX)
-        .arg(leaving);
-    let mut conn = inner.conn.clone();
-    match timeout(budget, invocation.invoke_async::<i64>(&mut conn)).await {
-        Ok(Ok(n)) => Ok(n == 1),
-        Ok(Err(e)) => Err(classify(e)),
-        Err(_) => Err(Failure::Unknown(format!("no reply within {budget:?}"))),
     }
 }
 
@@ -448,31 +475,141 @@ async fn renew_chunk(inner: &Inner, chunk: &[RenewItem]) -> Vec<Result<bool, Fai
     vec![Err(failure); chunk.len()]
 }
 
-/// Background compare-and-delete. With `once`, stops after the first answered request (the
-/// request it follows went out on the same connection, so the server has already seen it);
-/// otherwise keeps checking until `until`, when the grant expires by itself anyway.
-fn spawn_cleanup(inner: Arc<Inner>, names: KeyNames, prefix: String, until: Instant, once: bool) {
+/// Compare-and-delete by owner prefix, handing the lock to the next waiter when one marked it;
+/// `leaving`: waiter queue members removed first (a waiter that gives up); `marker`: leave the
+/// undo marker of `prefix` for this long (the clean-up of a request that may still arrive);
+/// `until`: the latest moment to wait for the reply (the request budget bounds it too).
+async fn release_by_prefix(
+    inner: &Inner,
+    names: &KeyNames,
+    prefix: &str,
+    leaving: &[String],
+    marker: Option<Duration>,
+    until: Option<Instant>,
+) -> Result<bool, Failure> {
+    let mut invocation = inner.scripts.release.key(&names.lock);
+    invocation.key(names.queue()).key(names.fence());
+    if marker.is_some() {
+        invocation.key(names.undone(prefix));
+    }
+    invocation
+        .arg(prefix)
+        .arg(WAKE_CHANNEL_PREFIX)
+        .arg(marker.map_or(0, ttl_millis))
+        .arg(leaving);
+    let mut conn = inner.conn.clone();
+    run_until(
+        invocation.invoke_async::<i64>(&mut conn),
+        request_until(inner, until),
+    )
+    .await
+    .map(|n| n == 1)
+}
+
+/// The end of one request's budget, or `by` when that comes first.
+fn request_until(inner: &Inner, by: Option<Instant>) -> Instant {
+    let budget = after(inner.config.request_budget());
+    by.map_or(budget, |by| by.min(budget))
+}
+
+/// `now + d`, saturating far in the future instead of overflowing.
+fn after(d: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(d)
+        .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365))
+}
+
+/// Runs one request until `until` and classifies its failure (no reply by then: unknown).
+async fn run_until<T>(
+    request: impl Future<Output = redis::RedisResult<T>>,
+    until: Instant,
+) -> Result<T, Failure> {
+    let started = Instant::now();
+    match timeout_at(until, request).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(classify(e)),
+        Err(_) => Err(Failure::Unknown(format!(
+            "no reply within {:?}",
+            until.saturating_duration_since(started)
+        ))),
+    }
+}
+
+/// How long a waiter's registration lives unless its next attempt renews it (saturating).
+fn registration_lifetime(config: &RedisLockConfig) -> Duration {
+    config
+        .max_poll_interval
+        .saturating_mul(2)
+        .saturating_add(Duration::from_secs(1))
+}
+
+/// What undoes one request whose grant (or registration) nobody will use: a compare-and-delete
+/// of `prefix` that hands the lock on, the removal of `members` from the waiter queue and, when
+/// the request it undoes may still reach the server, the undo marker that makes it a no-op.
+#[derive(Clone, Default)]
+struct Undo {
+    names: KeyNames,
+    prefix: String,
+    members: Vec<String>,
+    /// The marker's lifetime; `None` when the undone request has certainly finished (its reply
+    /// came), so nothing of it can arrive later.
+    marker: Option<Duration>,
+}
+
+/// Runs `undo` in the background until it is answered or `until` passes; the receiver hears
+/// when it was answered. One answer is final, on whichever connection it came: the request it
+/// undoes either ran before it (and was undone) or finds the marker. Independent of the caller,
+/// so it survives the caller's future being dropped (and [`lock_core::cleanup::finish`] waits
+/// for it).
+fn spawn_undo(inner: Arc<Inner>, undo: Undo, until: Instant) -> tokio::sync::oneshot::Receiver<()> {
+    let (answered, rx) = tokio::sync::oneshot::channel();
     lock_core::cleanup::spawn(async move {
         let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(1));
         loop {
-            match release_by_prefix(&inner, &names, &prefix, &[]).await {
-                Ok(true) => {
-                    tracing::info!(
-                        lock = %String::from_utf8_lossy(&names.lock),
-                        "removed a grant whose reply was lost"
-                    );
+            let outcome = release_by_prefix(
+                &inner,
+                &undo.names,
+                &undo.prefix,
+                &undo.members,
+                undo.marker,
+                Some(until),
+            )
+            .await;
+            match outcome {
+                Ok(deleted) => {
+                    if deleted {
+                        tracing::info!(
+                            lock = %String::from_utf8_lossy(&undo.names.lock),
+                            "removed a grant nobody holds (its reply was lost, came too late or a waiter gave up)"
+                        );
+                    }
+                    let _ = answered.send(());
                     return;
                 }
-                Ok(false) if once => return,
-                Ok(false) | Err(_) => {}
+                // An error answer: retrying cannot help; the grant expires by its TTL.
+                Err(Failure::Server(e)) => {
+                    tracing::warn!(
+                        lock = %String::from_utf8_lossy(&undo.names.lock),
+                        error = %e,
+                        "a clean-up was refused; the grant expires by its TTL"
+                    );
+                    let _ = answered.send(());
+                    return;
+                }
+                Err(Failure::NotSent(_) | Failure::Unknown(_)) => {}
             }
             let next = Instant::now() + backoff.next_delay();
             if next >= until {
+                tracing::debug!(
+                    lock = %String::from_utf8_lossy(&undo.names.lock),
+                    "a clean-up got no answer in time; the grant expires by its TTL"
+                );
                 return;
             }
             sleep_until(next).await;
         }
     });
+    rx
 }
 
 /// What a waiting `acquire`'s attempt sends besides the plain attempt.
@@ -485,6 +622,24 @@ struct Waiting<'a> {
     earlier: &'a [String],
 }
 
+/// At most this many earlier members ride along with an attempt. Members of attempts without
+/// a reply are also removed by those attempts' own clean-ups (which keep trying in the
+/// background), so the list is only a fast path: bounded, an attempt's arguments (and Lua's
+/// `unpack` of them, which fails at about 8,000) stay small however long attempts keep failing.
+const MAX_EARLIER: usize = 16;
+
+/// Adds the member of a finished attempt to `earlier`, dropping the oldest beyond
+/// [`MAX_EARLIER`] (it expires with its short registration lifetime, or its clean-up removes it).
+fn remember(earlier: &mut Vec<String>, previous: String) {
+    if previous.is_empty() {
+        return;
+    }
+    if earlier.len() >= MAX_EARLIER {
+        earlier.remove(0);
+    }
+    earlier.push(previous);
+}
+
 /// A waiting `acquire`'s subscription and its entries in a lock's waiter queue. A waiter that
 /// gives up leaves the queue ([`Registration::leave`]; dropped while still armed, in the
 /// background) and passes on a grant a release made to it meanwhile (which would otherwise
@@ -492,6 +647,8 @@ struct Waiting<'a> {
 struct Registration {
     inner: Arc<Inner>,
     names: KeyNames,
+    /// The TTL this `acquire` asks for (a grant to it lasts that long).
+    ttl: Duration,
     /// The waiter's wake-up subscription and grant messages.
     watch: Watch,
     /// The token a release's grant gives this waiter: one per `acquire`, random. (Each attempt
@@ -502,14 +659,20 @@ struct Registration {
     /// The member of the latest attempt (empty before the first), which may be queued even
     /// while its attempt is in flight: a dropped `acquire` leaves with it too.
     member: String,
-    /// Earlier members that may still be queued: the last confirmed one and those of attempts
-    /// without a reply. An attempt removes them in the same step as it registers its own.
+    /// Earlier members that may still be queued: the last confirmed one and those of the
+    /// latest attempts without a reply (at most [`MAX_EARLIER`]). An attempt removes them in
+    /// the same step as it registers its own.
     earlier: Vec<String>,
     /// The attempt whose reply confirmed the current registration: a grant message naming it
     /// is this waiter's lock (see [`lock_core::handoff`]).
     registered: Option<Registered>,
-    /// Cleared when a grant removed the entries already.
+    /// Cleared when a grant removed the entries already, or the leaving was handed to the
+    /// background.
     armed: bool,
+    /// An attempt is in flight (sent, no answer yet).
+    in_flight: bool,
+    /// An attempt got no answer: it may still reach the server after the leaving.
+    unsure: bool,
 }
 
 impl Registration {
@@ -520,14 +683,19 @@ impl Registration {
             .watch
             .member(self.seq, ttl_millis(ttl), &self.grant.expose_hex());
         let previous = std::mem::replace(&mut self.member, member);
-        if !previous.is_empty() {
-            self.earlier.push(previous);
-        }
+        remember(&mut self.earlier, previous);
+        self.in_flight = true;
         Waiting {
             member: &self.member,
             grant: self.grant,
             earlier: &self.earlier,
         }
+    }
+
+    /// The latest attempt ended; `unanswered`: without an answer (it may still arrive).
+    fn ended(&mut self, unanswered: bool) {
+        self.in_flight = false;
+        self.unsure |= unanswered;
     }
 
     /// The latest attempt's registration was confirmed: the earlier members are gone.
@@ -539,86 +707,102 @@ impl Registration {
         });
     }
 
-    /// A lease from a grant message, if one came for the current registration and left most
-    /// of its TTL; otherwise the next attempt finds a grant and restarts its TTL.
+    /// A lease from a grant message, if one came for the current registration, left most of
+    /// its TTL and is still locally valid; otherwise the next attempt finds the grant and
+    /// restarts its TTL (or `leave` passes it on).
     fn granted(&mut self, key: &LockKey, ttl: Duration) -> Option<Lease> {
         let grant = self.watch.take_grant()?;
         let lease = self.registered?.lease(grant, key, self.grant, ttl)?;
+        if !lease.is_locally_valid() {
+            return None;
+        }
         self.armed = false;
         Some(lease)
     }
 
-    /// The request that leaves the queue: removes every member this waiter may have queued
-    /// and releases (passing on) a grant that crossed the leaving. Owns what it needs, so the
-    /// drop can run it in the background.
-    fn leaving(&self) -> impl Future<Output = Result<bool, Failure>> + Send + 'static {
-        let (inner, names, prefix) = (
-            self.inner.clone(),
-            self.names.clone(),
-            owner_prefix(&self.grant),
-        );
-        let mut members = self.earlier.clone();
+    /// Hands the leaving to the background: removes every member this waiter may have
+    /// queued, releases (passing on) a grant that crossed the leaving and, when an attempt of
+    /// this `acquire` may still arrive (one got no answer, or is in flight), leaves the marker
+    /// that makes it a no-op (so a plain timeout leaves no key behind). Retried until answered,
+    /// for as long as a registration of this waiter could still be granted and its grant last.
+    fn spawn_leaving(&mut self) -> Option<tokio::sync::oneshot::Receiver<()>> {
+        if !std::mem::replace(&mut self.armed, false) {
+            return None;
+        }
+        let mut members = std::mem::take(&mut self.earlier);
         if !self.member.is_empty() {
             members.push(self.member.clone());
         }
-        async move { release_by_prefix(&inner, &names, &prefix, &members).await }
+        let lifetime = registration_lifetime(&self.inner.config);
+        let undo = Undo {
+            names: self.names.clone(),
+            prefix: owner_prefix(&self.grant),
+            members,
+            marker: (self.unsure || self.in_flight).then(|| self.ttl.max(lifetime)),
+        };
+        let until = after(lifetime.saturating_add(self.ttl));
+        Some(spawn_undo(self.inner.clone(), undo, until))
     }
 
-    /// Leaves the queue before `acquire` returns without the lock. Awaited, so that a process
-    /// that exits right after a timeout (the CLI's `run --wait`) leaves no registration that a
-    /// release would grant the lock to; when it fails, the drop tries again in the background.
-    async fn leave(&mut self) {
-        if self.armed && self.leaving().await.is_ok() {
-            self.armed = false;
+    /// Leaves the queue before `acquire` returns without the lock, waiting for the answer
+    /// until `until` (then it goes on in the background). Awaited, so that a process that
+    /// exits right after a timeout (the CLI's `run --wait`) leaves no registration that a
+    /// release would grant the lock to.
+    async fn leave(&mut self, until: Instant) {
+        if let Some(answered) = self.spawn_leaving() {
+            let _ = timeout_at(until, answered).await;
         }
     }
 }
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        let leaving = self.leaving();
-        lock_core::cleanup::spawn(async move {
-            if let Err(Failure::NotSent(e) | Failure::Server(e)) = leaving.await {
-                tracing::debug!(error = %e, "leaving a waiter queue failed; the entry expires");
-            }
-        });
+        self.spawn_leaving();
     }
 }
 
-/// Removes the grant of an attempt whose future was dropped mid-request.
+/// Undoes the grant of an attempt whose reply will not be read: dropped mid-request, or told
+/// to by the attempt.
 struct Inflight {
     inner: Option<Arc<Inner>>,
-    names: KeyNames,
-    prefix: String,
-    until: Instant,
+    undo: Undo,
+    /// The TTL asked for. The undo is retried for that long from when it starts: a grant made
+    /// by then (the server saw the request by the time it answered, or the request was
+    /// delayed) lasts at most that long unless the undo's marker voided the request first.
+    ttl: Duration,
 }
 
 impl Inflight {
-    /// The reply came (or failed in a way the caller handles): hands back the names and the
-    /// owner prefix without cleaning up.
-    fn disarm(mut self) -> (KeyNames, String) {
+    /// The reply came and nothing needs undoing.
+    fn disarm(mut self) {
         self.inner = None;
-        (
-            std::mem::take(&mut self.names),
-            std::mem::take(&mut self.prefix),
-        )
+    }
+
+    /// The lease found is the waiter's grant (`prefix`), not this attempt's own.
+    fn regrant(mut self, prefix: String) -> Self {
+        self.undo.prefix = prefix;
+        self.undo.members.clear();
+        self
+    }
+
+    /// Starts the undo in the background now. `late`: the request may still arrive (no
+    /// reply), so the undo leaves its marker.
+    fn undo(mut self, late: bool) -> tokio::sync::oneshot::Receiver<()> {
+        self.spawn(late)
+            .unwrap_or_else(|| tokio::sync::oneshot::channel().1)
+    }
+
+    fn spawn(&mut self, late: bool) -> Option<tokio::sync::oneshot::Receiver<()>> {
+        let inner = self.inner.take()?;
+        let mut undo = std::mem::take(&mut self.undo);
+        undo.marker = late.then_some(self.ttl);
+        Some(spawn_undo(inner, undo, after(self.ttl)))
     }
 }
 
 impl Drop for Inflight {
     fn drop(&mut self) {
-        if let Some(inner) = self.inner.take() {
-            spawn_cleanup(
-                inner,
-                self.names.clone(),
-                std::mem::take(&mut self.prefix),
-                self.until,
-                true,
-            );
-        }
+        self.spawn(true);
     }
 }
 
@@ -684,6 +868,12 @@ fn classify(e: RedisError) -> Failure {
     }
 }
 
+/// A fence as the scripts send it: the counter's decimal digits (never a Lua number, which is
+/// exact only up to 2^53).
+fn parse_fence(digits: &[u8]) -> Option<u64> {
+    std::str::from_utf8(digits).ok()?.parse().ok()
+}
+
 /// Parses a stored value `<32 hex>:<fence>` written by this driver (with the suffix `:w` once
 /// a waiter marked it).
 fn parse_owner(value: &[u8]) -> Option<(OwnershipToken, FencingToken)> {
@@ -721,7 +911,7 @@ impl DistributedLock for RedisLock {
     /// Dropping the future mid-request removes a possible grant in the background.
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
         self.capabilities().check_ttl(ttl)?;
-        match self.attempt(key, ttl, None).await? {
+        match self.attempt(key, ttl, None, None).await? {
             Attempt::Granted(lease) => Ok(Some(lease)),
             Attempt::Held(_) => Ok(None),
         }
@@ -737,6 +927,13 @@ impl DistributedLock for RedisLock {
     /// A waiter that gives up passes on a grant that crossed its leaving. A waiter whose
     /// process died may be granted the lock before its registration lapses, and then holds it
     /// until its TTL runs out.
+    ///
+    /// Every request gets at most what is left of `deadline` (leaving the queue: 200 ms past
+    /// it); clean-ups that need longer go on in the background.
+    ///
+    /// # Cancellation safety
+    /// Dropping the future leaves the queue and undoes an attempt in flight, in the background
+    /// (`lock_core::cleanup::finish` waits for both).
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
         self.capabilities().check_ttl(ttl)?;
         let backoff = Backoff::new(
@@ -753,7 +950,10 @@ impl DistributedLock for RedisLock {
             loop {
                 let sent_at = Instant::now();
                 let waiting = registration.as_mut().map(|r| r.next_attempt(ttl));
-                let outcome = self.attempt(key, ttl, waiting.as_ref()).await;
+                let outcome = self.attempt(key, ttl, waiting.as_ref(), Some(deadline)).await;
+                if let Some(r) = registration.as_mut() {
+                    r.ended(matches!(outcome, Err(Error::Indeterminate { .. })));
+                }
                 let holder_ttl = match (outcome, &mut registration) {
                     (Ok(Attempt::Granted(lease)), r) => {
                         if let Some(r) = r {
@@ -776,7 +976,16 @@ impl DistributedLock for RedisLock {
                         if let Some(r) = r {
                             r.registered = None;
                         }
-                        wait.retry_after(e).await?;
+                        // No answer by the deadline (a stalled server, or the attempt cut
+                        // short by the deadline; its clean-up runs on): the wait timed out. An
+                        // unreachable server stays `Unavailable`.
+                        let unanswered = matches!(e, Error::Indeterminate { .. });
+                        if unanswered && Instant::now() >= deadline {
+                            return Err(wait.timeout());
+                        }
+                        if let Err(e) = wait.retry_after(e).await {
+                            return Err(if unanswered { wait.timeout() } else { e });
+                        }
                         continue;
                     }
                 };
@@ -787,6 +996,7 @@ impl DistributedLock for RedisLock {
                             registration = Some(Registration {
                                 inner: self.inner.clone(),
                                 names: self.names(key),
+                                ttl,
                                 watch: w,
                                 grant: OwnershipToken::generate(),
                                 seq: 0,
@@ -794,6 +1004,8 @@ impl DistributedLock for RedisLock {
                                 earlier: Vec::new(),
                                 registered: None,
                                 armed: true,
+                                in_flight: false,
+                                unsure: false,
                             });
                             continue;
                         }
@@ -830,7 +1042,11 @@ impl DistributedLock for RedisLock {
         if result.is_err()
             && let Some(r) = registration.as_mut()
         {
-            r.leave().await;
+            // The deadline bounds the wait for the answer; a small grace lets a healthy
+            // server's answer arrive even when the deadline has just passed (else it goes on
+            // in the background).
+            r.leave(request_until(&self.inner, Some(deadline)).max(Instant::now()) + LEAVE_GRACE)
+                .await;
         }
         result
     }
@@ -890,6 +1106,7 @@ impl DistributedLock for RedisLock {
                     .invoke_async::<Option<(Vec<u8>, i64, Vec<u8>, i64)>>(
                         &mut self.inner.conn.clone(),
                     ),
+                None,
             )
             .await
             .map_err(|f| match f {
@@ -946,6 +1163,22 @@ mod tests {
         assert_eq!(ttl_millis(Duration::from_millis(300)), 300);
         assert_eq!(ttl_millis(Duration::from_micros(1500)), 2);
         assert_eq!(ttl_millis(Duration::from_nanos(1)), 1);
+    }
+
+    /// L6: a waiter whose attempts keep failing sent every earlier member with each attempt
+    /// (O(n²) traffic) until Lua's `unpack` failed at about 8,000 of them, and every attempt
+    /// and the leaving failed with it.
+    #[test]
+    fn the_earlier_members_an_attempt_carries_stay_bounded() {
+        let mut earlier = Vec::new();
+        for seq in 0..10_000 {
+            remember(&mut earlier, format!("client:1:{seq}:30000:grant"));
+            assert!(earlier.len() <= MAX_EARLIER);
+        }
+        assert_eq!(earlier.len(), MAX_EARLIER);
+        assert_eq!(earlier.last().unwrap(), "client:1:9999:30000:grant");
+        remember(&mut earlier, String::new());
+        assert_eq!(earlier.len(), MAX_EARLIER);
     }
 
     #[test]

@@ -12,47 +12,61 @@
 
 use redis::Script;
 
-/// KEYS: lock, fence counter, and the waiter queue when the caller waits. ARGV: owner prefix
-/// (`<token hex>:`), ttl in ms, and when the caller waits: its new member, the registration's
-/// lifetime in ms, its grant prefix (`<grant token hex>:`) and then its earlier members that
-/// may still be queued.
-/// Returns the fence (an integer) when granted to the owner prefix; `{fence}` (an array of
-/// one string) when a release had already granted the lock to the waiter's grant token (the
-/// wake-up was missed or crossed this attempt; the lock's TTL is then restarted, so the
-/// attempt's send time starts the lease); the holder's pttl as a string when held (one scalar
-/// reply instead of an array: measurably cheaper to build and to parse).
+/// KEYS: lock, fence counter, the attempt's undo marker, and when the caller waits: the waiter
+/// queue and the undo marker of its grant prefix. ARGV: owner prefix (`<token hex>:`), ttl in
+/// ms, and when the caller waits: its new member, the registration's lifetime in ms, its grant
+/// prefix (`<grant token hex>:`) and then its earlier members that may still be queued (a
+/// bounded number).
+///
+/// An undo marker (see [`RELEASE`]) says that the clean-up of this attempt (or of the whole
+/// waiting `acquire`) has already run: the attempt arrived late, after its sender gave up on
+/// it, and does nothing at all (no grant, no registration; an error reply nobody reads).
+/// Returns the fence (a string of decimal digits) when granted to the owner prefix; `{fence}`
+/// (an array of one string) when a release had already granted the lock to the waiter's grant
+/// token (the wake-up was missed or crossed this attempt; the lock's TTL is then restarted, so
+/// the attempt's send time starts the lease); the holder's pttl (an integer) when held (one
+/// scalar reply instead of an array: measurably cheaper to build and to parse).
 ///
 /// The counter is incremented first, in the same atomic step as the `SET NX` that grants, and
 /// the grant stores `<token hex>:<fence>` so `inspect` can tell our holders (and their fence)
-/// from other clients'. A refused attempt also consumes a number: grants' fences still strictly
+/// from other clients'. The fence is the counter's own string, read back after `INCR`: Redis
+/// hands `INCR`'s integer to Lua as a double, exact only up to 2^53, so neither the stored
+/// value nor the reply ever goes through a Lua number (fences are exact up to `i64::MAX`, where
+/// `INCR` fails). A refused attempt also consumes a number: grants' fences still strictly
 /// increase, with gaps (one command less than checking `EXISTS` first). An unusable counter
 /// (wrong type, overflow) fails the script before anything is written.
 ///
 /// A waiter that finds the lock held registers in the queue (score: its registration's expiry,
-/// server time; its earlier members are removed in the same step) and marks the holder's value
+/// server time; its earlier members are removed in the same step; the queue key's TTL only ever
+/// grows, `PEXPIRE … GT` (Redis 7), so it lives as long as its longest registration and a
+/// client with a short lifetime never expires the others') and marks the holder's value
 /// with the suffix `:w` (only a value in our format, never another client's; `APPEND` keeps the
 /// TTL), so that the release hands over. A waiter that gets the lock leaves the queue in the same
 /// step, and marks its own value when others are still queued.
 const ACQUIRE: &str = r"
-local fence = redis.pcall('INCR', KEYS[2])
-if type(fence) == 'table' then
-  return redis.error_reply('distlock fence counter: ' .. tostring(fence.err))
+if redis.call('EXISTS', KEYS[3]) == 1 or (KEYS[5] and redis.call('EXISTS', KEYS[5]) == 1) then
+  return redis.error_reply('distlock: a late attempt, already undone by its clean-up')
 end
-if redis.call('SET', KEYS[1], ARGV[1] .. string.format('%d', fence), 'NX', 'PX', ARGV[2]) then
-  if KEYS[3] then
-    redis.call('ZREM', KEYS[3], ARGV[3], unpack(ARGV, 6))
-    if redis.call('ZCARD', KEYS[3]) > 0 then
+local incr = redis.pcall('INCR', KEYS[2])
+if type(incr) == 'table' then
+  return redis.error_reply('distlock fence counter: ' .. tostring(incr.err))
+end
+local fence = redis.call('GET', KEYS[2])
+if redis.call('SET', KEYS[1], ARGV[1] .. fence, 'NX', 'PX', ARGV[2]) then
+  if KEYS[4] then
+    redis.call('ZREM', KEYS[4], ARGV[3], unpack(ARGV, 6))
+    if redis.call('ZCARD', KEYS[4]) > 0 then
       redis.call('APPEND', KEYS[1], ':w')
     end
   end
   return fence
 end
-if KEYS[3] then
+if KEYS[4] then
   local value = redis.pcall('GET', KEYS[1])
   if type(value) == 'string' then
     if string.sub(value, 1, #ARGV[5]) == ARGV[5] then
       redis.call('PEXPIRE', KEYS[1], ARGV[2])
-      redis.call('ZREM', KEYS[3], ARGV[3], unpack(ARGV, 6))
+      redis.call('ZREM', KEYS[4], ARGV[3], unpack(ARGV, 6))
       return {string.match(value, '^%x+:(%d+)')}
     end
     if string.find(value, '^%x+:%d+$') and string.sub(value, 33, 33) == ':'
@@ -61,21 +75,24 @@ if KEYS[3] then
     end
   end
   if #ARGV > 5 then
-    redis.call('ZREM', KEYS[3], unpack(ARGV, 6))
+    redis.call('ZREM', KEYS[4], unpack(ARGV, 6))
   end
   local now = redis.call('TIME')
   local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-  redis.call('ZADD', KEYS[3], ms + tonumber(ARGV[4]), ARGV[3])
-  redis.call('PEXPIRE', KEYS[3], ARGV[4])
+  redis.call('ZADD', KEYS[4], ms + tonumber(ARGV[4]), ARGV[3])
+  if redis.call('PEXPIRE', KEYS[4], ARGV[4], 'NX') == 0 then
+    redis.call('PEXPIRE', KEYS[4], ARGV[4], 'GT')
+  end
 end
-return tostring(redis.call('PTTL', KEYS[1]))
+return redis.call('PTTL', KEYS[1])
 ";
 
 /// Hands a just-freed lock to the oldest live waiter. Expects the locals `lock`, `queue`,
 /// `counter` (key names) and `channel` (the wake channel prefix, `distlock\x1fwake:`).
 ///
 /// Drops expired registrations and pops the one that expires first. A member with a grant
-/// token gets the lock in this same atomic step: a new fence from the counter, its value
+/// token gets the lock in this same atomic step: a new fence from the counter (its string, read
+/// back after `INCR`, never a Lua number: see [`ACQUIRE`]), its value
 /// `<grant token hex>:<fence>` (marked `:w` when others still wait) with its TTL, and the
 /// message `<waiter id>:<seq>:<fence>` on its client's channel; the waiter holds the lock from
 /// that message alone. An old-form member (or any member when the counter is unusable) gets
@@ -92,18 +109,20 @@ macro_rules! grant_next {
       string.match(first[1], '^(%x+):(%d+):(%d+):(%d+):(%x+)$')
     local fence = nil
     if client and #ttl <= 12 and tonumber(ttl) > 0 and #owner == 32 then
-      fence = redis.pcall('INCR', counter)
+      if type(redis.pcall('INCR', counter)) == 'number' then
+        fence = redis.call('GET', counter)
+      end
     else
       client, waiter = string.match(first[1], '^(%x+):(%d+)')
     end
-    if type(fence) == 'number' then
-      local value = owner .. ':' .. string.format('%d', fence)
+    if fence then
+      local value = owner .. ':' .. fence
       if redis.call('ZCARD', queue) > 0 then
         value = value .. ':w'
       end
       redis.call('SET', lock, value, 'PX', ttl)
       redis.call('PUBLISH', channel .. client,
-        waiter .. ':' .. seq .. ':' .. string.format('%d', fence))
+        waiter .. ':' .. seq .. ':' .. fence)
     elseif client then
       redis.call('PUBLISH', channel .. client, waiter)
     end
@@ -130,17 +149,25 @@ end
 return out
 ";
 
-/// KEYS: lock, waiter queue, fence counter. ARGV: owner prefix, wake channel prefix, then
-/// waiter queue members to remove first (a waiter that gives up passes its members and its
-/// grant prefix, so a grant that crossed its leaving is passed on). Returns 1 when deleted,
-/// 0 when not ours. Never deletes another owner's lock. Hands over only when a waiter marked
-/// the value (`:w`, see [`ACQUIRE`]): without waiters a release costs no more than `GET` +
-/// `DEL`.
+/// KEYS: lock, waiter queue, fence counter, and for the clean-up of a request whose outcome is
+/// unknown, the undo marker of the owner prefix. ARGV: owner prefix, wake channel prefix, the
+/// marker's lifetime in ms (ignored without the marker), then waiter queue members to remove
+/// first (a waiter that gives up passes its members and its grant prefix, so a grant that
+/// crossed its leaving is passed on). Returns 1 when deleted, 0 when not ours. Never deletes
+/// another owner's lock. Hands over only when a waiter marked the value (`:w`, see
+/// [`ACQUIRE`]): without waiters a release costs no more than `GET` + `DEL`.
+///
+/// The marker makes a clean-up final once answered: a request it undoes that reaches the
+/// server only afterwards (delayed on a connection the client has since replaced) finds the
+/// marker and does nothing, so one answer, on whichever connection, is enough.
 const RELEASE: &str = concat!(
     r"
 local lock, queue, counter, channel = KEYS[1], KEYS[2], KEYS[3], ARGV[2]
-if #ARGV > 2 then
-  redis.call('ZREM', queue, unpack(ARGV, 3))
+if KEYS[4] then
+  redis.call('SET', KEYS[4], '1', 'PX', ARGV[3])
+end
+if #ARGV > 3 then
+  redis.pcall('ZREM', queue, unpack(ARGV, 4))
 end
 local value = redis.pcall('GET', lock)
 if type(value) == 'string' and string.sub(value, 1, #ARGV[1]) == ARGV[1] then

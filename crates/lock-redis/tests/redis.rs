@@ -1137,7 +1137,626 @@ async fn a_waiter_that_times_out_has_left_the_queue_when_acquire_returns() {
         0,
         "the waiter is still queued"
     );
+    // Every attempt of it was answered: nothing can arrive late, so no undo marker is left.
+    let markers: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{{{redis_key}}}\x1fundone:*"))
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert!(markers.is_empty(), "{markers:?}");
     // So the release does not hand the lock to the gone waiter.
     assert!(lock.release(&holder).await.unwrap());
     assert!(lock.inspect(&key).await.unwrap().is_none());
+}
+
+/// `{<lock key>}\x1ffence`: the fence counter of a key without a hash tag.
+fn fence_key(lock: &RedisLock, key: &LockKey) -> String {
+    format!("{{{}}}\x1ffence", lock.redis_key(key))
+}
+
+/// Checks one grant of `key` to `lease` against what Redis stored: the counter and the lock's
+/// value carry exactly the lease's fence.
+async fn assert_stored_fence(
+    admin: &mut MultiplexedConnection,
+    lock: &RedisLock,
+    lease: &lock_core::Lease,
+) {
+    let fence = lease.fencing_token().unwrap().get();
+    let counter = get(admin, fence_key(lock, lease.key()).as_bytes()).await;
+    assert_eq!(counter, Some(fence.to_string().into_bytes()), "the counter");
+    let value = get(admin, lock.redis_key(lease.key()).as_bytes())
+        .await
+        .expect("the lock key");
+    let value = String::from_utf8(value).unwrap();
+    let value = value.strip_suffix(":w").unwrap_or(&value);
+    assert_eq!(
+        value,
+        format!("{}:{fence}", lease.token().expose_hex()),
+        "the stored value"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fences_above_2_pow_53_are_exact_and_strictly_increase() {
+    let Some((url, lock, mut admin)) = shared().await else {
+        return;
+    };
+    let key = fresh_key("fence-precision");
+    // 2^53 (an operator bumping the counter, or a very long-lived lock): from here on, a double
+    // holds only every other integer, so grants through one would repeat fences.
+    let start: u64 = 1 << 53;
+    redis::cmd("SET")
+        .arg(fence_key(&lock, &key))
+        .arg(start)
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    let mut previous = start;
+    for _ in 0..4 {
+        let lease = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+        let fence = lease.fencing_token().unwrap().get();
+        assert!(fence > previous, "fence {fence} after {previous}");
+        assert_stored_fence(&mut admin, &lock, &lease).await;
+        previous = fence;
+        assert!(lock.release(&lease).await.unwrap());
+    }
+    // The direct hand-off mints its fence in the release script and publishes it.
+    let holder = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    assert!(holder.fencing_token().unwrap().get() > previous);
+    // No fallback poll: nothing but the release touches the counter from here on.
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let waiter_client = RedisLock::connect_url(&format!("{url}{separator}max_poll_interval=60s"))
+        .await
+        .unwrap();
+    let waiter = queued_waiter(&waiter_client, &key, LONG, &mut admin).await;
+    // 2^54: the release's INCR makes it 2^54 + 1, which a double rounds back to 2^54.
+    let bumped: u64 = 1 << 54;
+    redis::cmd("SET")
+        .arg(fence_key(&lock, &key))
+        .arg(bumped)
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    assert!(lock.release(&holder).await.unwrap());
+    let granted = timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter was not granted the lock")
+        .unwrap();
+    assert_eq!(granted.fencing_token(), Some(FencingToken(bumped + 1)));
+    assert_stored_fence(&mut admin, &lock, &granted).await;
+    assert_eq!(
+        lock.inspect(&key).await.unwrap().unwrap().fencing_token,
+        granted.fencing_token()
+    );
+    assert!(waiter_client.release(&granted).await.unwrap());
+    // The counter's whole range is exact, up to i64::MAX; past it a grant fails, typed, and
+    // leaves no lock.
+    let max = i64::MAX as u64;
+    redis::cmd("SET")
+        .arg(fence_key(&lock, &key))
+        .arg(max - 1)
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    let last = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    assert_eq!(last.fencing_token(), Some(FencingToken(max)));
+    assert_stored_fence(&mut admin, &lock, &last).await;
+    assert!(lock.release(&last).await.unwrap());
+    let err = lock.try_acquire(&key, LONG).await.unwrap_err();
+    assert!(matches!(err, Error::Backend { .. }), "{err}");
+    assert!(!exists(&mut admin, &lock.redis_key(&key)).await);
+}
+
+/// A port nobody listens on now, for a private server.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_whose_reply_comes_after_its_local_deadline_is_undone_never_returned() {
+    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+        return;
+    }
+    let server = OwnRedis::start(free_port()).await;
+    // Replies may take long, so that a late one is still read (and must be refused).
+    let url = format!("{}?response_timeout=10s", server.url());
+    let lock = RedisLock::connect_url(&url).await.unwrap();
+    let mut admin = admin(&server.url()).await;
+    let key = fresh_key("late-reply");
+    let redis_key = lock.redis_key(&key);
+    load_scripts(&lock).await;
+    let ttl = Duration::from_secs(1);
+    let stall = Duration::from_millis(1500);
+
+    // try_acquire: the server stalls longer than the TTL, then grants (its own TTL starts
+    // only then): the reply comes past the lease's local deadline.
+    server.signal("STOP");
+    let (result, ()) = tokio::join!(lock.try_acquire(&key, ttl), async {
+        sleep(stall).await;
+        server.signal("CONT");
+    });
+    let err = result.expect_err("a lease past its local deadline was returned");
+    assert!(matches!(err, Error::Unavailable { .. }), "{err}");
+    assert!(err.is_temporary());
+    // Undone before returning, long before the server's TTL would have freed it.
+    assert!(
+        !exists(&mut admin, &redis_key).await,
+        "the late grant was left behind: {err}"
+    );
+
+    // acquire: the late grant is undone and the wait goes on to a valid lease.
+    server.signal("STOP");
+    let (result, ()) = tokio::join!(
+        lock.acquire(&key, ttl, Instant::now() + Duration::from_secs(20)),
+        async {
+            sleep(stall).await;
+            server.signal("CONT");
+        }
+    );
+    let lease = result.unwrap();
+    assert!(lease.is_locally_valid());
+    assert_stored_fence(&mut admin, &lock, &lease).await;
+    assert!(lock.release(&lease).await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_script_error_after_the_grant_leaves_no_lock() {
+    let Some((url, lock, mut admin)) = shared().await else {
+        return;
+    };
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let waiter = RedisLock::connect_url(&format!("{url}{separator}max_poll_interval=60s"))
+        .await
+        .unwrap();
+    let key = fresh_key("script-error");
+    let redis_key = lock.redis_key(&key);
+    let queue = format!("{{{redis_key}}}\x1fwaiters");
+    // A foreign holder whose TTL wakes the waiter (no release, no fallback poll meanwhile).
+    redis::cmd("SET")
+        .arg(&redis_key)
+        .arg("foreign")
+        .arg("PX")
+        .arg(2000)
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    let mut waiting = Box::pin(waiter.acquire(&key, LONG, Instant::now() + LONG));
+    tokio::select! {
+        result = &mut waiting => panic!("the lock is held, yet: {result:?}"),
+        () = wait_until(
+            Duration::from_secs(10),
+            Duration::from_millis(5),
+            "the waiter never queued",
+            async || queued(&mut admin, &redis_key).await == 1,
+        ) => {}
+    }
+    // The queue key becomes a string: the waiter's next attempt is granted (`SET NX`), then
+    // its script fails on the queue; Lua does not roll the grant back.
+    redis::cmd("SET")
+        .arg(&queue)
+        .arg("not a queue")
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    let err = timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the waiter never tried again")
+        .unwrap_err();
+    assert!(matches!(err, Error::Backend { .. }), "{err}");
+    let counter = get(&mut admin, fence_key(&lock, &key).as_bytes()).await;
+    assert!(counter.is_some(), "no grant was attempted");
+    assert!(
+        !exists(&mut admin, &redis_key).await,
+        "a grant nobody holds was left behind"
+    );
+    redis::cmd("DEL")
+        .arg(&queue)
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+}
+
+/// A proxy in front of a private server that can reorder one request behind a reconnect: the
+/// next request after [`ReorderProxy::hold_next`] reaches the server `delay` late, and its
+/// connection is cut on the client's side at once (the client sees it dropped, reconnects and
+/// sends its clean-up on a new connection, which passes straight through).
+struct ReorderProxy {
+    port: u16,
+    hold: Arc<std::sync::atomic::AtomicBool>,
+    delivered: Arc<tokio::sync::Notify>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ReorderProxy {
+    async fn start(upstream: u16, delay: Duration) -> Self {
+        use std::sync::atomic::Ordering;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let hold = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let delivered = Arc::new(tokio::sync::Notify::new());
+        let (hold2, delivered2) = (hold.clone(), delivered.clone());
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    return;
+                };
+                let server = tokio::net::TcpStream::connect(("127.0.0.1", upstream))
+                    .await
+                    .unwrap();
+                let (mut client_r, mut client_w) = client.into_split();
+                let (mut server_r, mut server_w) = server.into_split();
+                let cut = Arc::new(tokio::sync::Notify::new());
+                let (hold, delivered, cut2) = (hold2.clone(), delivered2.clone(), cut.clone());
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    loop {
+                        let n = match client_r.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        if hold.swap(false, Ordering::AcqRel) {
+                            cut2.notify_one();
+                            sleep(delay).await;
+                            let _ = server_w.write_all(&buf[..n]).await;
+                            delivered.notify_one();
+                            // Keep the server's side open while it runs the request.
+                            sleep(Duration::from_secs(2)).await;
+                            return;
+                        }
+                        if server_w.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    loop {
+                        tokio::select! {
+                            () = cut.notified() => {
+                                let _ = client_w.shutdown().await;
+                                return;
+                            }
+                            read = server_r.read(&mut buf) => match read {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => {
+                                    if client_w.write_all(&buf[..n]).await.is_err() {
+                                        return;
+                                    }
+                                }
+                            },
+                        }
+                    }
+                });
+            }
+        });
+        Self {
+            port,
+            hold,
+            delivered,
+            task,
+        }
+    }
+
+    fn hold_next(&self) {
+        self.hold.store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
+impl Drop for ReorderProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_arrives_after_its_clean_up_on_a_new_connection_does_nothing() {
+    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+        return;
+    }
+    let server = OwnRedis::start(free_port()).await;
+    // Long enough for the reconnect and the clean-up's answer on a loaded machine.
+    let proxy = ReorderProxy::start(server.port, Duration::from_secs(2)).await;
+    let lock = RedisLock::connect_url(&format!(
+        "redis://127.0.0.1:{}?response_timeout=5s",
+        proxy.port
+    ))
+    .await
+    .unwrap();
+    let mut admin = admin(&server.url()).await;
+    let key = fresh_key("reordered");
+    let redis_key = lock.redis_key(&key);
+    load_scripts(&lock).await;
+    let warm = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    assert!(lock.release(&warm).await.unwrap());
+    let counter = get(&mut admin, fence_key(&lock, &key).as_bytes()).await;
+    let scripts = command_calls(&mut admin, "evalsha").await;
+
+    // The attempt's connection drops while the attempt is still on its way; the clean-up is
+    // answered on a new connection, and only then does the attempt reach the server.
+    let delivered = proxy.delivered.notified();
+    proxy.hold_next();
+    let err = lock.try_acquire(&key, LONG).await.unwrap_err();
+    assert!(matches!(err, Error::Indeterminate { .. }), "{err}");
+    timeout(Duration::from_secs(10), delivered)
+        .await
+        .expect("the held attempt was never delivered");
+    wait_until(
+        Duration::from_secs(10),
+        Duration::from_millis(10),
+        "the server never ran the late attempt",
+        async || command_calls(&mut admin, "evalsha").await >= scripts + 2,
+    )
+    .await;
+    assert!(
+        !exists(&mut admin, &redis_key).await,
+        "the late attempt granted a lock nobody holds"
+    );
+    assert_eq!(
+        get(&mut admin, fence_key(&lock, &key).as_bytes()).await,
+        counter,
+        "the late attempt ran"
+    );
+    let lease = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    assert!(lock.release(&lease).await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_registration_never_shortens_the_queue_of_the_others() {
+    let Some((url, lock, mut admin)) = shared().await else {
+        return;
+    };
+    let separator = if url.contains('?') { '&' } else { '?' };
+    // A polls rarely: its registration lives 21 s. B polls at the default: 2 s.
+    let a = RedisLock::connect_url(&format!("{url}{separator}max_poll_interval=10s"))
+        .await
+        .unwrap();
+    let b = RedisLock::connect_url(&url).await.unwrap();
+    let key = fresh_key("queue-ttl");
+    let redis_key = lock.redis_key(&key);
+    let queue = format!("{{{redis_key}}}\x1fwaiters");
+    let holder = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    let waiter_a = queued_waiter(&a, &key, LONG, &mut admin).await;
+    // B registers (every attempt of it used to set the queue's TTL to its own 2 s) and gives up
+    // (room to queue before its deadline on a loaded machine).
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let err = queued_waiter_until(&b, &key, LONG, deadline, &mut admin)
+        .await
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    assert_eq!(queued(&mut admin, &redis_key).await, 1, "A is still queued");
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(&queue)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert!(
+        pttl > 10_000,
+        "the queue expires in {pttl} ms, long before A's registration (21 s)"
+    );
+    // So the release still hands the lock to A, without waiting for A's 10 s poll.
+    assert!(lock.release(&holder).await.unwrap());
+    let lease = timeout(Duration::from_secs(5), waiter_a)
+        .await
+        .expect("A was not granted the lock")
+        .unwrap();
+    assert!(a.release(&lease).await.unwrap());
+}
+
+/// The argument counts of the `EVALSHA`s in the server's slow log whose first key is
+/// `redis_key` and that pass `numkeys` keys (the slow log keeps at most 32 arguments of a
+/// command and ends the list with `... (N more arguments)`).
+async fn logged_script_args(
+    admin: &mut MultiplexedConnection,
+    redis_key: &str,
+    numkeys: &str,
+) -> Vec<usize> {
+    let entries: Vec<redis::Value> = redis::cmd("SLOWLOG")
+        .arg("GET")
+        .arg(-1)
+        .query_async(admin)
+        .await
+        .unwrap();
+    let text = |v: &redis::Value| match v {
+        redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        redis::Value::SimpleString(s) => s.clone(),
+        _ => String::new(),
+    };
+    let mut counts = Vec::new();
+    for entry in entries {
+        let redis::Value::Array(fields) = entry else {
+            continue;
+        };
+        let Some(redis::Value::Array(args)) = fields.get(3) else {
+            continue;
+        };
+        let args: Vec<String> = args.iter().map(text).collect();
+        if args.len() < 4
+            || !args[0].eq_ignore_ascii_case("evalsha")
+            || args[2] != numkeys
+            || args[3] != redis_key
+        {
+            continue;
+        }
+        let more = args
+            .last()
+            .and_then(|a| a.strip_prefix("... ("))
+            .and_then(|a| a.strip_suffix(" more arguments)"))
+            .and_then(|n| n.parse::<usize>().ok());
+        counts.push(match more {
+            Some(n) => args.len() - 1 + n,
+            None => args.len(),
+        });
+    }
+    counts
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_whose_attempts_keep_failing_sends_a_bounded_request() {
+    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+        return;
+    }
+    let server = OwnRedis::start(free_port()).await;
+    let mut admin = admin(&server.url()).await;
+    for (name, value) in [
+        ("slowlog-log-slower-than", "0"),
+        ("slowlog-max-len", "100000"),
+    ] {
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(value)
+            .query_async::<()>(&mut admin)
+            .await
+            .unwrap();
+    }
+    let holder_client = RedisLock::connect_url(&server.url()).await.unwrap();
+    let (proxy, proxied) = conformance::drill::Proxy::start_for_url(&server.url())
+        .await
+        .unwrap();
+    // Quick polls and quick response timeouts: many failed attempts in little time.
+    let waiter_client = RedisLock::connect_url(&format!(
+        "{proxied}?response_timeout=20ms&connect_timeout=200ms&reconnect_retries=0&max_poll_interval=20ms"
+    ))
+    .await
+    .unwrap();
+    let key = fresh_key("failing-waiter");
+    let redis_key = holder_client.redis_key(&key);
+    let holder = holder_client
+        .try_acquire(&key, LONG)
+        .await
+        .unwrap()
+        .unwrap();
+    let mut waiter = queued_waiter(&waiter_client, &key, LONG, &mut admin).await;
+    // Every attempt now applies (it registers the waiter) but its reply is lost.
+    proxy.drop_replies();
+    let failing = 60;
+    tokio::select! {
+        result = &mut waiter => panic!("the lock is held, yet: {result:?}"),
+        () = wait_until(
+            Duration::from_secs(30),
+            Duration::from_millis(20),
+            "the waiter's attempts stopped",
+            async || logged_script_args(&mut admin, &redis_key, "5").await.len() >= failing,
+        ) => {}
+    }
+    proxy.pass();
+    // Each attempt carried its own member and at most 16 earlier ones: 2 + 1 + 5 keys + 5
+    // arguments + 16. Unbounded, the n-th failed attempt carried n (and Lua's `unpack` fails
+    // past about 8,000).
+    let counts = logged_script_args(&mut admin, &redis_key, "5").await;
+    let most = counts.iter().copied().max().unwrap();
+    assert!(
+        most <= 2 + 1 + 5 + 5 + 16,
+        "an attempt carried {most} arguments after {} attempts",
+        counts.len()
+    );
+    // The waiter recovers, and is handed the lock; nothing of its failed attempts stays queued.
+    assert!(holder_client.release(&holder).await.unwrap());
+    let lease = timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter never got the lock")
+        .unwrap();
+    wait_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        "members of failed attempts stay queued",
+        async || queued(&mut admin, &redis_key).await == 0,
+    )
+    .await;
+    assert!(waiter_client.release(&lease).await.unwrap());
+}
+
+/// How late past its deadline an `acquire` against a frozen server may return: the leaving's
+/// grace (200 ms) plus scheduling on a loaded 2-core machine.
+const DEADLINE_SLACK: Duration = Duration::from_millis(800);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquire_against_a_frozen_server_returns_by_its_deadline() {
+    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+        return;
+    }
+    let server = OwnRedis::start(free_port()).await;
+    let mut admin = admin(&server.url()).await;
+    let holder_client = RedisLock::connect_url(&server.url()).await.unwrap();
+    let key = fresh_key("frozen");
+    let redis_key = holder_client.redis_key(&key);
+    let ttl = Duration::from_secs(2);
+    let holder = holder_client.try_acquire(&key, ttl).await.unwrap().unwrap();
+    // Queued waiters (default settings: a request budget of 4.2 s), each on its own client.
+    let mut waiters = Vec::new();
+    for i in 0..4 {
+        let client = Arc::new(RedisLock::connect_url(&server.url()).await.unwrap());
+        // Room to queue on a loaded machine; the deadline then passes while frozen.
+        let deadline = Instant::now() + Duration::from_secs(3);
+        let task = {
+            let (client, key) = (client.clone(), key.clone());
+            tokio::spawn(async move {
+                let result = client.acquire(&key, LONG, deadline).await;
+                (Instant::now().saturating_duration_since(deadline), result)
+            })
+        };
+        wait_until(
+            Duration::from_secs(10),
+            Duration::from_millis(5),
+            "a waiter never queued",
+            async || queued(&mut admin, &redis_key).await > i,
+        )
+        .await;
+        waiters.push((client, task));
+    }
+    server.signal("STOP");
+    // A client that starts waiting while the server is frozen (its connection never answers).
+    let late_client =
+        RedisLock::connect_lazy(RedisLockConfig::from_url(&server.url()).unwrap()).unwrap();
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(1);
+    let result = late_client.acquire(&key, LONG, deadline).await;
+    let late = Instant::now().saturating_duration_since(deadline);
+    assert!(
+        matches!(result, Err(Error::Timeout { .. })),
+        "{result:?} after {:?}",
+        started.elapsed()
+    );
+    let mut overshoots = vec![late];
+    for (_, task) in &mut waiters {
+        let (over, result) = task.await.unwrap();
+        assert!(matches!(result, Err(Error::Timeout { .. })), "{result:?}");
+        overshoots.push(over);
+    }
+    server.signal("CONT");
+    eprintln!("acquire returned past its deadline by {overshoots:?}");
+    for over in &overshoots {
+        assert!(
+            *over <= DEADLINE_SLACK,
+            "acquire returned {over:?} past its deadline"
+        );
+    }
+    // Once resumed, the leavings (and the undo of the attempts the freeze cut) finish in the
+    // background: the queue empties, and after the holder's TTL the lock is free.
+    wait_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        "waiters that gave up stay queued",
+        async || queued(&mut admin, &redis_key).await == 0,
+    )
+    .await;
+    drop(holder);
+    wait_until(
+        ttl + Duration::from_secs(10),
+        Duration::from_millis(20),
+        "a grant nobody holds was left behind",
+        async || !exists(&mut admin, &redis_key).await,
+    )
+    .await;
+    let lease = holder_client
+        .acquire(&key, LONG, Instant::now() + Duration::from_secs(2))
+        .await
+        .unwrap();
+    assert!(holder_client.release(&lease).await.unwrap());
 }

@@ -25,8 +25,8 @@ pub enum ZkAcl {
 /// | option | default | meaning |
 /// |---|---|---|
 /// | `session_timeout` | `10s` | session timeout asked of the server; also the smallest TTL accepted (see the crate docs) |
-/// | `connect_timeout` | `5s` | bound on establishing a session |
-/// | `op_timeout` | `5s` | bound on each request while connected or reconnecting |
+/// | `connect_timeout` | `5s` | bound on establishing a session (at most 24 h) |
+/// | `op_timeout` | `5s` | bound on each request while connected or reconnecting (at most 24 h; an `acquire`'s requests also end by its deadline) |
 /// | `root` | `/distlock` | parent of every lock directory (`<root>/<escaped key>/_c_<uuid>-lock-<seq>`) |
 /// | `acl` | `open` | `open` (world:anyone) or `creator` (needs `user:password@`) |
 ///
@@ -57,6 +57,9 @@ impl ZkLockConfig {
     pub const DEFAULT_ROOT: &'static str = "/distlock";
     /// The default session timeout.
     pub const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(10);
+    /// The longest `connect_timeout` and `op_timeout` accepted (a day): longer ones are
+    /// refused rather than overflowing an instant.
+    pub const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 
     /// A configuration for `hosts` (`host:port[,host:port...]`) with every default.
     pub fn new(hosts: impl Into<String>) -> Self {
@@ -97,13 +100,7 @@ impl ZkLockConfig {
         if hosts.is_empty() || hosts.split(',').any(|h| h.trim().is_empty()) {
             return Err(config("the URL names no host (zk://host:port)"));
         }
-        for host in hosts.split(',') {
-            if let Some((_, port)) = host.rsplit_once(':')
-                && port.parse::<u16>().is_err()
-            {
-                return Err(config(format!("bad port in {host:?}")));
-            }
-        }
+        validate_hosts(hosts)?;
         let mut cfg = Self::new(hosts);
         if let Some(userinfo) = userinfo {
             let (user, password) = userinfo
@@ -153,8 +150,13 @@ impl ZkLockConfig {
     /// # Errors
     /// [`Error::Config`] when a value is unusable.
     pub fn validate(&self) -> Result<()> {
-        if self.hosts.is_empty() {
-            return Err(config("no host"));
+        validate_hosts(&self.hosts)?;
+        if let Some(chroot) = &self.chroot
+            && validate_path("chroot", chroot).is_err()
+        {
+            return Err(config(format!(
+                "chroot {chroot:?} must be an absolute ZooKeeper path other than / (e.g. /app)"
+            )));
         }
         let root = self.root.trim_end_matches('/');
         if root.is_empty() {
@@ -174,6 +176,17 @@ impl ZkLockConfig {
         }
         if self.session_timeout > Duration::from_millis(i32::MAX as u64) {
             return Err(config("session_timeout is too large"));
+        }
+        for (name, d) in [
+            ("connect_timeout", self.connect_timeout),
+            ("op_timeout", self.op_timeout),
+        ] {
+            if d > Self::MAX_TIMEOUT {
+                return Err(config(format!(
+                    "{name} {d:?} is too large (at most {:?})",
+                    Self::MAX_TIMEOUT
+                )));
+            }
         }
         if self.acl == ZkAcl::Creator && self.auth.is_none() {
             return Err(config("acl=creator needs user:password@ credentials"));
@@ -197,6 +210,30 @@ impl ZkLockConfig {
 
 fn config(msg: impl Into<String>) -> Error {
     Error::Config(format!("zk: {}", msg.into()))
+}
+
+/// `host[:port][,host[:port]...]`: no empty host, no control characters or whitespace, and a
+/// port (when given) that is a number the network can use.
+fn validate_hosts(hosts: &str) -> Result<()> {
+    if hosts.is_empty() {
+        return Err(config("no host"));
+    }
+    for host in hosts.split(',') {
+        if host.is_empty() || host.chars().any(|c| c.is_control() || c.is_whitespace()) {
+            return Err(config(format!("bad host {host:?} in {hosts:?}")));
+        }
+        if host.contains(['/', '?', '@', '#']) {
+            return Err(config(format!(
+                "bad host {host:?} (a chroot goes into the chroot field)"
+            )));
+        }
+        if let Some((name, port)) = host.rsplit_once(':')
+            && (name.is_empty() || port.parse::<u16>().map_or(true, |p| p == 0))
+        {
+            return Err(config(format!("bad port in {host:?}")));
+        }
+    }
+    Ok(())
 }
 
 fn validate_path(what: &str, path: &str) -> Result<String> {

@@ -13,7 +13,7 @@ use lock_core::{
     AcquireWait, Backoff, Capabilities, DistributedLock, Error, FencingGuarantee, FencingToken,
     HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result, async_trait,
 };
-use tokio::time::{Instant, sleep, timeout};
+use tokio::time::{Instant, sleep, timeout, timeout_at};
 use tokio_util::sync::CancellationToken;
 use zookeeper_client as zk;
 
@@ -34,6 +34,11 @@ const CREATE_ATTEMPTS: usize = 5;
 /// without a read when the last one is gone); behind a longer queue it watches only its
 /// predecessor and lists again when that is deleted.
 const MAX_WATCHED_AHEAD: usize = 16;
+
+/// How long a waiter that gave up (or whose grant came too late) tries to delete its node in
+/// the foreground after its deadline before leaving that to the background clean-up: the
+/// bound by which `acquire` may return after its deadline.
+const REMOVE_GRACE: Duration = Duration::from_millis(100);
 
 /// A ZooKeeper lock client: one session shared by every lock it takes.
 ///
@@ -163,7 +168,12 @@ impl ZkLock {
         call(self.inner.config.op_timeout, fut).await
     }
 
-    fn contender(&self, session: Arc<Session>, key: &LockKey) -> Contender {
+    fn contender(
+        &self,
+        session: Arc<Session>,
+        key: &LockKey,
+        deadline: Option<Instant>,
+    ) -> Contender {
         let token = OwnershipToken::generate();
         Contender {
             lock: self.clone(),
@@ -172,14 +182,63 @@ impl ZkLock {
             token,
             node: None,
             watch: Arc::new(NodeWatch::new()),
+            deadline,
             done: false,
+        }
+    }
+
+    /// What `renew` may be asked for: any TTL the capabilities accept, or one at least as long
+    /// as the session timeout actually negotiated (a lease's TTL is capped at that, see
+    /// [`lease_ttl`], and may be below the configured minimum when the server lowered it).
+    fn check_renew_ttl(&self, ttl: Duration, session: &Session) -> Result<()> {
+        match self.capabilities().check_ttl(ttl) {
+            Err(_) if ttl >= session.timeout && ttl <= Capabilities::MAX_TTL => Ok(()),
+            other => other,
         }
     }
 }
 
+/// A lease's TTL: the requested one, capped at the negotiated session timeout. The lease counts
+/// from a leader-proved send time ([`Session::vouched_base`]), so its local deadline is never
+/// later than the session's vouched window, however long the TTL asked for: a bare `Lease` never
+/// claims more than the session can vouch for.
+fn lease_ttl(ttl: Duration, session: &Session) -> Duration {
+    ttl.min(session.timeout)
+}
+
+/// The error of a grant that came after its local deadline (its node is removed).
+fn vanished(op: &'static str) -> Error {
+    Error::Unavailable {
+        backend: BACKEND,
+        op,
+        message: "our contender node vanished (session expired or deleted)".into(),
+        source: None,
+    }
+}
+
+fn late_grant(op: &'static str) -> Error {
+    Error::Unavailable {
+        backend: BACKEND,
+        op,
+        message: "the lock was ours only after the session could no longer be vouched for \
+                  (the leader may already have expired it); our node was removed"
+            .into(),
+        source: None,
+    }
+}
+
+impl ZkLock {}
+
 /// `fut` bounded by `limit`; running out is reported as [`zk::Error::Timeout`] (outcome unknown).
 async fn call<T>(limit: Duration, fut: impl Future<Output = ZkResult<T>>) -> ZkResult<T> {
     timeout(limit, fut).await.unwrap_or(Err(zk::Error::Timeout))
+}
+
+/// `fut` bounded by the instant `until`, like [`call`].
+async fn call_until<T>(until: Instant, fut: impl Future<Output = ZkResult<T>>) -> ZkResult<T> {
+    timeout_at(until, fut)
+        .await
+        .unwrap_or(Err(zk::Error::Timeout))
 }
 
 /// The request may or may not have been applied. zookeeper-client fails in-flight requests with
@@ -210,8 +269,8 @@ fn to_error(op: &'static str, e: zk::Error) -> Error {
 
 /// Where our node stands in the queue.
 enum Position {
-    /// Ours is the first contender: we hold the lock (as of a list sent at this instant).
-    First(Instant),
+    /// Ours is the first contender: we hold the lock.
+    First,
     /// Behind these contenders (full paths, in lock order: the holder first, our predecessor
     /// last), as of one listing.
     Behind(Vec<String>),
@@ -222,9 +281,8 @@ enum Position {
 /// What waiting in the queue ended with.
 enum Waited {
     /// We hold the lock: every contender that was ahead of us is gone, and our node exists
-    /// (see [`Contender::wait_behind`]). The lease counts from this instant (a request sent
-    /// then was answered on the session).
-    Granted(Instant),
+    /// (see [`Contender::wait_behind`]).
+    Granted,
     /// Something changed (or a safety re-check is due): list the contenders again.
     Relist,
 }
@@ -242,12 +300,45 @@ struct Contender {
     node: Option<(String, zk::Stat)>,
     /// The deletion watch on our node, armed while we wait in the queue; handed to the lease.
     watch: Arc<NodeWatch>,
+    /// The deadline of the `acquire` (or the bound of the `try_acquire`) this contender
+    /// belongs to: no request gets more than what is left of it (`None`: each request gets
+    /// `op_timeout`).
+    deadline: Option<Instant>,
     done: bool,
+}
+
+/// What taking the lease for a node that is first in line gave.
+enum Grant {
+    Lease(Lease),
+    /// The session's vouched window had already passed: the lease would be born expired.
+    Late,
+    /// We have no node.
+    Gone,
 }
 
 impl Contender {
     fn path(&self) -> Option<String> {
         self.node.as_ref().map(|(n, _)| format!("{}/{n}", self.dir))
+    }
+
+    /// When the next request must be answered by: `op_timeout` from now, and never after the
+    /// acquire's deadline.
+    fn until(&self) -> Instant {
+        let now = Instant::now();
+        // `op_timeout` is validated, but never let a sum panic.
+        let by_op = now
+            .checked_add(self.lock.inner.config.op_timeout)
+            .unwrap_or(now + ZkLockConfig::MAX_TIMEOUT);
+        self.deadline.map_or(by_op, |d| d.min(by_op))
+    }
+
+    /// The same as a duration from now (zero once the deadline has passed).
+    fn limit(&self) -> Duration {
+        self.until().saturating_duration_since(Instant::now())
+    }
+
+    async fn call<T>(&self, fut: impl Future<Output = ZkResult<T>>) -> ZkResult<T> {
+        call_until(self.until(), fut).await
     }
 
     /// Creates our ephemeral sequential node (and the container parents when missing). After a
@@ -257,20 +348,27 @@ impl Contender {
         let acls = self.lock.acls();
         let options = zk::CreateMode::EphemeralSequential.with_acls(acls);
         let mut last = None;
+        // A create of ours may have been applied without our hearing of it.
+        let mut uncertain = false;
         for _ in 0..CREATE_ATTEMPTS {
             let client = &self.session.client;
-            let sent = Instant::now();
-            match self.lock.call(client.create(&prefix, &[], &options)).await {
+            let probe = self.session.probe();
+            match self.call(client.create(&prefix, &[], &options)).await {
                 Ok((stat, seq)) => {
-                    self.session.confirm(sent);
+                    self.session.answered(probe);
                     self.node = Some((format!("{}{seq}", node_prefix(&self.token)), stat));
+                    if uncertain {
+                        // An earlier create may be applied on the leader yet not on our member:
+                        // a sync makes the next listing show it, and `position` deletes it.
+                        let _ = self.session.sync(self.limit()).await;
+                    }
                     return Ok(());
                 }
                 Err(zk::Error::NoNode) => {
                     // With acl=creator the lock directories (and a missing root) belong to our
                     // digest identity too: other credentials can neither queue nor look in.
                     let parents = zk::CreateMode::Container.with_acls(self.lock.acls());
-                    match self.lock.call(client.mkdir(&self.dir, &parents)).await {
+                    match self.call(client.mkdir(&self.dir, &parents)).await {
                         Ok(()) => {}
                         Err(e) if outcome_unknown(&e) => last = Some(e),
                         Err(e) => return Err(to_error(op, e)),
@@ -278,6 +376,7 @@ impl Contender {
                 }
                 Err(e) if outcome_unknown(&e) => {
                     // The create may have been applied: find our node by its token.
+                    uncertain = true;
                     match self.find().await {
                         Ok(true) => return Ok(()),
                         Ok(false) => last = Some(e),
@@ -300,10 +399,15 @@ impl Contender {
     }
 
     /// Looks for a child carrying our token; records it. `Ok(false)`: there is none.
+    ///
+    /// A `sync` first: the member we are (re)connected to may not have applied a create the
+    /// leader already committed, and listing there would miss it (Curator's protected-mode
+    /// race); a second create would then queue behind its own orphan. When more than one child
+    /// carries our token the first is adopted and `position` deletes the others.
     async fn find(&mut self) -> ZkResult<bool> {
         let marker = protected_marker(&self.token);
+        self.session.sync(self.limit()).await?;
         let children = match self
-            .lock
             .call(self.session.client.list_children(&self.dir))
             .await
         {
@@ -311,30 +415,28 @@ impl Contender {
             Err(zk::Error::NoNode) => return Ok(false),
             Err(e) => return Err(e),
         };
-        let Some(name) = children.into_iter().find(|c| c.starts_with(&marker)) else {
-            return Ok(false);
-        };
-        let path = format!("{}/{name}", self.dir);
-        match self
-            .lock
-            .call(self.session.client.check_stat(&path))
-            .await?
+        // The first (in queue order) that is ephemeral to our session.
+        for name in sorted_contenders(children)
+            .into_iter()
+            .filter(|c| c.starts_with(&marker))
         {
-            Some(stat) if stat.ephemeral_owner == self.session.id => {
+            let path = format!("{}/{name}", self.dir);
+            if let Some(stat) = self.call(self.session.client.check_stat(&path)).await?
+                && stat.ephemeral_owner == self.session.id
+            {
                 self.node = Some((name, stat));
-                Ok(true)
+                return Ok(true);
             }
-            _ => Ok(false),
         }
+        Ok(false)
     }
 
     async fn position(&self, op: &'static str) -> Result<Position> {
         let Some((name, _)) = &self.node else {
             return Ok(Position::Gone);
         };
-        let sent = Instant::now();
+        let probe = self.session.probe();
         let children = match self
-            .lock
             .call(self.session.client.list_children(&self.dir))
             .await
         {
@@ -342,11 +444,24 @@ impl Contender {
             Err(zk::Error::NoNode) => return Ok(Position::Gone),
             Err(e) => return Err(to_error(op, e)),
         };
-        self.session.confirm(sent);
+        self.session.answered(probe);
+        // Any other child with our token is an orphan of a create whose reply we lost: ours
+        // (the uuid is this contender's), and it must not stay queued ahead of us or behind.
+        let marker = protected_marker(&self.token);
+        let (orphans, children): (Vec<String>, Vec<String>) = children
+            .into_iter()
+            .partition(|c| c.starts_with(&marker) && c != name);
+        for orphan in orphans {
+            let path = format!("{}/{orphan}", self.dir);
+            tracing::debug!(%path, "deleting an orphan of a create whose reply was lost");
+            if let Err(e) = delete_node(&self.session, &path, self.limit()).await {
+                return Err(to_error(op, e));
+            }
+        }
         let sorted = sorted_contenders(children);
         Ok(match sorted.iter().position(|c| c == name) {
             None => Position::Gone,
-            Some(0) => Position::First(sent),
+            Some(0) => Position::First,
             Some(i) => Position::Behind(
                 sorted[..i]
                     .iter()
@@ -385,10 +500,11 @@ impl Contender {
         };
         let session = &self.session;
         let client = &session.client;
-        let limit = self.lock.inner.config.op_timeout;
+        // One bound for the whole pipelined batch (not one op_timeout per request).
+        let until = self.until();
         // Every request is queued on the connection when created, ours first.
         let states = client.state_watcher();
-        let sent = Instant::now();
+        let probe = session.probe();
         let arm_own = matches!(self.watch.check(), Check::Unreliable)
             .then(|| client.check_and_watch_stat(&own));
         let arm_ahead: Vec<_> = watched
@@ -396,7 +512,7 @@ impl Contender {
             .map(|path| client.check_and_watch_stat(path))
             .collect();
         if let Some(arm_own) = arm_own {
-            match call(limit, arm_own).await {
+            match call_until(until, arm_own).await {
                 Ok((Some(stat), watcher))
                     if stat.czxid == created.czxid && stat.ephemeral_owner == session.id =>
                 {
@@ -410,14 +526,14 @@ impl Contender {
         }
         let mut events = FuturesUnordered::new();
         for arm in arm_ahead {
-            match call(limit, arm).await {
+            match call_until(until, arm).await {
                 // Already gone.
                 Ok((None, _)) => {}
                 Ok((Some(_), watcher)) => events.push(watcher.changed()),
                 Err(e) => return Err(to_error("acquire", e)),
             }
         }
-        session.confirm(sent);
+        session.answered(probe);
         let all_gone = if events.is_empty() {
             true
         } else {
@@ -462,16 +578,21 @@ impl Contender {
         let Check::Reliable(_) = self.watch.check() else {
             return Waited::Relist;
         };
-        let now = Instant::now();
-        if self.session.vouched_until() <= now {
+        if self.session.vouched_until() <= Instant::now() {
             return Waited::Relist;
         }
-        Waited::Granted(self.session.last_confirmed_send().min(now))
+        Waited::Granted
     }
 
-    fn into_lease(mut self, key: &LockKey, ttl: Duration, sent: Instant) -> Option<Lease> {
-        let (name, stat) = self.node.take()?;
-        self.done = true;
+    /// The lease for our node (first in line). It counts from the newest send time the leader
+    /// is known to have heard of ([`Session::vouched_base`]) with a TTL capped at the session
+    /// timeout, so its deadline is the session's vouched window at the latest; when that has
+    /// already passed the lease would be born expired ([`Grant::Late`], the node is kept for
+    /// the caller to remove).
+    fn grant(&mut self, key: &LockKey, ttl: Duration) -> Grant {
+        let Some((name, stat)) = &self.node else {
+            return Grant::Gone;
+        };
         let state = ZkLease {
             session_id: self.session.id,
             path: format!("{}/{name}", self.dir),
@@ -480,18 +601,37 @@ impl Contender {
             watch: self.watch.clone(),
         };
         let fencing = u64::try_from(stat.czxid).ok().map(FencingToken);
-        Some(Lease::new(key.clone(), self.token, fencing, ttl, sent).with_backend_state(state))
+        let lease = Lease::new(
+            key.clone(),
+            self.token,
+            fencing,
+            lease_ttl(ttl, &self.session),
+            self.session.vouched_base(),
+        )
+        .with_backend_state(state);
+        if !lease.is_locally_valid() {
+            return Grant::Late;
+        }
+        self.done = true;
+        Grant::Lease(lease)
     }
 
-    /// Deletes our node now (in the foreground), leaving a background cleanup if that fails.
-    async fn remove(mut self) {
+    /// Deletes our node now (in the foreground, each request bounded by `limit`), leaving a
+    /// background cleanup if that fails.
+    async fn remove(mut self, limit: Duration) {
         if let Some(path) = self.path()
-            && delete_node(&self.session, &path, self.lock.inner.config.op_timeout)
-                .await
-                .is_ok()
+            && delete_node(&self.session, &path, limit).await.is_ok()
         {
             self.done = true;
         }
+    }
+
+    /// [`Contender::remove`] within what is left of the deadline (at least [`REMOVE_GRACE`]).
+    async fn remove_in_time(self) {
+        let limit = self.limit().max(REMOVE_GRACE);
+        // One bound for the whole removal (its retries included); cut short, the contender is
+        // dropped undone and its Drop leaves the removal to the background.
+        let _ = timeout(limit, self.remove(limit)).await;
     }
 }
 
@@ -511,6 +651,31 @@ async fn delete_node(session: &Session, path: &str, limit: Duration) -> ZkResult
     Err(zk::Error::ConnectionLoss)
 }
 
+/// Deletes our node `path` (created as `czxid`) in the background once the session is vouched
+/// for again, unless the session ends first (which deletes it anyway). For a lease lost because
+/// its trust window lapsed, or whose release went unanswered: if the session survives (a healed
+/// partition), its node would otherwise keep the lock held by nobody for as long as the process
+/// lives.
+fn spawn_removal(session: Arc<Session>, path: String, czxid: i64, limit: Duration) {
+    lock_core::cleanup::spawn(async move {
+        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
+        while session.wait_vouched().await {
+            match call(limit, session.client.check_stat(&path)).await {
+                Ok(Some(stat)) if stat.czxid == czxid && stat.ephemeral_owner == session.id => {
+                    if delete_node(&session, &path, limit).await.is_ok() {
+                        tracing::debug!(%path, "removed the node of a lost lease");
+                        return;
+                    }
+                }
+                Ok(_) => return,
+                Err(e) if session_gone(&e) => return,
+                Err(_) => {}
+            }
+            sleep(backoff.next_delay()).await;
+        }
+    });
+}
+
 impl Drop for Contender {
     fn drop(&mut self) {
         if self.done || self.session.is_ended() {
@@ -525,22 +690,39 @@ impl Drop for Contender {
             // Until the session ends (which deletes the node anyway) or the node is gone.
             let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
             while !session.is_ended() {
-                let name = match &node {
-                    Some(n) => Some(n.clone()),
-                    None => match call(limit, session.client.list_children(&dir)).await {
-                        Ok(children) => children.into_iter().find(|c| c.starts_with(&marker)),
-                        Err(zk::Error::NoNode) => None,
+                let names = match &node {
+                    Some(n) => vec![n.clone()],
+                    // Every child with our token is ours (a create may have been applied more
+                    // than once without our hearing of it); sync first, so the member we list
+                    // on has applied what the leader committed.
+                    None => match session.sync(limit).await {
+                        Ok(()) => match call(limit, session.client.list_children(&dir)).await {
+                            Ok(children) => children
+                                .into_iter()
+                                .filter(|c| c.starts_with(&marker))
+                                .collect(),
+                            Err(zk::Error::NoNode) => Vec::new(),
+                            Err(_) => {
+                                sleep(backoff.next_delay()).await;
+                                continue;
+                            }
+                        },
                         Err(_) => {
                             sleep(backoff.next_delay()).await;
                             continue;
                         }
                     },
                 };
-                let Some(name) = name else { return };
-                match delete_node(&session, &format!("{dir}/{name}"), limit).await {
-                    Ok(_) => return,
-                    Err(_) => sleep(backoff.next_delay()).await,
+                let mut failed = false;
+                for name in names {
+                    failed |= delete_node(&session, &format!("{dir}/{name}"), limit)
+                        .await
+                        .is_err();
                 }
+                if !failed {
+                    return;
+                }
+                sleep(backoff.next_delay()).await;
             }
         });
     }
@@ -644,77 +826,96 @@ impl DistributedLock for ZkLock {
         }
     }
 
+    // Bounded as a whole: twice `op_timeout` (a create and a listing) for everything after the
+    // session, however many times the create is retried or looked for.
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
         self.capabilities().check_ttl(ttl)?;
         let session = self.session().await?;
-        let mut c = self.contender(session, key);
-        let sent = Instant::now();
+        let now = Instant::now();
+        let budget = self.inner.config.op_timeout.saturating_mul(2);
+        let until = now
+            .checked_add(budget)
+            .unwrap_or(now + ZkLockConfig::MAX_TIMEOUT);
+        let mut c = self.contender(session, key, Some(until));
         c.create("try_acquire").await?;
         match c.position("try_acquire").await? {
-            Position::First(_) => Ok(c.into_lease(key, ttl, sent)),
+            Position::First => match c.grant(key, ttl) {
+                Grant::Lease(lease) => Ok(Some(lease)),
+                Grant::Late => {
+                    c.remove(self.inner.config.op_timeout).await;
+                    Err(late_grant("try_acquire"))
+                }
+                Grant::Gone => Err(vanished("try_acquire")),
+            },
             Position::Behind { .. } => {
-                c.remove().await;
+                c.remove(self.inner.config.op_timeout).await;
                 Ok(None)
             }
-            Position::Gone => Err(Error::Unavailable {
-                backend: BACKEND,
-                op: "try_acquire",
-                message: "our contender node vanished (session expired or deleted)".into(),
-                source: None,
-            }),
+            Position::Gone => Err(vanished("try_acquire")),
         }
     }
 
+    // Every request gets at most what is left of the deadline; a waiter that gives up deletes
+    // its node within `REMOVE_GRACE` or leaves that to the background clean-up.
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
         self.capabilities().check_ttl(ttl)?;
         // The watch on the predecessor wakes us; the backoff is only a slow safety re-check.
         let backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(5));
         let mut wait = AcquireWait::new(key, deadline, backoff)?;
+        // Past the deadline every error is a timeout: that is what the caller waited for.
+        let timed_out = |wait: &AcquireWait, e: Error| {
+            if Instant::now() >= deadline {
+                wait.timeout()
+            } else {
+                e
+            }
+        };
         loop {
-            let session = match self.session().await {
-                Ok(s) => s,
-                Err(e) => {
-                    wait.retry_after(e).await?;
+            let session = match timeout_at(deadline, self.session()).await {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    wait.retry_after(e).await.map_err(|e| timed_out(&wait, e))?;
                     continue;
                 }
+                Err(_) => return Err(wait.timeout()),
             };
-            let mut c = self.contender(session.clone(), key);
+            let mut c = self.contender(session.clone(), key, Some(deadline));
             if let Err(e) = c.create("acquire").await {
                 drop(c);
-                wait.retry_after(e).await?;
+                wait.retry_after(e).await.map_err(|e| timed_out(&wait, e))?;
                 continue;
             }
             loop {
                 let step = match c.position("acquire").await {
-                    Ok(Position::First(sent)) => {
-                        if let Some(lease) = c.into_lease(key, ttl, sent) {
-                            return Ok(lease);
-                        }
-                        break;
-                    }
+                    Ok(Position::First) => Ok(true),
                     Ok(Position::Gone) => break,
                     Ok(Position::Behind(ahead)) => match c.wait_behind(&ahead, &mut wait).await {
-                        Ok(Waited::Granted(sent)) => {
-                            if let Some(lease) = c.into_lease(key, ttl, sent) {
-                                return Ok(lease);
-                            }
-                            break;
-                        }
-                        Ok(Waited::Relist) => Ok(()),
+                        Ok(Waited::Granted) => Ok(true),
+                        Ok(Waited::Relist) => Ok(false),
                         Err(e) => Err(e),
                     },
                     Err(e) => Err(e),
                 };
+                let step = match step {
+                    Ok(true) => match c.grant(key, ttl) {
+                        Grant::Lease(lease) => return Ok(lease),
+                        Grant::Gone => break,
+                        Grant::Late => Err(late_grant("acquire")),
+                    },
+                    Ok(false) => Ok(()),
+                    Err(e) => Err(e),
+                };
                 if let Err(e) = step {
-                    if matches!(e, Error::Timeout { .. }) {
-                        c.remove().await;
-                        return Err(e);
+                    if matches!(e, Error::Timeout { .. }) || Instant::now() >= deadline {
+                        c.remove_in_time().await;
+                        return Err(wait.timeout());
                     }
                     if session.is_ended() {
                         break;
                     }
                     if let Err(e) = wait.retry_after(e).await {
-                        c.remove().await;
+                        let e = timed_out(&wait, e);
+                        c.remove_in_time().await;
                         return Err(e);
                     }
                 }
@@ -727,60 +928,80 @@ impl DistributedLock for ZkLock {
         }
     }
 
-    // Confirms that our node still exists under the live session.
+    // Confirms that our node still exists under the live session, and moves the lease's
+    // deadline to the session's vouched window (never further: the TTL is capped at the
+    // session timeout and counts from a leader-proved send time, see `Session::synced`).
     //
-    // With the deletion watch on our node armed and reliable (see `crate::watch`), that
-    // takes no request of its own: one batched read of the session (`Session::check_in`,
-    // shared by every renewal in flight) sent after this call began, and a look at the watch
-    // after its reply — a deletion before the server processed that read would have been
-    // delivered first. Otherwise (no watch yet, a data-change event consumed it, a
-    // reconnection since it was armed) one `exists` on the node, which re-arms the watch.
+    // Always one batched `sync` (`Session::check_in`, shared by every renewal in flight) sent
+    // after this call began: it goes through the leader, which is what moves the window. With
+    // the deletion watch on our node armed and reliable (see `crate::watch`), that is all: a
+    // look at the watch after the sync's reply — a deletion before the member processed it
+    // would have been delivered first. Otherwise (no watch yet, a data-change event consumed
+    // it, a reconnection since it was armed) one `exists` on the node, which re-arms the watch.
     async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
-        self.capabilities().check_ttl(ttl)?;
         let not_held = || Error::not_held(lease.key());
-        let Some(state) = lease.backend_state::<ZkLease>() else {
-            return Err(not_held());
-        };
-        let Some(session) = self.session_of(state) else {
+        let session = lease
+            .backend_state::<ZkLease>()
+            .and_then(|state| self.session_of(state));
+        match &session {
+            Some(session) => self.check_renew_ttl(ttl, session)?,
+            None => self.capabilities().check_ttl(ttl)?,
+        }
+        let (Some(state), Some(session)) = (lease.backend_state::<ZkLease>(), session) else {
             return Err(not_held());
         };
         let (watch, path, czxid) = (state.watch.clone(), state.path.clone(), state.czxid);
-        let sent = Instant::now();
-        match watch.check() {
-            Check::Lost(_) => return Err(not_held()),
-            Check::Reliable(armed) => match session.check_in(self.inner.config.op_timeout).await {
-                Ok(()) => match watch.check() {
-                    Check::Reliable(still) if still == armed => {
-                        lease.renewed(ttl, sent);
-                        return Ok(());
+        let before = watch.check();
+        if let Check::Lost(_) = before {
+            return Err(not_held());
+        }
+        match session.check_in(self.inner.config.op_timeout).await {
+            Ok(()) => {}
+            Err(e) if session_gone(&e) => return Err(not_held()),
+            Err(e) => return Err(to_error("renew", e)),
+        }
+        match (before, watch.check()) {
+            (_, Check::Lost(_)) => return Err(not_held()),
+            (Check::Reliable(armed), Check::Reliable(still)) if still == armed => {}
+            // Not armed, re-armed or consumed meanwhile: read the node.
+            _ => {
+                let states = session.client.state_watcher();
+                let probe = session.probe();
+                match self.call(session.client.check_and_watch_stat(&path)).await {
+                    Ok((Some(stat), watcher))
+                        if stat.czxid == czxid && stat.ephemeral_owner == session.id =>
+                    {
+                        session.answered(probe);
+                        watch.install(watcher, states);
                     }
-                    Check::Lost(_) => return Err(not_held()),
-                    // Re-armed or consumed meanwhile: read the node.
-                    _ => {}
-                },
-                Err(e) if session_gone(&e) => return Err(not_held()),
-                Err(e) => return Err(to_error("renew", e)),
-            },
-            Check::Unreliable => {}
-        }
-        let states = session.client.state_watcher();
-        let sent = Instant::now();
-        match self.call(session.client.check_and_watch_stat(&path)).await {
-            Ok((Some(stat), watcher))
-                if stat.czxid == czxid && stat.ephemeral_owner == session.id =>
-            {
-                session.confirm(sent);
-                watch.install(watcher, states);
-                lease.renewed(ttl, sent);
-                Ok(())
+                    Ok(_) => {
+                        watch.set_lost(LossReason::Revoked);
+                        return Err(not_held());
+                    }
+                    Err(e) if session_gone(&e) => return Err(not_held()),
+                    Err(e) => return Err(to_error("renew", e)),
+                }
             }
-            Ok(_) => {
-                watch.set_lost(LossReason::Revoked);
-                Err(not_held())
-            }
-            Err(e) if session_gone(&e) => Err(not_held()),
-            Err(e) => Err(to_error("renew", e)),
         }
+        let ttl = lease_ttl(ttl, &session);
+        let base = session.vouched_base();
+        // The window only moves forward; a renewal never shortens the lease.
+        let mut renewed = lease.clone();
+        renewed.renewed(ttl, base);
+        if renewed.local_deadline() >= lease.local_deadline() {
+            *lease = renewed;
+        }
+        if !lease.is_locally_valid() {
+            // Answered, but not (yet) provably through the leader: e.g. the first sync after a
+            // reconnection. Temporary: the next one can prove it.
+            return Err(Error::Unavailable {
+                backend: BACKEND,
+                op: "renew",
+                message: "the session cannot be vouched for by the leader right now".into(),
+                source: None,
+            });
+        }
+        Ok(())
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
@@ -830,10 +1051,20 @@ impl DistributedLock for ZkLock {
                 Err(e) => return Err(to_error("release", e)),
             }
         }
+        // Unreachable for now (a partition, a lapsed trust window): keep trying in the
+        // background, so the node does not block everyone once the session is back.
+        spawn_removal(
+            session.clone(),
+            state.path.clone(),
+            state.czxid,
+            self.inner.config.op_timeout,
+        );
         Err(Error::Unavailable {
             backend: BACKEND,
             op: "release",
-            message: "no reply to the delete; the node stays until the session ends".into(),
+            message: "no reply to the delete; it is retried in the background until the node \
+                      or the session is gone"
+                .into(),
             source: None,
         })
     }
@@ -868,12 +1099,37 @@ impl DistributedLock for ZkLock {
         // The session-level lapse signal: one task watches the vouched instant for every held
         // lock (taken before the check below, so a lapse in between cancels it).
         let lapse = session.lapse_token();
-        if session.vouched_until() <= Instant::now() {
-            // The session can no longer be vouched for: it may have expired on the server.
-            return Box::pin(std::future::ready(LossReason::DeadlinePassed));
-        }
         let (watch, path, czxid) = (state.watch.clone(), state.path.clone(), state.czxid);
         let limit = self.inner.config.op_timeout;
+        if session.vouched_until() <= Instant::now() {
+            // The session can no longer be vouched for: it may have expired on the server.
+            // If it did not, our node must not outlive the loss (see `spawn_removal`).
+            spawn_removal(session, path, czxid, limit);
+            return Box::pin(std::future::ready(LossReason::DeadlinePassed));
+        }
+        // A lapse makes the lease lost for good; if the session then survives, the node must go.
+        // Its own task: the caller drops this future as soon as its own deadline passes, which
+        // is the same instant (the lease counts from the session's vouched base).
+        let removal = {
+            let (session, watch, path, lapse) =
+                (session.clone(), watch.clone(), path.clone(), lapse.clone());
+            async move {
+                let released = poll_fn(|cx| match watch.poll_changed(cx) {
+                    Poll::Ready(Change::Lost(_)) => Poll::Ready(()),
+                    Poll::Ready(Change::Unarmed) | Poll::Pending => Poll::Pending,
+                });
+                tokio::select! {
+                    biased;
+                    () = session.ended.cancelled() => {}
+                    () = released => {}
+                    () = lapse.cancelled() => spawn_removal(session.clone(), path, czxid, limit),
+                }
+            }
+        };
+        // Outside a runtime nothing could run it (the lapse still shows in the future below).
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            drop(rt.spawn(removal));
+        }
         Box::pin(async move {
             let node_gone = async {
                 let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
@@ -883,12 +1139,12 @@ impl DistributedLock for ZkLock {
                         Change::Unarmed => {}
                     }
                     let states = session.client.state_watcher();
-                    let sent = Instant::now();
+                    let probe = session.probe();
                     match call(limit, session.client.check_and_watch_stat(&path)).await {
                         Ok((Some(stat), watcher))
                             if stat.czxid == czxid && stat.ephemeral_owner == session.id =>
                         {
-                            session.confirm(sent);
+                            session.answered(probe);
                             watch.install(watcher, states);
                         }
                         Ok(_) => {

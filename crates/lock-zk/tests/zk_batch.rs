@@ -29,6 +29,7 @@ const SLACK: Duration = Duration::from_secs(10);
 const EXISTS: i32 = 3;
 const GET_CHILDREN: i32 = 8;
 const GET_CHILDREN2: i32 = 12;
+const SYNC: i32 = 9;
 
 async fn until(what: &str, mut cond: impl AsyncFnMut() -> bool) {
     let end = Instant::now() + SLACK;
@@ -49,6 +50,11 @@ impl Counter {
 
     fn lists(&self) -> usize {
         self.get(GET_CHILDREN) + self.get(GET_CHILDREN2)
+    }
+
+    /// Requests that check a session or a node: the batched `sync` and `exists`.
+    fn checks(&self) -> usize {
+        self.get(SYNC) + self.get(EXISTS)
     }
 }
 
@@ -126,16 +132,16 @@ async fn a_round_of_renewals_costs_a_few_requests_and_a_deleted_node_fails_only_
     }
     // The first round reads each node once (arming its deletion watch).
     assert!(renew_all(&a, &mut leases).await.iter().all(Result::is_ok));
-    // Later rounds: one batched session read for all of them (plus the session's heartbeat,
-    // an `exists` every timeout/5, more of which fall into a round the slower the machine).
+    // Later rounds: one batched session `sync` for all of them (plus the session's heartbeat,
+    // a `sync` every quarter timeout, more of which fall into a round the slower the machine).
     // Unbatched, a round is N requests; a quarter of that tells the two apart on any load.
     for _ in 0..3 {
-        let before = counter.get(EXISTS);
+        let before = counter.checks();
         assert!(renew_all(&a, &mut leases).await.iter().all(Result::is_ok));
-        let sent = counter.get(EXISTS) - before;
+        let sent = counter.checks() - before;
         assert!(
             (1..=N / 4).contains(&sent),
-            "{N} renewals took {sent} exists requests"
+            "{N} renewals took {sent} sync/exists requests"
         );
     }
     // One node deleted from outside: exactly that renewal fails, at once, in the same batch.
@@ -183,17 +189,17 @@ async fn guards_renew_with_far_fewer_requests_than_locks_and_one_revoked_lock_is
     .await;
     let renewed =
         |guards: &[lock_core::LockGuard]| guards.iter().map(|g| g.renewals()).sum::<u64>();
-    let (r0, e0) = (renewed(&guards), counter.get(EXISTS));
+    let (r0, e0) = (renewed(&guards), counter.checks());
     until("every guard renewed three more times", async || {
         guards.iter().all(|g| g.renewals() >= 4)
     })
     .await;
-    let (renewals, requests) = (renewed(&guards) - r0, counter.get(EXISTS) - e0);
+    let (renewals, requests) = (renewed(&guards) - r0, counter.checks() - e0);
     // At most 4 grid instants per watchdog interval, a couple of batches each, plus the
     // heartbeats of however long the window took: unbatched it would be one per renewal.
     assert!(
         requests * 3 < usize::try_from(renewals).unwrap(),
-        "{renewals} renewals sent {requests} exists requests"
+        "{renewals} renewals sent {requests} sync/exists requests"
     );
     // One node deleted from outside: that guard is lost, the others keep renewing.
     let victim = 23;

@@ -1,0 +1,418 @@
+//! Drill: an etcd holder on a member partitioned from the majority of a 3-member cluster.
+//!
+//! The holder's client talks only to one member; that member's peer links are cut (both
+//! directions), while the other two keep a quorum and a leader. Only the leader expires leases,
+//! and the partitioned member can forward neither keepalives nor linearizable reads to it, so
+//! the holder cannot renew: its guard's `lost()` must fire before the majority grants the lock
+//! to a contender connected to it. Then the partition heals and everyone can lock again.
+//!
+//! The cluster is private to this drill (its own ports, data directories and processes, killed
+//! by pid at the end), so the shared `up3` cluster is never touched. Each member's peer port is
+//! behind a small proxy of this file that can cut the member off: every connection *to* the
+//! isolated member, and every connection the isolated member opened *to* the others (found by
+//! the owner of the connecting socket in `/proc`), is closed while the partition lasts; the
+//! majority's links to each other stay up. Runs where the cluster drills run
+//! (`DISTLOCK_TEST_ETCD3_URL` set, i.e. `backends.sh up3`), with the `etcd` binary of that setup.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed expectation is a failed test
+
+mod drill_support;
+
+use std::{
+    net::{SocketAddr, TcpListener as StdListener},
+    process::{Child, Command, Stdio},
+    sync::Arc,
+    time::Duration,
+};
+
+use conformance::drill::History;
+use drill_support::{Backend, Client, FencedLog, SOON, TTL, finish, write};
+use lock_core::FencingToken;
+use tokio::{
+    net::{TcpListener, TcpStream},
+    sync::watch,
+    time::{Instant, sleep},
+};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// Who is cut off: the isolated member's pid, and whether this proxy fronts that member.
+type Partition = Option<u32>;
+
+/// A TCP proxy in front of one member's peer port.
+struct PeerProxy {
+    addr: SocketAddr,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for PeerProxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+impl PeerProxy {
+    /// Listens on a free port; forwards to `upstream` once known (set before the member starts).
+    async fn start(
+        upstream: SocketAddr,
+        fronts_pid: watch::Receiver<Option<u32>>,
+        partition: watch::Receiver<Partition>,
+    ) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accept = tokio::spawn(async move {
+            while let Ok((mut inbound, peer)) = listener.accept().await {
+                let (fronts_pid, mut partition) = (fronts_pid.clone(), partition.clone());
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = TcpStream::connect(upstream).await else {
+                        return;
+                    };
+                    // Completes only if this connection is to be cut (else stays pending, so
+                    // the copy below is never interrupted).
+                    let cut = async {
+                        loop {
+                            let isolated = *partition.borrow_and_update();
+                            if let Some(pid) = isolated
+                                && (*fronts_pid.borrow() == Some(pid)
+                                    || opened_by(pid, peer.port(), addr.port()))
+                            {
+                                return;
+                            }
+                            if partition.changed().await.is_err() {
+                                std::future::pending::<()>().await;
+                            }
+                        }
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        () = cut => {}
+                    }
+                });
+            }
+        });
+        Self { addr, accept }
+    }
+}
+
+/// Whether the process `pid` owns the socket connected from `local_port` to `remote_port` on
+/// loopback (our accepted connection's peer): `/proc/net/tcp` gives the socket's inode, the
+/// process's fds show whether it holds it.
+fn opened_by(pid: u32, local_port: u16, remote_port: u16) -> bool {
+    let port_of = |field: &str| {
+        field
+            .rsplit_once(':')
+            .and_then(|(_, p)| u16::from_str_radix(p, 16).ok())
+    };
+    let Ok(table) = std::fs::read_to_string("/proc/net/tcp") else {
+        return false;
+    };
+    let inodes: Vec<String> = table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            (f.len() > 9 && port_of(f[1]) == Some(local_port) && port_of(f[2]) == Some(remote_port))
+                .then(|| format!("socket:[{}]", f[9]))
+        })
+        .collect();
+    if inodes.is_empty() {
+        return false;
+    }
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    fds.flatten().any(|fd| {
+        std::fs::read_link(fd.path())
+            .is_ok_and(|target| inodes.iter().any(|i| target.as_os_str() == i.as_str()))
+    })
+}
+
+fn free_port() -> u16 {
+    StdListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Member {
+    name: String,
+    client_port: u16,
+    child: Child,
+}
+
+/// Three etcd members of our own, their peer proxies, and the partition switch.
+struct Cluster {
+    members: Vec<Member>,
+    _proxies: Vec<PeerProxy>,
+    partition: watch::Sender<Partition>,
+    dir: std::path::PathBuf,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for m in &mut self.members {
+            // Our own child processes, by their pid.
+            let _ = m.child.kill();
+            let _ = m.child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Cluster {
+    async fn start() -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "distlock-drill-etcd-partition-{}-{:x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (partition, partition_rx) = watch::channel(None);
+        let mut proxies = Vec::new();
+        let mut fronts = Vec::new();
+        let mut peer_ports = Vec::new();
+        for _ in 0..3 {
+            let listen_peer = free_port();
+            let (pid_tx, pid_rx) = watch::channel(None);
+            let upstream: SocketAddr = format!("127.0.0.1:{listen_peer}").parse().unwrap();
+            proxies.push(PeerProxy::start(upstream, pid_rx, partition_rx.clone()).await);
+            fronts.push(pid_tx);
+            peer_ports.push(listen_peer);
+        }
+        let initial: Vec<String> = (0..3)
+            .map(|i| format!("p{i}=http://{}", proxies[i].addr))
+            .collect();
+        let token = format!("drill-{:x}", rand::random::<u64>());
+        let mut members = Vec::new();
+        for i in 0..3 {
+            let name = format!("p{i}");
+            let client_port = free_port();
+            let client_url = format!("http://127.0.0.1:{client_port}");
+            let child = Command::new("etcd")
+                .args(["--name", &name, "--data-dir"])
+                .arg(dir.join(&name))
+                .args(["--listen-client-urls", &client_url])
+                .args(["--advertise-client-urls", &client_url])
+                .args([
+                    "--listen-peer-urls",
+                    &format!("http://127.0.0.1:{}", peer_ports[i]),
+                ])
+                .args([
+                    "--initial-advertise-peer-urls",
+                    &format!("http://{}", proxies[i].addr),
+                ])
+                .args(["--initial-cluster", &initial.join(",")])
+                .args(["--initial-cluster-token", &token])
+                .args(["--initial-cluster-state", "new"])
+                .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap())
+                .spawn()
+                .expect("start etcd");
+            fronts[i].send_replace(Some(child.id()));
+            members.push(Member {
+                name,
+                client_port,
+                child,
+            });
+        }
+        let cluster = Self {
+            members,
+            _proxies: proxies,
+            partition,
+            dir,
+        };
+        let until = Instant::now() + SOON;
+        while cluster.leader(&[0, 1, 2]).await.is_none() {
+            assert!(
+                Instant::now() < until,
+                "the private cluster never elected a leader: {}",
+                cluster.logs()
+            );
+            sleep(Duration::from_millis(100)).await;
+        }
+        cluster
+    }
+
+    fn url(&self, i: usize) -> String {
+        format!(
+            "etcd://127.0.0.1:{}?{}",
+            self.members[i].client_port,
+            Backend::Etcd.options()
+        )
+    }
+
+    /// The member the given members agree is the leader (asked with `etcdctl endpoint status`).
+    async fn leader(&self, among: &[usize]) -> Option<usize> {
+        let endpoints: Vec<String> = among
+            .iter()
+            .map(|&i| format!("http://127.0.0.1:{}", self.members[i].client_port))
+            .collect();
+        let out = tokio::process::Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .args(["--endpoints", &endpoints.join(",")])
+            .args(["--dial-timeout=1s", "--command-timeout=2s"])
+            .args(["endpoint", "status", "-w", "json"])
+            .kill_on_drop(true)
+            .output()
+            .await
+            .ok()?;
+        let serde_json::Value::Array(statuses) = serde_json::from_slice(&out.stdout).ok()? else {
+            return None;
+        };
+        if statuses.len() != among.len() {
+            return None;
+        }
+        let mut leaders = statuses.iter().map(|s| s["Status"]["leader"].as_u64());
+        let first = leaders.next()??;
+        if first == 0 || leaders.any(|l| l != Some(first)) {
+            return None;
+        }
+        let at = statuses
+            .iter()
+            .find(|s| s["Status"]["header"]["member_id"].as_u64() == Some(first))?;
+        let endpoint = at["Endpoint"].as_str()?;
+        among
+            .iter()
+            .copied()
+            .find(|&i| endpoint.ends_with(&format!(":{}", self.members[i].client_port)))
+    }
+
+    /// The end of each member's log, for a failure message.
+    fn logs(&self) -> String {
+        let mut out = String::new();
+        for m in &self.members {
+            let log = std::fs::read_to_string(self.dir.join(format!("{}.log", m.name)))
+                .unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = lines[lines.len().saturating_sub(5)..].join("\n");
+            out.push_str(&format!("\n--- {} ---\n{tail}", m.name));
+        }
+        out
+    }
+
+    fn isolate(&self, i: usize) {
+        self.partition
+            .send_replace(Some(self.members[i].child.id()));
+    }
+
+    fn heal(&self) {
+        self.partition.send_replace(None);
+    }
+}
+
+fn etcd_installed() -> bool {
+    Command::new("etcd")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+async fn partitioned_member_holder() {
+    let cluster = Cluster::start().await;
+    let leader = cluster.leader(&[0, 1, 2]).await.expect("a leader");
+    // The holder's member is a follower, so the majority keeps the leader.
+    let isolated = (leader + 1) % 3;
+    let majority = (leader + 2) % 3;
+    let history = History::new("etcd_partitioned_member_holder");
+    let key = conformance::fresh_key("drill-partition");
+    let log = FencedLog::new();
+    let holder = Client::new(&history, "holder", &cluster.url(isolated)).await;
+    let contender = Client::new(&history, "contender", &cluster.url(majority)).await;
+
+    let held = holder
+        .acquire(&key, WAIT)
+        .await
+        .expect("the holder acquires");
+    let f1 = held.hold.fencing.map_or(0, FencingToken::get);
+    assert!(write(&holder.rec, &held.hold, &log, "holder#0"));
+    // The contender queues on the majority side.
+    let waiting = tokio::spawn(contender.start_acquire(&key, WAIT));
+    sleep(TTL / 2).await;
+    assert!(!waiting.is_finished(), "granted while held");
+
+    let fault = history.fault(
+        "member partitioned from the majority",
+        Some(&cluster.members[isolated].name),
+    );
+    let cut = Instant::now();
+    cluster.isolate(isolated);
+    // The holder writes while it trusts its lease.
+    let writer = {
+        let (rec, hold, log) = (holder.rec.clone(), held.hold.clone(), Arc::clone(&log));
+        let guard_lost = held.guard.lost();
+        tokio::spawn(async move {
+            let mut lost = std::pin::pin!(guard_lost);
+            for n in 1.. {
+                tokio::select! {
+                    biased;
+                    () = &mut lost => return,
+                    () = sleep(Duration::from_millis(20)) => {}
+                }
+                write(&rec, &hold, &log, &format!("holder#{n}"));
+            }
+        })
+    };
+    let granted = waiting
+        .await
+        .unwrap()
+        .expect("the majority grants the contender once the holder's lease expired");
+    let granted_at = Instant::now();
+    // By then the holder must have stopped trusting its lease (and writing).
+    let lost_at = if held.guard.is_lost() {
+        held.wait_lost(SOON).await
+    } else {
+        None
+    };
+    writer.abort();
+    let f2 = granted.hold.fencing.map_or(0, FencingToken::get);
+    assert!(f2 > f1, "fencing must increase: {f1} then {f2}");
+    assert!(write(&contender.rec, &granted.hold, &log, "contender#1"));
+    let lost_at = lost_at
+        .expect("the partitioned holder still trusted its lease when the contender was granted");
+    eprintln!(
+        "{}: member {} cut off; holder lost ({:?}) {:?} after the cut, contender granted {:?} \
+         after the cut ({:?} after the loss); fence {f1} then {f2}",
+        history.name(),
+        cluster.members[isolated].name,
+        held.guard.loss_reason(),
+        lost_at - cut,
+        granted_at - cut,
+        granted_at - lost_at,
+    );
+    assert!(lost_at < granted_at);
+    history.note(format!(
+        "holder on {} (partitioned); contender on {}",
+        cluster.members[isolated].name, cluster.members[majority].name
+    ));
+    assert_eq!(contender.release(granted).await, Some(true));
+
+    cluster.heal();
+    fault.heal();
+    let _ = holder.release(held).await;
+    // Liveness: once healed, the holder's member rejoins and its client can lock again.
+    let again = holder
+        .acquire(&key, WAIT)
+        .await
+        .expect("the holder acquires again after the heal");
+    assert!(write(&holder.rec, &again.hold, &log, "holder#again"));
+    assert_eq!(holder.release(again).await, Some(true));
+    finish(&history, &log, &[]);
+}
+
+#[test]
+fn etcd_partitioned_member_holder() {
+    if conformance::backend_url("DISTLOCK_TEST_ETCD3_URL").is_none() {
+        drill_support::skip(
+            "partitioned_member_holder",
+            Backend::Etcd,
+            "up3 is not running",
+        );
+        return;
+    }
+    assert!(etcd_installed(), "etcd is not installed");
+    drill_support::block_on(partitioned_member_holder());
+}

@@ -1,0 +1,388 @@
+//! Drill: a ZooKeeper holder connected to a follower that is partitioned from the leader.
+//!
+//! A private 3-member ensemble (never the shared one of `backends.sh up3`): members 1 and 2 form
+//! the ensemble first, then member 3 joins as a follower. Member 3 reaches members 1 and 2 only
+//! through drill proxies on their quorum and election ports (it has the highest id, so it is the
+//! one that opens every connection with them), so blackholing those proxies cuts member 3 — and
+//! only member 3 — off from the leader, while its clients stay connected to it.
+//!
+//! Client `a` (connected to member 3 only) holds the lock, client `b` (connected to members 1
+//! and 2) waits for it; then member 3 is cut off. A follower cut off from its leader keeps
+//! answering its clients' reads for syncLimit × tickTime (here 5 s, longer than the 2 s session),
+//! while the leader expires `a`'s session and grants the lock to `b`. The drill requires that
+//! `a`'s guard reports the loss **before** `b` is granted, that `b`'s fencing token is larger,
+//! and that the recorded history passes the checker. Before lock-zk counted only answers that
+//! went through the leader, `a` went on trusting the lock for seconds after `b` had it.
+//!
+//! Ports: members' clients 23181–23183, quorum 23184–23186, election 23187–23189; the proxies
+//! take ephemeral ports. Everything the drill starts is killed by pid and its data deleted, also
+//! when the drill fails half-way.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed expectation is a failed test
+
+mod drill_support;
+
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use conformance::drill::{ClientRecorder, History, Hold, Proxy};
+use drill_support::{FencedLog, SOON, block_on, client, finish, write};
+use lock_core::{DistributedLockExt, DynLock, LockGuard, LockKey};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpStream,
+    task::JoinHandle,
+    time::{Instant, sleep},
+};
+
+const CLIENT_PORTS: [u16; 3] = [23181, 23182, 23183];
+const QUORUM_PORTS: [u16; 3] = [23184, 23185, 23186];
+const ELECTION_PORTS: [u16; 3] = [23187, 23188, 23189];
+const TICK_MS: u64 = 200;
+/// A follower gives up on a silent leader after SYNC_LIMIT × TICK_MS = 5 s.
+const SYNC_LIMIT: u64 = 25;
+/// The clients' session timeout, and the drill's TTL (ZooKeeper's smallest).
+const SESSION: Duration = Duration::from_secs(2);
+const JAR: &str = "/usr/share/java/zookeeper.jar";
+
+/// The private ensemble: its members' processes (killed by pid on drop), the proxies that carry
+/// member 3's links to members 1 and 2, and its data directory (deleted on drop).
+struct Ensemble {
+    dir: PathBuf,
+    members: Vec<Child>,
+    proxies: Vec<Proxy>,
+}
+
+impl Drop for Ensemble {
+    fn drop(&mut self) {
+        for child in &mut self.members {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn classpath(conf: &Path) -> String {
+    let mut cp = format!("{}:{JAR}", conf.display());
+    for jar in [
+        "/usr/share/java/slf4j-log4j12.jar",
+        "/usr/share/java/log4j-1.2.jar",
+    ] {
+        if Path::new(jar).exists() {
+            cp.push(':');
+            cp.push_str(jar);
+        }
+    }
+    cp
+}
+
+impl Ensemble {
+    /// Writes member `id`'s configuration; `peers[i]` is how it reaches member `i + 1`'s quorum
+    /// and election ports.
+    fn configure(&self, id: usize, peers: [(u16, u16); 3]) -> PathBuf {
+        let conf = self.dir.join(format!("zk{id}"));
+        let data = conf.join("data");
+        std::fs::create_dir_all(&data).unwrap();
+        std::fs::write(data.join("myid"), format!("{id}\n")).unwrap();
+        let mut cfg = format!(
+            "tickTime={TICK_MS}\ninitLimit=50\nsyncLimit={SYNC_LIMIT}\ndataDir={}\n\
+             clientPort={}\nclientPortAddress=127.0.0.1\nminSessionTimeout={}\n\
+             maxSessionTimeout=60000\nmaxClientCnxns=0\nadmin.enableServer=false\n\
+             4lw.commands.whitelist=*\n",
+            data.display(),
+            CLIENT_PORTS[id - 1],
+            2 * TICK_MS
+        );
+        for (i, (quorum, election)) in peers.iter().enumerate() {
+            cfg.push_str(&format!("server.{}=127.0.0.1:{quorum}:{election}\n", i + 1));
+        }
+        std::fs::write(conf.join("zoo.cfg"), cfg).unwrap();
+        std::fs::write(
+            conf.join("log4j.properties"),
+            "log4j.rootLogger=INFO, CONSOLE\n\
+             log4j.appender.CONSOLE=org.apache.log4j.ConsoleAppender\n\
+             log4j.appender.CONSOLE.layout=org.apache.log4j.PatternLayout\n\
+             log4j.appender.CONSOLE.layout.ConversionPattern=%d{ISO8601} %-5p [%t] %c{1} - %m%n\n",
+        )
+        .unwrap();
+        conf
+    }
+
+    fn start(&mut self, id: usize, peers: [(u16, u16); 3]) {
+        let conf = self.configure(id, peers);
+        let log = std::fs::File::create(self.dir.join(format!("zk{id}.log"))).unwrap();
+        let child = Command::new("java")
+            .args([
+                "-Xms32m",
+                "-Xmx256m",
+                "-XX:+UseSerialGC",
+                "-Djava.net.preferIPv4Stack=true",
+                "-Dzookeeper.admin.enableServer=false",
+                "-cp",
+                &classpath(&conf),
+                "org.apache.zookeeper.server.quorum.QuorumPeerMain",
+            ])
+            .arg(conf.join("zoo.cfg"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start java");
+        self.members.push(child);
+    }
+
+    /// What member `id`'s log says, for failure messages.
+    fn log_tail(&self, id: usize) -> String {
+        let text =
+            std::fs::read_to_string(self.dir.join(format!("zk{id}.log"))).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+}
+
+/// The `Mode:` of the member on `port` (`leader`, `follower`, ...), empty when it does not say.
+async fn mode(port: u16) -> String {
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)).await else {
+        return String::new();
+    };
+    let _ = s.write_all(b"srvr").await;
+    let mut out = String::new();
+    let _ = tokio::time::timeout(Duration::from_secs(2), s.read_to_string(&mut out)).await;
+    out.lines()
+        .find_map(|l| l.strip_prefix("Mode: "))
+        .unwrap_or("")
+        .trim()
+        .to_owned()
+}
+
+async fn wait_mode(ensemble: &Ensemble, id: usize, ok: impl Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let m = mode(CLIENT_PORTS[id - 1]).await;
+        if ok(&m) {
+            return m;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "member {id} never got a suitable mode (last: {m:?}); its log:\n{}",
+            ensemble.log_tail(id)
+        );
+        sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn port_free(port: u16) -> bool {
+    std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
+}
+
+/// A guard and when its `lost()` fired.
+struct Held {
+    guard: LockGuard,
+    hold: Hold,
+    lost_at: Arc<Mutex<Option<Instant>>>,
+    _loss: JoinHandle<()>,
+}
+
+async fn acquire(rec: &ClientRecorder, lock: &DynLock, key: &LockKey, wait: Duration) -> Held {
+    let op = rec.acquire(key, SESSION);
+    let guard = match tokio::time::timeout(
+        wait + SOON,
+        lock.lock(key.as_str()).ttl(SESSION).wait(wait).acquire(),
+    )
+    .await
+    {
+        Ok(Ok(guard)) => guard,
+        Ok(Err(e)) => {
+            op.error(&e);
+            panic!("{}: acquire failed: {e}", rec.id());
+        }
+        Err(_) => {
+            op.unknown("acquire did not return by its deadline");
+            panic!("{}: acquire hung", rec.id());
+        }
+    };
+    op.granted(&guard);
+    let hold = Hold::from(&guard);
+    let lost_at = Arc::new(Mutex::new(None));
+    let loss = tokio::spawn({
+        let (lost, rec, hold, lost_at) = (guard.lost(), rec.clone(), hold.clone(), lost_at.clone());
+        async move {
+            lost.await;
+            *lost_at.lock().unwrap() = Some(Instant::now());
+            rec.lost(hold, "the guard's lost() fired");
+        }
+    });
+    Held {
+        guard,
+        hold,
+        lost_at,
+        _loss: loss,
+    }
+}
+
+fn url(ports: &[u16]) -> String {
+    let hosts: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    format!(
+        "zk://{}?session_timeout={}ms&op_timeout=1s&connect_timeout=10s&root=/drill",
+        hosts.join(","),
+        SESSION.as_millis()
+    )
+}
+
+#[test]
+fn zk_holder_on_a_partitioned_follower_loses_before_the_leader_grants_another() {
+    // The ensemble needs what the shared ZooKeeper needs (Java and the Debian package).
+    if conformance::backend_url("DISTLOCK_TEST_ZK_URL").is_none() {
+        return;
+    }
+    assert!(
+        Path::new(JAR).exists(),
+        "{JAR} is missing (scripts/backends.sh install)"
+    );
+    for port in CLIENT_PORTS
+        .iter()
+        .chain(&QUORUM_PORTS)
+        .chain(&ELECTION_PORTS)
+    {
+        assert!(
+            port_free(*port),
+            "port {port} is in use: this drill needs 23181-23189"
+        );
+    }
+    block_on(drill());
+}
+
+async fn drill() {
+    let dir = std::env::temp_dir().join(format!("distlock-drill-zk-pf-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut ensemble = Ensemble {
+        dir,
+        members: Vec::new(),
+        proxies: Vec::new(),
+    };
+    let direct = [0, 1, 2].map(|i| (QUORUM_PORTS[i], ELECTION_PORTS[i]));
+    ensemble.start(1, direct);
+    ensemble.start(2, direct);
+    let serving = |m: &str| m == "leader" || m == "follower";
+    wait_mode(&ensemble, 1, serving).await;
+    wait_mode(&ensemble, 2, serving).await;
+    // Member 3 reaches 1 and 2 only through proxies on their quorum and election ports.
+    let mut via = direct;
+    for (i, peer) in via.iter_mut().enumerate().take(2) {
+        let to = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
+        let quorum = Proxy::start(to(QUORUM_PORTS[i])).await.unwrap();
+        let election = Proxy::start(to(ELECTION_PORTS[i])).await.unwrap();
+        *peer = (quorum.addr().port(), election.addr().port());
+        ensemble.proxies.push(quorum);
+        ensemble.proxies.push(election);
+    }
+    ensemble.start(3, via);
+    wait_mode(&ensemble, 3, |m| m == "follower").await;
+    let leader = if mode(CLIENT_PORTS[0]).await == "leader" {
+        1
+    } else {
+        2
+    };
+    eprintln!("ensemble up: member 3 follows member {leader} through the drill proxies");
+
+    let history = History::new("zk_partitioned_follower");
+    history.note(format!(
+        "3-member ensemble, tickTime {TICK_MS} ms, syncLimit {SYNC_LIMIT}; a on follower 3, b on members 1 and 2"
+    ));
+    let log = FencedLog::new();
+    let key = conformance::fresh_key("drill-pf");
+    let (rec_a, rec_b) = (history.client("a"), history.client("b"));
+    let a = client(&url(&CLIENT_PORTS[2..])).await;
+    let b = client(&url(&CLIENT_PORTS[..2])).await;
+
+    let held_a = acquire(&rec_a, &a, &key, SOON).await;
+    assert!(write(&rec_a, &held_a.hold, &log, "a#1"));
+    let waiter = tokio::spawn({
+        let (rec_b, b, key) = (rec_b.clone(), b.clone(), key.clone());
+        async move {
+            let held = acquire(&rec_b, &b, &key, Duration::from_secs(60)).await;
+            (Instant::now(), held)
+        }
+    });
+    // b is queued behind a (two contenders) before the cut.
+    let deadline = Instant::now() + SOON;
+    while !matches!(b.inspect(&key).await, Ok(Some(h)) if h.waiters == Some(1)) {
+        assert!(Instant::now() < deadline, "b never queued behind a");
+        sleep(Duration::from_millis(20)).await;
+    }
+    // Let a renew a few times through the follower first.
+    sleep(SESSION).await;
+    assert!(!held_a.guard.is_lost(), "a lost the lock before the cut");
+    assert!(write(&rec_a, &held_a.hold, &log, "a#2"));
+
+    let cut = history.fault("partition follower 3 from the leader", Some("zk member 3"));
+    for proxy in &ensemble.proxies {
+        proxy.blackhole();
+    }
+    let cut_at = Instant::now();
+    let (granted_at, held_b) = tokio::time::timeout(Duration::from_secs(60), waiter)
+        .await
+        .expect("b was never granted after the leader expired a's session")
+        .unwrap();
+    assert!(write(&rec_b, &held_b.hold, &log, "b#1"));
+    let lost_at = *held_a.lost_at.lock().unwrap();
+    // After the grant, a late loss still shows (for the message), within the follower's 5 s.
+    let lost_at = match lost_at {
+        Some(at) => at,
+        None => {
+            let _ = tokio::time::timeout(Duration::from_secs(15), held_a.guard.lost()).await;
+            sleep(Duration::from_millis(10)).await;
+            held_a
+                .lost_at
+                .lock()
+                .unwrap()
+                .expect("a never reported the loss")
+        }
+    };
+    let since = |t: Instant| t.saturating_duration_since(cut_at);
+    eprintln!(
+        "cut at +0; a lost at +{:?} ({:?}); b granted at +{:?} (fence {:?} after {:?})",
+        since(lost_at),
+        held_a.guard.loss_reason(),
+        since(granted_at),
+        held_b.guard.fencing_token(),
+        held_a.guard.fencing_token()
+    );
+    assert!(
+        lost_at <= granted_at,
+        "a's guard trusted the lock for {:?} after the leader had granted it to b",
+        lost_at - granted_at
+    );
+    assert!(held_b.guard.fencing_token() > held_a.guard.fencing_token());
+    // A stale write by a is refused by the fence.
+    assert!(!write(&rec_a, &held_a.hold, &log, "a#3"));
+
+    for proxy in &ensemble.proxies {
+        proxy.pass();
+    }
+    cut.heal();
+    let release = rec_b.release(held_b.hold.clone());
+    match tokio::time::timeout(SOON, held_b.guard.release()).await {
+        Ok(Ok(released)) => release.released(released),
+        Ok(Err(e)) => release.error(&e),
+        Err(_) => release.unknown("release timed out"),
+    }
+    drop(held_a);
+    // Healed: the majority side serves the lock again at once.
+    let again = acquire(&rec_b, &b, &key, SOON).await;
+    assert!(write(&rec_b, &again.hold, &log, "b#2"));
+    let release = rec_b.release(again.hold.clone());
+    match tokio::time::timeout(SOON, again.guard.release()).await {
+        Ok(Ok(released)) => release.released(released),
+        Ok(Err(e)) => release.error(&e),
+        Err(_) => release.unknown("release timed out"),
+    }
+    finish(&history, &log, &[]);
+    drop(ensemble);
+}

@@ -1,0 +1,123 @@
+//! Review L5: the auth token expires under a long-running client. On a private etcd of this
+//! test (auth enabled, 2 s simple-token TTL; the shared secured server keeps etcd's 300 s), a
+//! client that stays idle past the token's TTL must renew, lock and release again: the token is
+//! refreshed instead of every later request failing for good.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation is a failed test
+
+use std::{
+    net::TcpListener,
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use lock_core::{DistributedLock, LockKey};
+use lock_etcd::EtcdLock;
+use tokio::time::{Instant, sleep};
+
+/// A throwaway single-member etcd, killed (by the pid we started) and deleted on drop.
+struct PrivateEtcd {
+    child: Child,
+    dir: std::path::PathBuf,
+    port: u16,
+}
+
+impl Drop for PrivateEtcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn etcd_installed() -> bool {
+    Command::new("etcd")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+async fn start_etcd(extra: &[&str]) -> PrivateEtcd {
+    let (port, peer) = (free_port(), free_port());
+    let dir =
+        std::env::temp_dir().join(format!("distlock-etcd-auth-{}-{port}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let client_url = format!("http://127.0.0.1:{port}");
+    let peer_url = format!("http://127.0.0.1:{peer}");
+    let child = Command::new("etcd")
+        .args(["--name", "auth", "--data-dir"])
+        .arg(dir.join("data"))
+        .args(["--listen-client-urls", &client_url])
+        .args(["--advertise-client-urls", &client_url])
+        .args(["--listen-peer-urls", &peer_url])
+        .args(["--initial-advertise-peer-urls", &peer_url])
+        .args(["--initial-cluster", &format!("auth={peer_url}")])
+        .args(["--initial-cluster-state", "new"])
+        .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start etcd");
+    let server = PrivateEtcd { child, dir, port };
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(mut c) = etcd_client::Client::connect([client_url.as_str()], None).await
+            && c.status().await.is_ok_and(|s| s.leader() != 0)
+        {
+            return server;
+        }
+        assert!(Instant::now() < until, "the private etcd never answered");
+        sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_auth_token_is_refreshed() {
+    // Only where the servers are meant to be (the other tests' backends say so); etcd itself
+    // must be installed then.
+    if conformance::backend_url("DISTLOCK_TEST_ETCD_URL").is_none() {
+        return;
+    }
+    assert!(etcd_installed(), "etcd is not installed");
+    let etcd = start_etcd(&["--auth-token", "simple", "--auth-token-ttl", "2"]).await;
+    let endpoint = format!("http://127.0.0.1:{}", etcd.port);
+    let admin = etcd_client::Client::connect([endpoint.as_str()], None)
+        .await
+        .unwrap();
+    let mut auth = admin.auth_client();
+    auth.user_add("root", "pw-root", None).await.unwrap();
+    auth.user_grant_role("root", "root").await.unwrap();
+    auth.auth_enable().await.unwrap();
+
+    let url = format!("etcd://root:pw-root@127.0.0.1:{}?min_ttl=1s", etcd.port);
+    let lock = EtcdLock::connect_url(&url).await.unwrap();
+    let ttl = Duration::from_secs(20);
+    let key = LockKey::new("l5-token").unwrap();
+    let mut lease = lock.try_acquire(&key, ttl).await.unwrap().unwrap();
+    // Idle past the token's TTL (a simple token lives 2 s after its last use here).
+    sleep(Duration::from_millis(3500)).await;
+    lock.renew(&mut lease, ttl)
+        .await
+        .expect("renew after the token expired");
+    let other = LockKey::new("l5-token-other").unwrap();
+    sleep(Duration::from_millis(3500)).await;
+    let second = lock
+        .try_acquire(&other, ttl)
+        .await
+        .expect("a new lock after the token expired")
+        .expect("free");
+    assert!(lock.release(&second).await.unwrap());
+    assert!(lock.release(&lease).await.unwrap());
+}
