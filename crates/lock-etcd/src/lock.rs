@@ -41,7 +41,8 @@ const MAX_LEASE_TTL_SECS: u64 = 9_000_000_000;
 /// <prefix>NAME` and this client exclude each other.
 ///
 /// All locks one client takes with the same TTL (in whole seconds) share one etcd lease (a
-/// session), so keeping N held locks alive costs about one keepalive per renewal round, not N.
+/// session), so keeping N held locks alive costs about one keepalive per renewal round, not N,
+/// plus one batched read (up to 128 entries per txn) that proves each renewed entry still exists.
 /// Releasing deletes only the lock's own key; the lease is revoked a short grace period after
 /// no lock uses it any more (an acquisition meanwhile reuses it). A lock on a shared lease that is not renewed is deleted by this client at its local
 /// deadline, so it does not outlive its TTL just because its neighbours are renewed.
@@ -72,6 +73,9 @@ struct Inner {
 type Check = (Vec<u8>, i64, i64);
 /// Whether it was found as it should be, or why the read failed.
 type CheckAnswer = std::result::Result<bool, (Failure, Arc<str>)>;
+
+/// How long past its deadline an `acquire` may spend leaving the queue in the foreground.
+const LEAVE_GRACE: Duration = Duration::from_millis(150);
 
 /// The most operations etcd accepts in one txn by default (`--max-txn-ops`).
 const MAX_TXN_OPS: usize = 128;
@@ -473,7 +477,10 @@ impl EtcdLock {
             (entry, base)
         } else {
             if let Err(e) = inner.wait_turn(&entry, key, ttl, wait).await {
-                entry.discard(until).await;
+                // Leave the queue before returning when that is quick (a waiter that timed out
+                // must not be handed the lock next); past a short grace the rest goes to the
+                // background, so the deadline is overshot by that grace at most.
+                entry.discard(until.max(Instant::now()) + LEAVE_GRACE).await;
                 return Err(e);
             }
             match entry.session.keep_alive(ttl / 8, None, until).await {
@@ -587,7 +594,7 @@ impl Inner {
 
     /// Revokes a retired session's lease, bounded by `until`. On failure the lease expires by
     /// its TTL: nothing keeps a retired session alive.
-    async fn revoke(&self, session: &Session, until: Instant) {
+    async fn revoke(&self, session: &Session, until: Instant) -> Result<(), RequestError> {
         Counters::bump(&self.counters.lease_revoke);
         match error::request_until(
             self.timeout(),
@@ -600,9 +607,13 @@ impl Inner {
             | Err(RequestError {
                 failure: Failure::LeaseNotFound,
                 ..
-            }) => session.mark_gone(),
+            }) => {
+                session.mark_gone();
+                Ok(())
+            }
             Err(e) => {
-                tracing::debug!(error = %e.source, "revoking an unused lease failed; it expires by its ttl")
+                tracing::debug!(error = %e.source, "revoking an unused lease failed; it expires by its ttl");
+                Err(e)
             }
         }
     }
@@ -627,7 +638,8 @@ impl Inner {
             if session.retire_if_idle(idle_since)
                 && let Some(inner) = me.upgrade()
             {
-                inner
+                // An idle lease has no keys: if this fails it just expires by its TTL.
+                let _ = inner
                     .revoke(&session, Instant::now() + inner.timeout())
                     .await;
                 inner.forget(&session);
@@ -642,10 +654,11 @@ impl Inner {
             return Ok(());
         }
         if t.session.take_last_user(&t.name) {
-            // Revoking the lease deletes the entry with it.
+            // Revoking the lease deletes the entry with it. Should that fail, the session is
+            // retired all the same (nothing keeps its lease alive) and the caller's retries
+            // delete the entry itself, so it does not block the lock until the lease expires.
             self.forget(&t.session);
-            self.revoke(&t.session, until).await;
-            return Ok(());
+            return self.revoke(&t.session, until).await;
         }
         Counters::bump(&self.counters.txn);
         match error::request_until(
@@ -790,7 +803,7 @@ impl Inner {
         ));
         if granted < ttl {
             // Never happens with etcd (it only raises short TTLs), but never trust a shorter lease.
-            self.revoke(&session, until).await;
+            let _ = self.revoke(&session, until).await;
             return Err(protocol(
                 "acquire",
                 format!("etcd granted a {granted:?} lease for a {ttl:?} ttl"),

@@ -646,15 +646,16 @@ fn an_idle_lease_used_again_within_its_grace_period_is_kept() {
     rt().block_on(async {
         let Some(env) = env().await else { return };
         let a = env.client().await;
-        // A 4 s TTL: the idle grace period is 1 s. Cycles 300 ms apart: every idle gap is far
-        // shorter than the grace period, though the first release's reaper fires in a later gap.
+        // A 4 s TTL: the idle grace period is 1 s. Cycles 100 ms apart for about 1.5 s: every
+        // idle gap is far shorter than the grace period (room for a loaded machine's stalls),
+        // though the first releases' reapers fire in later gaps.
         let ttl = Duration::from_secs(4);
         let key = fresh("idle-gaps");
         let before = a.request_counts();
-        for _ in 0..6 {
+        for _ in 0..15 {
             let l = a.try_acquire(&key, ttl).await.unwrap().unwrap();
             assert!(a.release(&l).await.unwrap());
-            sleep(Duration::from_millis(300)).await;
+            sleep(Duration::from_millis(100)).await;
         }
         let after = a.request_counts();
         assert_eq!(
