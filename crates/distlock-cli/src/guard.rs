@@ -103,7 +103,17 @@ pub fn main(args: &GuardArgs) -> u8 {
     if getppid().as_raw() != args.parent {
         return exit::INTERNAL;
     }
+    // Read the pipe unbuffered (a `StdinLock` could keep a message in its buffer where `poll`
+    // does not see it).
+    let control = match std::io::stdin().as_fd().try_clone_to_owned() {
+        Ok(fd) => std::fs::File::from(fd),
+        Err(e) => {
+            eprintln!("distlock: the guard process cannot read its supervisor's pipe: {e}");
+            return exit::INTERNAL;
+        }
+    };
     let mut guard = Guard {
+        control,
         key: args.key.clone(),
         group,
         parent: args.parent,
@@ -124,6 +134,7 @@ fn nanos(d: Duration) -> i64 {
 }
 
 struct Guard {
+    control: std::fs::File,
     key: String,
     group: Pid,
     parent: i32,
@@ -180,10 +191,10 @@ impl Guard {
         // Round up so that the guard does not wake a little early and spin.
         let millis = wake_in.saturating_add(999_999) / 1_000_000;
         let timeout = PollTimeout::try_from(millis.clamp(0, 60_000)).unwrap_or(PollTimeout::MAX);
-        let stdin = std::io::stdin();
+        let control = &self.control;
         let mut fds = vec![PollFd::new(death_fd.as_fd(), PollFlags::POLLIN)];
         if !self.eof {
-            fds.push(PollFd::new(stdin.as_fd(), PollFlags::POLLIN));
+            fds.push(PollFd::new(control.as_fd(), PollFlags::POLLIN));
         }
         match poll(&mut fds, timeout) {
             Ok(0) | Err(Errno::EINTR) => return false,
@@ -206,7 +217,7 @@ impl Guard {
         }
         if input {
             let mut chunk = [0u8; 512];
-            match stdin.lock().read(&mut chunk) {
+            match (&self.control).read(&mut chunk) {
                 Ok(0) | Err(_) => {
                     self.eof = true;
                     if !self.done {

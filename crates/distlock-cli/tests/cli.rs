@@ -169,8 +169,8 @@ fn the_command_runs_in_its_own_process_group() {
 }
 
 #[test]
-fn sigterm_and_sigint_are_forwarded_to_the_command() {
-    for (signal, expected) in [("TERM", "got TERM"), ("INT", "got INT")] {
+fn sigterm_sigint_sighup_and_sigquit_are_forwarded_to_the_command() {
+    for (signal, code) in [("TERM", 42), ("INT", 43), ("HUP", 44), ("QUIT", 45)] {
         let mut child = distlock()
             .args([
                 "--url",
@@ -180,7 +180,8 @@ fn sigterm_and_sigint_are_forwarded_to_the_command() {
                 "--",
                 "sh",
                 "-c",
-                "trap 'echo got TERM; exit 42' TERM; trap 'echo got INT; exit 43' INT; echo ready; \
+                "trap 'echo got TERM; exit 42' TERM; trap 'echo got INT; exit 43' INT; \
+                 trap 'echo got HUP; exit 44' HUP; trap 'echo got QUIT; exit 45' QUIT; echo ready; \
                  while :; do sleep 0.1; done",
             ])
             .stdin(Stdio::null())
@@ -197,8 +198,7 @@ fn sigterm_and_sigint_are_forwarded_to_the_command() {
             .unwrap();
         assert!(status.success());
         let out = child.wait_with_output().unwrap();
-        assert_eq!(lines.next().unwrap().unwrap(), expected);
-        let code = if signal == "TERM" { 42 } else { 43 };
+        assert_eq!(lines.next().unwrap().unwrap(), format!("got {signal}"));
         assert_eq!(out.status.code(), Some(code), "{}", stderr(&out));
     }
 }
