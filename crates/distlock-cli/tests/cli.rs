@@ -453,3 +453,27 @@ fn flock_style_flags_verbose_and_json_events() {
         "-c and a command after -- conflict"
     );
 }
+
+/// The guard killed on its own (the command kills it here): nothing would stop the command if
+/// distlock died next, so distlock terminates the command and exits 70.
+#[test]
+fn a_killed_guard_process_gets_the_command_terminated() {
+    let started = std::time::Instant::now();
+    let out = output(distlock().args([
+        "--url",
+        "memory://",
+        "run",
+        "k",
+        "--",
+        "sh",
+        "-c",
+        "kill -KILL $(cut -d' ' -f5 /proc/$$/stat); sleep 20",
+    ]));
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(70), "{err}");
+    assert!(err.contains("guard process"), "{err}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(10),
+        "{err}"
+    );
+}
