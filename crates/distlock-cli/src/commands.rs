@@ -16,7 +16,7 @@ use crate::{
 
 fn key_or_exit(key: &str) -> Result<LockKey, u8> {
     LockKey::new(key).map_err(|e| {
-        eprintln!("distlock: {e}");
+        say!("distlock: {e}");
         exit::USAGE
     })
 }
@@ -52,7 +52,7 @@ pub async fn inspect(lock: DynLock, args: InspectArgs) -> u8 {
     let holder = match lock.inspect(&key).await {
         Ok(holder) => holder,
         Err(e) => {
-            eprintln!("distlock: {e}");
+            say!("distlock: {e}");
             return code_for(&e);
         }
     };
@@ -109,7 +109,7 @@ pub async fn release(lock: DynLock, args: ReleaseArgs) -> u8 {
         Err(code) => return code,
     };
     if !lock.capabilities().force_release {
-        eprintln!(
+        say!(
             "distlock: the {} backend does not support force_release",
             lock.backend_name()
         );
@@ -118,11 +118,11 @@ pub async fn release(lock: DynLock, args: ReleaseArgs) -> u8 {
     let holder = match lock.inspect(&key).await {
         Ok(Some(holder)) => holder,
         Ok(None) => {
-            eprintln!("distlock: {key} is not held; nothing released");
+            say!("distlock: {key} is not held; nothing released");
             return exit::FAILED;
         }
         Err(e) => {
-            eprintln!("distlock: {e}");
+            say!("distlock: {e}");
             return code_for(&e);
         }
     };
@@ -130,7 +130,7 @@ pub async fn release(lock: DynLock, args: ReleaseArgs) -> u8 {
     // while the operator read the warning is left alone. A holder without a token (a foreign
     // client's value) cannot be named, so it is not removed.
     let Some(fence) = holder.fencing_token else {
-        eprintln!(
+        say!(
             "distlock: {key} is held by {}, a grant without a fencing token (not distlock's?): \
              release --force removes only a grant it can name; nothing released",
             describe_holder(&holder)
@@ -138,8 +138,8 @@ pub async fn release(lock: DynLock, args: ReleaseArgs) -> u8 {
         return exit::FAILED;
     };
     if !args.yes {
-        eprintln!("{key} is held by {}", describe_holder(&holder));
-        eprintln!(
+        say!("{key} is held by {}", describe_holder(&holder));
+        say!(
             "Force-releasing removes that lease now, whatever its holder is doing. If the holder is\n\
              still alive (paused, partitioned, slow), it may keep working — and writing — until it\n\
              notices the loss at its next renewal; only a resource that checks fencing tokens will\n\
@@ -147,7 +147,7 @@ pub async fn release(lock: DynLock, args: ReleaseArgs) -> u8 {
              holder is dead or its writes are fenced."
         );
         if !std::io::stdin().is_terminal() {
-            eprintln!(
+            say!(
                 "distlock: refusing to force-release without confirmation: stdin is not a terminal (pass --yes)"
             );
             return exit::USAGE;
@@ -158,7 +158,7 @@ pub async fn release(lock: DynLock, args: ReleaseArgs) -> u8 {
         let confirmed = std::io::stdin().lock().read_line(&mut answer).is_ok()
             && matches!(answer.trim().to_ascii_lowercase().as_str(), "y" | "yes");
         if !confirmed {
-            eprintln!("not released");
+            say!("not released");
             return exit::FAILED;
         }
     }
@@ -171,13 +171,13 @@ pub async fn release(lock: DynLock, args: ReleaseArgs) -> u8 {
             exit::OK
         }
         Ok(false) => {
-            eprintln!(
+            say!(
                 "distlock: {key} is no longer held by that grant (released, expired or taken over meanwhile); nothing released"
             );
             exit::FAILED
         }
         Err(e) => {
-            eprintln!("distlock: {e}");
+            say!("distlock: {e}");
             code_for(&e)
         }
     }
@@ -232,7 +232,7 @@ pub async fn check(lock: DynLock, args: CheckArgs) -> u8 {
     let key = match LockKey::new(SELF_TEST_KEY) {
         Ok(key) => key,
         Err(e) => {
-            eprintln!("distlock: {e}");
+            say!("distlock: {e}");
             return exit::FAILED;
         }
     };

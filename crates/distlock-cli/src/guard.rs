@@ -90,13 +90,13 @@ pub fn main(args: &GuardArgs) -> u8 {
     let death_fd = match setup {
         Ok(fd) => fd,
         Err(e) => {
-            eprintln!("distlock: the guard process cannot set itself up: {e}");
+            say!("distlock: the guard process cannot set itself up: {e}");
             return exit::INTERNAL;
         }
     };
     let group = getpgrp();
     if group != getpid() {
-        eprintln!("distlock: the guard process must lead its own process group");
+        say!("distlock: the guard process must lead its own process group");
         return exit::INTERNAL;
     }
     // The parent may have died before PR_SET_PDEATHSIG was set: then nothing was started yet.
@@ -108,7 +108,7 @@ pub fn main(args: &GuardArgs) -> u8 {
     let control = match std::io::stdin().as_fd().try_clone_to_owned() {
         Ok(fd) => std::fs::File::from(fd),
         Err(e) => {
-            eprintln!("distlock: the guard process cannot read its supervisor's pipe: {e}");
+            say!("distlock: the guard process cannot read its supervisor's pipe: {e}");
             return exit::INTERNAL;
         }
     };
@@ -201,7 +201,7 @@ impl Guard {
             Ok(_) => {}
             Err(e) => {
                 // Cannot watch the supervisor any more: stop the command while that is safe.
-                eprintln!("distlock: the guard process cannot wait for its supervisor: {e}");
+                say!("distlock: the guard process cannot wait for its supervisor: {e}");
                 self.orphaned();
                 return false;
             }
@@ -282,6 +282,11 @@ impl Guard {
         if self.kill_at.is_some() {
             return;
         }
+        self.kill_at = Some(kill_at);
+        let _ = killpg(self.group, Signal::SIGTERM);
+        // A stopped process acts on SIGTERM only once continued.
+        let _ = killpg(self.group, Signal::SIGCONT);
+        self.report(&format!("terminating {reason}"));
         let left = Duration::from_nanos(u64::try_from(kill_at.saturating_sub(now)).unwrap_or(0));
         let why = match reason {
             "deadline" => Some(
@@ -291,17 +296,12 @@ impl Guard {
             _ => None,
         };
         if let Some(why) = why {
-            eprintln!(
+            say!(
                 "distlock: {why}; terminating the command holding {}: SIGTERM now, SIGKILL in {}",
                 self.key,
                 format_duration(left)
             );
         }
-        self.report(&format!("terminating {reason}"));
-        self.kill_at = Some(kill_at);
-        let _ = killpg(self.group, Signal::SIGTERM);
-        // A stopped process acts on SIGTERM only once continued.
-        let _ = killpg(self.group, Signal::SIGCONT);
     }
 
     /// One line to the supervisor; it may be gone (EPIPE: Rust ignores SIGPIPE).

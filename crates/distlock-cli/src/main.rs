@@ -2,6 +2,16 @@
 //! a coordinator. See `distlock --help` and the crate README.
 #![forbid(unsafe_code)]
 
+/// Like `eprintln!`, but never panics: stderr may be a closed pipe or a hung-up terminal
+/// (a job whose SSH session went), and distlock must go on supervising, releasing and, in the
+/// guard, signalling the command's group whatever happens to its messages.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod clock;
 mod commands;
 mod connect_error;
@@ -166,12 +176,12 @@ pub struct CheckArgs {
 fn coordinator_url(cli: &Cli) -> Result<String, u8> {
     if let Some(path) = &cli.url_file {
         let text = std::fs::read_to_string(path).map_err(|e| {
-            eprintln!("distlock: cannot read the URL file {}: {e}", path.display());
+            say!("distlock: cannot read the URL file {}: {e}", path.display());
             exit::CONFIG
         })?;
         let url = text.lines().next().unwrap_or_default().trim();
         if url.is_empty() {
-            eprintln!("distlock: the URL file {} is empty", path.display());
+            say!("distlock: the URL file {} is empty", path.display());
             return Err(exit::CONFIG);
         }
         return Ok(url.to_owned());
@@ -179,7 +189,7 @@ fn coordinator_url(cli: &Cli) -> Result<String, u8> {
     match cli.url.as_deref().map(str::trim) {
         Some(url) if !url.is_empty() => Ok(url.to_owned()),
         _ => {
-            eprintln!(
+            say!(
                 "distlock: no coordinator URL: pass --url URL or --url-file PATH, or set DISTLOCK_URL"
             );
             Err(exit::USAGE)
@@ -219,7 +229,7 @@ fn parse() -> Result<Cli, ExitCode> {
         let is_run = args.iter().any(|a| a == "run");
         let has_separator = args.iter().any(|a| a == "--");
         if e.kind() == clap::error::ErrorKind::UnknownArgument && is_run && !has_separator {
-            eprintln!(
+            say!(
                 "hint: the command goes after `--`: distlock run KEY [OPTIONS] -- COMMAND [ARGS..]"
             );
         }
@@ -237,7 +247,7 @@ fn main() -> ExitCode {
     }
     // Checked before any I/O.
     if let Err(message) = check_before_io(&cli.command) {
-        eprintln!("distlock: {message}");
+        say!("distlock: {message}");
         return ExitCode::from(exit::USAGE);
     }
     // `run --wait W` gives up within W plus a little, also while the coordinator does not
@@ -259,14 +269,14 @@ fn main() -> ExitCode {
     let mut ttou = nix::sys::signal::SigSet::empty();
     ttou.add(nix::sys::signal::Signal::SIGTTOU);
     if let Err(e) = ttou.thread_block() {
-        eprintln!("distlock: cannot block SIGTTOU: {e}");
+        say!("distlock: cannot block SIGTTOU: {e}");
         return ExitCode::from(exit::INTERNAL);
     }
     let metrics = if cli.metrics {
         match metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder() {
             Ok(handle) => Some(handle),
             Err(e) => {
-                eprintln!("distlock: cannot install the metrics recorder: {e}");
+                say!("distlock: cannot install the metrics recorder: {e}");
                 return ExitCode::from(exit::UNAVAILABLE);
             }
         }
@@ -280,7 +290,7 @@ fn main() -> ExitCode {
     {
         Ok(runtime) => runtime,
         Err(e) => {
-            eprintln!("distlock: cannot start the async runtime: {e}");
+            say!("distlock: cannot start the async runtime: {e}");
             return ExitCode::from(exit::UNAVAILABLE);
         }
     };
@@ -293,13 +303,11 @@ fn main() -> ExitCode {
         let lock = match connected {
             Ok(Ok(lock)) => lock,
             Ok(Err(e)) => {
-                eprintln!("distlock: {}", connect_error::describe(&url, &e).await);
+                say!("distlock: {}", connect_error::describe(&url, &e).await);
                 return exit::connect_code(&e);
             }
             Err(_elapsed) => {
-                eprintln!(
-                    "distlock: the coordinator did not answer within the wait (connecting to it)"
-                );
+                say!("distlock: the coordinator did not answer within the wait (connecting to it)");
                 return exit::UNAVAILABLE;
             }
         };

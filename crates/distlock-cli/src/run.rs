@@ -45,7 +45,7 @@ pub const PRIVATE_ENV: [&str; 2] = ["DISTLOCK_URL", "DISTLOCK_URL_FILE"];
 /// `--json`: one JSON object per event on stderr (stdout is the command's).
 fn event(args: &RunArgs, value: serde_json::Value) {
     if args.json {
-        eprintln!("{value}");
+        say!("{value}");
     }
 }
 
@@ -63,7 +63,7 @@ async fn run_inner(lock: DynLock, args: &RunArgs, wait_deadline: Option<Instant>
     let key = match LockKey::new(&args.key) {
         Ok(key) => key,
         Err(e) => {
-            eprintln!("distlock: {e}");
+            say!("distlock: {e}");
             return exit::USAGE;
         }
     };
@@ -71,7 +71,7 @@ async fn run_inner(lock: DynLock, args: &RunArgs, wait_deadline: Option<Instant>
     let timing = match Timing::new(args.kill_after, args.ttl, span) {
         Ok(timing) => timing,
         Err(message) => {
-            eprintln!("distlock: {message}");
+            say!("distlock: {message}");
             return exit::USAGE;
         }
     };
@@ -94,7 +94,7 @@ async fn run_inner(lock: DynLock, args: &RunArgs, wait_deadline: Option<Instant>
     );
     if args.verbose {
         let token = fencing.map_or(String::new(), |f| format!(" (fencing token {f})"));
-        eprintln!("distlock: acquired {key}{token}");
+        say!("distlock: acquired {key}{token}");
     }
     supervise(guard, args, &timing).await
 }
@@ -191,7 +191,7 @@ async fn acquire(
             match result {
                 Ok(Ok(result)) => result.map(Some),
                 Ok(Err(_elapsed)) => {
-                    eprintln!(
+                    say!(
                         "distlock: lock {key} not acquired: the coordinator did not answer within the wait of {}",
                         format_duration(wait)
                     );
@@ -200,7 +200,7 @@ async fn acquire(
                 Err(signal) => {
                     // The dropped acquire leaves the wait queue in the background; `main`
                     // waits for that before exiting.
-                    eprintln!("distlock: interrupted by {signal} while waiting for {key}");
+                    say!("distlock: interrupted by {signal} while waiting for {key}");
                     return Err(exit::signalled(signal as i32));
                 }
             }
@@ -222,7 +222,7 @@ async fn acquire(
                         Ok(Err(e)) => e.to_string(),
                         _ => format!("no answer within {}", format_duration(INSPECT_LIMIT)),
                     };
-                    eprintln!(
+                    say!(
                         "distlock: lock {key} not acquired{waited}, and the coordinator cannot be reached to tell whether another owner holds it: {why}"
                     );
                     return Err(exit::UNAVAILABLE);
@@ -230,12 +230,12 @@ async fn acquire(
                 _ => "held by another owner".to_owned(),
             };
             if !args.quiet {
-                eprintln!("distlock: lock {key} not acquired{waited}: {holder}");
+                say!("distlock: lock {key} not acquired{waited}: {holder}");
             }
             Ok(None)
         }
         Err(e) => {
-            eprintln!("distlock: {e}");
+            say!("distlock: {e}");
             Err(code_for(&e))
         }
     }
@@ -478,7 +478,7 @@ async fn supervise(lease: LockGuard, args: &RunArgs, timing: &Timing) -> u8 {
     let (kill_after, margin) = (timing.kill_after, timing.margin);
     let command_line = args.program();
     let Some((program, program_args)) = command_line.split_first() else {
-        eprintln!("distlock: no command given");
+        say!("distlock: no command given");
         return exit::USAGE;
     };
     let key = lease.key().clone();
@@ -486,7 +486,7 @@ async fn supervise(lease: LockGuard, args: &RunArgs, timing: &Timing) -> u8 {
     let mut signals = match Signals::new() {
         Ok(signals) => signals,
         Err(e) => {
-            eprintln!("distlock: cannot install signal handlers: {e}");
+            say!("distlock: cannot install signal handlers: {e}");
             let _ = lease.release().await;
             return exit::INTERNAL;
         }
@@ -497,7 +497,7 @@ async fn supervise(lease: LockGuard, args: &RunArgs, timing: &Timing) -> u8 {
     let needed = kill_after + margin + timing.renew_every + Duration::from_millis(100);
     while lease.local_deadline() <= Instant::now() + needed {
         if lease.is_lost() || lease.local_deadline() <= Instant::now() {
-            eprintln!("distlock: lost the lock {key} before the command could start");
+            say!("distlock: lost the lock {key} before the command could start");
             let _ = lease.release().await;
             return exit::LOST;
         }
@@ -506,7 +506,7 @@ async fn supervise(lease: LockGuard, args: &RunArgs, timing: &Timing) -> u8 {
     let mut guard = match GuardProcess::spawn(&lease, kill_after, margin).await {
         Ok(guard) => guard,
         Err(e) => {
-            eprintln!("distlock: cannot start the guard process: {e}");
+            say!("distlock: cannot start the guard process: {e}");
             let _ = lease.release().await;
             return exit::INTERNAL;
         }
@@ -531,7 +531,7 @@ async fn supervise(lease: LockGuard, args: &RunArgs, timing: &Timing) -> u8 {
         Err(e) => {
             guard.finish().await;
             drop(foreground);
-            eprintln!("distlock: cannot run {}: {e}", program.to_string_lossy());
+            say!("distlock: cannot run {}: {e}", program.to_string_lossy());
             let _ = lease.release().await;
             return if e.kind() == std::io::ErrorKind::NotFound {
                 exit::NOT_FOUND
@@ -564,7 +564,7 @@ async fn supervise(lease: LockGuard, args: &RunArgs, timing: &Timing) -> u8 {
         tokio::select! {
             status = child.wait(), if leader.is_none() => {
                 leader = Some(status.unwrap_or_else(|e| {
-                    eprintln!("distlock: lost track of the command: {e}");
+                    say!("distlock: lost track of the command: {e}");
                     guard.signal_group(Signal::SIGKILL);
                     ExitStatus::from_raw(Signal::SIGKILL as i32)
                 }));
@@ -609,13 +609,13 @@ async fn supervise(lease: LockGuard, args: &RunArgs, timing: &Timing) -> u8 {
                     .map_or("unknown reason".to_owned(), |r| r.to_string());
                 event(args, serde_json::json!({"event": "lost", "key": key.as_str(), "reason": reason}));
                 if guard.terminating.is_none() && !guard.exited {
-                    eprintln!(
+                    say!(
                         "distlock: lost the lock {key} ({reason}); terminating the command (SIGTERM, SIGKILL after at most {})",
                         format_duration(kill_after)
                     );
                     guard.send("terminate lost\n").await;
                 } else {
-                    eprintln!("distlock: lost the lock {key} ({reason})");
+                    say!("distlock: lost the lock {key} ({reason})");
                 }
             }
         }
@@ -630,7 +630,7 @@ async fn supervise(lease: LockGuard, args: &RunArgs, timing: &Timing) -> u8 {
     }
     if let Some(reason) = &guard.terminating {
         if reason == "deadline" && !lease.is_lost() {
-            eprintln!(
+            say!(
                 "distlock: the command was terminated because the lease on {key} was not renewed in time"
             );
         }
@@ -638,7 +638,7 @@ async fn supervise(lease: LockGuard, args: &RunArgs, timing: &Timing) -> u8 {
         return exit::LOST;
     }
     if lease.is_lost() {
-        eprintln!(
+        say!(
             "distlock: lost the lock {key} before the command finished (it exited with {}, not terminated)",
             describe_status(status)
         );
@@ -648,17 +648,17 @@ async fn supervise(lease: LockGuard, args: &RunArgs, timing: &Timing) -> u8 {
     match lease.release().await {
         Ok(true) => {
             if args.verbose {
-                eprintln!("distlock: released {key}");
+                say!("distlock: released {key}");
             }
         }
         Ok(false) => {
-            eprintln!(
+            say!(
                 "distlock: the lease on {key} had already expired when the command finished (it exited with {}, not terminated)",
                 describe_status(status)
             );
             return exit::LOST_UNTERMINATED;
         }
-        Err(e) => eprintln!("distlock: releasing {key} failed ({e}); it will expire by its ttl"),
+        Err(e) => say!("distlock: releasing {key} failed ({e}); it will expire by its ttl"),
     }
     status_code(status)
 }
@@ -678,7 +678,7 @@ fn on_stop(
                 guard.signal_group(Signal::SIGCONT);
                 None
             } else {
-                eprintln!(
+                say!(
                     "distlock: the command was stopped by {signal}: it used the terminal, which is not its own \
                      (distlock is not in the terminal's foreground); terminating it so that it does not hold {key} forever"
                 );
@@ -686,7 +686,7 @@ fn on_stop(
             }
         }
         Signal::SIGTSTP if foreground.is_some() => {
-            eprintln!(
+            say!(
                 "distlock: job control does not work under `distlock run`: the command, stopped by SIGTSTP, \
                  was resumed (it holds {key})"
             );
@@ -707,7 +707,7 @@ async fn without_guard(
     kill_after: Duration,
     margin: Duration,
 ) -> u8 {
-    eprintln!(
+    say!(
         "distlock: the guard process of the command holding {} died; terminating the command (SIGTERM, SIGKILL after {})",
         lease.key(),
         format_duration(kill_after)

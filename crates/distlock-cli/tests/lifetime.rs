@@ -412,3 +412,42 @@ fn a_command_stopped_by_the_terminal_does_not_hold_the_lock_forever() {
     assert!(text.contains("stopped by SIGTTIN"), "{text}");
     assert!(text.contains("status:149"), "{text}");
 }
+
+/// distlock's stderr is a pipe nobody reads any more (`distlock … 2>&1 | head -1`): its
+/// messages fail, and it still terminates the command of a lost lease and exits 76.
+#[test]
+fn a_closed_stderr_does_not_keep_a_lost_lease_s_command_running() {
+    let Some(url) = conformance::backend_url("DISTLOCK_TEST_REDIS_URL") else {
+        return;
+    };
+    let key = fresh_key("closed-stderr");
+    let dir = temp_dir("closed-stderr");
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let mut holder = distlock(&url)
+        .args(["run", &key, "--ttl", "3s", "--", "sh", "-c"])
+        .arg(format!(
+            "trap '' TERM; echo $$ > {d}/pid.tmp; mv {d}/pid.tmp {d}/pid; while :; do sleep 0.05; done",
+            d = dir.display()
+        ))
+        .stdout(Stdio::null())
+        .stderr(writer)
+        .spawn()
+        .unwrap();
+    let pid: i32 = wait_for_file(&dir.join("pid"), &mut holder, Duration::from_secs(20))
+        .parse()
+        .unwrap();
+    let out = distlock(&url)
+        .args(["release", "--force", "--yes", &key])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let out = wait_with_timeout(holder, Duration::from_secs(20));
+    let survived = alive(pid);
+    if survived {
+        let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+    }
+    assert!(!survived, "the command survived the lost lease");
+    assert_eq!(out.status.code(), Some(76));
+    let _ = std::fs::remove_dir_all(&dir);
+}
