@@ -32,20 +32,15 @@ use crate::duration::parse_duration;
 #[command(name = "distlock", version, after_long_help = exit::HELP, after_help = exit::HELP)]
 struct Cli {
     /// Coordinator URL, e.g. redis://127.0.0.1:6379, etcd://127.0.0.1:2379, zk://127.0.0.1:2181,
-    /// postgres://user@host/db; driver options in the query string. A URL with a password shows
-    /// in `ps`: use --url-file or DISTLOCK_URL for those.
-    #[arg(long, env = "DISTLOCK_URL", global = true, hide_env_values = true)]
+    /// postgres://user@host/db; driver options in the query string. Default: the URL file
+    /// named by DISTLOCK_URL_FILE, else DISTLOCK_URL. A URL with a password shows in `ps`: use
+    /// --url-file or DISTLOCK_URL for those.
+    #[arg(long, global = true, conflicts_with = "url_file")]
     url: Option<String>,
 
     /// Read the coordinator URL from this file (its first line), which keeps a password out of
-    /// `ps` and of the environment. Overrides DISTLOCK_URL.
-    #[arg(
-        long,
-        env = "DISTLOCK_URL_FILE",
-        global = true,
-        value_name = "PATH",
-        conflicts_with = "url"
-    )]
+    /// `ps` and of the environment.
+    #[arg(long, global = true, value_name = "PATH")]
     url_file: Option<std::path::PathBuf>,
 
     /// Print a Prometheus text snapshot of distlock's metrics to stderr on exit.
@@ -172,29 +167,42 @@ pub struct CheckArgs {
     pub ttl: Option<Duration>,
 }
 
-/// The coordinator URL from --url-file, --url or DISTLOCK_URL.
+/// The coordinator URL: --url, --url-file, the file named by DISTLOCK_URL_FILE, DISTLOCK_URL,
+/// in that order (a flag given on the command line wins over the environment).
 fn coordinator_url(cli: &Cli) -> Result<String, u8> {
-    if let Some(path) = &cli.url_file {
-        let text = std::fs::read_to_string(path).map_err(|e| {
+    if let Some(url) = &cli.url {
+        return non_empty(url.trim()).ok_or_else(no_url);
+    }
+    let file = cli
+        .url_file
+        .clone()
+        .or_else(|| std::env::var_os("DISTLOCK_URL_FILE").map(Into::into))
+        .filter(|path: &std::path::PathBuf| !path.as_os_str().is_empty());
+    if let Some(path) = file {
+        let text = std::fs::read_to_string(&path).map_err(|e| {
             say!("distlock: cannot read the URL file {}: {e}", path.display());
             exit::CONFIG
         })?;
-        let url = text.lines().next().unwrap_or_default().trim();
-        if url.is_empty() {
+        return non_empty(text.lines().next().unwrap_or_default().trim()).ok_or_else(|| {
             say!("distlock: the URL file {} is empty", path.display());
-            return Err(exit::CONFIG);
-        }
-        return Ok(url.to_owned());
+            exit::CONFIG
+        });
     }
-    match cli.url.as_deref().map(str::trim) {
-        Some(url) if !url.is_empty() => Ok(url.to_owned()),
-        _ => {
-            say!(
-                "distlock: no coordinator URL: pass --url URL or --url-file PATH, or set DISTLOCK_URL"
-            );
-            Err(exit::USAGE)
-        }
-    }
+    std::env::var("DISTLOCK_URL")
+        .ok()
+        .and_then(|url| non_empty(url.trim()))
+        .ok_or_else(no_url)
+}
+
+fn non_empty(text: &str) -> Option<String> {
+    (!text.is_empty()).then(|| text.to_owned())
+}
+
+fn no_url() -> u8 {
+    say!(
+        "distlock: no coordinator URL: pass --url URL or --url-file PATH, or set DISTLOCK_URL_FILE or DISTLOCK_URL"
+    );
+    exit::USAGE
 }
 
 /// The arguments' checks that need no coordinator.

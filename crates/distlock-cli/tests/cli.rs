@@ -303,6 +303,22 @@ fn the_url_stays_out_of_the_commands_environment_and_of_ps() {
     );
     assert_eq!(stdout(&out), "k: free\n", "{}", stderr(&out));
 
+    // A flag on the command line wins over the environment, whichever it is.
+    let out = output(
+        distlock()
+            .env("DISTLOCK_URL", "bar://from-env")
+            .arg("--url-file")
+            .arg(&file)
+            .args(["inspect", "k"]),
+    );
+    assert_eq!(stdout(&out), "k: free\n", "{}", stderr(&out));
+    let out = output(
+        distlock()
+            .env("DISTLOCK_URL_FILE", "/nonexistent/url")
+            .args(["--url", "memory://", "inspect", "k"]),
+    );
+    assert_eq!(stdout(&out), "k: free\n", "{}", stderr(&out));
+
     // The file is what is used: a bad URL in it is reported as such.
     std::fs::write(&file, "memory://x?bogus=1\n").unwrap();
     let out = output(distlock().arg("--url-file").arg(&file).args(["check"]));
