@@ -103,6 +103,15 @@ fn usage_errors_exit_2() {
         "true",
     ]));
     assert_one_line_error(&out, 2, "invalid ttl");
+    // A lease shorter than a second is lost before it can be renewed: refused before any I/O,
+    // for `check` as for `run` (it used to end in 69, 1 or 2 depending on timing).
+    for args in [
+        &["check", "--ttl", "1ms"][..],
+        &["run", "k", "--ttl", "500ms", "--", "true"][..],
+    ] {
+        let out = output(distlock().args(["--url", "redis://127.0.0.1:1"]).args(args));
+        assert_one_line_error(&out, 2, "distlock needs at least 1.0s");
+    }
 }
 
 #[test]

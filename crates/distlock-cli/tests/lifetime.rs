@@ -249,7 +249,12 @@ fn distlock_signalled_mid_run(signal: Signal, backend: Backend, url: String) {
             ),
         }
     }
+    let second_started = Instant::now();
     let out = wait_with_timeout(second, Duration::from_secs(30));
+    eprintln!(
+        "{backend}: after {signal}: the second run got the lock within {:?}",
+        second_started.elapsed()
+    );
     assert_eq!(
         out.status.code(),
         Some(0),
