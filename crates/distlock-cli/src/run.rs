@@ -447,8 +447,16 @@ struct Foreground {
 }
 
 impl Foreground {
-    /// Only when distlock itself is in the foreground of its controlling terminal.
+    /// Only when distlock itself is in the foreground of its controlling terminal and one of
+    /// its standard streams is a terminal (not when run with all three redirected, as by a
+    /// test harness or a script that only happens to have a terminal).
     fn take(group: Pid) -> Option<Self> {
+        let interactive = std::io::stdin().is_terminal()
+            || std::io::stdout().is_terminal()
+            || std::io::stderr().is_terminal();
+        if !interactive {
+            return None;
+        }
         let tty = File::options()
             .read(true)
             .write(true)
