@@ -61,6 +61,13 @@ const LONG_TTL: Duration = Duration::from_secs(30);
 /// Slack for a loaded 2-core machine on top of any expected duration.
 const SLACK: Duration = Duration::from_secs(3);
 
+/// The TTL of properties that must keep a lease alive by renewing it: the backend's short TTL,
+/// but at least 1 s, so that one scheduling stall of a loaded 2-core machine (a few hundred ms)
+/// cannot outlast the gap between renewals (at 300 ms a 200 ms stall did).
+fn stall_proof_ttl(h: &Harness) -> Duration {
+    h.short_ttl().max(Duration::from_secs(1))
+}
+
 async fn take(client: &DynLock, key: &LockKey, ttl: Duration) -> Lease {
     match client.try_acquire(key, ttl).await {
         Ok(Some(lease)) => lease,
@@ -230,7 +237,7 @@ pub async fn renew_extends_the_lease(h: Harness) -> Outcome {
     if !a.capabilities().renew {
         return Outcome::Skipped("renew not claimed");
     }
-    let ttl = h.short_ttl();
+    let ttl = stall_proof_ttl(&h);
     let key = h.key("renew");
     let mut lease = take(&a, &key, ttl).await;
     let first_deadline = lease.local_deadline();
@@ -339,8 +346,9 @@ pub async fn fencing_tokens_strictly_increase(h: Harness) -> Outcome {
     Outcome::Passed
 }
 
-/// A holder whose lease expired (paused process) has its late write rejected by the fenced
-/// resource after the new holder wrote.
+/// A holder whose lease expired (paused process) has its late writes — with the token its guard
+/// handed to the job — rejected by the fenced resource once the new holder wrote, and still
+/// after the new holder released; the resource keeps the new holder's value.
 pub async fn stale_holder_write_is_rejected(h: Harness) -> Outcome {
     let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
     if !fencing_claimed(&a) {
@@ -348,16 +356,38 @@ pub async fn stale_holder_write_is_rejected(h: Harness) -> Outcome {
     }
     let key = h.key("fenced-write");
     let register = FencedRegister::new();
-    let old = take(&a, &key, LONG_TTL).await;
-    h.force_expire(&old).await; // a is "paused" past its ttl
+    let guard = a
+        .lock(&key)
+        .ttl(LONG_TTL)
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    let stale_token = guard.fencing_token().expect("fencing claimed but no token");
+    register
+        .write(stale_token, "a#1")
+        .expect("the holder's own write");
+    h.force_expire(guard.granted_lease()).await; // a is "paused" past its ttl
     let new = take(&b, &key, LONG_TTL).await;
     register
         .write(new.fencing_token().unwrap(), "b")
         .expect("the new holder's write");
-    let stale = register.write(old.fencing_token().unwrap(), "a (stale)");
-    assert!(stale.is_err(), "a stale holder's write was accepted");
-    assert_eq!((register.value(), register.rejected()), (Some("b"), 1));
-    release(&b, &new).await;
+    // a resumes and writes before it has noticed anything.
+    assert!(
+        register.write(stale_token, "a#2 (stale)").is_err(),
+        "a stale holder's write was accepted"
+    );
+    // The new holder's release does not make the old token good again.
+    assert!(release(&b, &new).await);
+    assert!(
+        register.write(stale_token, "a#3 (stale)").is_err(),
+        "a stale holder's write was accepted after the new holder released"
+    );
+    assert_eq!((register.value(), register.rejected()), (Some("b"), 2));
+    assert!(
+        !guard.release().await.unwrap_or(false),
+        "the stale guard's release must not report success"
+    );
     Outcome::Passed
 }
 
@@ -441,36 +471,47 @@ pub async fn acquire_times_out_at_its_deadline(h: Harness) -> Outcome {
 
 /// Where `wait_notify` is claimed, a waiter is woken promptly by a release (well before any
 /// fallback poll would fire).
+///
+/// Eight hand-offs on eight keys, waiting in parallel (one settling time for all): at least
+/// seven must take under 200 ms. A waiter that only polls (notifications broken) is woken
+/// within 200 ms by luck with a probability of about half for Redis's 250–500 ms polls and a
+/// quarter for PostgreSQL's 0.5–1 s ones, so it passes this about 5 % (Redis) or 0.1 % of the
+/// time (the median of three it replaced: 55 % and 18 %); one slow hand-off on a loaded machine
+/// is tolerated.
 pub async fn waiter_is_woken_promptly_by_release(h: Harness) -> Outcome {
+    const HANDOFFS: usize = 8;
+    const PROMPT: Duration = Duration::from_millis(200);
     let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
     if !a.capabilities().wait_notify {
         return Outcome::Skipped("wait_notify not claimed");
     }
-    let mut handoffs = Vec::new();
-    for _ in 0..3 {
+    let mut held = Vec::new();
+    let mut waiters = Vec::new();
+    for _ in 0..HANDOFFS {
         let key = h.key("notify");
-        let lease = take(&a, &key, LONG_TTL).await;
-        let waiter = {
-            let (b, key) = (b.clone(), key.clone());
-            tokio::spawn(async move {
-                let l = b.acquire(&key, LONG_TTL, Instant::now() + LONG_TTL).await;
-                (Instant::now(), l)
-            })
-        };
-        // Let the waiter settle into its longest fallback-poll interval first.
-        sleep(Duration::from_millis(1500)).await;
+        held.push(take(&a, &key, LONG_TTL).await);
+        let (b, key) = (b.clone(), key.clone());
+        waiters.push(tokio::spawn(async move {
+            let l = b.acquire(&key, LONG_TTL, Instant::now() + LONG_TTL).await;
+            (Instant::now(), l)
+        }));
+    }
+    // Let the waiters settle into their longest fallback-poll interval first.
+    sleep(Duration::from_millis(1500)).await;
+    let mut handoffs = Vec::new();
+    for (lease, waiter) in held.iter().zip(waiters) {
         let released_at = Instant::now();
-        assert!(release(&a, &lease).await);
+        assert!(release(&a, lease).await);
         let (got_at, got) = waiter.await.unwrap();
         let got = got.expect("the waiter should get the lock");
-        handoffs.push(got_at - released_at);
+        handoffs.push(got_at.saturating_duration_since(released_at));
         release(&b, &got).await;
     }
     handoffs.sort();
+    let prompt = handoffs.iter().filter(|d| **d < PROMPT).count();
     assert!(
-        handoffs[1] < Duration::from_millis(200),
-        "median hand-off {:?} (all {handoffs:?}) is not a wake-up",
-        handoffs[1]
+        prompt >= HANDOFFS - 1,
+        "only {prompt} of {HANDOFFS} hand-offs under {PROMPT:?} (all {handoffs:?}): not a wake-up"
     );
     Outcome::Passed
 }
@@ -548,7 +589,7 @@ pub async fn watchdog_keeps_the_lease_alive(h: Harness) -> Outcome {
     if !a.capabilities().renew {
         return Outcome::Skipped("renew not claimed");
     }
-    let ttl = h.short_ttl();
+    let ttl = stall_proof_ttl(&h);
     let key = h.key("watchdog");
     let guard = a
         .lock(&key)
@@ -592,13 +633,12 @@ pub async fn lost_fires_when_the_lock_is_taken_away(h: Harness) -> Outcome {
         .expect("free");
     h.force_expire(guard.granted_lease()).await;
     let taken = take(&b, &key, LONG_TTL).await;
-    let start = Instant::now();
+    // The bound is the timeout itself: within one TTL (plus a loaded machine's slack) of the
+    // takeover.
     timeout(ttl + SLACK, guard.lost())
         .await
-        .expect("lost() did not fire after the lock was taken away");
+        .expect("lost() did not fire within ttl + slack after the lock was taken away");
     assert!(guard.is_lost() && guard.loss_reason().is_some());
-    let waited = start.elapsed();
-    assert!(waited <= ttl + SLACK, "{waited:?}");
     assert!(
         !guard.release().await.unwrap(),
         "release of a lost lock must report false"
@@ -628,6 +668,11 @@ pub async fn lost_fires_at_the_local_deadline_before_anyone_else_is_granted(h: H
         .await
         .unwrap()
         .expect("free");
+    // Without a watchdog the deadline never moves, and `is_lost()` turns true at it even before
+    // the guard's task runs: the claim is that this deadline precedes the contender's grant. (When
+    // this task wakes up from `lost()` on a loaded machine says nothing about that order: the
+    // margin is the drift margin, a few ms.)
+    let deadline = guard.local_deadline();
     let contender = {
         let (b, key) = (b.clone(), key.clone());
         tokio::spawn(async move {
@@ -640,14 +685,18 @@ pub async fn lost_fires_at_the_local_deadline_before_anyone_else_is_granted(h: H
     timeout(ttl + SLACK, guard.lost())
         .await
         .expect("lost() at the deadline");
-    let lost_at = Instant::now();
     let (granted_at, lease) = contender.await.unwrap();
     let lease = lease.expect("the contender gets the key after the ttl");
-    assert!(
-        lost_at <= granted_at,
-        "the holder still trusted its lease when the contender got it"
+    assert_eq!(
+        guard.local_deadline(),
+        deadline,
+        "no renewal without a watchdog"
     );
-    assert!(guard.local_deadline() <= granted_at);
+    assert!(
+        deadline <= granted_at,
+        "the holder trusted its lease until {:?} after the contender got it",
+        deadline - granted_at
+    );
     release(&b, &lease).await;
     Outcome::Passed
 }

@@ -51,6 +51,12 @@ async fn killed_holder(backend: Backend, url: String) {
     .await;
     let f1 = holder.wait_acquired().await;
     holder.wait_writes(2).await;
+    // Kill after a renewal, so the checker holds the contender to the renewed deadline.
+    holder
+        .process
+        .wait_for(SOON, |e| matches!(e, HolderEvent::Renewed { .. }))
+        .await
+        .expect("the holder's watchdog renews");
 
     let c2 = Client::new(&history, "c2", &url).await;
     let contender = tokio::spawn(c2.start_acquire(&key, WAIT));
@@ -96,10 +102,15 @@ async fn paused_holder(backend: Backend, url: String) {
     .await;
     let f1 = holder.wait_acquired().await;
     holder.wait_writes(2).await;
+    // Pause after a renewal, so the checker holds the contender to the renewed deadline.
+    holder
+        .process
+        .wait_for(SOON, |e| matches!(e, HolderEvent::Renewed { .. }))
+        .await
+        .expect("the holder's watchdog renews");
 
     holder.process.stop().await.expect("SIGSTOP");
     let pause = history.fault("paused (SIGSTOP)", Some("holder"));
-    let events_at_pause = holder.process.events().len();
 
     let c2 = Client::new(&history, "c2", &url).await;
     let held = c2
@@ -109,6 +120,10 @@ async fn paused_holder(backend: Backend, url: String) {
     assert!(fencing(&held.hold) > f1);
     assert!(write(&c2.rec, &held.hold, &log, "c2#1"));
 
+    // A stopped process emits nothing, so whatever was read until now (lines still in the pipe
+    // at the SIGSTOP included: the pump has had until the lease expired to drain them) came before the pause,
+    // and everything after this point was emitted after the SIGCONT.
+    let events_at_pause = holder.process.events().len();
     holder.process.cont().await.expect("SIGCONT");
     pause.heal();
     let (_, lost) = holder

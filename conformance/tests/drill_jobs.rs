@@ -17,6 +17,9 @@
 //!    until the other has tried, which must have skipped; with a wait the other is granted only
 //!    after the first released and finds the job done. Exactly one effect, by the instance that
 //!    got the lock.
+//! 4. `force_released_holder`: an operator's `force_release` while c1 holds and c2 waits: c2 is
+//!    granted, c1's guard reports the loss, c1's stale write is rejected; the checker accepts
+//!    the overlap only because the force-release is on record.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed expectation is a failed test
 
 mod drill_support;
@@ -380,10 +383,11 @@ struct Progress {
 
 /// 3. The same job delivered twice at the same moment.
 ///
-/// The lock alone keeps the effect single: with no wait the job that got the lock holds it until the other delivery has tried, so the
-/// other must have skipped; with a wait the other is granted only after the first released and
-/// finds the job done. A lock that grants both lets both jobs in (they then wait for nothing
-/// and both apply the job, or the fence rejects one: either fails the drill).
+/// The lock alone keeps the effect single: with no wait the job that got the lock holds it until
+/// the other delivery has tried, so the other must have skipped; with a wait the other is granted
+/// only after the first released and finds the job done. A lock that grants both lets both jobs in
+/// (they then wait for nothing and both apply the job, or the fence rejects one: either fails the
+/// drill).
 async fn delivered_twice(backend: &str, url: String, wait: bool) {
     let variant = if wait { "wait" } else { "skip" };
     let history = History::new(format!("{backend}_delivered_twice_{variant}"));
@@ -555,6 +559,50 @@ async fn delivered_twice_wait(backend: &str, url: String) {
     delivered_twice(backend, url, true).await;
 }
 
+/// Drill 4: an operator force-releases a held lock while a contender waits; the contender is
+/// granted while the old holder still believes (until its guard learns the loss), which the
+/// checker must accept only because the intervention is on record; the old holder's guard
+/// reports the loss and its stale write is rejected by the fence.
+async fn force_released_holder(backend: &str, url: String) {
+    let history = History::new(format!("{backend}_force_released_holder"));
+    let key = conformance::fresh_key("drill-force-release");
+    let log = FencedLog::new();
+    let c1 = Client::new(&history, "c1", &url).await;
+    let c2 = Client::new(&history, "c2", &url).await;
+    let operator = Client::new(&history, "operator", &url).await;
+
+    let held1 = c1.acquire(&key, WAIT).await.expect("c1 acquires");
+    assert!(write(&c1.rec, &held1.hold, &log, "c1#1"));
+    let contender = tokio::spawn(c2.start_acquire(&key, WAIT));
+    let op = operator.rec.force_release(&key);
+    match timeout(SOON, operator.lock.force_release(&key)).await {
+        Ok(Ok(true)) => op.ok(),
+        Ok(Ok(false)) => panic!("force_release found no holder although c1 holds"),
+        Ok(Err(e)) => {
+            op.error(&e);
+            panic!("force_release failed: {e}");
+        }
+        Err(_) => panic!("force_release hung"),
+    }
+    let held2 = contender
+        .await
+        .unwrap()
+        .expect("c2 is granted after the force-release");
+    assert!(fencing(&held2.hold) > fencing(&held1.hold));
+    assert!(write(&c2.rec, &held2.hold, &log, "c2#1"));
+    held1
+        .wait_lost(SOON)
+        .await
+        .expect("the force-released holder's guard must report the loss");
+    assert!(
+        !write(&c1.rec, &held1.hold, &log, "c1#stale"),
+        "the force-released holder's write must be rejected"
+    );
+    assert_ne!(c1.release(held1).await, Some(true));
+    assert_eq!(c2.release(held2).await, Some(true));
+    finish(&history, &log, &[]);
+}
+
 /// One `#[test]` per backend for a drill, each on its own runtime.
 macro_rules! drill {
     ($drill:ident) => {
@@ -602,3 +650,4 @@ drill!(slow_downstream_kept);
 drill!(slow_downstream_cancelled);
 drill!(delivered_twice_skip);
 drill!(delivered_twice_wait);
+drill!(force_released_holder);

@@ -235,6 +235,16 @@ impl Cluster {
         cluster
     }
 
+    /// A URL with every member's endpoint.
+    fn url_all(&self) -> String {
+        let endpoints: Vec<String> = self
+            .members
+            .iter()
+            .map(|m| format!("127.0.0.1:{}", m.client_port))
+            .collect();
+        format!("etcd://{}?{}", endpoints.join(","), Backend::Etcd.options())
+    }
+
     fn url(&self, i: usize) -> String {
         format!(
             "etcd://127.0.0.1:{}?{}",
@@ -401,6 +411,69 @@ async fn partitioned_member_holder() {
     assert!(write(&holder.rec, &again.hold, &log, "holder#again"));
     assert_eq!(holder.release(again).await, Some(true));
     finish(&history, &log, &[]);
+}
+
+/// The same private cluster loses its leader (SIGKILL of our own member process) while a lock
+/// is held and a contender waits, both clients knowing every member: with the client requiring
+/// a leader, requests refused during the election are retried, the history stays clean, and
+/// the contender is granted once the two remaining members have elected a new leader.
+async fn leader_killed_while_held() {
+    let mut cluster = Cluster::start().await;
+    let history = History::new("etcd_private_cluster_leader_killed");
+    let key = conformance::fresh_key("drill-leader-killed");
+    let log = FencedLog::new();
+    let c1 = Client::new(&history, "c1", &cluster.url_all()).await;
+    let c2 = Client::new(&history, "c2", &cluster.url_all()).await;
+    let held = c1.acquire(&key, WAIT).await.expect("c1 acquires");
+    let f1 = held.hold.fencing.map_or(0, FencingToken::get);
+    assert!(write(&c1.rec, &held.hold, &log, "c1#1"));
+    let waiting = tokio::spawn(c2.start_acquire(&key, WAIT));
+    let leader = cluster.leader(&[0, 1, 2]).await.expect("a leader");
+    let fault = history.fault("leader killed", Some(&cluster.members[leader].name));
+    let killed = Instant::now();
+    let _ = cluster.members[leader].child.kill();
+    let _ = cluster.members[leader].child.wait();
+    sleep(TTL).await;
+    if !held.guard.is_lost() {
+        write(&c1.rec, &held.hold, &log, "c1#2");
+    }
+    let _ = c1.release(held).await;
+    let granted = waiting
+        .await
+        .unwrap()
+        .expect("c2 is granted after the re-election");
+    let f2 = granted.hold.fencing.map_or(0, FencingToken::get);
+    assert!(
+        f2 > f1,
+        "fencing must increase across the leader change: {f1} then {f2}"
+    );
+    assert!(write(&c2.rec, &granted.hold, &log, "c2#1"));
+    eprintln!(
+        "{}: killed {}; c2 granted {:?} after the kill; fence {f1} then {f2}",
+        history.name(),
+        cluster.members[leader].name,
+        killed.elapsed()
+    );
+    fault.heal();
+    assert_ne!(c2.release(granted).await, Some(false), "c2 lost its lock");
+    let again = c1.acquire(&key, WAIT).await.expect("c1 acquires again");
+    assert!(write(&c1.rec, &again.hold, &log, "c1#3"));
+    assert_eq!(c1.release(again).await, Some(true));
+    finish(&history, &log, &[]);
+}
+
+#[test]
+fn etcd_private_cluster_leader_killed() {
+    if conformance::backend_url("DISTLOCK_TEST_ETCD3_URL").is_none() {
+        drill_support::skip(
+            "private_cluster_leader_killed",
+            Backend::Etcd,
+            "up3 is not running",
+        );
+        return;
+    }
+    assert!(etcd_installed(), "etcd is not installed");
+    drill_support::block_on(leader_killed_while_held());
 }
 
 #[test]

@@ -10,8 +10,10 @@
 //! with its stale token — the fenced log must reject it. Meanwhile a fault injector picks a
 //! random client (half the time the current holder) every 200–600 ms and applies a random fault to its link: blackhole
 //! (0.1–2.5 s), dropped replies (0.1–1 s), delay (20–300 ms per chunk for 0.2–1.5 s) or a
-//! connection reset. At the end every fault is healed, the loops stop, and every client must
-//! acquire again (liveness); the checker must find the whole history clean.
+//! connection reset. At the end every fault is healed, the loops stop, one scripted zombie
+//! (c1 blackholed until its guard gives up, c2 takes over and writes, c1 writes with its stale
+//! token) makes sure the zombie path runs at least once, and every client must acquire again
+//! (liveness); the checker must find the whole history clean.
 //!
 //! The schedule comes from a seeded RNG: the seed is printed, and `DISTLOCK_SOAK_SEED=<n>`
 //! replays the same fault schedule and client choices (the interleaving still depends on real
@@ -257,6 +259,39 @@ async fn soak(backend: &'static str, url: String, seed: u64, secs: u64) -> Strin
             .expect("a client loop did not stop")
             .expect("a client loop panicked");
     }
+    // A zombie for certain (the random schedule may make none): c1 holds, its link is
+    // blackholed until its guard gives up, c2 takes over and writes, then c1 writes with its
+    // stale token, as a paused process would; the fenced log must reject it.
+    {
+        let (zombie, taker) = (&clients[0], &clients[1]);
+        let held = zombie
+            .acquire(&key, Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|| panic!("{backend}: c1 could not acquire for the zombie"));
+        slots[0].link.set(Fault::Blackhole);
+        let fault = history.fault("blackholed", Some(&slots[0].id));
+        held.wait_lost(SOON)
+            .await
+            .unwrap_or_else(|| panic!("{backend}: c1's guard never gave up behind the blackhole"));
+        let newer = taker
+            .acquire(&key, Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|| panic!("{backend}: c2 could not take over from the zombie"));
+        assert!(write(&taker.rec, &newer.hold, &log, "c2#takeover"));
+        stats.losses.fetch_add(1, Ordering::SeqCst);
+        stats.zombie_writes.fetch_add(1, Ordering::SeqCst);
+        if !write(&zombie.rec, &held.hold, &log, "c1#zombie-scripted") {
+            stats.zombie_rejected.fetch_add(1, Ordering::SeqCst);
+        }
+        assert_eq!(taker.release(newer).await, Some(true));
+        slots[0].link.pass();
+        fault.heal();
+        assert_ne!(
+            zombie.release(held).await,
+            Some(true),
+            "{backend}: a lost lease released"
+        );
+    }
     // Liveness: every client acquires again.
     for c in &clients {
         let held = c
@@ -284,6 +319,10 @@ async fn soak(backend: &'static str, url: String, seed: u64, secs: u64) -> Strin
         s.losses.load(Ordering::SeqCst),
         s.zombie_writes.load(Ordering::SeqCst),
         s.zombie_rejected.load(Ordering::SeqCst),
+    );
+    assert!(
+        s.zombie_writes.load(Ordering::SeqCst) >= 1,
+        "{summary}: no zombie write was tried"
     );
     assert_eq!(
         s.zombie_writes.load(Ordering::SeqCst),

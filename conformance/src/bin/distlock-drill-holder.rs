@@ -162,7 +162,12 @@ async fn main() -> ExitCode {
                 let renewals = guard.renewals();
                 if renewals != reported {
                     reported = renewals;
-                    emit(&HolderEvent::Renewed { renewals });
+                    emit(&HolderEvent::Renewed {
+                        renewals,
+                        deadline_mono_ns: conformance::drill::holder::instant_to_monotonic(
+                            guard.local_deadline(),
+                        ),
+                    });
                 }
             }
             () = sleep_until(next_write) => {

@@ -61,6 +61,11 @@ pub enum HolderEvent {
     Renewed {
         /// Renewals so far.
         renewals: u64,
+        /// The guard's local deadline after the latest renewal, on the machine's monotonic
+        /// clock (`CLOCK_MONOTONIC`, nanoseconds), which the parent shares: see
+        /// [`monotonic_to_instant`].
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        deadline_mono_ns: Option<u64>,
     },
     /// With `--write-every-ms`: the holder, believing it still holds the lock, writes now. The
     /// parent applies the write to its resource when it reads the line (a late line is a late
@@ -436,5 +441,34 @@ impl std::fmt::Debug for HolderProcess {
             .field("pid", &self.pid)
             .field("events", &self.log.borrow().events.len())
             .finish_non_exhaustive()
+    }
+}
+
+/// Now on `CLOCK_MONOTONIC`, in nanoseconds (`None` if the clock cannot be read).
+pub fn monotonic_now_ns() -> Option<u64> {
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).ok()?;
+    let secs = u64::try_from(now.tv_sec()).ok()?;
+    let nanos = u64::try_from(now.tv_nsec()).ok()?;
+    secs.checked_mul(1_000_000_000)?.checked_add(nanos)
+}
+
+/// `instant` (this process's clock) on `CLOCK_MONOTONIC`, so that another process on the same
+/// machine can place it on its own clock with [`monotonic_to_instant`].
+pub fn instant_to_monotonic(instant: tokio::time::Instant) -> Option<u64> {
+    let (now, now_ns) = (tokio::time::Instant::now(), monotonic_now_ns()?);
+    if instant >= now {
+        now_ns.checked_add(u64::try_from((instant - now).as_nanos()).ok()?)
+    } else {
+        now_ns.checked_sub(u64::try_from((now - instant).as_nanos()).ok()?)
+    }
+}
+
+/// A `CLOCK_MONOTONIC` time from another process of this machine, on this process's clock.
+pub fn monotonic_to_instant(ns: u64) -> Option<tokio::time::Instant> {
+    let (now, now_ns) = (tokio::time::Instant::now(), monotonic_now_ns()?);
+    if ns >= now_ns {
+        now.checked_add(std::time::Duration::from_nanos(ns - now_ns))
+    } else {
+        now.checked_sub(std::time::Duration::from_nanos(now_ns - ns))
     }
 }

@@ -357,6 +357,21 @@ fn holds(
                 );
             }
         }
+        // A renewal: a tick at the local deadline it gave (the checker's definite lease end).
+        if r.kind == Kind::Renewed
+            && let Some(deadline) = r.deadline_us
+        {
+            let xd = x(deadline.min(end_us));
+            let _ = writeln!(
+                svg,
+                r##"<g><title>{} renewed ({} so far): trusted until {:.1} ms</title><line x1="{xd:.1}" y1="{:.1}" x2="{xd:.1}" y2="{:.1}" stroke="#555" stroke-width="2"/></g>"##,
+                esc(client),
+                r.renewals.unwrap_or(0),
+                deadline as f64 / 1000.0,
+                bar_y - 3.0,
+                bar_y + BAR + 3.0
+            );
+        }
         if !(r.kind == Kind::Ok && r.op == Some(Op::Acquire) && r.granted == Some(true)) {
             continue;
         }

@@ -423,6 +423,17 @@ impl Holder {
                                 op.fail(&message);
                             }
                         }
+                        HolderEvent::Renewed {
+                            renewals,
+                            deadline_mono_ns: Some(ns),
+                        } => {
+                            // The holder's local deadline, placed on this process's clock (both
+                            // read the machine's monotonic clock).
+                            let deadline = conformance::drill::holder::monotonic_to_instant(ns);
+                            if let (Some(hold), Some(deadline)) = (hold, deadline) {
+                                rec.renewed(hold, deadline, renewals);
+                            }
+                        }
                         HolderEvent::Started { .. } | HolderEvent::Renewed { .. } => {}
                     }
                 }

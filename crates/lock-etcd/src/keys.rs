@@ -41,14 +41,15 @@ pub(crate) fn is_entry(name_prefix: &[u8], key: &[u8], lease: i64) -> bool {
             .is_some_and(|suffix| suffix == format!("{lease:x}").as_bytes())
 }
 
-/// The marker that abandons one acquisition attempt (its ownership token in hex): a put whose
-/// outcome is unknown requires it absent, so once it is written the put can never apply.
-/// `<prefix>\0attempt/<token>`: a lock key has no control characters, so this is in no lock's
-/// range (neither ours nor Go's `concurrency.Mutex` ever reads it as a contender).
-pub(crate) fn attempt_marker(prefix: &str, token_hex: &str) -> Vec<u8> {
+/// The marker that abandons one acquisition attempt (a random id of that attempt, never its
+/// ownership token): a put whose outcome is unknown requires it absent, so once it is written
+/// the put can never apply. `<prefix>\0attempt/<32 hex digits>`: a lock key has no control
+/// characters, so this is in no lock's range (neither ours nor Go's `concurrency.Mutex` ever
+/// reads it as a contender).
+pub(crate) fn attempt_marker(prefix: &str, attempt: u128) -> Vec<u8> {
     let mut out = prefix.as_bytes().to_vec();
     out.extend_from_slice(b"\0attempt/");
-    out.extend_from_slice(token_hex.as_bytes());
+    out.extend_from_slice(format!("{attempt:032x}").as_bytes());
     out
 }
 
@@ -98,7 +99,7 @@ mod tests {
         );
         assert!(!is_entry(&range, b"a/b/0ff", 255), "not Go's hex");
         assert!(!is_entry(&range, b"a/b/", 255));
-        let marker = attempt_marker("a/", "00ff");
+        let marker = attempt_marker("a/", 255);
         assert!(!marker.starts_with(&range));
         assert!(marker.contains(&0));
     }

@@ -425,7 +425,8 @@ impl EtcdLock {
         Self::connect(EtcdLockConfig::from_url(url)?).await
     }
 
-    /// The settings this client was built with.
+    /// The settings this client was built with (the prefix as used: see
+    /// [`EtcdLockConfig::normalized_prefix`]).
     pub fn config(&self) -> &EtcdLockConfig {
         &self.inner.config
     }
@@ -834,7 +835,7 @@ impl Inner {
                 session,
                 token,
                 rev: 0,
-                marker: keys::attempt_marker(&self.config.prefix, &token.expose_hex()),
+                marker: keys::attempt_marker(&self.config.prefix, rand::random()),
                 armed: true,
             };
             let txn = entry.put_txn();
@@ -1638,7 +1639,7 @@ mod tests {
                 name: name.clone(),
                 token,
                 rev: 0,
-                marker: keys::attempt_marker(&inner.config.prefix, &token.expose_hex()),
+                marker: keys::attempt_marker(&inner.config.prefix, rand::random()),
                 armed: false,
             };
             let put = entry.put_txn();

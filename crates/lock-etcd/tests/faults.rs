@@ -293,7 +293,7 @@ fn acquire_against_a_stalled_server_returns_by_its_deadline() {
             }
         });
         // Noisy 2-core machine: scheduling, not I/O, is what the slack covers.
-        let slack = Duration::from_millis(400);
+        let slack = Duration::from_millis(500);
         let mut worst = Duration::ZERO;
         for (r, took) in futures::future::join_all(attempts).await {
             assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
