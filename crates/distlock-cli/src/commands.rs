@@ -16,7 +16,7 @@ use crate::{
 
 fn key_or_exit(key: &str) -> Result<LockKey, u8> {
     LockKey::new(key).map_err(|e| {
-        eprintln!("distlock: {e}");
+        say!("distlock: {e}");
         exit::USAGE
     })
 }
@@ -52,7 +52,7 @@ pub async fn inspect(lock: DynLock, args: InspectArgs) -> u8 {
     let holder = match lock.inspect(&key).await {
         Ok(holder) => holder,
         Err(e) => {
-            eprintln!("distlock: {e}");
+            say!("distlock: {e}");
             return code_for(&e);
         }
     };
@@ -67,10 +67,17 @@ pub async fn inspect(lock: DynLock, args: InspectArgs) -> u8 {
             "waiters": holder.as_ref().and_then(|h| h.waiters),
         });
         println!("{value}");
-        return exit::OK;
+        return if holder.is_some() {
+            exit::OK
+        } else {
+            exit::FAILED
+        };
     }
     match holder {
-        None => println!("{key}: free"),
+        None => {
+            println!("{key}: free");
+            return exit::FAILED;
+        }
         Some(h) => {
             println!("{key}: held");
             let none = || "-".to_owned();
@@ -102,7 +109,7 @@ pub async fn release(lock: DynLock, args: ReleaseArgs) -> u8 {
         Err(code) => return code,
     };
     if !lock.capabilities().force_release {
-        eprintln!(
+        say!(
             "distlock: the {} backend does not support force_release",
             lock.backend_name()
         );
@@ -111,25 +118,36 @@ pub async fn release(lock: DynLock, args: ReleaseArgs) -> u8 {
     let holder = match lock.inspect(&key).await {
         Ok(Some(holder)) => holder,
         Ok(None) => {
-            println!("{key} is not held; nothing to release");
-            return exit::OK;
+            say!("distlock: {key} is not held; nothing released");
+            return exit::FAILED;
         }
         Err(e) => {
-            eprintln!("distlock: {e}");
+            say!("distlock: {e}");
             return code_for(&e);
         }
     };
-    eprintln!("{key} is held by {}", describe_holder(&holder));
-    eprintln!(
-        "Force-releasing removes that lease now, whatever its holder is doing. If the holder is\n\
-         still alive (paused, partitioned, slow), it may keep working — and writing — until it\n\
-         notices the loss at its next renewal; only a resource that checks fencing tokens will\n\
-         reject its writes (the next holder gets a newer token). Do this only when you know the\n\
-         holder is dead or its writes are fenced."
-    );
+    // Remove exactly the grant shown (its fencing token names it), so a holder that took over
+    // while the operator read the warning is left alone. A holder without a token (a foreign
+    // client's value) cannot be named, so it is not removed.
+    let Some(fence) = holder.fencing_token else {
+        say!(
+            "distlock: {key} is held by {}, a grant without a fencing token (not distlock's?): \
+             release --force removes only a grant it can name; nothing released",
+            describe_holder(&holder)
+        );
+        return exit::FAILED;
+    };
     if !args.yes {
+        say!("{key} is held by {}", describe_holder(&holder));
+        say!(
+            "Force-releasing removes that lease now, whatever its holder is doing. If the holder is\n\
+             still alive (paused, partitioned, slow), it may keep working — and writing — until it\n\
+             notices the loss at its next renewal; only a resource that checks fencing tokens will\n\
+             reject its writes (the next holder gets a newer token). Do this only when you know the\n\
+             holder is dead or its writes are fenced."
+        );
         if !std::io::stdin().is_terminal() {
-            eprintln!(
+            say!(
                 "distlock: refusing to force-release without confirmation: stdin is not a terminal (pass --yes)"
             );
             return exit::USAGE;
@@ -140,18 +158,11 @@ pub async fn release(lock: DynLock, args: ReleaseArgs) -> u8 {
         let confirmed = std::io::stdin().lock().read_line(&mut answer).is_ok()
             && matches!(answer.trim().to_ascii_lowercase().as_str(), "y" | "yes");
         if !confirmed {
-            eprintln!("not released");
+            say!("not released");
             return exit::FAILED;
         }
     }
-    // Remove exactly the grant shown above (its fencing token identifies it), so a holder that
-    // took over while the operator read the warning is left alone. A holder without a token (a
-    // foreign client's value) can only be removed unconditionally.
-    let outcome = match holder.fencing_token {
-        Some(fence) => lock.force_release_grant(&key, fence).await,
-        None => lock.force_release(&key).await,
-    };
-    match outcome {
+    match lock.force_release_grant(&key, fence).await {
         Ok(true) => {
             println!(
                 "released {key} (it was held by {})",
@@ -160,21 +171,22 @@ pub async fn release(lock: DynLock, args: ReleaseArgs) -> u8 {
             exit::OK
         }
         Ok(false) => {
-            println!(
-                "{key} is no longer held by that grant (released, expired or taken over meanwhile); nothing released"
+            say!(
+                "distlock: {key} is no longer held by that grant (released, expired or taken over meanwhile); nothing released"
             );
-            exit::OK
+            exit::FAILED
         }
         Err(e) => {
-            eprintln!("distlock: {e}");
+            say!("distlock: {e}");
             code_for(&e)
         }
     }
 }
 
-fn describe_capabilities(caps: &Capabilities) -> Vec<String> {
+fn describe_capabilities(backend: &str, caps: &Capabilities) -> Vec<String> {
     let flag = |on: bool| if on { "yes" } else { "no" };
     let fencing = match caps.fencing {
+        _ if backend == "memory" => "in this process only (memory://)",
         FencingGuarantee::None => "none",
         FencingGuarantee::SingleNode => {
             "single-node (lost if the coordinator loses acknowledged writes)"
@@ -210,16 +222,17 @@ fn describe_capabilities(caps: &Capabilities) -> Vec<String> {
 pub async fn check(lock: DynLock, args: CheckArgs) -> u8 {
     let caps = lock.capabilities();
     println!("backend: {}", lock.backend_name());
-    for line in describe_capabilities(&caps) {
+    for line in describe_capabilities(lock.backend_name(), &caps) {
         println!("{line}");
     }
     let ttl = args
         .ttl
         .unwrap_or_else(|| caps.effective_ttl(Duration::from_secs(5).max(caps.min_ttl)));
-    let key = match LockKey::new(format!("distlock-check/{:016x}", rand::random::<u64>())) {
+    // One fixed key, so that checks run every minute leave one key behind, not one per run.
+    let key = match LockKey::new(SELF_TEST_KEY) {
         Ok(key) => key,
         Err(e) => {
-            eprintln!("distlock: {e}");
+            say!("distlock: {e}");
             return exit::FAILED;
         }
     };
@@ -239,6 +252,9 @@ pub async fn check(lock: DynLock, args: CheckArgs) -> u8 {
         }
     }
 }
+
+/// The self-test's key.
+pub const SELF_TEST_KEY: &str = "distlock-check/self-test";
 
 enum SelfTestError {
     Lock(distlock::Error),
@@ -267,8 +283,16 @@ async fn self_test(
     let wrong = |s: &str| Err(SelfTestError::Wrong(s.to_owned()));
 
     let t = Instant::now();
-    let Some(mut lease) = lock.try_acquire(key, ttl).await? else {
-        return wrong("a fresh random key was reported as held");
+    // Another `check` may be running: wait for it (its lease ends within a ttl).
+    let give_up = Instant::now() + ttl + Duration::from_secs(1);
+    let mut lease = loop {
+        if let Some(lease) = lock.try_acquire(key, ttl).await? {
+            break lease;
+        }
+        if Instant::now() >= give_up {
+            return wrong("the self-test key stayed held (another `distlock check` running?)");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     };
     let first = lease.fencing_token();
     step(

@@ -1,4 +1,4 @@
-//! Human durations on the command line: `30s`, `500ms`, `2m`, `1h`, `1m30s`, `1.5s`; a bare
+//! Human durations on the command line: `30s`, `500ms`, `2m`, `1h`, `1d`, `1m30s`, `1.5s`; a bare
 //! number is seconds (as `flock -w` takes them).
 
 use std::time::Duration;
@@ -10,7 +10,7 @@ use std::time::Duration;
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let bad = || {
         format!(
-            "invalid duration `{text}`: use e.g. 30s, 500ms, 2m, 1h, 1m30s or a number of seconds"
+            "invalid duration `{text}`: use e.g. 30s, 500ms, 2m, 1h, 1d, 1m30s or a number of seconds"
         )
     };
     let text_trimmed = text.trim();
@@ -37,6 +37,7 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
             "s" | "sec" | "secs" => 1.0,
             "m" | "min" | "mins" => 60.0,
             "h" | "hr" | "hrs" => 3600.0,
+            "d" | "day" | "days" => 86400.0,
             _ => return Err(bad()),
         };
         total = total
@@ -78,6 +79,8 @@ mod tests {
             ("500ms", Duration::from_millis(500)),
             ("2m", Duration::from_secs(120)),
             ("1h", Duration::from_secs(3600)),
+            ("1d", Duration::from_secs(86400)),
+            ("1d12h", Duration::from_secs(129_600)),
             ("1m30s", Duration::from_secs(90)),
             ("1.5s", Duration::from_millis(1500)),
             ("2", Duration::from_secs(2)),

@@ -4,7 +4,8 @@ use distlock::Error;
 
 /// Success. `run` passes the command's own status through instead.
 pub const OK: u8 = 0;
-/// `check`: the self-test failed; `release`: the operator declined.
+/// `check`: the self-test failed; `release`: nothing was released (declined, free, no longer
+/// held by the grant shown, or a grant it cannot name); `inspect`: the lock is free.
 pub const FAILED: u8 = 1;
 /// Usage error: bad arguments, invalid key or duration, no URL, no confirmation possible.
 pub const USAGE: u8 = 2;
@@ -12,10 +13,18 @@ pub const USAGE: u8 = 2;
 pub const UNAVAILABLE: u8 = 69;
 /// `run`: the lock was not acquired (held elsewhere, or `--wait` ran out). Settable with `-E`.
 pub const NOT_ACQUIRED: u8 = 75;
-/// `run`: the lease was lost while the command ran; the command was terminated.
+/// `run`: the lease was lost (or could not be renewed in time) while the command ran; the
+/// command's process group was terminated.
 pub const LOST: u8 = 76;
-/// Configuration error: bad URL, unknown scheme, backend not compiled in, invalid option, or
-/// an operation the backend does not support.
+/// `run`: distlock itself failed (its guard process could not start or died); the command, if
+/// it was started, was terminated.
+pub const INTERNAL: u8 = 70;
+/// `run`: the lease was lost before the command finished, but the loss was noticed only after
+/// it had exited, so it was not terminated: its work may have overlapped another holder's.
+pub const LOST_UNTERMINATED: u8 = 79;
+/// Configuration error: bad URL, unknown scheme, backend not compiled in, invalid option, an
+/// operation the backend does not support, or the coordinator refused the configuration
+/// when connecting (wrong password, missing role or database).
 pub const CONFIG: u8 = 78;
 /// `run`: the command exists but could not be executed.
 pub const CANNOT_EXECUTE: u8 = 126;
@@ -26,17 +35,24 @@ pub const NOT_FOUND: u8 = 127;
 pub const HELP: &str = "\
 Exit status:
   0        success (`run`: the command's own exit status is passed through)
-  1        `check`: the self-test failed; `release`: not confirmed
+  1        `check`: the self-test failed; `release`: nothing released (not confirmed,
+           not held, or held by another grant meanwhile); `inspect`: the lock is free
   2        usage error (bad arguments, invalid key or duration, no URL)
   69       the coordinator is unavailable or failed
+  70       `run`: distlock's guard process failed; the command was terminated
   75       `run`: lock not acquired (held elsewhere or --wait ran out); change with -E
-  76       `run`: the lease was lost while the command ran; the command was terminated
-  78       configuration error (bad URL, unknown scheme, backend not compiled in, bad option)
+  76       `run`: the lease was lost (or not renewed in time) while the command ran; the
+           command's process group was terminated
+  78       configuration error (bad URL, unknown scheme, backend not compiled in, bad option,
+           or refused by the coordinator: wrong password, missing role or database)
+  79       `run`: the lease was lost before the command finished, noticed too late to
+           terminate it
   126/127  `run`: the command could not be executed / was not found
-  128+N    `run`: the command was killed by signal N, or distlock was interrupted by
-           signal N (SIGINT, SIGTERM) while waiting for the lock
+  128+N    `run`: the command was killed by signal N (149/150: stopped on a terminal it does
+           not own), or distlock was interrupted by signal N (SIGINT, SIGTERM, SIGHUP,
+           SIGQUIT) while waiting for the lock
 
-The URL comes from --url or DISTLOCK_URL: memory://NAME (this process only), redis://,
+The URL comes from --url, --url-file or DISTLOCK_URL (--url shows in ps): memory://NAME (this process only), redis://,
 rediss://, etcd://, etcds://, zk://, postgres://, postgresql:// (as compiled in); driver
 options go in the query string.";
 
@@ -44,6 +60,15 @@ options go in the query string.";
 /// interrupted by it while waiting for the lock.
 pub fn signalled(signal: i32) -> u8 {
     u8::try_from(128 + signal).unwrap_or(u8::MAX)
+}
+
+/// The exit status for a failed connect: a permanent error there is the coordinator refusing
+/// our configuration (wrong password, missing role or database): 78, not 69.
+pub fn connect_code(error: &Error) -> u8 {
+    match error {
+        Error::Backend { .. } => CONFIG,
+        _ => code_for(error),
+    }
 }
 
 /// The exit status for an error outside `run`'s own cases.

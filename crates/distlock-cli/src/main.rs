@@ -2,9 +2,23 @@
 //! a coordinator. See `distlock --help` and the crate README.
 #![forbid(unsafe_code)]
 
+/// Like `eprintln!`, but never panics: stderr may be a closed pipe or a hung-up terminal
+/// (a job whose SSH session went), and distlock must go on supervising, releasing and, in the
+/// guard, signalling the command's group whatever happens to its messages.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
+mod clock;
 mod commands;
+mod connect_error;
 mod duration;
 mod exit;
+mod guard;
+mod procfs;
 mod run;
 
 use std::{ffi::OsString, process::ExitCode, time::Duration};
@@ -18,9 +32,16 @@ use crate::duration::parse_duration;
 #[command(name = "distlock", version, after_long_help = exit::HELP, after_help = exit::HELP)]
 struct Cli {
     /// Coordinator URL, e.g. redis://127.0.0.1:6379, etcd://127.0.0.1:2379, zk://127.0.0.1:2181,
-    /// postgres://user@host/db; driver options in the query string.
-    #[arg(long, env = "DISTLOCK_URL", global = true, hide_env_values = true)]
+    /// postgres://user@host/db; driver options in the query string. Default: the URL file
+    /// named by DISTLOCK_URL_FILE, else DISTLOCK_URL. A URL with a password shows in `ps`: use
+    /// --url-file or DISTLOCK_URL for those.
+    #[arg(long, global = true, conflicts_with = "url_file")]
     url: Option<String>,
+
+    /// Read the coordinator URL from this file (its first line), which keeps a password out of
+    /// `ps` and of the environment.
+    #[arg(long, global = true, value_name = "PATH")]
+    url_file: Option<std::path::PathBuf>,
 
     /// Print a Prometheus text snapshot of distlock's metrics to stderr on exit.
     #[arg(long, global = true)]
@@ -35,12 +56,15 @@ enum Command {
     /// Run a command while holding the lock (like flock(1), across machines).
     ///
     /// The command runs in its own process group with DISTLOCK_KEY and DISTLOCK_FENCING_TOKEN in
-    /// its environment; pass the fencing token to the resource you protect. The lease is renewed
-    /// while it runs. If the lease is lost, the process group gets SIGTERM, then SIGKILL after
-    /// --kill-after, and distlock exits with 76. SIGINT and SIGTERM sent to distlock are
-    /// forwarded to the command. The lock is released when the command exits, and distlock
-    /// exits with the command's status. Commands that read from the terminal are not supported
-    /// (the command is not the terminal's foreground process group).
+    /// its environment (and without DISTLOCK_URL); pass the fencing token to the resource you
+    /// protect. The lease is renewed while it runs. The command's process group never outlives
+    /// the lease: if the lease is lost, cannot be renewed in time, or distlock is killed or
+    /// frozen, a guard process sends the group SIGTERM and then SIGKILL, at the latest at the
+    /// lease's local deadline (before the coordinator can grant the lock to anyone else); then
+    /// distlock exits with 76. SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to distlock are forwarded
+    /// to the group. On a terminal the command gets the terminal's foreground, so it can read
+    /// from it. The lock is released when the command exits (with --wait-group: when its whole
+    /// process group is gone), and distlock exits with the command's status.
     Run(RunArgs),
     /// Show who holds a lock: token digest, fencing token, remaining TTL.
     Inspect(InspectArgs),
@@ -48,6 +72,9 @@ enum Command {
     Release(ReleaseArgs),
     /// Connect, print the backend's capabilities and run a quick acquire/renew/release self-test.
     Check(CheckArgs),
+    /// Internal: the guard process of `run`.
+    #[command(name = "__guard", hide = true)]
+    Guard(guard::GuardArgs),
 }
 
 /// Arguments of `distlock run`.
@@ -55,21 +82,58 @@ enum Command {
 pub struct RunArgs {
     /// The lock key.
     pub key: String,
-    /// Lease TTL; the lease is renewed every third of it while the command runs.
+    /// Lease TTL; the lease is renewed every quarter of it while the command runs.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub ttl: Duration,
     /// Wait up to this long for the lock (default: give up at once if it is held).
-    #[arg(short, long, value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(short, long, visible_alias = "timeout", value_parser = parse_duration, value_name = "DURATION")]
     pub wait: Option<Duration>,
-    /// After the lease is lost: how long after SIGTERM to send SIGKILL to the command's group.
-    #[arg(long, default_value = "5s", value_parser = parse_duration, value_name = "DURATION")]
-    pub kill_after: Duration,
+    /// How long before SIGKILL the command's group gets SIGTERM when the lease is lost or about
+    /// to run out (default: 5s or a quarter of --ttl, whichever is less; at most a third of
+    /// --ttl, so that SIGKILL lands before the lease's local deadline).
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub kill_after: Option<Duration>,
+    /// Keep the lock until every process of the command's group has exited, not only the
+    /// command itself (for commands that leave background processes working).
+    #[arg(long)]
+    pub wait_group: bool,
     /// Exit status when the lock is not acquired (like flock -E).
     #[arg(short = 'E', long, default_value_t = exit::NOT_ACQUIRED, value_name = "CODE")]
     pub conflict_exit_code: u8,
+    /// Say nothing when the lock is not acquired (only the exit status tells), e.g. for cron.
+    #[arg(short, long, conflicts_with = "verbose")]
+    pub quiet: bool,
+    /// Also say when the lock is acquired (with its fencing token) and released.
+    #[arg(short, long)]
+    pub verbose: bool,
+    /// Report what happens as JSON lines on stderr (acquired, not_acquired, lost, exit).
+    #[arg(long)]
+    pub json: bool,
+    /// Run this shell command (`sh -c`), like flock -c, instead of a command after `--`.
+    #[arg(
+        short = 'c',
+        long = "command",
+        value_name = "SHELL_COMMAND",
+        conflicts_with = "command"
+    )]
+    pub shell_command: Option<OsString>,
     /// The command and its arguments, after `--`.
-    #[arg(required = true, last = true, value_name = "COMMAND")]
+    #[arg(
+        required_unless_present = "shell_command",
+        last = true,
+        value_name = "COMMAND"
+    )]
     pub command: Vec<OsString>,
+}
+
+impl RunArgs {
+    /// The program and its arguments to run.
+    pub fn program(&self) -> Vec<OsString> {
+        match &self.shell_command {
+            Some(line) => vec!["sh".into(), "-c".into(), line.clone()],
+            None => self.command.clone(),
+        }
+    }
 }
 
 /// Arguments of `distlock inspect`.
@@ -103,17 +167,124 @@ pub struct CheckArgs {
     pub ttl: Option<Duration>,
 }
 
-fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let Some(url) = cli.url.filter(|u| !u.trim().is_empty()) else {
-        eprintln!("distlock: no coordinator URL: pass --url URL or set DISTLOCK_URL");
-        return ExitCode::from(exit::USAGE);
+/// The coordinator URL: --url, --url-file, the file named by DISTLOCK_URL_FILE, DISTLOCK_URL,
+/// in that order (a flag given on the command line wins over the environment).
+fn coordinator_url(cli: &Cli) -> Result<String, u8> {
+    if let Some(url) = &cli.url {
+        return non_empty(url.trim()).ok_or_else(no_url);
+    }
+    let file = cli
+        .url_file
+        .clone()
+        .or_else(|| std::env::var_os("DISTLOCK_URL_FILE").map(Into::into))
+        .filter(|path: &std::path::PathBuf| !path.as_os_str().is_empty());
+    if let Some(path) = file {
+        let text = std::fs::read_to_string(&path).map_err(|e| {
+            say!("distlock: cannot read the URL file {}: {e}", path.display());
+            exit::CONFIG
+        })?;
+        return non_empty(text.lines().next().unwrap_or_default().trim()).ok_or_else(|| {
+            say!("distlock: the URL file {} is empty", path.display());
+            exit::CONFIG
+        });
+    }
+    std::env::var("DISTLOCK_URL")
+        .ok()
+        .and_then(|url| non_empty(url.trim()))
+        .ok_or_else(no_url)
+}
+
+fn non_empty(text: &str) -> Option<String> {
+    (!text.is_empty()).then(|| text.to_owned())
+}
+
+fn no_url() -> u8 {
+    say!(
+        "distlock: no coordinator URL: pass --url URL or --url-file PATH, or set DISTLOCK_URL_FILE or DISTLOCK_URL"
+    );
+    exit::USAGE
+}
+
+/// The arguments' checks that need no coordinator.
+fn check_before_io(command: &Command) -> Result<(), String> {
+    let ttl = match command {
+        Command::Run(args) => {
+            run::Timing::new(args.kill_after, args.ttl, args.ttl)?;
+            Some(args.ttl)
+        }
+        Command::Check(args) => args.ttl,
+        _ => None,
     };
+    match ttl {
+        Some(ttl) if ttl < MIN_TTL => Err(format!(
+            "invalid ttl {}: distlock needs at least {} (a shorter lease is lost before it can be renewed)",
+            duration::format_duration(ttl),
+            duration::format_duration(MIN_TTL)
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The shortest `--ttl` distlock accepts, whatever the backend's minimum.
+const MIN_TTL: Duration = Duration::from_secs(1);
+
+/// Parses the command line; on a mistake, clap's message (and a hint for a `run` whose command
+/// was not put after `--`).
+fn parse() -> Result<Cli, ExitCode> {
+    Cli::try_parse().map_err(|e| {
+        let _ = e.print();
+        let args: Vec<OsString> = std::env::args_os().collect();
+        let is_run = args.iter().any(|a| a == "run");
+        let has_separator = args.iter().any(|a| a == "--");
+        if e.kind() == clap::error::ErrorKind::UnknownArgument && is_run && !has_separator {
+            say!(
+                "hint: the command goes after `--`: distlock run KEY [OPTIONS] -- COMMAND [ARGS..]"
+            );
+        }
+        ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(exit::USAGE))
+    })
+}
+
+fn main() -> ExitCode {
+    let cli = match parse() {
+        Ok(cli) => cli,
+        Err(code) => return code,
+    };
+    if let Command::Guard(args) = &cli.command {
+        return ExitCode::from(guard::main(args));
+    }
+    // Checked before any I/O.
+    if let Err(message) = check_before_io(&cli.command) {
+        say!("distlock: {message}");
+        return ExitCode::from(exit::USAGE);
+    }
+    // `run --wait W` gives up within W plus a little, also while the coordinator does not
+    // answer (connecting included).
+    let started = tokio::time::Instant::now();
+    let wait_deadline = match &cli.command {
+        Command::Run(RunArgs {
+            wait: Some(wait), ..
+        }) => started.checked_add(*wait + run::WAIT_SLACK),
+        _ => None,
+    };
+    let url = match coordinator_url(&cli) {
+        Ok(url) => url,
+        Err(code) => return ExitCode::from(code),
+    };
+    // `run` hands the terminal to the command and takes it back from the background afterwards,
+    // and may write to the terminal meanwhile: both need SIGTTOU blocked (the runtime's threads
+    // inherit the mask; the command gets a clean one from the spawn).
+    let mut ttou = nix::sys::signal::SigSet::empty();
+    ttou.add(nix::sys::signal::Signal::SIGTTOU);
+    if let Err(e) = ttou.thread_block() {
+        say!("distlock: cannot block SIGTTOU: {e}");
+        return ExitCode::from(exit::INTERNAL);
+    }
     let metrics = if cli.metrics {
         match metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder() {
             Ok(handle) => Some(handle),
             Err(e) => {
-                eprintln!("distlock: cannot install the metrics recorder: {e}");
+                say!("distlock: cannot install the metrics recorder: {e}");
                 return ExitCode::from(exit::UNAVAILABLE);
             }
         }
@@ -127,27 +298,53 @@ fn main() -> ExitCode {
     {
         Ok(runtime) => runtime,
         Err(e) => {
-            eprintln!("distlock: cannot start the async runtime: {e}");
+            say!("distlock: cannot start the async runtime: {e}");
             return ExitCode::from(exit::UNAVAILABLE);
         }
     };
     let code = runtime.block_on(async {
-        let lock = match distlock::connect(&url).await {
-            Ok(lock) => lock,
-            Err(e) => {
-                eprintln!("distlock: {e}");
-                return exit::code_for(&e);
+        let connecting = distlock::connect(&url);
+        let connected = match wait_deadline {
+            Some(deadline) => tokio::time::timeout_at(deadline, connecting).await,
+            None => Ok(connecting.await),
+        };
+        let lock = match connected {
+            Ok(Ok(lock)) => lock,
+            Ok(Err(e)) => {
+                say!("distlock: {}", connect_error::describe(&url, &e).await);
+                return exit::connect_code(&e);
+            }
+            Err(_elapsed) => {
+                say!("distlock: the coordinator did not answer within the wait (connecting to it)");
+                return exit::UNAVAILABLE;
             }
         };
         let code = match cli.command {
-            Command::Run(args) => run::run(lock.clone(), args).await,
+            Command::Run(args) => run::run(lock.clone(), args, wait_deadline).await,
             Command::Inspect(args) => commands::inspect(lock.clone(), args).await,
             Command::Release(args) => commands::release(lock.clone(), args).await,
             Command::Check(args) => commands::check(lock.clone(), args).await,
+            Command::Guard(_) => exit::USAGE,
         };
         // Clean-ups the drivers started in the background (a waiter leaving its queue, a
-        // guard's release) get done before the process goes; they need the client alive.
-        distlock::cleanup::finish(Duration::from_secs(5)).await;
+        // guard's release) get done before the process goes; they need the client alive. Not
+        // for long when the coordinator is unavailable (they would most likely time out), and
+        // a signal ends the wait at once.
+        let budget = if code == exit::UNAVAILABLE {
+            Duration::from_secs(1)
+        } else {
+            Duration::from_secs(5)
+        };
+        let code = match run::Signals::new() {
+            Ok(mut signals) => tokio::select! {
+                _ = distlock::cleanup::finish(budget) => code,
+                signal = signals.recv() => exit::signalled(signal as i32),
+            },
+            Err(_) => {
+                distlock::cleanup::finish(budget).await;
+                code
+            }
+        };
         drop(lock);
         code
     });

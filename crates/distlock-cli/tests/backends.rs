@@ -250,7 +250,7 @@ fn a_command_whose_lease_is_lost_is_terminated() {
                 "--ttl",
                 "3s",
                 "--kill-after",
-                "1s",
+                "500ms",
                 "--",
                 "sh",
                 "-c",

@@ -103,6 +103,15 @@ fn usage_errors_exit_2() {
         "true",
     ]));
     assert_one_line_error(&out, 2, "invalid ttl");
+    // A lease shorter than a second is lost before it can be renewed: refused before any I/O,
+    // for `check` as for `run` (it used to end in 69, 1 or 2 depending on timing).
+    for args in [
+        &["check", "--ttl", "1ms"][..],
+        &["run", "k", "--ttl", "500ms", "--", "true"][..],
+    ] {
+        let out = output(distlock().args(["--url", "redis://127.0.0.1:1"]).args(args));
+        assert_one_line_error(&out, 2, "distlock needs at least 1.0s");
+    }
 }
 
 #[test]
@@ -144,7 +153,8 @@ fn run_reports_a_missing_command() {
 
 #[test]
 fn the_command_runs_in_its_own_process_group() {
-    // Field 5 of /proc/PID/stat is the process group id.
+    // Field 5 of /proc/PID/stat is the process group id. The group is led by distlock's guard
+    // process (which can signal all of it); distlock itself is in another group.
     let out = output(distlock().args([
         "--url",
         "memory://",
@@ -153,22 +163,23 @@ fn the_command_runs_in_its_own_process_group() {
         "--",
         "sh",
         "-c",
-        "echo $$ $(cut -d' ' -f5 /proc/$$/stat) $(cut -d' ' -f5 /proc/$PPID/stat)",
+        "g=$(cut -d' ' -f5 /proc/$$/stat); echo $$ $g $(cut -d' ' -f5 /proc/$PPID/stat) $(tr '\\0' ' ' < /proc/$g/cmdline)",
     ]));
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let text = stdout(&out);
     let fields: Vec<&str> = text.split_whitespace().collect();
-    assert_eq!(fields.len(), 3, "{text}");
-    assert_eq!(
-        fields[0], fields[1],
-        "the command leads its own group: {text}"
-    );
+    assert!(fields.len() >= 5, "{text}");
     assert_ne!(fields[1], fields[2], "distlock is in another group: {text}");
+    assert_eq!(
+        &fields[3..5],
+        ["distlock", "__guard"],
+        "the group's leader is the guard: {text}"
+    );
 }
 
 #[test]
-fn sigterm_and_sigint_are_forwarded_to_the_command() {
-    for (signal, expected) in [("TERM", "got TERM"), ("INT", "got INT")] {
+fn sigterm_sigint_sighup_and_sigquit_are_forwarded_to_the_command() {
+    for (signal, code) in [("TERM", 42), ("INT", 43), ("HUP", 44), ("QUIT", 45)] {
         let mut child = distlock()
             .args([
                 "--url",
@@ -178,7 +189,8 @@ fn sigterm_and_sigint_are_forwarded_to_the_command() {
                 "--",
                 "sh",
                 "-c",
-                "trap 'echo got TERM; exit 42' TERM; trap 'echo got INT; exit 43' INT; echo ready; \
+                "trap 'echo got TERM; exit 42' TERM; trap 'echo got INT; exit 43' INT; \
+                 trap 'echo got HUP; exit 44' HUP; trap 'echo got QUIT; exit 45' QUIT; echo ready; \
                  while :; do sleep 0.1; done",
             ])
             .stdin(Stdio::null())
@@ -195,8 +207,7 @@ fn sigterm_and_sigint_are_forwarded_to_the_command() {
             .unwrap();
         assert!(status.success());
         let out = child.wait_with_output().unwrap();
-        assert_eq!(lines.next().unwrap().unwrap(), expected);
-        let code = if signal == "TERM" { 42 } else { 43 };
+        assert_eq!(lines.next().unwrap().unwrap(), format!("got {signal}"));
         assert_eq!(out.status.code(), Some(code), "{}", stderr(&out));
     }
 }
@@ -207,15 +218,23 @@ fn check_passes_on_the_memory_backend() {
     let text = stdout(&out);
     assert_eq!(out.status.code(), Some(0), "{text}{}", stderr(&out));
     assert!(text.starts_with("backend: memory\n"), "{text}");
-    assert!(text.contains("fencing tokens:     quorum"), "{text}");
+    assert!(
+        text.contains("fencing tokens:     in this process only"),
+        "{text}"
+    );
+    assert!(
+        text.contains("self-test on distlock-check/self-test"),
+        "{text}"
+    );
     assert!(text.contains("fencing token 2 > 1"), "{text}");
     assert!(text.ends_with("result: OK\n"), "{text}");
 }
 
 #[test]
 fn inspect_and_release_of_a_free_key() {
+    // Like grep: 0 when held, 1 when free.
     let out = output(distlock().args(["--url", "memory://", "inspect", "k", "--json"]));
-    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     let value: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(value["key"], "k");
     assert_eq!(value["held"], false);
@@ -224,10 +243,11 @@ fn inspect_and_release_of_a_free_key() {
 
     let out = output(distlock().args(["--url", "memory://", "inspect", "k"]));
     assert_eq!(stdout(&out), "k: free\n");
+    assert_eq!(out.status.code(), Some(1));
 
+    // Nothing released is not a success.
     let out = output(distlock().args(["--url", "memory://", "release", "--force", "k"]));
-    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
-    assert!(stdout(&out).contains("not held"));
+    assert_one_line_error(&out, 1, "not held; nothing released");
 }
 
 #[test]
@@ -252,4 +272,233 @@ fn metrics_flag_prints_a_prometheus_snapshot_without_tokens() {
     assert!(err.contains("distlock_hold_seconds"), "{err}");
     let quiet = output(distlock().args(["--url", "memory://metrics", "check"]));
     assert!(!stderr(&quiet).contains("distlock_acquire_total"));
+}
+
+/// The URL may carry a password: the command does not inherit DISTLOCK_URL, and with
+/// --url-file the URL is neither in distlock's command line nor in anyone's environment.
+#[test]
+fn the_url_stays_out_of_the_commands_environment_and_of_ps() {
+    let show = "env; echo; tr '\\0' ' ' < /proc/$PPID/cmdline";
+    let out = output(
+        distlock()
+            .env("DISTLOCK_URL", "memory://s3cret")
+            .args(["run", "k", "--", "sh", "-c", show]),
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(!stdout(&out).contains("s3cret"), "{}", stdout(&out));
+    assert!(stdout(&out).contains("DISTLOCK_KEY=k"), "{}", stdout(&out));
+
+    let dir = std::env::temp_dir().join(format!("distlock-cli-urlfile-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("url");
+    std::fs::write(&file, "memory://s3cret\n").unwrap();
+    let out = output(
+        distlock()
+            .arg("--url-file")
+            .arg(&file)
+            .args(["run", "k", "--", "sh", "-c", show]),
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(!text.contains("s3cret"), "{text}");
+    assert!(
+        text.contains("--url-file"),
+        "the parent is distlock: {text}"
+    );
+    let out = output(
+        distlock()
+            .env("DISTLOCK_URL_FILE", &file)
+            .args(["inspect", "k"]),
+    );
+    assert_eq!(stdout(&out), "k: free\n", "{}", stderr(&out));
+
+    // A flag on the command line wins over the environment, whichever it is.
+    let out = output(
+        distlock()
+            .env("DISTLOCK_URL", "bar://from-env")
+            .arg("--url-file")
+            .arg(&file)
+            .args(["inspect", "k"]),
+    );
+    assert_eq!(stdout(&out), "k: free\n", "{}", stderr(&out));
+    let out = output(
+        distlock()
+            .env("DISTLOCK_URL_FILE", "/nonexistent/url")
+            .args(["--url", "memory://", "inspect", "k"]),
+    );
+    assert_eq!(stdout(&out), "k: free\n", "{}", stderr(&out));
+
+    // The file is what is used: a bad URL in it is reported as such.
+    std::fs::write(&file, "memory://x?bogus=1\n").unwrap();
+    let out = output(distlock().arg("--url-file").arg(&file).args(["check"]));
+    assert_one_line_error(&out, 78, "unknown memory:// option `bogus`");
+    let out = output(distlock().args(["--url-file", "/nonexistent/url", "check"]));
+    assert_one_line_error(&out, 78, "cannot read the URL file /nonexistent/url");
+    let out = output(
+        distlock()
+            .arg("--url-file")
+            .arg(&file)
+            .args(["--url", "memory://", "check"]),
+    );
+    assert_eq!(out.status.code(), Some(2), "--url and --url-file conflict");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--kill-after` the lease cannot cover is refused before any I/O (the URL is unreachable).
+#[test]
+fn a_kill_after_the_lease_cannot_cover_is_refused_before_connecting() {
+    let out = output(distlock().args([
+        "--url",
+        "redis://127.0.0.1:1",
+        "run",
+        "k",
+        "--ttl",
+        "3s",
+        "--kill-after",
+        "2s",
+        "--",
+        "true",
+    ]));
+    assert_one_line_error(
+        &out,
+        2,
+        "--kill-after 2.0s is more than the lease can cover",
+    );
+}
+
+/// With --wait-group the lock is held until the command's whole process group is gone, not
+/// only its top process; without it, distlock returns when the top process exits.
+#[test]
+fn wait_group_holds_until_background_processes_are_gone() {
+    let dir = std::env::temp_dir().join(format!("distlock-cli-group-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let late = dir.join("late");
+    let script = format!("(sleep 1; touch {}) > /dev/null 2>&1 &", late.display());
+    let out = output(distlock().args([
+        "--url",
+        "memory://",
+        "run",
+        "--wait-group",
+        "k",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(
+        late.exists(),
+        "distlock returned before the background process ended"
+    );
+    std::fs::remove_file(&late).unwrap();
+
+    let out =
+        output(distlock().args(["--url", "memory://", "run", "k", "--", "sh", "-c", &script]));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(
+        !late.exists(),
+        "without --wait-group only the top process is waited for"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A refused connection is one line with the backend, the address and the cause, and no
+/// client library's debug output or credentials.
+#[test]
+fn a_refused_connection_is_one_line_with_the_address_and_the_cause() {
+    for (backend, url) in [
+        (Backend::Redis, "redis://127.0.0.1:1"),
+        (Backend::Etcd, "etcd://127.0.0.1:1"),
+        (Backend::ZooKeeper, "zk://127.0.0.1:1"),
+        (Backend::Postgres, "postgres://u:secret@127.0.0.1:1/db"),
+    ] {
+        if !backend.is_enabled() {
+            continue;
+        }
+        let out = output(distlock().args(["--url", url, "inspect", "k"]));
+        assert_one_line_error(&out, 69, "at 127.0.0.1:1");
+        let err = stderr(&out);
+        assert!(err.to_lowercase().contains("refused"), "{err}");
+        for noise in ["source:", "tonic::", "Os {", "secret"] {
+            assert!(!err.contains(noise), "{err}");
+        }
+    }
+}
+
+/// `distlock run KEY CMD` (no `--`) says where the command goes.
+#[test]
+fn a_run_without_the_separator_gets_a_hint() {
+    let out = output(distlock().args(["--url", "memory://", "run", "k", "true"]));
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(err.contains("unexpected argument 'true'"), "{err}");
+    assert!(err.contains("hint: the command goes after `--`"), "{err}");
+}
+
+/// Flags users reach for: `-c` (like flock), `--timeout` for `--wait`, `-v` with the fencing
+/// token, `--json` events, a `d` unit.
+#[test]
+fn flock_style_flags_verbose_and_json_events() {
+    let out = output(distlock().args([
+        "--url",
+        "memory://",
+        "run",
+        "k",
+        "--timeout",
+        "1d",
+        "-v",
+        "-c",
+        "echo \"token $DISTLOCK_FENCING_TOKEN\"; exit 3",
+    ]));
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    assert_eq!(stdout(&out), "token 1\n");
+    let err = stderr(&out);
+    assert!(
+        err.contains("distlock: acquired k (fencing token 1)"),
+        "{err}"
+    );
+    assert!(err.contains("distlock: released k"), "{err}");
+
+    let out = output(distlock().args(["--url", "memory://", "run", "k", "--json", "--", "true"]));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let events: Vec<serde_json::Value> = stderr(&out)
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert_eq!(events[0]["event"], "acquired");
+    assert_eq!(events[0]["fencing_token"], 1);
+    assert_eq!(events[1]["event"], "exit");
+    assert_eq!(events[1]["status"], 0);
+
+    let out = output(distlock().args(["--url", "memory://", "run", "k", "-c", "x", "--", "y"]));
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "-c and a command after -- conflict"
+    );
+}
+
+/// The guard killed on its own (the command kills it here): nothing would stop the command if
+/// distlock died next, so distlock terminates the command and exits 70.
+#[test]
+fn a_killed_guard_process_gets_the_command_terminated() {
+    let started = std::time::Instant::now();
+    let out = output(distlock().args([
+        "--url",
+        "memory://",
+        "run",
+        "k",
+        "--",
+        "sh",
+        "-c",
+        "kill -KILL $(cut -d' ' -f5 /proc/$$/stat); sleep 20",
+    ]));
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(70), "{err}");
+    assert!(err.contains("guard process"), "{err}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(10),
+        "{err}"
+    );
 }
