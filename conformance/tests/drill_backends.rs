@@ -21,7 +21,7 @@ mod drill_support;
 
 use std::time::Duration;
 
-use conformance::drill::{History, Hold, HolderEvent, Kind, Proxy};
+use conformance::drill::{History, Hold, HolderEvent, Proxy};
 use drill_support::{Backend, Client, FencedLog, Holder, SOON, TTL, finish, write};
 use lock_core::{Error, FencingToken};
 use tokio::time::{Instant, sleep, timeout};
@@ -175,8 +175,13 @@ async fn blackholed_holder(backend: Backend, url: String) {
     proxy.blackhole();
     let started = Instant::now();
     let fault = history.fault("blackholed", Some("c1"));
-    // Whether c1's guard had reported the loss is read the moment c2's acquire returns (not
-    // after waiting for the loss, which would make the order true by construction).
+    // Whether c1 still trusted its lease is judged at the moment c2's acquire returns (not after
+    // waiting for the loss, which would make the order true by construction), the way the guard
+    // judges it: `is_lost()` is true once `lost()` fired or the local deadline passed. The
+    // deadline only moves forward, so its final value bounds every earlier one. (Comparing when
+    // the recorder task happened to run with c2's grant left a margin of the drift margin,
+    // ~15 ms: a flake on a loaded machine. The checker still compares the lost record and the
+    // renewed deadline with the grant.)
     let c1_lost = held1.guard.lost_token();
     let contender = tokio::spawn({
         let acquire = c2.start_acquire(&key, WAIT);
@@ -191,30 +196,15 @@ async fn blackholed_holder(backend: Backend, url: String) {
         .expect("the partitioned holder must give up by its local deadline");
     let (held2, granted_at, lost_before_grant) = contender.await.unwrap();
     let held2 = held2.expect("c2 is granted");
+    let deadline = held1.guard.local_deadline();
     assert!(
-        lost_before_grant,
-        "c2 was granted at {:?} while c1's guard had not reported the loss (it did at {:?})",
+        lost_before_grant || deadline <= granted_at,
+        "c2 was granted at {:?} while c1 still trusted its lease (until {:?}; lost() at {:?})",
         granted_at - started,
+        deadline - started,
         lost_at - started
     );
     assert!(fencing(&held2.hold) > fencing(&held1.hold));
-    let records = history.snapshot();
-    let lost_seq = records
-        .iter()
-        .find(|r| r.kind == Kind::Lost && r.client.as_deref() == Some("c1"))
-        .map(|r| r.seq)
-        .expect("c1's loss recorded");
-    let grant_seq = records
-        .iter()
-        .find(|r| {
-            r.kind == Kind::Ok && r.granted == Some(true) && r.client.as_deref() == Some("c2")
-        })
-        .map(|r| r.seq)
-        .expect("c2's grant recorded");
-    assert!(
-        lost_seq < grant_seq,
-        "c1's loss must be recorded before c2's grant"
-    );
     assert!(write(&c2.rec, &held2.hold, &log, "c2#1"));
 
     let until = started + 2 * TTL;
