@@ -173,15 +173,18 @@ async fn slow_downstream_cancelled(backend: &str, url: String) {
     let contender_wrote = Arc::new(Notify::new());
     let (late_tx, late_rx) = oneshot::channel::<Option<bool>>();
     let c1_hold: Arc<Mutex<Option<Hold>>> = Arc::new(Mutex::new(None));
+    // The job's context, so the contender can ask it whether c1 still trusts its lease.
+    let c1_ctx: Arc<Mutex<Option<JobContext>>> = Arc::new(Mutex::new(None));
     let lost_at: Arc<Mutex<Option<Instant>>> = Arc::new(Mutex::new(None));
     let dropped_at: Arc<Mutex<Option<Instant>>> = Arc::new(Mutex::new(None));
     let acquire = c1.rec.acquire(&key, TTL);
     let job = {
-        let (rec, log, contender_wrote, c1_hold, lost_at, dropped_at) = (
+        let (rec, log, contender_wrote, c1_hold, c1_ctx, lost_at, dropped_at) = (
             c1.rec.clone(),
             log.clone(),
             contender_wrote.clone(),
             c1_hold.clone(),
+            c1_ctx.clone(),
             lost_at.clone(),
             dropped_at.clone(),
         );
@@ -194,6 +197,7 @@ async fn slow_downstream_cancelled(backend: &str, url: String) {
                 let hold = hold_of(&ctx);
                 acquire.granted(hold.clone());
                 *c1_hold.lock().unwrap() = Some(hold.clone());
+                *c1_ctx.lock().unwrap() = Some(ctx.clone());
                 // Record the loss the moment the guard reports it.
                 tokio::spawn({
                     let (lost, rec, hold) = (ctx.lost(), rec.clone(), hold.clone());
@@ -246,11 +250,21 @@ async fn slow_downstream_cancelled(backend: &str, url: String) {
     // Whether the job's future had been dropped is read the moment c2's acquire returns (not
     // after awaiting the job, which would make the order true by construction).
     let contender = tokio::spawn({
-        let (acquire, dropped_at) = (c2.start_acquire(&key, WAIT), dropped_at.clone());
+        let (acquire, dropped_at, c1_ctx) = (
+            c2.start_acquire(&key, WAIT),
+            dropped_at.clone(),
+            c1_ctx.clone(),
+        );
         async move {
             let held = acquire.await;
             let dropped_by_then = dropped_at.lock().unwrap().is_some();
-            (held, Instant::now(), dropped_by_then)
+            // The job's own view (`lost()` fired or the local deadline passed).
+            let trusted_by_then = c1_ctx
+                .lock()
+                .unwrap()
+                .as_ref()
+                .is_some_and(|c| !c.is_lost());
+            (held, Instant::now(), dropped_by_then, trusted_by_then)
         }
     });
 
@@ -260,8 +274,13 @@ async fn slow_downstream_cancelled(backend: &str, url: String) {
         matches!(outcome, Err(Error::NotHeld { .. })),
         "the loss must cancel the job with NotHeld: {outcome:?}"
     );
-    let (held2, granted_at, dropped_before_grant) = contender.await.unwrap();
+    let (held2, granted_at, dropped_before_grant, c1_trusted_at_grant) = contender.await.unwrap();
     let held2 = held2.expect("c2 is granted");
+    assert!(
+        !c1_trusted_at_grant,
+        "c2 was granted at {:?} while c1's job still trusted the lease",
+        granted_at - started
+    );
     // (run_exclusive itself returns only after its release attempt through the dead link.)
     assert!(
         dropped_before_grant,
@@ -276,18 +295,8 @@ async fn slow_downstream_cancelled(backend: &str, url: String) {
         .expect("the job's future was dropped");
     let hold1 = c1_hold.lock().unwrap().clone().unwrap();
     assert!(fencing(&held2.hold) > fencing(&hold1));
-    let lost_seq = seq_of(&history, |r| {
-        r.kind == Kind::Lost && r.client.as_deref() == Some("c1")
-    })
-    .unwrap();
-    let grant_seq = seq_of(&history, |r| {
-        r.kind == Kind::Ok && r.granted == Some(true) && r.client.as_deref() == Some("c2")
-    })
-    .unwrap();
-    assert!(
-        lost_seq < grant_seq,
-        "c1's loss must be recorded before c2's grant"
-    );
+    // (The lost record's position against c2's grant record, a race of the drift margin, is left
+    // to the checker, which compares both with c1's renewed deadline.)
     assert!(write(&c2.rec, &held2.hold, &log, "c2#1"));
     contender_wrote.notify_one();
 
