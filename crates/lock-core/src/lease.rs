@@ -135,4 +135,151 @@ pub struct HolderInfo {
     pub ttl_remaining: Option<Duration>,
     /// Contenders queued behind the holder, when the backend queues them.
     pub waiters: Option<usize>,
+    /// Who the holder is (host, pid, label), when it recorded that next to its grant.
+    pub holder: Option<HolderIdentity>,
+}
+
+/// A short, non-secret description of who holds a lock — host, process id, when the process
+/// started using distlock, and an optional label — recorded by the holder next to its grant so
+/// that [`crate::DistributedLock::inspect`] (and `distlock inspect`) can say who holds a lock.
+///
+/// It never contains the ownership token or credentials. Its text is printable ASCII of at
+/// most [`HolderIdentity::MAX_LEN`] bytes, in the form
+/// `host=web-1 pid=4242 since=1764578845 label=nightly-report`, so it is safe to log and to store
+/// in any coordinator. Text read back from a coordinator (another client's record) goes through
+/// [`HolderIdentity::from_stored`], which drops anything that is not printable.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct HolderIdentity(String);
+
+impl HolderIdentity {
+    /// The longest identity text, in bytes.
+    pub const MAX_LEN: usize = 200;
+    /// The longest label, in bytes.
+    pub const MAX_LABEL_LEN: usize = 64;
+
+    /// This process's identity, with an optional `label` (checked by
+    /// [`HolderIdentity::check_label`]).
+    ///
+    /// # Errors
+    /// [`crate::Error::Config`] for a label that is empty, too long, or not made of ASCII
+    /// letters, digits and `-_.:/@`.
+    pub fn process(label: Option<&str>) -> crate::Result<Self> {
+        static SINCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+        let since = *SINCE.get_or_init(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs())
+        });
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .map(|h| sanitize(h.trim(), 64))
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| "unknown".to_owned());
+        let mut text = format!("host={host} pid={} since={since}", std::process::id());
+        if let Some(label) = label {
+            Self::check_label(label)?;
+            text.push_str(" label=");
+            text.push_str(label);
+        }
+        Ok(Self(sanitize(&text, Self::MAX_LEN)))
+    }
+
+    /// Checks a label before any I/O: 1 to [`HolderIdentity::MAX_LABEL_LEN`] bytes of ASCII
+    /// letters, digits and `-_.:/@`.
+    ///
+    /// # Errors
+    /// [`crate::Error::Config`] saying what is wrong.
+    pub fn check_label(label: &str) -> crate::Result<()> {
+        let ok = !label.is_empty()
+            && label.len() <= Self::MAX_LABEL_LEN
+            && label
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.:/@".contains(&b));
+        if ok {
+            Ok(())
+        } else {
+            Err(crate::Error::Config(format!(
+                "a holder label must be 1 to {} characters of ASCII letters, digits and -_.:/@",
+                Self::MAX_LABEL_LEN
+            )))
+        }
+    }
+
+    /// An identity read back from a coordinator: anything not printable ASCII is dropped and the
+    /// text is cut at [`HolderIdentity::MAX_LEN`]; `None` when nothing printable is left.
+    pub fn from_stored(bytes: &[u8]) -> Option<Self> {
+        let text = sanitize(&String::from_utf8_lossy(bytes), Self::MAX_LEN);
+        (!text.trim().is_empty()).then(|| Self(text.trim().to_owned()))
+    }
+
+    /// The identity text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// Printable ASCII only (no control characters, no newlines), at most `max` bytes.
+fn sanitize(text: &str, max: usize) -> String {
+    text.chars()
+        .filter(|c| c.is_ascii_graphic() || *c == ' ')
+        .take(max)
+        .collect()
+}
+
+impl fmt::Display for HolderIdentity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for HolderIdentity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "HolderIdentity({:?})", self.0)
+    }
+}
+
+#[cfg(test)]
+mod identity_tests {
+    use super::*;
+
+    #[test]
+    fn the_process_identity_is_short_printable_and_carries_the_label() {
+        let id = HolderIdentity::process(Some("nightly-report")).unwrap();
+        let text = id.as_str();
+        assert!(text.starts_with("host="), "{text}");
+        assert!(
+            text.contains(&format!(" pid={} ", std::process::id())),
+            "{text}"
+        );
+        assert!(text.ends_with(" label=nightly-report"), "{text}");
+        assert!(text.len() <= HolderIdentity::MAX_LEN);
+        assert!(text.bytes().all(|b| b.is_ascii_graphic() || b == b' '));
+    }
+
+    #[test]
+    fn bad_labels_are_config_errors() {
+        for bad in ["", "has space", "new\nline", "é", &"x".repeat(65)] {
+            assert!(
+                matches!(
+                    HolderIdentity::process(Some(bad)),
+                    Err(crate::Error::Config(_))
+                ),
+                "{bad:?}"
+            );
+        }
+        assert!(HolderIdentity::check_label("cron@web-1:/etc/cron.d/x").is_ok());
+    }
+
+    #[test]
+    fn stored_text_is_sanitized() {
+        let id = HolderIdentity::from_stored(b"host=a\n\x1b[31mpid=1").unwrap();
+        assert_eq!(id.as_str(), "host=a[31mpid=1");
+        assert!(HolderIdentity::from_stored(b"\n\t").is_none());
+        let long = vec![b'a'; 500];
+        assert_eq!(
+            HolderIdentity::from_stored(&long).unwrap().as_str().len(),
+            HolderIdentity::MAX_LEN
+        );
+    }
 }

@@ -26,7 +26,7 @@ pub use ext::{BoxedFuture, DistributedLockExt, JobContext, LockBuilder, LockOpti
 pub use fencing::{FencedRegister, StaleFencingToken};
 pub use guard::LockGuard;
 pub use key::LockKey;
-pub use lease::{HolderInfo, Lease, drift_margin};
+pub use lease::{HolderIdentity, HolderInfo, Lease, drift_margin};
 pub use lock::{DistributedLock, DynLock, LossReason, poll_acquire};
 pub use memory::InMemoryLock;
 pub use observe::{Observed, record_fencing_rejection};

@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     AcquireWait, Backoff, Capabilities, DistributedLock, Error, FencingGuarantee, FencingToken,
-    HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result,
+    HolderIdentity, HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result,
 };
 
 const BACKEND: &str = "memory";
@@ -400,6 +400,7 @@ impl DistributedLock for InMemoryLock {
                         .filter(|w| !w.grant.is_closed())
                         .count(),
                 ),
+                holder: HolderIdentity::process(None).ok(),
             })
         }))
     }

@@ -1485,6 +1485,7 @@ impl DistributedLock for EtcdLock {
             fencing_token: u64::try_from(kv.create_revision()).ok().map(FencingToken),
             ttl_remaining,
             waiters: Some(waiters),
+            holder: None,
         }))
     }
 

@@ -1021,6 +1021,7 @@ impl Inner {
             ttl_remaining: Some(Duration::from_micros(u64::try_from(remaining).unwrap_or(0))),
             // Queued (listening) waiters only; polling ones are not counted.
             waiters: usize::try_from(waiters).ok(),
+            holder: None,
         }))
     }
 }

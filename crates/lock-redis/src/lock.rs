@@ -1129,6 +1129,7 @@ impl DistributedLock for RedisLock {
                 fencing_token: fencing,
                 ttl_remaining: u64::try_from(pttl).ok().map(Duration::from_millis),
                 waiters: usize::try_from(waiters).ok(),
+                holder: None,
             }
         }))
     }

@@ -1078,6 +1078,7 @@ impl DistributedLock for ZkLock {
             fencing_token: h.fence,
             ttl_remaining: None,
             waiters: Some(h.queued),
+            holder: None,
         }))
     }
 
