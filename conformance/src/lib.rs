@@ -1,12 +1,4 @@
-//! The conformance suite every distlock backend runs against a real server.
-//!
-//! A backend's `tests/conformance.rs` implements [`TestBackend`], writes an
-//! `async fn setup() -> Option<Harness>` (using [`backend_url`], which fails the test when
-//! `DISTLOCK_REQUIRE_BACKENDS=1` and the server's URL is missing) and calls
-//! `conformance::conformance_tests!(setup);`, which expands into one named test per property in
-//! [`properties`]. A property is skipped only when the backend does not claim the capability it
-//! checks; declare those skips in the macro (`skip: { property: "reason" }`) and they report as
-//! ignored with their reason (see [`conformance_tests!`]).
+#![doc = include_str!("../README.md")]
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test-support code: a failed expectation is a failed test
 
 pub mod drill;
