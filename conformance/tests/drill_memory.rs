@@ -139,6 +139,8 @@ async fn round(
         Err(highest) => write.rejected(highest),
     }
 
+    // The renewals the watchdog made: the checker holds others to the renewed deadline.
+    rec.guard_renewed(&guard);
     let release = rec.release(&guard);
     loss.abort();
     match guard.release().await {
