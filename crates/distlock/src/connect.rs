@@ -165,7 +165,7 @@ fn supported_schemes_sentence() -> String {
 /// Unknown or malformed options are an error, never ignored.
 ///
 /// # `memory://`
-/// `memory://NAME` is a coordinator living in this process: every `connect` with the same
+/// `memory://NAME[?label=L]` is a coordinator living in this process: every `connect` with the same
 /// `NAME` returns a new, independent client of the *same* coordinator, so two
 /// `connect("memory://orders")` calls in one process contend for the same locks, while
 /// `memory://a` and `memory://b` never interact (`memory://` alone is `memory://default`).
@@ -224,18 +224,29 @@ fn connect_memory(url: &str) -> Result<DynLock> {
             parsed.path()
         )));
     }
-    if let Some((option, _)) = parsed.query_pairs().next() {
-        return Err(Error::Config(format!(
-            "unknown memory:// option `{option}` (the in-memory backend takes no options)"
-        )));
+    let mut label = None;
+    for (option, value) in parsed.query_pairs() {
+        match &*option {
+            "label" if label.is_none() => label = Some(value.into_owned()),
+            _ => {
+                return Err(Error::Config(format!(
+                    "unknown or repeated memory:// option `{option}` (the in-memory backend takes only `label`)"
+                )));
+            }
+        }
     }
     let name = match parsed.host_str() {
         None | Some("") => "default".to_owned(),
         Some(name) => name.to_owned(),
     };
-    let mut coordinators = MEMORY.lock().unwrap_or_else(PoisonError::into_inner);
-    let coordinator = coordinators.entry(name).or_default();
-    Ok(Arc::new(coordinator.client()))
+    let client = {
+        let mut coordinators = MEMORY.lock().unwrap_or_else(PoisonError::into_inner);
+        coordinators.entry(name).or_default().client()
+    };
+    Ok(Arc::new(match label {
+        Some(label) => client.with_label(&label)?,
+        None => client,
+    }))
 }
 
 #[cfg(feature = "redis")]
@@ -312,10 +323,49 @@ mod tests {
     #[tokio::test]
     async fn memory_rejects_options_ports_and_paths() {
         let msg = config_message(connect("memory://x?ttl=3").await);
-        assert!(msg.contains("unknown memory:// option `ttl`"), "{msg}");
-        for url in ["memory://x:1", "memory://u:p@x", "memory://x/y"] {
+        assert!(msg.contains("memory:// option `ttl`"), "{msg}");
+        for url in [
+            "memory://x:1",
+            "memory://u:p@x",
+            "memory://x/y",
+            "memory://x?label=a&label=b",
+            "memory://x?label=has%20space",
+        ] {
             config_message(connect(url).await);
         }
+    }
+
+    #[tokio::test]
+    async fn a_memory_holder_s_label_is_shown_by_inspect() {
+        let a = connect("memory://facade-label?label=worker-a")
+            .await
+            .unwrap();
+        let b = connect("memory://facade-label").await.unwrap();
+        let key = LockKey::new("facade-label").unwrap();
+        let ttl = std::time::Duration::from_secs(5);
+        let lease = a.try_acquire(&key, ttl).await.unwrap().unwrap();
+        let seen = b.inspect(&key).await.unwrap().unwrap().holder.unwrap();
+        assert!(seen.as_str().ends_with(" label=worker-a"), "{seen}");
+        assert!(
+            seen.as_str()
+                .contains(&format!("pid={}", std::process::id()))
+        );
+        // b queues, a releases: the lock is handed to b, and inspect shows b (no label).
+        let waiter = {
+            let (b, key) = (b.clone(), key.clone());
+            tokio::spawn(async move {
+                b.acquire(&key, ttl, tokio::time::Instant::now() + ttl)
+                    .await
+            })
+        };
+        while b.inspect(&key).await.unwrap().and_then(|i| i.waiters) != Some(1) {
+            tokio::task::yield_now().await;
+        }
+        assert!(a.release(&lease).await.unwrap());
+        let granted = waiter.await.unwrap().unwrap();
+        let seen = a.inspect(&key).await.unwrap().unwrap().holder.unwrap();
+        assert!(!seen.as_str().contains("label="), "{seen}");
+        assert!(b.release(&granted).await.unwrap());
     }
 
     #[tokio::test]

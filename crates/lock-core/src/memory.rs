@@ -36,6 +36,7 @@ const BACKEND: &str = "memory";
 pub struct InMemoryLock {
     coordinator: Arc<Coordinator>,
     offline: Arc<AtomicBool>,
+    identity: Option<HolderIdentity>,
 }
 
 #[derive(Default)]
@@ -62,12 +63,14 @@ struct Holder {
     fence: FencingToken,
     expires_at: Instant,
     revoked: CancellationToken,
+    identity: Option<HolderIdentity>,
 }
 
 struct Waiter {
     id: u64,
     ttl: Duration,
     grant: oneshot::Sender<Grant>,
+    identity: Option<HolderIdentity>,
 }
 
 struct Grant {
@@ -112,6 +115,7 @@ impl State {
                     fence,
                     expires_at: now + waiter.ttl,
                     revoked,
+                    identity: waiter.identity,
                 });
             }
         }
@@ -120,7 +124,13 @@ impl State {
         }
     }
 
-    fn grant_now(&mut self, key: &LockKey, ttl: Duration, now: Instant) -> Option<Lease> {
+    fn grant_now(
+        &mut self,
+        key: &LockKey,
+        ttl: Duration,
+        now: Instant,
+        identity: Option<HolderIdentity>,
+    ) -> Option<Lease> {
         self.settle(key, now);
         let entry = self.entries.entry(key.clone()).or_default();
         if entry.holder.is_some() {
@@ -135,6 +145,7 @@ impl State {
             fence,
             expires_at: now + ttl,
             revoked: revoked.clone(),
+            identity,
         });
         Some(
             Lease::new(key.clone(), token, Some(fence), ttl, now)
@@ -158,6 +169,7 @@ impl InMemoryLock {
         Self {
             coordinator: Arc::default(),
             offline: Arc::default(),
+            identity: HolderIdentity::process(None).ok(),
         }
     }
 
@@ -166,7 +178,17 @@ impl InMemoryLock {
         Self {
             coordinator: self.coordinator.clone(),
             offline: Arc::default(),
+            identity: HolderIdentity::process(None).ok(),
         }
+    }
+
+    /// This client with `label` in the [`HolderIdentity`] it records next to its grants.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a label [`HolderIdentity::check_label`] refuses.
+    pub fn with_label(mut self, label: &str) -> Result<Self> {
+        self.identity = Some(HolderIdentity::process(Some(label))?);
+        Ok(self)
     }
 
     /// Test hook: while offline, every request of *this* client fails with
@@ -304,7 +326,7 @@ impl DistributedLock for InMemoryLock {
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
         self.capabilities().check_ttl(ttl)?;
         let mut state = self.request("try_acquire")?;
-        Ok(state.grant_now(key, ttl, Instant::now()))
+        Ok(state.grant_now(key, ttl, Instant::now(), self.identity.clone()))
     }
 
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
@@ -313,14 +335,19 @@ impl DistributedLock for InMemoryLock {
         let (mut waiter, mut expires_at) = {
             let mut state = self.request("acquire")?;
             let now = Instant::now();
-            if let Some(lease) = state.grant_now(key, ttl, now) {
+            if let Some(lease) = state.grant_now(key, ttl, now, self.identity.clone()) {
                 return Ok(lease);
             }
             state.next_waiter += 1;
             let id = state.next_waiter;
             let (tx, rx) = oneshot::channel();
             let entry = state.entries.entry(key.clone()).or_default();
-            entry.waiters.push_back(Waiter { id, ttl, grant: tx });
+            entry.waiters.push_back(Waiter {
+                id,
+                ttl,
+                grant: tx,
+                identity: self.identity.clone(),
+            });
             let expires_at = entry.holder.as_ref().map_or(now, |h| h.expires_at);
             let waiter = QueuedWaiter {
                 lock: self,
@@ -400,7 +427,7 @@ impl DistributedLock for InMemoryLock {
                         .filter(|w| !w.grant.is_closed())
                         .count(),
                 ),
-                holder: HolderIdentity::process(None).ok(),
+                holder: h.identity.clone(),
             })
         }))
     }
