@@ -2,7 +2,7 @@
 
 use std::{fmt, time::Duration};
 
-use lock_core::{Error, Result};
+use lock_core::{Error, HolderIdentity, Result};
 
 /// Who may touch the lock nodes this client creates.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -29,6 +29,7 @@ pub enum ZkAcl {
 /// | `op_timeout` | `5s` | bound on each request while connected or reconnecting (at most 24 h; an `acquire`'s requests also end by its deadline) |
 /// | `root` | `/distlock` | parent of every lock directory (`<root>/<escaped key>/_c_<uuid>-lock-<seq>`) |
 /// | `acl` | `open` | `open` (world:anyone) or `creator` (needs `user:password@`) |
+/// | `label` | none | a short label added to the holder identity stored as each lock node's data (1–64 of `A-Za-z0-9-_.:/@`) |
 ///
 /// Durations take a unit (`250ms`, `10s`, `2m`); a bare number is refused, not guessed. Credentials in
 /// the URL are sent as ZooKeeper `digest` auth (`user:password`) and never shown by `Debug`.
@@ -50,6 +51,9 @@ pub struct ZkLockConfig {
     pub auth: Option<(String, String)>,
     /// ACL of the lock nodes.
     pub acl: ZkAcl,
+    /// A label added to the holder identity this client stores next to its grants (see
+    /// [`lock_core::HolderIdentity::check_label`] for what it may contain).
+    pub label: Option<String>,
 }
 
 impl ZkLockConfig {
@@ -72,6 +76,7 @@ impl ZkLockConfig {
             op_timeout: Duration::from_secs(5),
             auth: None,
             acl: ZkAcl::Open,
+            label: None,
         }
     }
 
@@ -138,6 +143,7 @@ impl ZkLockConfig {
                         }
                     }
                 }
+                "label" => cfg.label = Some(value.into_owned()),
                 other => return Err(config(format!("unknown option {other:?}"))),
             }
         }
@@ -190,6 +196,12 @@ impl ZkLockConfig {
         }
         if self.acl == ZkAcl::Creator && self.auth.is_none() {
             return Err(config("acl=creator needs user:password@ credentials"));
+        }
+        if let Some(label) = &self.label {
+            HolderIdentity::check_label(label).map_err(|e| match e {
+                Error::Config(why) => config(format!("label: {why}")),
+                other => other,
+            })?;
         }
         Ok(())
     }
@@ -265,6 +277,7 @@ impl fmt::Debug for ZkLockConfig {
                 &self.auth.as_ref().map(|(user, _)| (user, "<redacted>")),
             )
             .field("acl", &self.acl)
+            .field("label", &self.label)
             .finish()
     }
 }
@@ -276,7 +289,7 @@ mod tests {
     #[test]
     fn parses_every_option() {
         let c = ZkLockConfig::from_url(
-            "zk://bob:s%40cret@h1:2181,h2:2182/app/x?session_timeout=1500ms&connect_timeout=2s&op_timeout=3ms&root=/locks/r&acl=creator",
+            "zk://bob:s%40cret@h1:2181,h2:2182/app/x?session_timeout=1500ms&connect_timeout=2s&op_timeout=3ms&root=/locks/r&acl=creator&label=cron@web-1",
         )
         .unwrap();
         assert_eq!(c.hosts, "h1:2181,h2:2182");
@@ -288,6 +301,7 @@ mod tests {
         assert_eq!(c.root(), "/locks/r");
         assert_eq!(c.acl, ZkAcl::Creator);
         assert_eq!(c.auth, Some(("bob".into(), "s@cret".into())));
+        assert_eq!(c.label.as_deref(), Some("cron@web-1"));
         let shown = format!("{c:?}");
         assert!(
             !shown.contains("s@cret") && shown.contains("redacted"),
@@ -325,6 +339,9 @@ mod tests {
             "zk://h:1?acl=creator",
             "zk://h:1?acl=weird",
             "zk://bob@h:1",
+            "zk://h:1?label=",
+            "zk://h:1?label=has%20space",
+            "zk://h:1?label=new%0Aline",
         ] {
             assert!(
                 matches!(ZkLockConfig::from_url(url), Err(Error::Config(_))),

@@ -11,7 +11,7 @@ use std::{
 use futures::{StreamExt, future::BoxFuture, stream::FuturesUnordered};
 use lock_core::{
     AcquireWait, Backoff, Capabilities, DistributedLock, Error, FencingGuarantee, FencingToken,
-    HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result, async_trait,
+    HolderIdentity, HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result, async_trait,
 };
 use tokio::time::{Instant, sleep, timeout, timeout_at};
 use tokio_util::sync::CancellationToken;
@@ -51,6 +51,10 @@ pub struct ZkLock {
 
 struct Inner {
     config: ZkLockConfig,
+    /// Who we are, written as the data of every contender node we create: the node that holds
+    /// the lock carries its own holder's identity, so `inspect` can never pair a grant with
+    /// another client's identity.
+    identity: HolderIdentity,
     current: Mutex<Option<Arc<Session>>>,
     connecting: tokio::sync::Mutex<()>,
     /// Cancelled when the last clone is dropped: stops the session's heartbeat.
@@ -82,9 +86,11 @@ impl ZkLock {
     /// [`Error::Config`] when the configuration is invalid.
     pub fn new(config: ZkLockConfig) -> Result<Self> {
         config.validate()?;
+        let identity = HolderIdentity::process(config.label.as_deref())?;
         Ok(Self {
             inner: Arc::new(Inner {
                 config,
+                identity,
                 current: Mutex::new(None),
                 connecting: tokio::sync::Mutex::new(()),
                 stop: CancellationToken::new(),
@@ -347,13 +353,17 @@ impl Contender {
         let prefix = format!("{}/{}", self.dir, node_prefix(&self.token));
         let acls = self.lock.acls();
         let options = zk::CreateMode::EphemeralSequential.with_acls(acls);
+        // The identity goes in the create itself: no extra request, and it lives and dies
+        // with the node (the grant).
+        let lock = self.lock.clone();
+        let data = lock.inner.identity.as_str().as_bytes();
         let mut last = None;
         // A create of ours may have been applied without our hearing of it.
         let mut uncertain = false;
         for _ in 0..CREATE_ATTEMPTS {
             let client = &self.session.client;
             let probe = self.session.probe();
-            match self.call(client.create(&prefix, &[], &options)).await {
+            match self.call(client.create(&prefix, data, &options)).await {
                 Ok((stat, seq)) => {
                     self.session.answered(probe);
                     self.node = Some((format!("{}{seq}", node_prefix(&self.token)), stat));
@@ -776,16 +786,20 @@ impl ZkLock {
                 return Ok(None);
             };
             let path = format!("{dir}/{first}");
-            match self.call(session.client.check_stat(&path)).await {
-                Ok(Some(stat)) => {
+            // Data and Stat come from one read of the same node: the identity is the one its
+            // creator wrote, whatever happened to the lock since. Curator writes its IP there
+            // and older distlock versions nothing (`from_stored` sanitises; empty is None).
+            match self.call(session.client.get_data(&path)).await {
+                Ok((data, stat)) => {
                     return Ok(Some(HolderNode {
                         digest: path::token_digest_of(first),
                         fence: u64::try_from(stat.czxid).ok().map(FencingToken),
                         queued: sorted.len() - 1,
+                        identity: HolderIdentity::from_stored(&data),
                         path,
                     }));
                 }
-                Ok(None) => continue, // released meanwhile: look again
+                Err(zk::Error::NoNode) => continue, // released meanwhile: look again
                 Err(e) => return Err(to_error(op, e)),
             }
         }
@@ -804,6 +818,7 @@ struct HolderNode {
     digest: Option<lock_core::TokenDigest>,
     fence: Option<FencingToken>,
     queued: usize,
+    identity: Option<HolderIdentity>,
 }
 
 #[async_trait]
@@ -822,6 +837,9 @@ impl DistributedLock for ZkLock {
             lost_notify: true,
             force_release: true,
             min_ttl: self.inner.config.session_timeout,
+            // `check_ttl` caps every TTL at this anyway; saying so lets callers (`distlock
+            // check`) show the real limit instead of "none".
+            max_ttl: Capabilities::MAX_TTL,
             ..Default::default()
         }
     }
@@ -1078,7 +1096,7 @@ impl DistributedLock for ZkLock {
             fencing_token: h.fence,
             ttl_remaining: None,
             waiters: Some(h.queued),
-            holder: None,
+            holder: h.identity,
         }))
     }
 

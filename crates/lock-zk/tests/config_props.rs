@@ -48,9 +48,10 @@ fn config() -> impl Strategy<Value = ZkLockConfig> {
         (duration(), duration(), duration()),
         proptest::option::of((text(), text())),
         any::<bool>(),
+        proptest::option::of(label()),
     )
         .prop_map(
-            |(hosts, chroot, root, (session, connect, op), auth, creator)| {
+            |(hosts, chroot, root, (session, connect, op), auth, creator, label)| {
                 let mut c = ZkLockConfig::new(hosts);
                 c.chroot = chroot;
                 c.root = root;
@@ -60,9 +61,23 @@ fn config() -> impl Strategy<Value = ZkLockConfig> {
                 // A password no other field can contain by chance, to look for it in `Debug`.
                 c.auth = auth.map(|(user, password)| (user, format!("Zq9~{password}~pw")));
                 c.acl = if creator { ZkAcl::Creator } else { ZkAcl::Open };
+                c.label = label;
                 c
             },
         )
+}
+
+fn label() -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just(String::new()),
+        Just("cron@web-1:/etc/cron.d/x".to_owned()),
+        Just("x".repeat(64)),
+        Just("x".repeat(65)),
+        Just("a b".to_owned()),
+        Just("a\nb".to_owned()),
+        "[a-z0-9@:/._-]{1,8}",
+        ".{0,24}",
+    ]
 }
 
 fn option_value() -> impl Strategy<Value = String> {
@@ -78,6 +93,9 @@ fn option_value() -> impl Strategy<Value = String> {
         Just("1.5s".to_owned()),
         Just("/r".to_owned()),
         Just("creator".to_owned()),
+        Just("cron@web-1".to_owned()),
+        Just("a%20b".to_owned()),
+        Just("a%0Ab".to_owned()),
         "[a-z0-9./%]{0,12}",
     ]
 }
@@ -101,6 +119,10 @@ proptest! {
         match ZkLock::new(c.clone()) {
             Ok(lock) => {
                 prop_assert!(validated.is_ok());
+                if let Some(label) = &c.label {
+                    prop_assert!(lock_core::HolderIdentity::check_label(label).is_ok());
+                }
+                prop_assert!(lock.capabilities().max_ttl == lock_core::Capabilities::MAX_TTL);
                 prop_assert!(lock.capabilities().min_ttl == c.session_timeout);
                 prop_assert!(c.op_timeout <= ZkLockConfig::MAX_TIMEOUT);
                 prop_assert!(c.connect_timeout <= ZkLockConfig::MAX_TIMEOUT);
@@ -119,6 +141,7 @@ proptest! {
             Just("op_timeout"),
             Just("root"),
             Just("acl"),
+            Just("label"),
         ],
         value in option_value(),
         chroot in prop_oneof![Just(""), Just("/app"), Just("/"), Just("//x")],
@@ -157,6 +180,10 @@ fn struct_set_bounds_are_checked() {
         },
         ZkLockConfig {
             hosts: "h:70000".into(),
+            ..base.clone()
+        },
+        ZkLockConfig {
+            label: Some("no spaces".into()),
             ..base.clone()
         },
     ] {

@@ -235,6 +235,8 @@ async fn a_curator_contender_made_by_hand_makes_us_wait_in_line() {
         info.fencing_token.map(|t| t.get()),
         u64::try_from(stat.czxid).ok()
     );
+    // Curator's node data (its IP) is shown as the holder: foreign, but sanitised and honest.
+    assert_eq!(info.holder.as_ref().map(|h| h.as_str()), Some("10.0.0.1"));
     assert_eq!(
         children(&raw, &dir).await.len(),
         1,
