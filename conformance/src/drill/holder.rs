@@ -472,3 +472,31 @@ pub fn monotonic_to_instant(ns: u64) -> Option<tokio::time::Instant> {
         now.checked_sub(std::time::Duration::from_nanos(now_ns - ns))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::time::Instant;
+
+    use super::{instant_to_monotonic, monotonic_to_instant};
+
+    #[test]
+    fn deadlines_survive_the_trip_through_the_monotonic_clock() {
+        let now = Instant::now();
+        for instant in [
+            now + Duration::from_millis(1500),
+            now - Duration::from_millis(20),
+        ] {
+            let ns = instant_to_monotonic(instant).expect("the monotonic clock reads");
+            let back = monotonic_to_instant(ns).expect("placed on this clock");
+            let error = if back > instant {
+                back - instant
+            } else {
+                instant - back
+            };
+            // Two clock reads per direction: microseconds apart, far below any lease margin.
+            assert!(error < Duration::from_millis(5), "{error:?}");
+        }
+    }
+}
