@@ -24,6 +24,9 @@ fn key_or_exit(key: &str) -> Result<LockKey, u8> {
 /// One line describing a holder, for messages.
 pub fn describe_holder(info: &HolderInfo) -> String {
     let mut parts = Vec::new();
+    if let Some(holder) = &info.holder {
+        parts.push(holder.to_string());
+    }
     if let Some(digest) = info.token_digest {
         parts.push(format!("token {digest}"));
     }
@@ -65,6 +68,7 @@ pub async fn inspect(lock: DynLock, args: InspectArgs) -> u8 {
             "fencing_token": holder.as_ref().and_then(|h| h.fencing_token).map(|f| f.get()),
             "ttl_remaining_ms": holder.as_ref().and_then(|h| h.ttl_remaining).map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
             "waiters": holder.as_ref().and_then(|h| h.waiters),
+            "holder": holder.as_ref().and_then(|h| h.holder.as_ref()).map(|h| h.as_str()),
         });
         println!("{value}");
         return if holder.is_some() {
@@ -96,6 +100,10 @@ pub async fn inspect(lock: DynLock, args: InspectArgs) -> u8 {
             println!(
                 "  waiters:        {}",
                 h.waiters.map_or_else(none, |w| w.to_string())
+            );
+            println!(
+                "  holder:         {}",
+                h.holder.as_ref().map_or_else(none, ToString::to_string)
             );
         }
     }

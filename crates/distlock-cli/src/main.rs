@@ -109,6 +109,10 @@ pub struct RunArgs {
     /// Report what happens as JSON lines on stderr (acquired, not_acquired, lost, exit).
     #[arg(long)]
     pub json: bool,
+    /// A label recorded with the grant next to this host, pid and start time, which `distlock
+    /// inspect` shows as the holder (1-64 ASCII letters, digits and -_.:/@; not a secret).
+    #[arg(long, value_name = "LABEL")]
+    pub label: Option<String>,
     /// Run this shell command (`sh -c`), like flock -c, instead of a command after `--`.
     #[arg(
         short = 'c',
@@ -210,6 +214,9 @@ fn check_before_io(command: &Command) -> Result<(), String> {
     let ttl = match command {
         Command::Run(args) => {
             run::Timing::new(args.kill_after, args.ttl, args.ttl)?;
+            if let Some(label) = &args.label {
+                distlock::HolderIdentity::check_label(label).map_err(|e| e.to_string())?;
+            }
             Some(args.ttl)
         }
         Command::Check(args) => args.ttl,
@@ -268,7 +275,17 @@ fn main() -> ExitCode {
         _ => None,
     };
     let url = match coordinator_url(&cli) {
-        Ok(url) => url,
+        Ok(url) => match &cli.command {
+            // The label travels as the drivers' `label` URL option (checked above: its
+            // characters need no escaping in a query).
+            Command::Run(RunArgs {
+                label: Some(label), ..
+            }) => {
+                let separator = if url.contains('?') { '&' } else { '?' };
+                format!("{url}{separator}label={label}")
+            }
+            _ => url,
+        },
         Err(code) => return ExitCode::from(code),
     };
     // `run` hands the terminal to the command and takes it back from the background afterwards,

@@ -368,3 +368,62 @@ fn a_waiter_interrupted_while_waiting_leaves_the_queue() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// `run --label` records who holds the lock next to the grant; `inspect` (another process)
+/// shows that holder — host, distlock's pid, the label — in text and JSON.
+#[test]
+fn inspect_says_who_holds_the_lock() {
+    for (backend, url) in backends() {
+        let key = fresh_key("identity");
+        let dir = temp_dir("identity");
+        let started = dir.join("started");
+        let mut holder = distlock(&url)
+            .args([
+                "run",
+                &key,
+                "--ttl",
+                "10s",
+                "--label",
+                "nightly-report",
+                "--",
+            ])
+            .args(["sh", "-c"])
+            .arg(format!("touch {}; sleep 30", started.display()))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_for_file(&started, &mut holder, Duration::from_secs(20));
+        let value = inspect_json(&url, &key);
+        let who = value["holder"].as_str().unwrap_or_default().to_owned();
+        eprintln!("{backend}: the holder is {who:?}");
+        assert!(
+            who.ends_with(" label=nightly-report")
+                && who.contains(&format!("pid={} ", holder.id())),
+            "{backend}: inspect --json shows the holder as {who:?}: {value}"
+        );
+        let out = distlock(&url).args(["inspect", &key]).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains(&format!("holder:         {who}")),
+            "{backend}: {text}"
+        );
+        let _ = stop(holder, Signal::SIGTERM);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn a_bad_label_is_a_usage_error_before_any_io() {
+    let out = distlock("redis://127.0.0.1:1")
+        .args(["run", "k", "--label", "has space", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("label"));
+}
