@@ -31,6 +31,11 @@ pub struct EtcdLockConfig {
     /// connect (a 1 s lease is granted and revoked; etcd answers with the TTL it applies).
     /// Setting it skips that probe, so `connect` performs no I/O without credentials.
     pub min_ttl: Option<Duration>,
+    /// An optional label added to this client's holder identity (host, pid, start time), which
+    /// is stored next to every grant and shown by `inspect`: 1 to 64 ASCII letters, digits and
+    /// `-_.:/@` ([`lock_core::HolderIdentity::check_label`]). Not secret: anyone who can read
+    /// the lock's keys sees it.
+    pub label: Option<String>,
 }
 
 /// TLS settings for `etcds://`.
@@ -69,6 +74,7 @@ impl EtcdLockConfig {
             dial_timeout: Duration::from_secs(3),
             request_timeout: Duration::from_secs(5),
             min_ttl: None,
+            label: None,
         }
     }
 
@@ -76,7 +82,7 @@ impl EtcdLockConfig {
     /// (`etcds://` for TLS).
     ///
     /// Options: `prefix` (may be empty), `dial_timeout`, `request_timeout`, `min_ttl`
-    /// (durations such as `500ms`, `3s`, `1m`), and for `etcds://` only `ca_file` (alias `ca`),
+    /// (durations such as `500ms`, `3s`, `1m`), `label` (see [`EtcdLockConfig::label`]), and for `etcds://` only `ca_file` (alias `ca`),
     /// `cert_file`, `key_file`, `tls_domain`. User and password are percent-decoded.
     ///
     /// `etcds://` is TLS only (the server certificate is verified against `ca_file`, or the
@@ -153,6 +159,7 @@ impl EtcdLockConfig {
                 "min_ttl" => {
                     cfg.min_ttl = Some(lock_core::parse_duration_option(&name, &value, None)?)
                 }
+                "label" => cfg.label = Some(value.into_owned()),
                 "ca_file" | "ca" => {
                     tls_only(&name)?;
                     if tls_cfg.ca_file.is_some() {
@@ -206,7 +213,7 @@ impl EtcdLockConfig {
     /// [`Error::Config`] when there is no endpoint or one is not `host:port`, a timeout is zero
     /// or above [`EtcdLockConfig::MAX_TIMEOUT`], `min_ttl` is below 1 s or above
     /// [`EtcdLockConfig::MAX_MIN_TTL`], the prefix is too long or has control characters, or
-    /// the TLS files are given inconsistently.
+    /// the TLS files are given inconsistently, or the label is not a valid holder label.
     pub fn validate(&self) -> Result<()> {
         if self.endpoints.is_empty() {
             return Err(config("at least one endpoint is needed"));
@@ -259,6 +266,12 @@ impl EtcdLockConfig {
         if self.user.as_ref().is_some_and(String::is_empty) {
             return Err(config("the user name is empty"));
         }
+        if let Some(label) = &self.label {
+            lock_core::HolderIdentity::check_label(label).map_err(|e| match e {
+                Error::Config(why) => config(why),
+                other => other,
+            })?;
+        }
         Ok(())
     }
 }
@@ -302,6 +315,7 @@ impl fmt::Debug for EtcdLockConfig {
             .field("dial_timeout", &self.dial_timeout)
             .field("request_timeout", &self.request_timeout)
             .field("min_ttl", &self.min_ttl)
+            .field("label", &self.label)
             .finish()
     }
 }
@@ -325,7 +339,7 @@ mod tests {
     #[test]
     fn parses_every_option() {
         let c = EtcdLockConfig::from_url(
-            "etcds://al%40ice:p%3Ass@h1:2379,10.0.0.2:2380/?prefix=&dial_timeout=250ms&request_timeout=2s&min_ttl=1s&ca_file=/ca.pem&cert_file=/c.pem&key_file=/k.pem&tls_domain=etcd.local",
+            "etcds://al%40ice:p%3Ass@h1:2379,10.0.0.2:2380/?prefix=&dial_timeout=250ms&request_timeout=2s&min_ttl=1s&ca_file=/ca.pem&cert_file=/c.pem&key_file=/k.pem&tls_domain=etcd.local&label=cron%40web-1",
         )
         .unwrap();
         assert_eq!(c.endpoints, ["h1:2379", "10.0.0.2:2380"]);
@@ -335,6 +349,7 @@ mod tests {
         assert_eq!(c.dial_timeout, Duration::from_millis(250));
         assert_eq!(c.request_timeout, Duration::from_secs(2));
         assert_eq!(c.min_ttl, Some(Duration::from_secs(1)));
+        assert_eq!(c.label.as_deref(), Some("cron@web-1"));
         let tls = c.tls.unwrap();
         assert_eq!(tls.ca_file, Some(PathBuf::from("/ca.pem")));
         assert_eq!(tls.domain.as_deref(), Some("etcd.local"));
@@ -375,6 +390,9 @@ mod tests {
             Box::new(|c| c.prefix = "a\0b".into()),
             Box::new(|c| c.prefix = "x".repeat(5000)),
             Box::new(|c| c.user = Some(String::new())),
+            Box::new(|c| c.label = Some(String::new())),
+            Box::new(|c| c.label = Some("has space".into())),
+            Box::new(|c| c.label = Some("x".repeat(65))),
         ];
         for (i, set) in bad.iter().enumerate() {
             let mut c = ok.clone();
@@ -406,6 +424,10 @@ mod tests {
             "etcds://h:1?ca=/a.pem&ca_file=/b.pem",
             "etcd://:pw@h:1",
             "etcd://u:%zz@h:1",
+            "etcd://h:1?label=",
+            "etcd://h:1?label=a%20b",
+            "etcd://h:1?label=a%0Ab",
+            "etcd://h:1?label=a&label=b",
         ] {
             assert!(
                 matches!(EtcdLockConfig::from_url(url), Err(Error::Config(_))),
@@ -502,6 +524,7 @@ mod config_proptests {
             request in duration(),
             min_ttl in option::of(duration()),
             user in option::of("[a-z]{0,3}"),
+            label in option::of(prop_oneof!["[a-z@/ \\x00-\\x1f]{0,4}", "[a-z]{60,70}"]),
         ) {
             let mut c = EtcdLockConfig::new(endpoints);
             c.prefix = prefix;
@@ -509,6 +532,7 @@ mod config_proptests {
             c.request_timeout = request;
             c.min_ttl = min_ttl;
             c.user = user;
+            c.label = label;
             match c.validate() {
                 Ok(()) => {
                     usable(&c);
@@ -529,18 +553,21 @@ mod config_proptests {
             request in duration_text(),
             min_ttl in duration_text(),
             prefix in "[a-z/%0-9]{0,6}",
+            label in prop_oneof!["\\PC{0,6}", "[a-z@:]{1,4}", "[a-z]{60,70}"],
         ) {
             let url = format!(
-                "etcd://127.0.0.1:1?dial_timeout={}&request_timeout={}&min_ttl={}&prefix={}",
+                "etcd://127.0.0.1:1?dial_timeout={}&request_timeout={}&min_ttl={}&prefix={}&label={}",
                 url::form_urlencoded::byte_serialize(dial.as_bytes()).collect::<String>(),
                 url::form_urlencoded::byte_serialize(request.as_bytes()).collect::<String>(),
                 url::form_urlencoded::byte_serialize(min_ttl.as_bytes()).collect::<String>(),
                 prefix,
+                url::form_urlencoded::byte_serialize(label.as_bytes()).collect::<String>(),
             );
             match EtcdLockConfig::from_url(&url) {
                 Ok(mut c) => {
                     usable(&c);
                     prop_assert!(c.prefix.is_empty() || c.prefix.ends_with('/'));
+                    prop_assert!(c.label.as_deref().is_some_and(|l| lock_core::HolderIdentity::check_label(l).is_ok()));
                     c.dial_timeout = c.dial_timeout.min(Duration::from_secs(1));
                     connects(c);
                 }

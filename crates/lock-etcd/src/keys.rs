@@ -1,6 +1,6 @@
 //! The etcd key layout of Go's `concurrency.Mutex`: `<prefix><name>/<lease id hex>`.
 
-use lock_core::LockKey;
+use lock_core::{HolderIdentity, LockKey, OwnershipToken};
 
 /// The range every contender of `key` writes under: `<prefix><escaped key>/`.
 ///
@@ -53,10 +53,61 @@ pub(crate) fn attempt_marker(prefix: &str, attempt: u128) -> Vec<u8> {
     out
 }
 
+/// An entry's value: the ownership token in hex, then a space and the holder's identity, written
+/// by the same put that creates the entry (so it is always the identity of that entry's
+/// contender, and it goes with the entry). An older distlock wrote the token alone.
+pub(crate) fn entry_value(token: &OwnershipToken, identity: &HolderIdentity) -> String {
+    format!("{} {}", token.expose_hex(), identity.as_str())
+}
+
+/// Reads an entry's value back: the token and the identity when it is one of ours (the identity
+/// is `None` for the token-only value of an older distlock). A foreign value (`etcdctl lock` and
+/// Go's `concurrency.Mutex` put an empty one) gives neither.
+pub(crate) fn parse_entry_value(value: &[u8]) -> (Option<OwnershipToken>, Option<HolderIdentity>) {
+    let (hex, rest) = value.split_at(value.len().min(32));
+    let Some(token) = std::str::from_utf8(hex)
+        .ok()
+        .and_then(|h| OwnershipToken::from_hex(h).ok())
+    else {
+        return (None, None);
+    };
+    match rest.split_first() {
+        None => (Some(token), None),
+        Some((b' ', identity)) => (Some(token), HolderIdentity::from_stored(identity)),
+        Some(_) => (None, None),
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn entry_values_round_trip_and_old_or_foreign_ones_are_read_safely() {
+        let token = OwnershipToken::generate();
+        let id = HolderIdentity::process(Some("job-1")).unwrap();
+        let value = entry_value(&token, &id);
+        let (t, h) = parse_entry_value(value.as_bytes());
+        assert_eq!(t.map(|t| t.digest()), Some(token.digest()));
+        assert_eq!(h, Some(id));
+        // An older distlock's entry: the token alone.
+        let (t, h) = parse_entry_value(token.expose_hex().as_bytes());
+        assert_eq!(t.map(|t| t.digest()), Some(token.digest()));
+        assert_eq!(h, None);
+        // etcdctl lock / Go's mutex: empty; anything else foreign: neither.
+        for foreign in [&b""[..], b"x", b"\xff\xfe", &[b'a'; 40], &[b'a'; 32]] {
+            let (t, h) = parse_entry_value(foreign);
+            assert!(h.is_none(), "{foreign:?}");
+            if foreign.len() != 32 {
+                assert!(t.is_none(), "{foreign:?}");
+            }
+        }
+        let mut tainted = token.expose_hex().into_bytes();
+        tainted.extend_from_slice(b" host=a\n\x1b[1mpid=1");
+        let (_, h) = parse_entry_value(&tainted);
+        assert_eq!(h.unwrap().as_str(), "host=a[1mpid=1");
+    }
 
     fn p(prefix: &str, key: &str) -> String {
         String::from_utf8(name_prefix(prefix, &LockKey::new(key).unwrap())).unwrap()

@@ -15,7 +15,7 @@ use etcd_client::{
 use futures::future::BoxFuture;
 use lock_core::{
     AcquireWait, Backoff, Batcher, Capabilities, DistributedLock, Error, FencingGuarantee,
-    FencingToken, HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result,
+    FencingToken, HolderIdentity, HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result,
 };
 use tokio::time::{Instant, sleep, sleep_until};
 use tokio_util::sync::CancellationToken;
@@ -67,6 +67,9 @@ struct Inner {
     /// Renewals' proofs that their entries still exist, batched into one read-only txn.
     checks: Batcher<Check, CheckAnswer>,
     counters: Arc<Counters>,
+    /// Who this client is, written next to each of its entries' tokens (see
+    /// [`keys::entry_value`]).
+    identity: HolderIdentity,
 }
 
 /// An entry a renewal must find: key, create revision, lease.
@@ -160,7 +163,7 @@ struct Entry {
     name: Vec<u8>,
     key: Vec<u8>,
     token: OwnershipToken,
-    /// Create revision; 0 while unknown (then the key is matched by its token value).
+    /// Create revision; 0 while unknown (then the key is matched by its value).
     rev: i64,
     /// This attempt's abandonment marker (see [`keys::attempt_marker`]).
     marker: Vec<u8>,
@@ -168,6 +171,13 @@ struct Entry {
 }
 
 impl Entry {
+    /// The entry's value: token and this client's holder identity ([`keys::entry_value`]). The
+    /// identity rides in the put that creates the entry: no extra request, and it is deleted
+    /// with the entry (lease expiry, release, force-release).
+    fn value(&self) -> String {
+        keys::entry_value(&self.token, &self.inner.identity)
+    }
+
     /// The attempt's put (Go's `tryAcquire` txn): put our key if it does not exist and read the
     /// oldest key of the range, else read our key. Conditional on the attempt's marker too:
     /// once a withdrawal wrote it, this put can never apply, however late it arrives (review L1).
@@ -180,7 +190,7 @@ impl Entry {
             .and_then([
                 TxnOp::put(
                     self.key.clone(),
-                    self.token.expose_hex(),
+                    self.value(),
                     Some(PutOptions::new().with_lease(self.session.id)),
                 ),
                 TxnOp::get(self.name.clone(), Some(first_create())),
@@ -215,7 +225,8 @@ struct Target {
     name: Vec<u8>,
     key: Vec<u8>,
     rev: i64,
-    token: OwnershipToken,
+    /// The entry's value (token and identity), matched when the create revision is unknown.
+    value: String,
     /// Set when the create revision is unknown (a put whose outcome is unknown may still be
     /// applied later): removing it also puts this marker, which the put requires absent.
     marker: Option<Vec<u8>>,
@@ -228,7 +239,7 @@ impl Target {
             name: e.name.clone(),
             key: e.key.clone(),
             rev: e.rev,
-            token: e.token,
+            value: e.value(),
             marker: (e.rev <= 0).then(|| e.marker.clone()),
         }
     }
@@ -256,7 +267,7 @@ impl Target {
                     .when([Compare::value(
                         self.key.clone(),
                         CompareOp::Equal,
-                        self.token.expose_hex(),
+                        self.value.clone(),
                     )])
                     .and_then([TxnOp::delete(self.key.clone(), None), put_marker.clone()])
                     .or_else([put_marker])
@@ -339,6 +350,7 @@ impl EtcdLock {
     /// cannot be reached for authentication or the probe.
     pub async fn connect(mut config: EtcdLockConfig) -> Result<Self> {
         config.validate()?;
+        let identity = HolderIdentity::process(config.label.as_deref())?;
         config.prefix = config.normalized_prefix();
         let mut options = ConnectOptions::new()
             .with_connect_timeout(config.dial_timeout)
@@ -413,6 +425,7 @@ impl EtcdLock {
                 watches,
                 checks: Batcher::new(MAX_TXN_OPS),
                 counters,
+                identity,
             }),
         })
     }
@@ -876,7 +889,7 @@ impl Inner {
                             name: entry.name.clone(),
                             key: entry.key.clone(),
                             rev,
-                            token: entry.token,
+                            value: entry.value(),
                             marker: None,
                         };
                         if let Err(e) = self.remove_entry(&target, until).await {
@@ -978,7 +991,7 @@ impl Inner {
         .await;
         if let Ok(resp) = found
             && let Some(kv) = resp.kvs().first()
-            && kv.value() == entry.token.expose_hex().as_bytes()
+            && kv.value() == entry.value().as_bytes()
             && kv.lease() == entry.session.id
         {
             entry.rev = kv.create_revision();
@@ -1294,7 +1307,7 @@ async fn reap(inner: Weak<Inner>, held: Arc<Held>) {
                 name: held.name.clone(),
                 key: held.key.clone(),
                 rev: held.rev,
-                token: OwnershipToken::from_bytes([0; 16]),
+                value: String::new(),
                 marker: None,
             };
             if let Some(inner) = inner.upgrade()
@@ -1463,10 +1476,10 @@ impl DistributedLock for EtcdLock {
         let Some((kv, waiters)) = inner.read_owner(key, "inspect").await? else {
             return Ok(None);
         };
-        let token_digest = std::str::from_utf8(kv.value())
-            .ok()
-            .and_then(|s| OwnershipToken::from_hex(s).ok())
-            .map(|t| t.digest());
+        // The owner entry's own value: its identity was written with it, so it can never be a
+        // previous holder's.
+        let (token, holder) = keys::parse_entry_value(kv.value());
+        let token_digest = token.map(|t| t.digest());
         let ttl_remaining = if kv.lease() != 0 {
             Counters::bump(&inner.counters.range);
             error::request(
@@ -1485,7 +1498,7 @@ impl DistributedLock for EtcdLock {
             fencing_token: u64::try_from(kv.create_revision()).ok().map(FencingToken),
             ttl_remaining,
             waiters: Some(waiters),
-            holder: None,
+            holder,
         }))
     }
 

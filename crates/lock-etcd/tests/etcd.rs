@@ -127,6 +127,10 @@ fn etcdctl_lock_excludes_us() {
         assert!(lock.try_acquire(&key, LONG).await.unwrap().is_none());
         let info = lock.inspect(&key).await.unwrap().expect("etcdctl's holder");
         assert_eq!(info.token_digest, None, "etcdctl stores no token");
+        assert_eq!(
+            info.holder, None,
+            "etcdctl puts an empty value: no identity"
+        );
 
         // A waiter queues behind etcdctl and is granted when it unlocks (SIGTERM → Unlock).
         let waiter = {
@@ -664,5 +668,114 @@ fn an_idle_lease_used_again_within_its_grace_period_is_kept() {
             "a lease idle for less than its grace period was revoked: {before:?} -> {after:?}"
         );
         no_sessions_left(&a).await;
+    });
+}
+
+/// Issue 25 C13: `inspect` from any client names the current holder (its identity is written by
+/// the put that creates its entry), across a release to a queued waiter and a new acquisition;
+/// an older distlock's entry (token only) reads as no identity.
+#[test]
+fn inspect_names_the_current_holder_never_a_previous_one() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let labelled = |label: &str| {
+            let url = format!(
+                "{}{}label={label}",
+                env.url,
+                if env.url.contains('?') { '&' } else { '?' }
+            );
+            async move { Arc::new(EtcdLock::connect_url(&url).await.unwrap()) }
+        };
+        let (a, b, observer) = (
+            labelled("holder-a").await,
+            labelled("holder-b").await,
+            env.client().await,
+        );
+        let key = fresh("identity");
+        let holder_of = |info: Option<lock_core::HolderInfo>| {
+            info.expect("held")
+                .holder
+                .map(|h| h.as_str().to_owned())
+                .unwrap_or_default()
+        };
+        let pid = format!(" pid={} ", std::process::id());
+
+        let first = a.try_acquire(&key, LONG).await.unwrap().unwrap();
+        let shown = holder_of(observer.inspect(&key).await.unwrap());
+        assert!(
+            shown.starts_with("host=") && shown.contains(&pid),
+            "{shown}"
+        );
+        assert!(shown.ends_with(" label=holder-a"), "{shown}");
+
+        // A queued waiter does not change who is shown; the hand-off does.
+        let waiter = {
+            let (b, key) = (b.clone(), key.clone());
+            tokio::spawn(async move { b.acquire(&key, LONG, Instant::now() + LONG).await })
+        };
+        queued(&env, &key, 2).await;
+        let shown = holder_of(observer.inspect(&key).await.unwrap());
+        assert!(shown.ends_with(" label=holder-a"), "while b waits: {shown}");
+        assert!(a.release(&first).await.unwrap());
+        let second = timeout(SLACK, waiter).await.unwrap().unwrap().unwrap();
+        let shown = holder_of(a.inspect(&key).await.unwrap());
+        assert!(
+            shown.ends_with(" label=holder-b"),
+            "after the hand-off: {shown}"
+        );
+
+        // Released, then taken again by the first client on the same (reused) lease.
+        assert!(b.release(&second).await.unwrap());
+        let third = a.try_acquire(&key, LONG).await.unwrap().unwrap();
+        let shown = holder_of(b.inspect(&key).await.unwrap());
+        assert!(
+            shown.ends_with(" label=holder-a"),
+            "after release and acquire: {shown}"
+        );
+        assert!(a.release(&third).await.unwrap());
+        let unlabelled = observer.try_acquire(&key, LONG).await.unwrap().unwrap();
+        let shown = holder_of(a.inspect(&key).await.unwrap());
+        assert!(shown.contains(&pid) && !shown.contains("label="), "{shown}");
+        assert!(observer.release(&unlabelled).await.unwrap());
+
+        // An entry written by an older distlock: the token alone.
+        let lease = env.admin.lease_client().grant(30, None).await.unwrap().id();
+        let token = lock_core::OwnershipToken::generate();
+        env.admin
+            .kv_client()
+            .put(
+                format!("distlock/{key}/{lease:x}"),
+                token.expose_hex(),
+                Some(etcd_client::PutOptions::new().with_lease(lease)),
+            )
+            .await
+            .unwrap();
+        let info = observer
+            .inspect(&key)
+            .await
+            .unwrap()
+            .expect("the old entry holds it");
+        assert_eq!(info.token_digest, Some(token.digest()));
+        assert_eq!(info.holder, None);
+        env.revoke(lease).await;
+    });
+}
+
+/// Issue 25 C13: a bad label is a configuration error before any I/O (port 1 is closed: any
+/// request would fail as `Unavailable`), from the URL and from the struct.
+#[test]
+fn a_bad_label_is_a_config_error_before_any_io() {
+    rt().block_on(async {
+        for url in [
+            "etcd://127.0.0.1:1?label=a%20b",
+            "etcd://127.0.0.1:1?label=",
+        ] {
+            let err = EtcdLock::connect_url(url).await.unwrap_err();
+            assert!(matches!(err, lock_core::Error::Config(_)), "{url}: {err:?}");
+        }
+        let mut cfg = EtcdLockConfig::new(["127.0.0.1:1"]);
+        cfg.label = Some("x".repeat(65));
+        let err = EtcdLock::connect(cfg).await.unwrap_err();
+        assert!(matches!(err, lock_core::Error::Config(_)), "{err:?}");
     });
 }
