@@ -194,8 +194,9 @@ where
     })
 }
 
-/// Runs one property on a fresh multi-threaded runtime (what the generated tests of the older
-/// `conformance_tests!(setup)` form call): a skip passes, printing why.
+/// Runs one property on a fresh multi-threaded runtime: a skip passes, printing why (for
+/// properties declared skipped; the generated tests of every other property use
+/// [`run_property_strict`]).
 pub fn run_property<S, SF, P, PF>(name: &str, setup: S, property: P)
 where
     S: FnOnce() -> SF,

@@ -30,26 +30,14 @@ pub use url_props::check_url_parser;
 /// (the property must answer "skipped"; one that runs is a stale declaration and fails). Any other
 /// property that skips at runtime fails: a skip never shows as `ok`. `skip: {}` declares none.
 ///
-/// The older form without `skip:` runs every property and lets a runtime skip pass (printing
-/// why); it is kept for drivers that have not declared their skips yet.
+/// `conformance_tests!(setup)` is `skip: {}`: every property must run.
 #[macro_export]
 macro_rules! conformance_tests {
     ($setup:path) => {
-        $crate::__conformance_properties!($crate::__conformance_lenient_test, $setup);
+        $crate::conformance_tests!($setup; skip: {});
     };
     ($setup:path; skip: { $($skipped:ident : $why:literal),* $(,)? }) => {
         $crate::__conformance_strict!(($) $setup; { $($skipped : $why),* });
-    };
-}
-
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __conformance_lenient_test {
-    ($setup:path, $property:ident) => {
-        #[test]
-        fn $property() {
-            $crate::run_property(stringify!($property), $setup, $crate::properties::$property);
-        }
     };
 }
 

@@ -58,4 +58,6 @@ async fn setup() -> Option<Harness> {
     }))
 }
 
-conformance::conformance_tests!(setup);
+conformance::conformance_tests!(setup; skip: {
+    waiters_are_served_in_fifo_order: "fair_queue not claimed: the release grants the oldest live waiter, but a waiter that times out and re-queues loses its place",
+});

@@ -47,4 +47,6 @@ async fn setup() -> Option<Harness> {
     Some(Harness::new(Zk { config, admin }))
 }
 
-conformance::conformance_tests!(setup);
+conformance::conformance_tests!(setup; skip: {
+    lost_fires_at_the_local_deadline_before_anyone_else_is_granted: "lease_ttl not claimed: the lease is the session",
+});
