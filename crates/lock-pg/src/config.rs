@@ -16,6 +16,7 @@ const DRIVER_OPTIONS: &[&str] = &[
     "poll_interval",
     "async_release",
     "create_table",
+    "label",
 ];
 
 /// The connection parameters understood by `sqlx` (libpq names and sqlx's aliases).
@@ -191,6 +192,11 @@ pub struct PgLockConfig {
     pub async_release: bool,
     /// Create the table on first use when it does not exist (`create_table=`, default true).
     pub create_table: bool,
+    /// A short label added to this client's holder identity (`label=`, default none), shown
+    /// by `inspect` next to host, pid and start time: 1 to 64 ASCII letters, digits and
+    /// `-_.:/@` ([`lock_core::HolderIdentity::check_label`]). Not a secret: anyone who can
+    /// read the lease table sees it.
+    pub label: Option<String>,
 }
 
 impl PgLockConfig {
@@ -221,6 +227,7 @@ impl PgLockConfig {
             poll_interval: Duration::from_secs(1),
             async_release: true,
             create_table: true,
+            label: None,
         }
     }
 
@@ -230,7 +237,7 @@ impl PgLockConfig {
     /// `sslkey`, `application_name`, `options`, `host`, `port`, `dbname`, `user`, `password`,
     /// `statement-cache-capacity`), the query string takes the driver's options: `table`,
     /// `pool_size`, `connect_timeout`, `op_timeout`, `listen`, `poll_interval`, `async_release`,
-    /// `create_table` (see the fields).
+    /// `create_table`, `label` (see the fields).
     ///
     /// # Errors
     /// [`Error::Config`] for another scheme, an unknown option or a malformed value.
@@ -294,6 +301,7 @@ impl PgLockConfig {
                 "listen" => config.listen = parse_bool(&k, &v)?,
                 "async_release" => config.async_release = parse_bool(&k, &v)?,
                 "create_table" => config.create_table = parse_bool(&k, &v)?,
+                "label" => config.label = Some(v),
                 _ => return Err(Error::Config(format!("unknown option {k:?}"))),
             }
         }
@@ -304,7 +312,8 @@ impl PgLockConfig {
     /// Checks every option against its bounds, however it was set (URL or field): a pool of 1
     /// to [`MAX_POOL_SIZE`](Self::MAX_POOL_SIZE) connections, and `connect_timeout`,
     /// `op_timeout` and `poll_interval` between 1 ms and [`MAX_DURATION`](Self::MAX_DURATION),
-    /// so that no deadline computed from them can overflow the clock.
+    /// so that no deadline computed from them can overflow the clock; and the `label`
+    /// ([`lock_core::HolderIdentity::check_label`]).
     /// [`crate::PgLock::connect`] and [`crate::PgLock::connect_lazy`] call it before any I/O.
     ///
     /// # Errors
@@ -328,6 +337,9 @@ impl PgLockConfig {
                     Self::MAX_DURATION
                 )));
             }
+        }
+        if let Some(label) = &self.label {
+            lock_core::HolderIdentity::check_label(label)?;
         }
         Ok(())
     }
@@ -363,6 +375,7 @@ impl fmt::Debug for PgLockConfig {
             .field("poll_interval", &self.poll_interval)
             .field("async_release", &self.async_release)
             .field("create_table", &self.create_table)
+            .field("label", &self.label)
             .finish()
     }
 }
@@ -413,7 +426,7 @@ mod tests {
         let c = PgLockConfig::from_url(
             "postgres://app:s3cret@db.example:6432/jobs?sslmode=disable&application_name=x\
              &table=locks.leases&pool_size=3&connect_timeout=2&op_timeout=750ms&listen=false\
-             &poll_interval=200ms&async_release=off&create_table=no",
+             &poll_interval=200ms&async_release=off&create_table=no&label=nightly-report",
         )
         .unwrap();
         assert_eq!(c.table.quoted(), "\"locks\".\"leases\"");
@@ -424,6 +437,7 @@ mod tests {
         assert_eq!(c.poll_interval, Duration::from_millis(200));
         assert!(!c.async_release);
         assert!(!c.create_table);
+        assert_eq!(c.label.as_deref(), Some("nightly-report"));
         assert_eq!(c.connect_options().get_port(), 6432);
         assert_eq!(c.connect_options().get_database(), Some("jobs"));
         assert_eq!(c.connect_options().get_username(), "app");
@@ -434,6 +448,7 @@ mod tests {
         let c = PgLockConfig::from_url("postgresql://postgres@127.0.0.1/db").unwrap();
         assert_eq!(c.table.to_string(), "distlock_leases");
         assert!(c.listen && c.async_release && c.create_table);
+        assert_eq!(c.label, None);
     }
 
     #[test]
@@ -454,6 +469,9 @@ mod tests {
             "postgres://h/db?table=1abc",
             "postgres://h/db?table=pg_temp.x",
             "postgres://h/db?table=PG_TEMP_3.x",
+            "postgres://h/db?label=",
+            "postgres://h/db?label=has%20space",
+            "postgres://h/db?label=new%0Aline",
             "redis://h/db",
             "not a url",
         ] {
@@ -496,8 +514,11 @@ mod tests {
         let mut c = base.clone();
         c.poll_interval = Duration::ZERO;
         assert!(matches!(c.validate(), Err(Error::Config(_))));
-        let mut c = base;
+        let mut c = base.clone();
         c.pool_size = 0;
+        assert!(matches!(c.validate(), Err(Error::Config(_))));
+        let mut c = base;
+        c.label = Some("x".repeat(65));
         assert!(matches!(c.validate(), Err(Error::Config(_))));
     }
 
@@ -518,5 +539,27 @@ mod url_proptests {
     #[test]
     fn from_url_never_panics_or_shows_the_password() {
         conformance::check_url_parser("postgres|postgresql", super::PgLockConfig::from_url);
+    }
+}
+
+#[cfg(test)]
+mod label_proptests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// A `label=` option is accepted exactly when `HolderIdentity::check_label` accepts it
+        /// (anything else is a Config error, before any I/O), and is kept as given.
+        #[test]
+        fn the_label_option_is_checked_like_check_label(label in "\\PC{0,70}|[A-Za-z0-9._:/@-]{1,70}") {
+            let mut url = Url::parse("postgres://u@h/db").unwrap();
+            url.query_pairs_mut().append_pair("label", &label);
+            let parsed = PgLockConfig::from_url(url.as_str());
+            match lock_core::HolderIdentity::check_label(&label) {
+                Ok(()) => prop_assert_eq!(parsed.unwrap().label, Some(label)),
+                Err(_) => prop_assert!(matches!(parsed, Err(Error::Config(_)))),
+            }
+        }
     }
 }

@@ -12,7 +12,7 @@ use std::{
 
 use lock_core::{
     AcquireWait, Backoff, Batcher, Capabilities, DistributedLock, Error, FencingGuarantee,
-    FencingToken, HolderInfo, Lease, LockKey, OwnershipToken, Result, async_trait,
+    FencingToken, HolderIdentity, HolderInfo, Lease, LockKey, OwnershipToken, Result, async_trait,
     handoff::Registered,
 };
 use sqlx::{
@@ -58,8 +58,14 @@ struct Inner {
     config: PgLockConfig,
     conns: ConnPool,
     user_pool: OnceLock<PgPool>,
+    /// The statements of a table with the holder columns, and of one without them (an older
+    /// version's table this role could not `ALTER`).
     sql: Statements,
-    table_ready: OnceCell<()>,
+    sql_plain: Statements,
+    /// Set once the table is checked: whether it has the holder columns.
+    table_ready: OnceCell<bool>,
+    /// This client's holder identity, recorded with each of its grants.
+    identity: HolderIdentity,
     notifier: OnceLock<Notifier>,
     /// Renewals waiting for, or riding in, the next batch statement.
     renewals: Batcher<Renewal, RenewAnswer>,
@@ -328,13 +334,17 @@ impl PgLock {
             config.pool_size,
             config.connect_timeout,
         );
-        let sql = Statements::new(&config.table);
+        let identity = HolderIdentity::process(config.label.as_deref())?;
+        let sql = Statements::new(&config.table, true);
+        let sql_plain = Statements::new(&config.table, false);
         Ok(Self {
             inner: Arc::new(Inner {
                 config,
                 conns,
                 user_pool: OnceLock::new(),
                 sql,
+                sql_plain,
+                identity,
                 table_ready: OnceCell::new(),
                 notifier: OnceLock::new(),
                 renewals: Batcher::new(MAX_RENEW_BATCH),
@@ -402,28 +412,59 @@ impl Inner {
                 let Some(conn) = pooled.conn() else {
                     return Err(Error::unavailable(BACKEND, op, "no connection"));
                 };
-                let (found, queue, persistence): (Option<String>, bool, Option<String>) = timeout(
+                // Whether the table exists, has the queue and the holder columns, and how it
+                // persists.
+                let look = "SELECT to_regclass($1)::text, \
+                        EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) \
+                            AND attname = 'waiters' AND NOT attisdropped), \
+                        (SELECT count(*) = 2 FROM pg_attribute WHERE attrelid = to_regclass($1) \
+                            AND attname IN ('holder', 'holder_fence') AND NOT attisdropped), \
+                        (SELECT relpersistence::text FROM pg_class WHERE oid = to_regclass($1))";
+                type Look = (Option<String>, bool, bool, Option<String>);
+                let mut found: Look = timeout(
                     self.config.op_timeout,
-                    sqlx::query_as(
-                        "SELECT to_regclass($1)::text, EXISTS (SELECT 1 FROM pg_attribute \
-                             WHERE attrelid = to_regclass($1) AND attname = 'waiters' \
-                                 AND NOT attisdropped), \
-                             (SELECT relpersistence::text FROM pg_class \
-                                 WHERE oid = to_regclass($1))",
-                    )
-                    .bind(self.config.table.quoted())
-                    .fetch_one(&mut *conn),
+                    sqlx::query_as(look)
+                        .bind(self.config.table.quoted())
+                        .fetch_one(&mut *conn),
                 )
                 .await
                 .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?
                 .map_err(map)?;
-                check_persistence(&self.config.table, persistence.as_deref())?;
-                if found.is_some() && queue {
-                    pooled.put_back();
-                    return Ok(());
+                check_persistence(&self.config.table, found.3.as_deref())?;
+                if found.0.is_none() {
+                    if !self.config.create_table {
+                        return Err(Error::Config(format!(
+                            "the lease table {} does not exist and create_table=false",
+                            self.config.table
+                        )));
+                    }
+                    let created = timeout(
+                        self.config.op_timeout,
+                        sqlx::query(self.sql.create.clone()).execute(&mut *conn),
+                    )
+                    .await
+                    .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?;
+                    match created {
+                        Ok(_) => {}
+                        Err(e) if exists(&e) => {}
+                        Err(e) => return Err(map(e)),
+                    }
+                    // Whatever made it (this statement, or a concurrent creator of any version).
+                    found = timeout(
+                        self.config.op_timeout,
+                        sqlx::query_as(look)
+                            .bind(self.config.table.quoted())
+                            .fetch_one(&mut *conn),
+                    )
+                    .await
+                    .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?
+                    .map_err(map)?;
+                    check_persistence(&self.config.table, found.3.as_deref())?;
                 }
-                if found.is_some() {
-                    // A table of an older version: add the wait queue (a catalog-only change).
+                let (_, queue, holder_columns, _) = found;
+                if !queue {
+                    // A table of an older version: add the wait queue and the holder columns
+                    // (a catalog-only change).
                     if !self.config.create_table {
                         return Err(Error::Config(format!(
                             "the lease table {} has no waiters column and create_table=false: \
@@ -440,43 +481,53 @@ impl Inner {
                     .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?
                     .map_err(map)?;
                     pooled.put_back();
-                    return Ok(());
+                    return Ok(true);
                 }
-                if !self.config.create_table {
-                    return Err(Error::Config(format!(
-                        "the lease table {} does not exist and create_table=false",
-                        self.config.table
-                    )));
+                if holder_columns || !self.config.create_table {
+                    pooled.put_back();
+                    return Ok(holder_columns);
                 }
-                let created = timeout(
+                // A table of an older version with the queue: add the holder columns. A role
+                // that may not alter the table (not its owner) keeps working without
+                // identities: they are information, never needed for a grant.
+                let added = timeout(
                     self.config.op_timeout,
-                    sqlx::query(self.sql.create.clone()).execute(&mut *conn),
+                    sqlx::query(self.sql.add_holder.clone()).execute(&mut *conn),
                 )
                 .await
                 .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?;
-                match created {
-                    Ok(_) => {}
-                    Err(e) if exists(&e) => {}
+                let holders = match added {
+                    Ok(_) => true,
+                    Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("42501") => {
+                        tracing::warn!(
+                            table = %self.config.table,
+                            "the lease table has no holder columns and this role may not add \
+                             them: inspect shows no holder identity"
+                        );
+                        false
+                    }
                     Err(e) => return Err(map(e)),
-                }
-                // Whatever made it (this statement, or a concurrent creator).
-                let (persistence,): (Option<String>,) = timeout(
-                    self.config.op_timeout,
-                    sqlx::query_as(
-                        "SELECT relpersistence::text FROM pg_class WHERE oid = to_regclass($1)",
-                    )
-                    .bind(self.config.table.quoted())
-                    .fetch_one(&mut *conn),
-                )
-                .await
-                .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?
-                .map_err(map)?;
-                check_persistence(&self.config.table, persistence.as_deref())?;
+                };
                 pooled.put_back();
-                Ok(())
+                Ok(holders)
             })
             .await
             .map(|_| ())
+    }
+
+    /// Whether the table is known to have the holder columns.
+    fn holders(&self) -> bool {
+        self.table_ready.get() == Some(&true)
+    }
+
+    /// The statements for the table as checked (before the check, those without the holder
+    /// columns, which work on every table).
+    fn sql(&self) -> &Statements {
+        if self.holders() {
+            &self.sql
+        } else {
+            &self.sql_plain
+        }
     }
 
     /// `op_timeout` from now (saturating: a huge timeout cannot overflow the clock).
@@ -614,6 +665,7 @@ impl Inner {
             Ok(ready) => ready?,
             Err(_) => return Err(Error::unavailable(BACKEND, OP, "no answer by the deadline")),
         }
+        let holders = self.holders();
         let give_up = self.op_deadline().min(limit);
         let mut attempts = self.config.pool_size.saturating_add(1);
         loop {
@@ -630,18 +682,18 @@ impl Inner {
             // Each statement of a queued attempt writes a seq of its own.
             let mut seq = 0;
             let query = match mode {
-                Mode::Try => sqlx::query(self.sql.acquire.clone())
+                Mode::Try => sqlx::query(self.sql().acquire.clone())
                     .bind(key.as_str())
                     .bind(token.expose_hex())
                     .bind(micros(ttl)),
-                Mode::Poll { grant_owner } => sqlx::query(self.sql.acquire_polling.clone())
+                Mode::Poll { grant_owner } => sqlx::query(self.sql().acquire_polling.clone())
                     .bind(key.as_str())
                     .bind(token.expose_hex())
                     .bind(micros(ttl))
                     .bind(grant_owner.map(|g| g.expose_hex())),
                 Mode::Queue(q) => {
                     seq = q.seq.fetch_add(1, Ordering::Relaxed) + 1;
-                    sqlx::query(self.sql.acquire_queued.clone())
+                    sqlx::query(self.sql().acquire_queued.clone())
                         .bind(key.as_str())
                         .bind(token.expose_hex())
                         .bind(micros(ttl))
@@ -650,6 +702,12 @@ impl Inner {
                         .bind(q.grant_owner.expose_hex())
                         .bind(i64::try_from(seq).unwrap_or(i64::MAX))
                 }
+            };
+            // The identity is the last parameter of each acquire statement that has it.
+            let query = if holders {
+                query.bind(self.identity.as_str())
+            } else {
+                query
             };
             let outcome = self
                 .fetch_all(query, limit)
@@ -749,7 +807,7 @@ impl Inner {
     /// fence (so a later grant to the same owner is never touched); in the background when
     /// that fails within `limit`.
     async fn release_late_grant(self: &Arc<Self>, lease: &Lease, limit: Instant) {
-        let released = self.release_by(lease, &self.sql.release, limit).await;
+        let released = self.release_by(lease, &self.sql().release, limit).await;
         tracing::debug!(key = %lease.key(), fence = ?lease.fencing_token(), released = ?released.as_ref().map_err(|e| e.kind()), "a grant came after its local deadline");
         if released.is_err() {
             let (inner, lease) = (self.clone(), lease.clone());
@@ -759,7 +817,7 @@ impl Inner {
                 while Instant::now() < until {
                     let limit = inner.request_deadline().min(until);
                     if inner
-                        .release_by(&lease, &inner.sql.release, limit)
+                        .release_by(&lease, &inner.sql().release, limit)
                         .await
                         .is_ok()
                     {
@@ -822,7 +880,7 @@ impl Inner {
         let hex = token.expose_hex();
         self.fetch_idempotent(
             || {
-                sqlx::query(self.sql.release_token.clone())
+                sqlx::query(self.sql().release_token.clone())
                     .bind(key.as_str())
                     .bind(hex.clone())
             },
@@ -888,7 +946,7 @@ impl Inner {
             let outcome = self
                 .fetch_all_idempotent(
                     || {
-                        sqlx::query(self.sql.renew.clone())
+                        sqlx::query(self.sql().renew.clone())
                             .bind(&names)
                             .bind(&owners)
                             .bind(&fences)
@@ -916,9 +974,9 @@ impl Inner {
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
         let sql = if self.config.async_release {
-            &self.sql.release_async
+            &self.sql().release_async
         } else {
-            &self.sql.release
+            &self.sql().release
         };
         self.release_by(lease, sql, self.request_deadline()).await
     }
@@ -971,7 +1029,7 @@ impl Inner {
         let (rows, resent) = self
             .fetch_all_idempotent(
                 || {
-                    sqlx::query(self.sql.force_release.clone())
+                    sqlx::query(self.sql().force_release.clone())
                         .bind(key.as_str())
                         .bind(fence)
                 },
@@ -991,7 +1049,7 @@ impl Inner {
         self.ensure_table().await?;
         let row = self
             .fetch_idempotent(
-                || sqlx::query(self.sql.inspect.clone()).bind(key.as_str()),
+                || sqlx::query(self.sql().inspect.clone()).bind(key.as_str()),
                 self.request_deadline(),
             )
             .await
@@ -1015,13 +1073,14 @@ impl Inner {
         };
         let remaining: i64 = row.try_get(2).map_err(|e| Error::backend(BACKEND, OP, e))?;
         let waiters: i64 = row.try_get(3).map_err(|e| Error::backend(BACKEND, OP, e))?;
+        let holder: Option<String> = row.try_get(4).map_err(|e| Error::backend(BACKEND, OP, e))?;
         Ok(Some(HolderInfo {
             token_digest: OwnershipToken::from_hex(&owner).ok().map(|t| t.digest()),
             fencing_token: fence,
             ttl_remaining: Some(Duration::from_micros(u64::try_from(remaining).unwrap_or(0))),
             // Queued (listening) waiters only; polling ones are not counted.
             waiters: usize::try_from(waiters).ok(),
-            holder: None,
+            holder: holder.and_then(|h| HolderIdentity::from_stored(h.as_bytes())),
         }))
     }
 }
@@ -1100,7 +1159,7 @@ impl Inner {
     ) -> std::result::Result<Option<PgRow>, ExecError> {
         self.fetch_idempotent(
             || {
-                sqlx::query(self.sql.dequeue.clone())
+                sqlx::query(self.sql().dequeue.clone())
                     .bind(key.as_str())
                     .bind(entry.to_owned())
                     .bind(grant_owner.to_owned())
@@ -1520,9 +1579,11 @@ mod tests {
             op_timeout in duration(),
             poll_interval in duration(),
             ttl in duration(),
+            label in proptest::option::of("[a-z]{0,3}[ \n.@]?[a-z0-9]{0,66}"),
         ) {
             let mut config =
                 PgLockConfig::from_url("postgres://postgres@127.0.0.1:1/db?table=t").unwrap();
+            config.label = label;
             config.pool_size = pool_size;
             config.connect_timeout = connect_timeout;
             config.op_timeout = op_timeout;
@@ -1558,7 +1619,7 @@ mod tests {
         fn any_url_option_gives_a_valid_config_or_a_config_error(
             key in proptest::sample::select(vec![
                 "pool_size", "connect_timeout", "op_timeout", "poll_interval", "listen",
-                "async_release", "create_table", "table",
+                "async_release", "create_table", "table", "label",
             ]),
             n in proptest::prelude::any::<u64>(),
             unit in proptest::sample::select(vec!["", "ms", "s", "m", "h", "x", ".5s"]),

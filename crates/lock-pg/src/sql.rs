@@ -7,13 +7,25 @@
 //! # The waiter queue
 //!
 //! `waiters` holds the queue of a lock's listening waiters, oldest first, each entry
-//! `<channel>:<number> <expiry> <seq> <ttl> <grant owner>`: the waiting client's notification
+//! `<channel>:<number> <expiry> <seq> <ttl> <grant owner> [<holder>]`: the waiting client's notification
 //! channel, the waiter's number on that client, when the entry lapses (milliseconds since the
 //! epoch, the database's clock; a waiter refreshes its entry on every attempt, so only a gone
 //! waiter's entry lapses), the number of the attempt that wrote the entry (one more per attempt
 //! of that `acquire`), the TTL it asks for (µs), and the owner token a release hands the lock to
 //! (one per `acquire`, a secret like every owner token; distinct from the per-attempt tokens of
-//! its own grants). Entries of older clients have only the first two fields.
+//! its own grants), and the waiting client's holder identity, hex-encoded (printable ASCII
+//! only, so decoding it never fails), for a direct grant to record. Entries of older clients
+//! have only the first two (or five) fields.
+//!
+//! # The holder identity
+//!
+//! `holder` is the current grant's [`lock_core::HolderIdentity`] and `holder_fence` the fence
+//! of the grant that wrote it: every grant of this version writes both in the statement that
+//! grants (an attempt its own identity, a direct grant the one in the granted entry); a release
+//! clears them. `inspect` shows `holder` only while `holder_fence` is the row's `fence`, so a
+//! grant by an older client (which leaves both columns alone but bumps the fence) shows no
+//! identity rather than the previous holder's. On a table of an older version that this role
+//! may not `ALTER`, the statements are built without the two columns (identity then `None`).
 //!
 //! # Direct grant on release
 //!
@@ -51,20 +63,23 @@ const MAX_QUEUE: i32 = 256;
 #[derive(Debug)]
 pub(crate) struct Statements {
     pub(crate) create: SqlStr,
-    /// Adds the `waiters` column to a table created by an older version.
+    /// Adds the `waiters` (and holder) columns to a table created by an older version.
     pub(crate) add_waiters: SqlStr,
-    /// `$1` name, `$2` owner, `$3` ttl µs → `fence` when granted, no row when held.
+    /// Adds the `holder` and `holder_fence` columns to a table created by an older version.
+    pub(crate) add_holder: SqlStr,
+    /// `$1` name, `$2` owner, `$3` ttl µs(, `$4` holder identity) → `fence` when granted, no
+    /// row when held.
     pub(crate) acquire: SqlStr,
     /// `$1` name, `$2` owner, `$3` ttl µs, `$4` grant owner or NULL → one row: `fence` when
     /// granted (to `$2`, or a grant to `$4` found live and extended), else `remaining` µs of the
     /// live holder seen (both null: taken by a grant that committed meanwhile); whether the
-    /// grant is `$4`'s.
+    /// grant is `$4`'s. With holders, `$5` is the holder identity.
     pub(crate) acquire_polling: SqlStr,
     /// `$1` name, `$2` owner, `$3` ttl µs, `$4` queue entry id, `$5` entry lifetime ms, `$6`
     /// grant owner, `$7` attempt seq → one row: `fence` when granted (to `$2`, or a grant to
     /// `$6` found live and extended); else `remaining` µs of the holder and whether the entry
     /// is `queued` (added or refreshed; not when the queue is full); whether the grant is
-    /// `$6`'s.
+    /// `$6`'s. With holders, `$8` is the holder identity.
     pub(crate) acquire_queued: SqlStr,
     /// `$1` names, `$2` owners, `$3` fences, `$4` ttls µs (arrays of one length, names distinct)
     /// → the `name` of every row renewed; rows are locked in name order.
@@ -81,7 +96,8 @@ pub(crate) struct Statements {
     /// frees a grant made to it; when the lock is (then) free, grants it to (or wakes) the
     /// next waiter, in case the hand-off went to the one leaving.
     pub(crate) dequeue: SqlStr,
-    /// `$1` name → `owner`, `fence`, remaining µs of a live holder, live queue entries.
+    /// `$1` name → `owner`, `fence`, remaining µs of a live holder, live queue entries, the
+    /// holder identity recorded by this grant (or NULL).
     pub(crate) inspect: SqlStr,
     /// `$1` name, `$2` fence or NULL: the operator override, whoever holds it (or only the
     /// grant with that fence); the lock goes to the first waiter, as on a release.
@@ -118,10 +134,16 @@ fn id(w: &str) -> String {
 /// ASCII letters, digits or `_`) and a waiter number.
 const ENTRY_ID: &str = "[A-Za-z0-9_]{1,63}:[0-9]{1,20}";
 
-/// A well-formed queue entry: an older client's two fields, or all five of ours; the expiry and
-/// the TTL short enough to be a `bigint`.
+/// The optional sixth field of a queue entry: the waiting client's holder identity, hex of
+/// printable ASCII bytes (0x20 to 0x7f), at most `HolderIdentity::MAX_LEN` of them.
+const HOLDER_HEX: &str = "([2-7][0-9a-f]){1,200}";
+
+/// A well-formed queue entry: an older client's two fields, or five (or six, with a holder
+/// identity) of ours; the expiry and the TTL short enough to be a `bigint`.
 fn well_formed() -> String {
-    format!("^{ENTRY_ID} [0-9]{{1,18}}( [0-9]{{1,19}} [0-9]{{1,14}} [0-9a-f]{{32}})?$")
+    format!(
+        "^{ENTRY_ID} [0-9]{{1,18}}( [0-9]{{1,19}} [0-9]{{1,14}} [0-9a-f]{{32}}( {HOLDER_HEX})?)?$"
+    )
 }
 
 /// The expiry (ms since the epoch) of queue entry `w`; 0 (lapsed) for a malformed one — an entry
@@ -155,7 +177,18 @@ fn live_entries() -> String {
 /// clients' entries (two fields) cannot, nor can a malformed one, which a release must never
 /// fail on.
 fn grantable(w: &str) -> String {
-    format!("{w} ~ '^{ENTRY_ID} [0-9]{{1,18}} [0-9]{{1,19}} [0-9]{{1,14}} [0-9a-f]{{32}}$'")
+    format!(
+        "{w} ~ '^{ENTRY_ID} [0-9]{{1,18}} [0-9]{{1,19}} [0-9]{{1,14}} [0-9a-f]{{32}}( {HOLDER_HEX})?$'"
+    )
+}
+
+/// The holder identity in the sixth field of queue entry `w`, decoded; NULL when it has none
+/// (checked first, so a malformed field never makes a release fail).
+fn entry_holder(w: &str) -> String {
+    format!(
+        "CASE WHEN split_part({w}, ' ', 6) ~ '^{HOLDER_HEX}$' \
+             THEN convert_from(decode(split_part({w}, ' ', 6), 'hex'), 'UTF8') END"
+    )
 }
 
 /// A statement that frees row `l` where `cond` holds: one `UPDATE`, whose `SET` is computed
@@ -170,7 +203,14 @@ fn grantable(w: &str) -> String {
 /// a lapsed marker `<channel>:<number> 0 <seq>` at the head of the queue, from which the
 /// notification is addressed; every reader skips it (expiry 0, too few fields to be granted)
 /// and the next write of the row drops it.
-fn free_and_grant(t: &str, cond: &str, frees: &str, keep: &str, async_commit: bool) -> String {
+fn free_and_grant(
+    t: &str,
+    cond: &str,
+    frees: &str,
+    keep: &str,
+    async_commit: bool,
+    holders: bool,
+) -> String {
     let (qexpiry, can_grant) = (expiry("q.w"), grantable("x.live[1]"));
     let (head, head_id) = ("l.waiters[1]", id("l.waiters[1]"));
     // Whether the new row records a grant made by this statement.
@@ -184,8 +224,22 @@ fn free_and_grant(t: &str, cond: &str, frees: &str, keep: &str, async_commit: bo
     } else {
         format!(", {}", durable())
     };
+    // A direct grant records the granted entry's identity with its fence; a release clears it.
+    let (hcols, hvals) = if holders {
+        (
+            ", holder, holder_fence",
+            format!(
+                ", CASE WHEN h.granting THEN {} WHEN h.frees THEN NULL ELSE l.holder END, \
+                 CASE WHEN h.granting THEN l.fence + 1 WHEN h.frees THEN NULL \
+                     ELSE l.holder_fence END",
+                entry_holder("h.head")
+            ),
+        )
+    } else {
+        ("", String::new())
+    };
     format!(
-        "UPDATE {t} AS l SET (owner, fence, expires_at, waiters) = (\
+        "UPDATE {t} AS l SET (owner, fence, expires_at, waiters{hcols}) = (\
              SELECT CASE WHEN h.granting THEN split_part(h.head, ' ', 5) \
                      WHEN h.frees THEN NULL ELSE l.owner END, \
                  CASE WHEN h.granting THEN l.fence + 1 ELSE l.fence END, \
@@ -194,7 +248,7 @@ fn free_and_grant(t: &str, cond: &str, frees: &str, keep: &str, async_commit: bo
                      WHEN h.frees THEN clock_timestamp() ELSE l.expires_at END, \
                  CASE WHEN h.granting THEN ARRAY[split_part(h.head, ' ', 1) || ' 0 ' \
                          || split_part(h.head, ' ', 3)] || h.live[2:] \
-                     ELSE h.live END \
+                     ELSE h.live END{hvals} \
              FROM (SELECT x.frees, x.live, x.live[1] AS head, \
                      x.frees AND COALESCE({can_grant}, false) AS granting \
                  FROM (SELECT {frees} AS frees, ARRAY(\
@@ -213,7 +267,8 @@ fn free_and_grant(t: &str, cond: &str, frees: &str, keep: &str, async_commit: bo
 }
 
 impl Statements {
-    pub(crate) fn new(table: &TableName) -> Self {
+    /// `holders`: the table has the `holder` and `holder_fence` columns.
+    pub(crate) fn new(table: &TableName, holders: bool) -> Self {
         let t = table.quoted();
         // Rows are never deleted: `fence` only grows, across every grant of a name.
         let create = format!(
@@ -222,21 +277,40 @@ impl Statements {
                  owner text,\n\
                  fence bigint NOT NULL,\n\
                  expires_at timestamptz NOT NULL,\n\
-                 waiters text[] NOT NULL DEFAULT '{{}}'\n\
+                 waiters text[] NOT NULL DEFAULT '{{}}',\n\
+                 holder text,\n\
+                 holder_fence bigint\n\
              )"
         );
+        let add_holder_columns =
+            "ADD COLUMN IF NOT EXISTS holder text, ADD COLUMN IF NOT EXISTS holder_fence bigint";
         let add_waiters = format!(
-            "ALTER TABLE {t} ADD COLUMN IF NOT EXISTS waiters text[] NOT NULL DEFAULT '{{}}'"
+            "ALTER TABLE {t} ADD COLUMN IF NOT EXISTS waiters text[] NOT NULL DEFAULT '{{}}', \
+             {add_holder_columns}"
         );
+        let add_holder = format!("ALTER TABLE {t} {add_holder_columns}");
+        // Every grant by an attempt records this client's identity ($hid) with its fence.
+        let grant_holder = |hid: &str| {
+            if holders {
+                (
+                    ", holder, holder_fence".to_owned(),
+                    format!(", {hid}::text, 1"),
+                    format!(", holder = {hid}::text, holder_fence = l.fence + 1"),
+                )
+            } else {
+                (String::new(), String::new(), String::new())
+            }
+        };
         // One statement, on the database's clock: insert a first grant, or take over a free or
         // expired row while bumping its fence. A held row is left alone (no row returned), but
         // locked until the statement's transaction commits.
+        let (hcols, hvals, hset) = grant_holder("$4");
         let acquire = format!(
-            "INSERT INTO {t} AS l (name, owner, fence, expires_at) \
-             VALUES ($1, $2, 1, clock_timestamp() + $3::bigint * interval '1 microsecond') \
+            "INSERT INTO {t} AS l (name, owner, fence, expires_at{hcols}) \
+             VALUES ($1, $2, 1, clock_timestamp() + $3::bigint * interval '1 microsecond'{hvals}) \
              ON CONFLICT (name) DO UPDATE \
              SET owner = excluded.owner, fence = l.fence + 1, \
-                 expires_at = clock_timestamp() + $3::bigint * interval '1 microsecond' \
+                 expires_at = clock_timestamp() + $3::bigint * interval '1 microsecond'{hset} \
              WHERE l.owner IS NULL OR l.expires_at <= clock_timestamp() \
              RETURNING l.fence, {durable}",
             durable = durable()
@@ -249,23 +323,30 @@ impl Statements {
         // is attempted (no row lock, no durable commit) and its remaining time is returned. A
         // waiter that has queued passes its grant owner: a live grant to it is extended (under
         // the row lock, durably) and returned, as it may not have heard of it.
+        let (hcols, hvals, hset) = grant_holder("$5");
+        // A grant to this client found live and extended is this client's: its identity again.
+        let hkept = if holders {
+            ", holder = $5::text, holder_fence = l.fence"
+        } else {
+            ""
+        };
         let acquire_polling = format!(
             "WITH cur AS MATERIALIZED (\
                  SELECT {remaining} AS remaining, COALESCE(l.owner = $4, false) AS mine \
                  FROM {t} AS l WHERE name = $1 AND owner IS NOT NULL \
                      AND expires_at > clock_timestamp()\
              ), granted AS (\
-                 INSERT INTO {t} AS l (name, owner, fence, expires_at) \
-                 SELECT $1, $2, 1, clock_timestamp() + $3::bigint * interval '1 microsecond' \
+                 INSERT INTO {t} AS l (name, owner, fence, expires_at{hcols}) \
+                 SELECT $1, $2, 1, clock_timestamp() + $3::bigint * interval '1 microsecond'{hvals} \
                  WHERE NOT EXISTS (SELECT 1 FROM cur) \
                  ON CONFLICT (name) DO UPDATE \
                  SET owner = excluded.owner, fence = l.fence + 1, \
-                     expires_at = clock_timestamp() + $3::bigint * interval '1 microsecond' \
+                     expires_at = clock_timestamp() + $3::bigint * interval '1 microsecond'{hset} \
                  WHERE l.owner IS NULL OR l.expires_at <= clock_timestamp() \
                  RETURNING l.fence\
              ), kept AS (\
                  UPDATE {t} AS l \
-                 SET expires_at = clock_timestamp() + $3::bigint * interval '1 microsecond' \
+                 SET expires_at = clock_timestamp() + $3::bigint * interval '1 microsecond'{hkept} \
                  WHERE l.name = $1 AND l.owner = $4 AND l.expires_at > clock_timestamp() \
                      AND EXISTS (SELECT 1 FROM cur WHERE mine) \
                  RETURNING l.fence\
@@ -285,13 +366,24 @@ impl Statements {
         // or appended. Only a grant waits for a durable commit: a lost queue entry costs a poll,
         // a lost grant could cost a fence.
         let (qid, qexpiry, mine) = (id("q.w"), expiry("q.w"), has_entry("$4"));
-        let entry = "$4 || ' ' || (d.now_ms + $5::bigint) || ' ' || $7::bigint || ' ' \
-                     || $3::bigint || ' ' || $6";
+        let mut entry = "$4 || ' ' || (d.now_ms + $5::bigint) || ' ' || $7::bigint || ' ' \
+                         || $3::bigint || ' ' || $6"
+            .to_owned();
+        let (hcols, hvals, _) = grant_holder("$8");
+        // A free row granted, or a grant to this waiter extended: this client's identity.
+        let hqueued = if holders {
+            entry.push_str(" || ' ' || encode(convert_to($8::text, 'UTF8'), 'hex')");
+            ", CASE WHEN d.free OR d.granted THEN $8::text ELSE l.holder END, \
+             CASE WHEN d.free THEN l.fence + 1 WHEN d.granted THEN l.fence \
+                 ELSE l.holder_fence END"
+        } else {
+            ""
+        };
         let acquire_queued = format!(
-            "INSERT INTO {t} AS l (name, owner, fence, expires_at) \
-             VALUES ($1, $2, 1, clock_timestamp() + $3::bigint * interval '1 microsecond') \
+            "INSERT INTO {t} AS l (name, owner, fence, expires_at{hcols}) \
+             VALUES ($1, $2, 1, clock_timestamp() + $3::bigint * interval '1 microsecond'{hvals}) \
              ON CONFLICT (name) DO UPDATE \
-             SET (owner, fence, expires_at, waiters) = (\
+             SET (owner, fence, expires_at, waiters{hcols}) = (\
                  SELECT CASE WHEN d.free THEN $2 ELSE l.owner END, \
                      CASE WHEN d.free THEN l.fence + 1 ELSE l.fence END, \
                      CASE WHEN d.free OR d.granted \
@@ -306,7 +398,7 @@ impl Statements {
                          WHERE {qexpiry} > d.now_ms OR {qid} = $4 ORDER BY q.o) \
                      || CASE WHEN d.mine OR d.live >= {MAX_QUEUE} THEN '{{}}'::text[] \
                          ELSE ARRAY[{entry}] END \
-                     END \
+                     END{hqueued} \
                  FROM (SELECT c.ts, c.now_ms, \
                      l.owner IS NULL OR l.expires_at <= c.ts AS free, \
                      COALESCE(l.owner = $6 AND l.expires_at > c.ts, false) AS granted, \
@@ -346,10 +438,16 @@ impl Statements {
         // same statement (see `free_and_grant`).
         let owned = "l.name = $1 AND l.owner = $2 AND l.fence = $3 \
                      AND l.expires_at > clock_timestamp()";
-        let release = free_and_grant(&t, owned, "true", "true", false);
-        let release_async = free_and_grant(&t, owned, "true", "true", true);
-        let release_token =
-            free_and_grant(&t, "l.name = $1 AND l.owner = $2", "true", "true", false);
+        let release = free_and_grant(&t, owned, "true", "true", false, holders);
+        let release_async = free_and_grant(&t, owned, "true", "true", true, holders);
+        let release_token = free_and_grant(
+            &t,
+            "l.name = $1 AND l.owner = $2",
+            "true",
+            "true",
+            false,
+            holders,
+        );
         // A waiter that gave up: its entry leaves, a grant made to it is freed, and when the
         // lock is then free the next waiter is granted it (or woken).
         let dequeue = free_and_grant(
@@ -358,9 +456,16 @@ impl Statements {
             "l.owner IS NULL OR l.expires_at <= clock_timestamp() OR l.owner = $3",
             &format!("{qid} <> $2"),
             true,
+            holders,
         );
+        // Only the identity the current grant wrote (see the module docs).
+        let holder = if holders {
+            "CASE WHEN l.holder_fence = l.fence THEN l.holder END"
+        } else {
+            "NULL::text"
+        };
         let inspect = format!(
-            "SELECT owner, fence, {remaining}, (SELECT count(*) FROM {live}) \
+            "SELECT owner, fence, {remaining}, (SELECT count(*) FROM {live}), {holder} \
              FROM {t} AS l WHERE name = $1 AND owner IS NOT NULL AND expires_at > clock_timestamp()",
             live = live_entries()
         );
@@ -371,10 +476,12 @@ impl Statements {
             "true",
             "true",
             false,
+            holders,
         );
         Self {
             create: sql(create),
             add_waiters: sql(add_waiters),
+            add_holder: sql(add_holder),
             force_release: sql(force_release),
             acquire: sql(acquire),
             acquire_polling: sql(acquire_polling),
