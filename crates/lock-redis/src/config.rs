@@ -22,6 +22,7 @@ use lock_core::{Error, Result};
 /// | `reconnect_retries` | `2` | connection attempts retried per (re)connect before a request fails |
 /// | `max_poll_interval` | `500ms` | cap of the jittered fallback poll of a waiting `acquire` |
 /// | `ca` | system roots | `rediss://` only: PEM file of the CA(s) the server certificate must chain to |
+/// | `label` | none | a short label shown by `inspect` next to this client's grants (see [`RedisLockConfig::label`]) |
 ///
 /// Durations take a unit: `250ms`, `2s`, `1m` (a bare number is refused, not guessed), and are
 /// at most one hour ([`RedisLockConfig::MAX_DURATION`]), whether set in the URL or on the fields
@@ -59,6 +60,11 @@ pub struct RedisLockConfig {
     pub reconnect_retries: usize,
     /// The longest delay between two attempts of a waiting `acquire` that was not woken.
     pub max_poll_interval: Duration,
+    /// A label (1 to 64 ASCII letters, digits and `-_.:/@`, checked by
+    /// [`lock_core::HolderIdentity::check_label`]) added to the holder identity (host, pid,
+    /// start time) this client records next to each of its grants, which `inspect` shows.
+    /// Not secret: any client that can read the lock can see it.
+    pub label: Option<String>,
 }
 
 impl RedisLockConfig {
@@ -153,6 +159,10 @@ impl RedisLockConfig {
                 }
                 self.ca_file = Some(PathBuf::from(value));
             }
+            "label" => {
+                lock_core::HolderIdentity::check_label(value)?;
+                self.label = Some(value.to_owned());
+            }
             "reconnect_retries" => {
                 self.reconnect_retries = value
                     .parse()
@@ -167,7 +177,7 @@ impl RedisLockConfig {
             }
             other => {
                 return Err(config_err(format!(
-                    "unknown option {other:?} (known: namespace, connect_timeout, response_timeout, reconnect_retries, max_poll_interval, ca)"
+                    "unknown option {other:?} (known: namespace, connect_timeout, response_timeout, reconnect_retries, max_poll_interval, ca, label)"
                 )));
             }
         }
@@ -182,7 +192,7 @@ impl RedisLockConfig {
     /// [`Error::Config`]: an empty host, a namespace with control characters, a duration that
     /// is zero or longer than [`RedisLockConfig::MAX_DURATION`], more than
     /// [`RedisLockConfig::MAX_RECONNECT_RETRIES`] retries, a database number outside
-    /// `0..=i32::MAX`, or a CA file without TLS.
+    /// `0..=i32::MAX`, a CA file without TLS, or a bad label.
     pub fn validate(&self) -> Result<()> {
         if self.host.is_empty() {
             return Err(config_err("the host is empty"));
@@ -225,6 +235,9 @@ impl RedisLockConfig {
         if self.ca_file.is_some() && !self.tls {
             return Err(config_err("ca_file needs tls (rediss://)"));
         }
+        if let Some(label) = &self.label {
+            lock_core::HolderIdentity::check_label(label)?;
+        }
         Ok(())
     }
 
@@ -254,6 +267,7 @@ impl Default for RedisLockConfig {
             response_timeout: Duration::from_secs(1),
             reconnect_retries: 2,
             max_poll_interval: Duration::from_millis(500),
+            label: None,
         }
     }
 }
@@ -273,6 +287,7 @@ impl fmt::Debug for RedisLockConfig {
             .field("response_timeout", &self.response_timeout)
             .field("reconnect_retries", &self.reconnect_retries)
             .field("max_poll_interval", &self.max_poll_interval)
+            .field("label", &self.label)
             .finish()
     }
 }
@@ -325,6 +340,9 @@ mod tests {
         assert_eq!(c.response_timeout, Duration::from_secs(2));
         assert_eq!(c.reconnect_retries, 5);
         assert_eq!(c.max_poll_interval, Duration::from_secs(60));
+        assert_eq!(c.label, None);
+        let c = RedisLockConfig::from_url("redis://h?label=nightly-report%40web.1").unwrap();
+        assert_eq!(c.label.as_deref(), Some("nightly-report@web.1"));
     }
 
     #[test]
@@ -362,6 +380,10 @@ mod tests {
             "redis://h?max_poll_interval=1",
             "redis://h?reconnect_retries=-1",
             "redis://h?namespace=a%0Ab",
+            "redis://h?label=",
+            "redis://h?label=a%20b",
+            "redis://h?label=%C3%A9",
+            "redis://h?label=a%0Ab",
             "redis://h#frag",
             "not a url",
         ] {

@@ -14,7 +14,8 @@
 //!     form apart).
 //! * The waiter queue is derived the same way with `waiters` in place of `fence`
 //!   (`{distlock:orders}\x1fwaiters`, `<lock key>\x1ftagged-waiters`, …), and so are the
-//!   short-lived undo markers of clean-ups, `undone:<token hex>:` in place of `fence`.
+//!   short-lived undo markers of clean-ups, `undone:<token hex>:` in place of `fence`, and so is
+//!   the holder key, `holder` in place of `fence` (who holds the current grant).
 
 use std::sync::OnceLock;
 
@@ -46,6 +47,12 @@ impl KeyNames {
     /// registration (server time in milliseconds).
     pub(crate) fn queue(&self) -> Vec<u8> {
         derived_key(&self.lock, b"waiters")
+    }
+
+    /// The holder key: `<token hex>:<fence> <holder identity>` of the current grant, written
+    /// with it and living as long (see [`crate::scripts`]).
+    pub(crate) fn holder(&self) -> Vec<u8> {
+        derived_key(&self.lock, b"holder")
     }
 
     /// The undo marker of an owner prefix (`<token hex>:`): left by the clean-up of a request
@@ -218,6 +225,8 @@ mod tests {
                 assert!(seen.insert(n.fence()), "fence {ns:?} {key:?}");
                 assert_eq!(key_slot(&n.queue()), key_slot(&n.lock), "{ns:?} {key:?}");
                 assert!(seen.insert(n.queue()), "queue {ns:?} {key:?}");
+                assert_eq!(key_slot(&n.holder()), key_slot(&n.lock), "{ns:?} {key:?}");
+                assert!(seen.insert(n.holder()), "holder {ns:?} {key:?}");
                 let undone = n.undone("0123456789abcdef0123456789abcdef:");
                 assert_eq!(key_slot(&undone), key_slot(&n.lock), "{ns:?} {key:?}");
                 assert!(seen.insert(undone), "undo marker {ns:?} {key:?}");

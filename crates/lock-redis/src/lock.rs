@@ -4,8 +4,8 @@ use std::{fmt, future::Future, sync::Arc, time::Duration};
 
 use lock_core::{
     AcquireWait, Backoff, Batcher, Capabilities, DistributedLock, Error, FencingGuarantee,
-    FencingToken, HolderInfo, Lease, LockKey, OwnershipToken, Result, TokenDigest, async_trait,
-    handoff::Registered,
+    FencingToken, HolderIdentity, HolderInfo, Lease, LockKey, OwnershipToken, Result, TokenDigest,
+    async_trait, handoff::Registered,
 };
 use redis::{
     ConnectionAddr, ErrorKind, IntoConnectionInfo, ProtocolVersion, RedisConnectionInfo,
@@ -40,6 +40,8 @@ struct Inner {
     conn: ConnectionManager,
     scripts: Scripts,
     wakeups: Arc<Registry>,
+    /// Who this client is (host, pid, start, `label`), recorded next to each of its grants.
+    identity: HolderIdentity,
     /// Renewals submitted together (the watchdogs of one process renew on a shared grid) go
     /// out together: one script call per [`RENEW_CHUNK`] locks.
     renewals: Batcher<RenewItem, Result<bool, Failure>>,
@@ -59,6 +61,7 @@ const LEAVE_GRACE: Duration = Duration::from_millis(200);
 /// One lock's part in a batched renewal.
 struct RenewItem {
     lock: Vec<u8>,
+    holder: Vec<u8>,
     prefix: String,
     ttl_ms: u64,
 }
@@ -101,7 +104,8 @@ impl RedisLock {
             )),
             // Rejected credentials or an untrusted server certificate: retrying cannot help.
             Ok(Err(e)) if is_refused_security(&e) => Err(Error::backend(BACKEND, "connect", e)),
-            Ok(Err(e)) => Err(Error::unavailable(BACKEND, "connect", e)),
+            Ok(Err(e)) => Err(refused_database(&lock.inner.config, &e)
+                .unwrap_or_else(|| Error::unavailable(BACKEND, "connect", e))),
             Err(_) => Err(Error::Unavailable {
                 backend: BACKEND,
                 op: "connect",
@@ -126,6 +130,7 @@ impl RedisLock {
     /// [`Error::Config`] for invalid settings.
     pub fn connect_lazy(config: RedisLockConfig) -> Result<Self> {
         config.validate()?;
+        let identity = HolderIdentity::process(config.label.as_deref())?;
         let mut redis_info = RedisConnectionInfo::default()
             .set_db(config.db)
             .set_protocol(ProtocolVersion::RESP3);
@@ -186,6 +191,7 @@ impl RedisLock {
                 conn,
                 scripts: Scripts::new(),
                 wakeups,
+                identity,
                 renewals: Batcher::new(RENEW_BATCH),
             }),
         })
@@ -230,8 +236,10 @@ impl RedisLock {
         invocation
             .key(names.fence())
             .key(names.undone(&prefix))
+            .key(names.holder())
             .arg(&prefix)
-            .arg(ttl_millis(ttl));
+            .arg(ttl_millis(ttl))
+            .arg(self.inner.identity.as_str());
         if let Some(waiting) = waiter {
             let grant_prefix = owner_prefix(&waiting.grant);
             invocation
@@ -338,13 +346,15 @@ impl RedisLock {
             }
             Err(Failure::NotSent(e)) => {
                 inflight.disarm();
-                return Err(Error::unavailable(BACKEND, "try_acquire", e));
+                return Err(refused_database(&self.inner.config, &e)
+                    .unwrap_or_else(|| Error::unavailable(BACKEND, "try_acquire", e)));
             }
             Err(Failure::Server(e)) => {
                 // A script is not rolled back when a command in it fails: an error after the
                 // `SET` leaves a grant behind.
                 self.settle(inflight.undo(false), by).await;
-                return Err(Error::backend(BACKEND, "try_acquire", e));
+                return Err(refused_database(&self.inner.config, &e)
+                    .unwrap_or_else(|| Error::backend(BACKEND, "try_acquire", e)));
             }
         };
         let (lease, inflight) = lease;
@@ -410,18 +420,24 @@ impl RedisLock {
                     .key(&names.lock)
                     .key(names.queue())
                     .key(names.fence())
+                    .key(names.holder())
                     .arg(fence)
                     .arg(WAKE_CHANNEL_PREFIX)
                     .invoke_async::<i64>(&mut self.inner.conn.clone()),
                 None,
             )
             .await
-            .map_err(|f| Self::map_failure("force_release", key, f))?;
+            .map_err(|f| self.map_failure("force_release", key, f))?;
         tracing::warn!(%key, deleted = deleted == 1, fencing = ?holder, "lock force-released by an operator");
         Ok(deleted == 1)
     }
 
-    fn map_failure(op: &'static str, key: &LockKey, failure: Failure) -> Error {
+    fn map_failure(&self, op: &'static str, key: &LockKey, failure: Failure) -> Error {
+        if let Failure::NotSent(e) | Failure::Server(e) = &failure
+            && let Some(config) = refused_database(&self.inner.config, e)
+        {
+            return config;
+        }
         match failure {
             Failure::NotSent(e) => Error::unavailable(BACKEND, op, e),
             Failure::Unknown(message) => Error::Indeterminate {
@@ -453,6 +469,9 @@ async fn renew_chunk(inner: &Inner, chunk: &[RenewItem]) -> Vec<Result<bool, Fai
     let mut invocation = inner.scripts.renew.prepare_invoke();
     for item in chunk {
         invocation.key(&item.lock);
+    }
+    for item in chunk {
+        invocation.key(&item.holder);
     }
     for item in chunk {
         invocation.arg(&item.prefix).arg(item.ttl_ms);
@@ -488,7 +507,10 @@ async fn release_by_prefix(
     until: Option<Instant>,
 ) -> Result<bool, Failure> {
     let mut invocation = inner.scripts.release.key(&names.lock);
-    invocation.key(names.queue()).key(names.fence());
+    invocation
+        .key(names.queue())
+        .key(names.fence())
+        .key(names.holder());
     if marker.is_some() {
         invocation.key(names.undone(prefix));
     }
@@ -679,9 +701,12 @@ impl Registration {
     /// What the next attempt sends: a new member, the last of `members`.
     fn next_attempt(&mut self, ttl: Duration) -> Waiting<'_> {
         self.seq += 1;
-        let member = self
-            .watch
-            .member(self.seq, ttl_millis(ttl), &self.grant.expose_hex());
+        let member = self.watch.member(
+            self.seq,
+            ttl_millis(ttl),
+            &self.grant.expose_hex(),
+            &self.inner.identity,
+        );
         let previous = std::mem::replace(&mut self.member, member);
         remember(&mut self.earlier, previous);
         self.in_flight = true;
@@ -837,6 +862,17 @@ fn is_refused_security(e: &RedisError) -> bool {
     e.to_string().contains("invalid peer certificate")
 }
 
+/// The server refused the `SELECT` of the configured database (a number beyond its
+/// `databases`): a permanent misconfiguration, so [`Error::Config`], never `Unavailable`.
+fn refused_database(config: &RedisLockConfig, e: &RedisError) -> Option<Error> {
+    (e.to_string().contains("refused to switch database")).then(|| {
+        Error::Config(format!(
+            "the redis server refused database {} (SELECT): {e}",
+            config.db
+        ))
+    })
+}
+
 /// rustls needs a process-wide crypto provider; install ring's unless the application already
 /// chose one (losing a race to another installer is fine).
 fn install_crypto_provider() {
@@ -885,6 +921,17 @@ fn parse_owner(value: &[u8]) -> Option<(OwnershipToken, FencingToken)> {
         return None;
     }
     Some((token, FencingToken(fence.parse().ok()?)))
+}
+
+/// The identity in a holder key `<token hex>:<fence> <identity>`, when that grant is the lock's
+/// current value `value` (less its `:w` mark): never a previous holder's, nor one next to a
+/// grant by a client that writes no holder key.
+fn holder_of(value: &[u8], holder: &[u8]) -> Option<HolderIdentity> {
+    let grant = value.strip_suffix(b":w").unwrap_or(value);
+    let identity = holder.strip_prefix(grant)?.strip_prefix(b" ")?;
+    // Only our format: a foreign value is never matched (not even by a prefix of it).
+    parse_owner(grant)?;
+    HolderIdentity::from_stored(identity)
 }
 
 #[async_trait]
@@ -1055,8 +1102,10 @@ impl DistributedLock for RedisLock {
     /// and go out together in the next (a lone renewal is sent at once).
     async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
         self.capabilities().check_ttl(ttl)?;
+        let names = self.names(lease.key());
         let item = RenewItem {
-            lock: self.names(lease.key()).lock,
+            holder: names.holder(),
+            lock: names.lock,
             prefix: owner_prefix(lease.token()),
             ttl_ms: ttl_millis(ttl),
         };
@@ -1075,7 +1124,7 @@ impl DistributedLock for RedisLock {
                 Ok(())
             }
             Some(Ok(false)) => Err(Error::not_held(lease.key())),
-            Some(Err(failure)) => Err(Self::map_failure("renew", lease.key(), failure)),
+            Some(Err(failure)) => Err(self.map_failure("renew", lease.key(), failure)),
             // The batch task died (runtime shutdown): the request may have been sent.
             None => Err(Error::Indeterminate {
                 backend: BACKEND,
@@ -1090,7 +1139,7 @@ impl DistributedLock for RedisLock {
         let names = self.names(lease.key());
         self.release_by_prefix(&names, &owner_prefix(lease.token()))
             .await
-            .map_err(|f| Self::map_failure("release", lease.key(), f))
+            .map_err(|f| self.map_failure("release", lease.key(), f))
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
@@ -1103,23 +1152,24 @@ impl DistributedLock for RedisLock {
                     .key(&names.lock)
                     .key(names.fence())
                     .key(names.queue())
-                    .invoke_async::<Option<(Vec<u8>, i64, Vec<u8>, i64)>>(
+                    .key(names.holder())
+                    .invoke_async::<Option<(Vec<u8>, i64, Vec<u8>, i64, Vec<u8>)>>(
                         &mut self.inner.conn.clone(),
                     ),
                 None,
             )
             .await
             .map_err(|f| match f {
-                Failure::NotSent(e) => Error::unavailable(BACKEND, "inspect", e),
+                // Not `Indeterminate`: an inspection changes nothing.
                 Failure::Unknown(message) => Error::Unavailable {
                     backend: BACKEND,
                     op: "inspect",
                     message,
                     source: None,
                 },
-                Failure::Server(e) => Error::backend(BACKEND, "inspect", e),
+                other => self.map_failure("inspect", key, other),
             })?;
-        Ok(reply.map(|(value, pttl, _counter, waiters)| {
+        Ok(reply.map(|(value, pttl, _counter, waiters, holder)| {
             let (digest, fencing) = match parse_owner(&value) {
                 Some((token, fence)) => (token.digest(), Some(fence)),
                 None => (TokenDigest::of(&value), None),
@@ -1129,7 +1179,7 @@ impl DistributedLock for RedisLock {
                 fencing_token: fencing,
                 ttl_remaining: u64::try_from(pttl).ok().map(Duration::from_millis),
                 waiters: usize::try_from(waiters).ok(),
-                holder: None,
+                holder: holder_of(&value, &holder),
             }
         }))
     }
@@ -1180,6 +1230,27 @@ mod tests {
         assert_eq!(earlier.last().unwrap(), "client:1:9999:30000:grant");
         remember(&mut earlier, String::new());
         assert_eq!(earlier.len(), MAX_EARLIER);
+    }
+
+    #[test]
+    fn the_identity_shows_only_next_to_its_own_grant() {
+        let t = OwnershipToken::generate();
+        let grant = format!("{}7", owner_prefix(&t));
+        let holder = format!("{grant} host=a pid=1 since=2 label=x:w");
+        let shown = |value: &str| holder_of(value.as_bytes(), holder.as_bytes());
+        let id = shown(&grant).unwrap();
+        assert_eq!(id.as_str(), "host=a pid=1 since=2 label=x:w");
+        assert_eq!(shown(&format!("{grant}:w")), Some(id));
+        // A later grant (another fence, another token), a foreign value, an empty value.
+        assert_eq!(shown(&format!("{}8", owner_prefix(&t))), None);
+        assert_eq!(shown(&format!("{}70", owner_prefix(&t))), None);
+        let other = OwnershipToken::generate();
+        assert_eq!(shown(&format!("{}7", owner_prefix(&other))), None);
+        assert_eq!(shown("foreign"), None);
+        assert_eq!(shown(""), None);
+        assert_eq!(holder_of(b"foreign", b"foreign x"), None);
+        assert_eq!(holder_of(grant.as_bytes(), grant.as_bytes()), None);
+        assert_eq!(holder_of(grant.as_bytes(), b""), None);
     }
 
     #[test]

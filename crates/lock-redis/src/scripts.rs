@@ -4,19 +4,31 @@
 //!
 //! # Waiter queue members
 //!
-//! A waiting `acquire` registers as `<client id>:<waiter id>:<seq>:<ttl ms>:<grant token hex>`:
-//! its client's wake channel, its number there, the number of the attempt that wrote the member,
-//! the TTL it asked for and the random token it would hold the lock with. A release hands the
-//! lock to the oldest live member directly (see [`grant_next!`]). Members of the older form
-//! `<client id>:<waiter id>` (a client from before grants, in a rolling upgrade) are only woken.
+//! A waiting `acquire` registers as
+//! `<client id>:<waiter id>:<seq>:<ttl ms>:<grant token hex>:<holder identity>`: its client's
+//! wake channel, its number there, the number of the attempt that wrote the member, the TTL it
+//! asked for, the random token it would hold the lock with and the identity recorded with its
+//! grant. A release hands the lock to the oldest live member directly (see [`grant_next!`]);
+//! a member without the identity (a client from before identities) is granted too, without one.
+//! Members of the older form `<client id>:<waiter id>` (a client from before grants, in a
+//! rolling upgrade) are only woken.
+//!
+//! # The holder key
+//!
+//! Every grant made by these scripts also writes the lock's holder key (see
+//! [`crate::keys::KeyNames::holder`]) with `<token hex>:<fence> <holder identity>`, in the same
+//! step and with the same TTL; a renewal extends both and a release deletes both. `inspect`
+//! shows the identity only when its `<token hex>:<fence>` is the lock's current value (less a
+//! `:w` mark), so a grant by a client that writes no holder key (an older version, another
+//! library) never shows a previous holder's identity.
 
 use redis::Script;
 
-/// KEYS: lock, fence counter, the attempt's undo marker, and when the caller waits: the waiter
-/// queue and the undo marker of its grant prefix. ARGV: owner prefix (`<token hex>:`), ttl in
-/// ms, and when the caller waits: its new member, the registration's lifetime in ms, its grant
-/// prefix (`<grant token hex>:`) and then its earlier members that may still be queued (a
-/// bounded number).
+/// KEYS: lock, fence counter, the attempt's undo marker, the holder key, and when the caller
+/// waits: the waiter queue and the undo marker of its grant prefix. ARGV: owner prefix
+/// (`<token hex>:`), ttl in ms, the holder identity, and when the caller waits: its new member,
+/// the registration's lifetime in ms, its grant prefix (`<grant token hex>:`) and then its
+/// earlier members that may still be queued (a bounded number).
 ///
 /// An undo marker (see [`RELEASE`]) says that the clean-up of this attempt (or of the whole
 /// waiting `acquire`) has already run: the attempt arrived late, after its sender gave up on
@@ -29,7 +41,8 @@ use redis::Script;
 ///
 /// The counter is incremented first, in the same atomic step as the `SET NX` that grants, and
 /// the grant stores `<token hex>:<fence>` so `inspect` can tell our holders (and their fence)
-/// from other clients'. The fence is the counter's own string, read back after `INCR`: Redis
+/// from other clients', and writes the holder key with the same TTL. A grant already made to the
+/// waiter by a release restarts the holder key's TTL with the lock's. The fence is the counter's own string, read back after `INCR`: Redis
 /// hands `INCR`'s integer to Lua as a double, exact only up to 2^53, so neither the stored
 /// value nor the reply ever goes through a Lua number (fences are exact up to `i64::MAX`, where
 /// `INCR` fails). A refused attempt also consumes a number: grants' fences still strictly
@@ -44,7 +57,7 @@ use redis::Script;
 /// TTL), so that the release hands over. A waiter that gets the lock leaves the queue in the same
 /// step, and marks its own value when others are still queued.
 const ACQUIRE: &str = r"
-if redis.call('EXISTS', KEYS[3]) == 1 or (KEYS[5] and redis.call('EXISTS', KEYS[5]) == 1) then
+if redis.call('EXISTS', KEYS[3]) == 1 or (KEYS[6] and redis.call('EXISTS', KEYS[6]) == 1) then
   return redis.error_reply('distlock: a late attempt, already undone by its clean-up')
 end
 local incr = redis.pcall('INCR', KEYS[2])
@@ -53,20 +66,22 @@ if type(incr) == 'table' then
 end
 local fence = redis.call('GET', KEYS[2])
 if redis.call('SET', KEYS[1], ARGV[1] .. fence, 'NX', 'PX', ARGV[2]) then
-  if KEYS[4] then
-    redis.call('ZREM', KEYS[4], ARGV[3], unpack(ARGV, 6))
-    if redis.call('ZCARD', KEYS[4]) > 0 then
+  redis.call('SET', KEYS[4], ARGV[1] .. fence .. ' ' .. ARGV[3], 'PX', ARGV[2])
+  if KEYS[5] then
+    redis.call('ZREM', KEYS[5], ARGV[4], unpack(ARGV, 7))
+    if redis.call('ZCARD', KEYS[5]) > 0 then
       redis.call('APPEND', KEYS[1], ':w')
     end
   end
   return fence
 end
-if KEYS[4] then
+if KEYS[5] then
   local value = redis.pcall('GET', KEYS[1])
   if type(value) == 'string' then
-    if string.sub(value, 1, #ARGV[5]) == ARGV[5] then
+    if string.sub(value, 1, #ARGV[6]) == ARGV[6] then
       redis.call('PEXPIRE', KEYS[1], ARGV[2])
-      redis.call('ZREM', KEYS[4], ARGV[3], unpack(ARGV, 6))
+      redis.call('PEXPIRE', KEYS[4], ARGV[2])
+      redis.call('ZREM', KEYS[5], ARGV[4], unpack(ARGV, 7))
       return {string.match(value, '^%x+:(%d+)')}
     end
     if string.find(value, '^%x+:%d+$') and string.sub(value, 33, 33) == ':'
@@ -74,39 +89,52 @@ if KEYS[4] then
       redis.call('APPEND', KEYS[1], ':w')
     end
   end
-  if #ARGV > 5 then
-    redis.call('ZREM', KEYS[4], unpack(ARGV, 6))
+  if #ARGV > 6 then
+    redis.call('ZREM', KEYS[5], unpack(ARGV, 7))
   end
   local now = redis.call('TIME')
   local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-  redis.call('ZADD', KEYS[4], ms + tonumber(ARGV[4]), ARGV[3])
-  if redis.call('PEXPIRE', KEYS[4], ARGV[4], 'NX') == 0 then
-    redis.call('PEXPIRE', KEYS[4], ARGV[4], 'GT')
+  redis.call('ZADD', KEYS[5], ms + tonumber(ARGV[5]), ARGV[4])
+  if redis.call('PEXPIRE', KEYS[5], ARGV[5], 'NX') == 0 then
+    redis.call('PEXPIRE', KEYS[5], ARGV[5], 'GT')
   end
 end
 return redis.call('PTTL', KEYS[1])
 ";
 
 /// Hands a just-freed lock to the oldest live waiter. Expects the locals `lock`, `queue`,
-/// `counter` (key names) and `channel` (the wake channel prefix, `distlock\x1fwake:`).
+/// `counter`, `holder` (key names) and `channel` (the wake channel prefix,
+/// `distlock\x1fwake:`).
 ///
-/// Drops expired registrations and pops the one that expires first. A member with a grant
+/// Does nothing when the queue key is not a sorted set (none of our waiters can be queued
+/// there), so that a release that already deleted the lock never fails after it. Otherwise it
+/// drops expired registrations and pops the one that expires first. A member with a grant
 /// token gets the lock in this same atomic step: a new fence from the counter (its string, read
 /// back after `INCR`, never a Lua number: see [`ACQUIRE`]), its value
-/// `<grant token hex>:<fence>` (marked `:w` when others still wait) with its TTL, and the
-/// message `<waiter id>:<seq>:<fence>` on its client's channel; the waiter holds the lock from
+/// `<grant token hex>:<fence>` (marked `:w` when others still wait) with its TTL, the holder
+/// key with the member's identity (deleted for a member without one), and the message `<waiter id>:<seq>:<fence>` on its client's channel; the waiter holds the lock from
 /// that message alone. An old-form member (or any member when the counter is unusable) gets
 /// the message `<waiter id>`, a wake-up, and tries by itself.
 macro_rules! grant_next {
     () => {
         r"
-  local now = redis.call('TIME')
-  local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-  redis.call('ZREMRANGEBYSCORE', queue, '-inf', ms)
-  local first = redis.call('ZPOPMIN', queue)
+  local first = {}
+  if redis.call('TYPE', queue).ok == 'zset' then
+    local now = redis.call('TIME')
+    local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+    redis.call('ZREMRANGEBYSCORE', queue, '-inf', ms)
+    first = redis.call('ZPOPMIN', queue)
+  end
   if first[1] then
-    local client, waiter, seq, ttl, owner =
-      string.match(first[1], '^(%x+):(%d+):(%d+):(%d+):(%x+)$')
+    local client, waiter, seq, ttl, owner, rest =
+      string.match(first[1], '^(%x+):(%d+):(%d+):(%d+):(%x+)(.*)$')
+    local identity = nil
+    if rest and rest ~= '' then
+      identity = string.match(rest, '^:(.+)$')
+      if not identity then
+        client = nil
+      end
+    end
     local fence = nil
     if client and #ttl <= 12 and tonumber(ttl) > 0 and #owner == 32 then
       if type(redis.pcall('INCR', counter)) == 'number' then
@@ -117,6 +145,11 @@ macro_rules! grant_next {
     end
     if fence then
       local value = owner .. ':' .. fence
+      if identity then
+        redis.call('SET', holder, value .. ' ' .. identity, 'PX', ttl)
+      else
+        redis.call('DEL', holder)
+      end
       if redis.call('ZCARD', queue) > 0 then
         value = value .. ':w'
       end
@@ -131,17 +164,19 @@ macro_rules! grant_next {
     };
 }
 
-/// KEYS: the locks to renew. ARGV: for each key in order, its owner prefix and its ttl in ms.
-/// Returns one value per key: 1 when extended, 0 when not ours (missing, another owner's value,
-/// not a string). One call renews a whole batch of a client's locks; the driver caps the number
+/// KEYS: the locks to renew, then their holder keys in the same order. ARGV: for each lock in
+/// order, its owner prefix and its ttl in ms. Returns one value per lock: 1 when extended (its
+/// holder key too), 0 when not ours (missing, another owner's value, not a string). One call renews a whole batch of a client's locks; the driver caps the number
 /// of keys per call so that one script never keeps the server busy for long.
 const RENEW: &str = r"
 local out = {}
-for i = 1, #KEYS do
+local n = #KEYS / 2
+for i = 1, n do
   local prefix = ARGV[2 * i - 1]
   local value = redis.pcall('GET', KEYS[i])
   if type(value) == 'string' and string.sub(value, 1, #prefix) == prefix then
     out[i] = redis.call('PEXPIRE', KEYS[i], ARGV[2 * i])
+    redis.call('PEXPIRE', KEYS[n + i], ARGV[2 * i])
   else
     out[i] = 0
   end
@@ -149,29 +184,30 @@ end
 return out
 ";
 
-/// KEYS: lock, waiter queue, fence counter, and for the clean-up of a request whose outcome is
-/// unknown, the undo marker of the owner prefix. ARGV: owner prefix, wake channel prefix, the
+/// KEYS: lock, waiter queue, fence counter, holder key, and for the clean-up of a request whose
+/// outcome is unknown, the undo marker of the owner prefix. ARGV: owner prefix, wake channel prefix, the
 /// marker's lifetime in ms (ignored without the marker), then waiter queue members to remove
 /// first (a waiter that gives up passes its members and its grant prefix, so a grant that
 /// crossed its leaving is passed on). Returns 1 when deleted, 0 when not ours. Never deletes
 /// another owner's lock. Hands over only when a waiter marked the value (`:w`, see
-/// [`ACQUIRE`]): without waiters a release costs no more than `GET` + `DEL`.
+/// [`ACQUIRE`]): without waiters a release costs no more than `GET` + two `DEL`s (the lock and
+/// its holder key).
 ///
 /// The marker makes a clean-up final once answered: a request it undoes that reaches the
 /// server only afterwards (delayed on a connection the client has since replaced) finds the
 /// marker and does nothing, so one answer, on whichever connection, is enough.
 const RELEASE: &str = concat!(
     r"
-local lock, queue, counter, channel = KEYS[1], KEYS[2], KEYS[3], ARGV[2]
-if KEYS[4] then
-  redis.call('SET', KEYS[4], '1', 'PX', ARGV[3])
+local lock, queue, counter, holder, channel = KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2]
+if KEYS[5] then
+  redis.call('SET', KEYS[5], '1', 'PX', ARGV[3])
 end
 if #ARGV > 3 then
   redis.pcall('ZREM', queue, unpack(ARGV, 4))
 end
 local value = redis.pcall('GET', lock)
 if type(value) == 'string' and string.sub(value, 1, #ARGV[1]) == ARGV[1] then
-  redis.call('DEL', lock)
+  redis.call('DEL', lock, holder)
   if string.sub(value, -2) == ':w' then
 ",
     grant_next!(),
@@ -183,13 +219,13 @@ return 0
 "
 );
 
-/// KEYS: lock, waiter queue, fence counter. ARGV: the holder's fence (empty: any holder), wake
-/// channel prefix. The operator override: deletes whoever holds the lock (any client's value)
+/// KEYS: lock, waiter queue, fence counter, holder key. ARGV: the holder's fence (empty: any
+/// holder), wake channel prefix. The operator override: deletes whoever holds the lock (any client's value)
 /// — or, with a fence, only our grant with that fence — and hands it to the next waiter.
 /// Returns 1 when something was deleted.
 const FORCE_RELEASE: &str = concat!(
     r"
-local lock, queue, counter, channel = KEYS[1], KEYS[2], KEYS[3], ARGV[2]
+local lock, queue, counter, holder, channel = KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2]
 if ARGV[1] ~= '' then
   local value = redis.pcall('GET', lock)
   if type(value) ~= 'string' or string.match(value, '^%x+:(%d+)') ~= ARGV[1] then
@@ -197,6 +233,7 @@ if ARGV[1] ~= '' then
   end
 end
 if redis.call('DEL', lock) == 1 then
+  redis.call('DEL', holder)
 ",
     grant_next!(),
     r"
@@ -206,9 +243,10 @@ return 0
 "
 );
 
-/// KEYS: lock, fence counter, waiter queue. Returns nil when free, else `{value, pttl, counter,
-/// waiters}` (value is empty when the key is not a string, counter empty when unset; waiters
-/// counts the live registrations of this driver's waiters).
+/// KEYS: lock, fence counter, waiter queue, holder key. Returns nil when free, else `{value,
+/// pttl, counter, waiters, holder}` (value is empty when the key is not a string, counter and
+/// holder empty when unset or not strings; waiters counts the live registrations of this
+/// driver's waiters). The caller matches the holder key's grant against the value.
 const INSPECT: &str = r"
 local kind = redis.call('TYPE', KEYS[1]).ok
 if kind == 'none' then
@@ -228,7 +266,11 @@ local fence = redis.pcall('GET', KEYS[2])
 if type(fence) ~= 'string' then
   fence = ''
 end
-return {value, redis.call('PTTL', KEYS[1]), fence, waiters}
+local holder = redis.pcall('GET', KEYS[4])
+if type(holder) ~= 'string' then
+  holder = ''
+end
+return {value, redis.call('PTTL', KEYS[1]), fence, waiters, holder}
 ";
 
 /// The compiled scripts (each carries its SHA1).

@@ -143,11 +143,20 @@ impl Watch {
     }
 
     /// This waiter's queue member for attempt `seq`:
-    /// `<client id>:<waiter id>:<seq>:<ttl ms>:<grant token hex>`.
-    pub(crate) fn member(&self, seq: u64, ttl_ms: u64, grant_hex: &str) -> String {
+    /// `<client id>:<waiter id>:<seq>:<ttl ms>:<grant token hex>:<holder identity>` (the
+    /// identity is what a release that grants to this member records next to the grant).
+    pub(crate) fn member(
+        &self,
+        seq: u64,
+        ttl_ms: u64,
+        grant_hex: &str,
+        identity: &lock_core::HolderIdentity,
+    ) -> String {
         format!(
-            "{}:{}:{seq}:{ttl_ms}:{grant_hex}",
-            self.registry.client_id, self.id
+            "{}:{}:{seq}:{ttl_ms}:{grant_hex}:{}",
+            self.registry.client_id,
+            self.id,
+            identity.as_str()
         )
     }
 }

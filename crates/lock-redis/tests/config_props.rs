@@ -76,6 +76,7 @@ proptest! {
         db in prop_oneof![0i64..16, any::<i64>(), Just(i64::MAX), Just(i64::MIN)],
         namespace in "\\PC{0,8}|[a-z]{0,3}\\x1f[a-z]{0,3}",
         empty_host in any::<bool>(),
+        label in proptest::option::of("\\PC{0,8}|[a-z:@./_-]{1,70}"),
     ) {
         let mut config = RedisLockConfig::from_url("redis://127.0.0.1:1").unwrap();
         config.connect_timeout = connect_timeout;
@@ -84,6 +85,7 @@ proptest! {
         config.reconnect_retries = reconnect_retries;
         config.db = db;
         config.namespace = namespace;
+        config.label = label;
         if empty_host {
             config.host = String::new();
         }
@@ -99,6 +101,7 @@ proptest! {
             Just("reconnect_retries"),
             Just("namespace"),
             Just("ca"),
+            Just("label"),
         ],
         value in prop_oneof![
             "[0-9]{0,11}(ms|s|m|h|)",
@@ -139,4 +142,34 @@ fn durations_beyond_the_cap_are_refused_from_the_url_and_the_fields() {
         RedisLock::connect_lazy(config),
         Err(Error::Config(_))
     ));
+}
+
+#[test]
+fn a_bad_label_is_a_config_error_before_any_io() {
+    let rt = runtime();
+    let _entered = rt.enter();
+    // Nothing listens on port 1: an error other than `Config` would mean I/O was tried.
+    for label in ["", "two words", "é", "a\nb", &"x".repeat(65)] {
+        let mut config = RedisLockConfig::from_url("redis://127.0.0.1:1").unwrap();
+        config.label = Some(label.to_owned());
+        assert!(
+            matches!(config.validate(), Err(Error::Config(_))),
+            "{label:?}"
+        );
+        assert!(
+            matches!(RedisLock::connect_lazy(config), Err(Error::Config(_))),
+            "{label:?}"
+        );
+    }
+    for url in [
+        "redis://127.0.0.1:1?label=",
+        "redis://127.0.0.1:1?label=a%20b",
+    ] {
+        let err = rt.block_on(RedisLock::connect_url(url)).unwrap_err();
+        assert!(matches!(err, Error::Config(_)), "{url}: {err}");
+    }
+    let mut config = RedisLockConfig::from_url("redis://127.0.0.1:1?label=ok-label").unwrap();
+    assert_eq!(config.label.as_deref(), Some("ok-label"));
+    config.label = Some("nightly/report@web-1.example:42".to_owned());
+    RedisLock::connect_lazy(config).unwrap();
 }

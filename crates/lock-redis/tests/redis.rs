@@ -1642,17 +1642,17 @@ async fn a_waiter_whose_attempts_keep_failing_sends_a_bounded_request() {
             Duration::from_secs(30),
             Duration::from_millis(20),
             "the waiter's attempts stopped",
-            async || logged_script_args(&mut admin, &redis_key, "5").await.len() >= failing,
+            async || logged_script_args(&mut admin, &redis_key, "6").await.len() >= failing,
         ) => {}
     }
     proxy.pass();
-    // Each attempt carried its own member and at most 16 earlier ones: 2 + 1 + 5 keys + 5
+    // Each attempt carried its own member and at most 16 earlier ones: 2 + 1 + 6 keys + 6
     // arguments + 16. Unbounded, the n-th failed attempt carried n (and Lua's `unpack` fails
     // past about 8,000).
-    let counts = logged_script_args(&mut admin, &redis_key, "5").await;
+    let counts = logged_script_args(&mut admin, &redis_key, "6").await;
     let most = counts.iter().copied().max().unwrap();
     assert!(
-        most <= 2 + 1 + 5 + 5 + 16,
+        most <= 2 + 1 + 6 + 6 + 16,
         "an attempt carried {most} arguments after {} attempts",
         counts.len()
     );
@@ -1759,4 +1759,191 @@ async fn acquire_against_a_frozen_server_returns_by_its_deadline() {
         .await
         .unwrap();
     assert!(holder_client.release(&lease).await.unwrap());
+}
+
+/// `{<lock key>}\x1fholder`: the holder key of a key without a hash tag.
+fn holder_key(lock: &RedisLock, key: &LockKey) -> String {
+    format!("{{{}}}\x1fholder", lock.redis_key(key))
+}
+
+/// `url` with `options` added to its query string.
+fn with_options(url: &str, options: &str) -> String {
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}{options}")
+}
+
+/// The identity `inspect` shows for `key`, as text.
+async fn shown_holder(lock: &RedisLock, key: &LockKey) -> Option<String> {
+    let info = lock.inspect(key).await.unwrap()?;
+    info.holder.map(|h| h.as_str().to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_shows_the_current_holders_identity_and_never_a_previous_ones() {
+    let Some((url, observer, mut admin)) = shared().await else {
+        return;
+    };
+    let first = RedisLock::connect_url(&with_options(&url, "label=first-holder"))
+        .await
+        .unwrap();
+    let second = RedisLock::connect_url(&with_options(&url, "label=second@holder"))
+        .await
+        .unwrap();
+    let key = fresh_key("holder-identity");
+    let pid = format!("pid={}", std::process::id());
+
+    let mut lease = first.try_acquire(&key, LONG).await.unwrap().unwrap();
+    let shown = shown_holder(&observer, &key)
+        .await
+        .expect("no identity shown");
+    assert!(shown.ends_with(" label=first-holder"), "{shown}");
+    assert!(
+        shown.contains(&pid) && shown.starts_with("host="),
+        "{shown}"
+    );
+    // The identity lives as long as the grant: a renewal extends it too.
+    first.renew(&mut lease, 3 * LONG).await.unwrap();
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(holder_key(&observer, &key))
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert!(pttl > LONG.as_millis() as i64, "holder key pttl {pttl}");
+    // The lock changes hands: the next holder's identity, never the previous one's.
+    assert!(first.release(&lease).await.unwrap());
+    assert!(!exists(&mut admin, &holder_key(&observer, &key)).await);
+    let lease = second.try_acquire(&key, LONG).await.unwrap().unwrap();
+    let shown = shown_holder(&first, &key).await.expect("no identity shown");
+    assert!(shown.ends_with(" label=second@holder"), "{shown}");
+
+    // A grant by a client that writes no holder key (an older version: same value format,
+    // another token and fence) while the previous holder's key is still there: no identity.
+    let old_client_grant = format!("{}:{}", OwnershipToken::generate().expose_hex(), 1u64 << 40);
+    redis::cmd("SET")
+        .arg(observer.redis_key(&key))
+        .arg(&old_client_grant)
+        .arg("PX")
+        .arg(30_000)
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    assert!(exists(&mut admin, &holder_key(&observer, &key)).await);
+    let info = observer.inspect(&key).await.unwrap().unwrap();
+    assert_eq!(info.fencing_token, Some(FencingToken(1 << 40)));
+    assert_eq!(info.holder, None, "a previous holder's identity was shown");
+    // A foreign value (another library's `SET NX`): no identity either.
+    redis::cmd("SET")
+        .arg(observer.redis_key(&key))
+        .arg("foreign")
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(observer.inspect(&key).await.unwrap().unwrap().holder, None);
+    assert!(!second.release(&lease).await.unwrap());
+    assert!(observer.force_release(&key).await.unwrap());
+    assert!(!exists(&mut admin, &holder_key(&observer, &key)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_grant_to_a_waiter_records_the_waiters_identity() {
+    let Some((url, observer, mut admin)) = shared().await else {
+        return;
+    };
+    let holder_client = RedisLock::connect_url(&with_options(&url, "label=releaser"))
+        .await
+        .unwrap();
+    // No fallback poll within the test: the lock is the waiter's right after the release only
+    // through the release's grant.
+    let waiter_client = RedisLock::connect_url(&with_options(
+        &url,
+        "label=waiter-granted&max_poll_interval=60s",
+    ))
+    .await
+    .unwrap();
+    let key = fresh_key("holder-handoff");
+    let holder = holder_client
+        .try_acquire(&key, LONG)
+        .await
+        .unwrap()
+        .unwrap();
+    let waiter = queued_waiter(&waiter_client, &key, LONG, &mut admin).await;
+    assert!(holder_client.release(&holder).await.unwrap());
+    let info = observer
+        .inspect(&key)
+        .await
+        .unwrap()
+        .expect("the release granted the lock to the waiter");
+    assert!(info.fencing_token > holder.fencing_token());
+    let shown = info.holder.expect("no identity next to the direct grant");
+    assert!(shown.as_str().ends_with(" label=waiter-granted"), "{shown}");
+    let lease = timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the grant never reached the waiter")
+        .unwrap();
+    assert_eq!(lease.fencing_token(), info.fencing_token);
+    assert!(waiter_client.release(&lease).await.unwrap());
+    assert!(!exists(&mut admin, &holder_key(&observer, &key)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_marked_for_waiters_with_a_queue_key_of_another_type_releases_without_error() {
+    let Some((_url, lock, mut admin)) = shared().await else {
+        return;
+    };
+    for force in [false, true] {
+        let key = fresh_key("queue-not-a-zset");
+        let redis_key = lock.redis_key(&key);
+        let lease = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+        // As a waiter would have marked it, then the queue key became a string.
+        redis::cmd("APPEND")
+            .arg(&redis_key)
+            .arg(":w")
+            .query_async::<()>(&mut admin)
+            .await
+            .unwrap();
+        let queue = format!("{{{redis_key}}}\x1fwaiters");
+        redis::cmd("SET")
+            .arg(&queue)
+            .arg("not a sorted set")
+            .arg("PX")
+            .arg(30_000)
+            .query_async::<()>(&mut admin)
+            .await
+            .unwrap();
+        let released = if force {
+            lock.force_release(&key).await
+        } else {
+            lock.release(&lease).await
+        };
+        assert!(released.unwrap(), "force: {force}");
+        assert!(!exists(&mut admin, &redis_key).await, "force: {force}");
+        assert_eq!(
+            get(&mut admin, queue.as_bytes()).await.as_deref(),
+            Some(&b"not a sorted set"[..])
+        );
+        redis::cmd("DEL")
+            .arg(&queue)
+            .query_async::<()>(&mut admin)
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_the_server_does_not_have_is_a_config_error() {
+    let Some((url, _lock, _admin)) = shared().await else {
+        return;
+    };
+    let mut config = RedisLockConfig::from_url(&url).unwrap();
+    config.db = 99;
+    let err = RedisLock::connect(config.clone()).await.unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err}");
+    assert!(!err.is_temporary());
+    // A lazy client learns it on its first request.
+    let lazy = RedisLock::connect_lazy(config).unwrap();
+    let key = fresh_key("bad-db");
+    let err = lazy.try_acquire(&key, LONG).await.unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err}");
+    let err = lazy.inspect(&key).await.unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err}");
 }
