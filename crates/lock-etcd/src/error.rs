@@ -37,6 +37,37 @@ impl RequestError {
     }
 }
 
+impl RequestError {
+    /// Whether the server refused the request in a way that retrying cannot change while this
+    /// client lives: permission denied, credentials refused (a deleted user, a changed
+    /// password), an invalid request. Not an expired token (refreshed: [`Failure::NotSent`]),
+    /// not a stale auth revision, not a leader change.
+    pub(crate) fn is_permanent(&self) -> bool {
+        use tonic::Code;
+        if self.failure != Failure::Rejected {
+            return false;
+        }
+        let Some(etcd_client::Error::GRpcStatus(status)) =
+            self.source.downcast_ref::<etcd_client::Error>()
+        else {
+            return false;
+        };
+        let m = status.message();
+        match status.code() {
+            Code::PermissionDenied | Code::Unauthenticated | Code::Unimplemented => true,
+            Code::InvalidArgument => !m.contains("revision of auth store is old"),
+            Code::FailedPrecondition => [
+                "user name not found",
+                "role is not granted",
+                "role name not found",
+            ]
+            .iter()
+            .any(|needle| m.contains(needle)),
+            _ => false,
+        }
+    }
+}
+
 fn is_connect_failure(message: &str) -> bool {
     let m = message.to_ascii_lowercase();
     [
@@ -130,5 +161,51 @@ pub(crate) fn protocol(op: &'static str, message: impl Into<String>) -> Error {
         op,
         message: message.into(),
         source: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(code: tonic::Code, message: &str) -> RequestError {
+        let e = etcd_client::Error::GRpcStatus(tonic::Status::new(code, message));
+        RequestError {
+            failure: classify(&e),
+            source: Box::new(e),
+        }
+    }
+
+    #[test]
+    fn only_refusals_that_cannot_change_are_permanent() {
+        use tonic::Code;
+        for (code, message) in [
+            (Code::PermissionDenied, "etcdserver: permission denied"),
+            (
+                Code::InvalidArgument,
+                "etcdserver: authentication failed, invalid user ID or password",
+            ),
+            (Code::FailedPrecondition, "etcdserver: user name not found"),
+        ] {
+            assert!(status(code, message).is_permanent(), "{message}");
+        }
+        for (code, message) in [
+            (Code::Unauthenticated, "etcdserver: invalid auth token"),
+            (
+                Code::InvalidArgument,
+                "etcdserver: revision of auth store is old",
+            ),
+            (Code::FailedPrecondition, "etcdserver: not leader"),
+            (Code::Unavailable, "etcdserver: leader changed"),
+            (Code::ResourceExhausted, "etcdserver: too many requests"),
+            (Code::NotFound, "etcdserver: requested lease not found"),
+        ] {
+            assert!(!status(code, message).is_permanent(), "{message}");
+        }
+        let timeout = RequestError {
+            failure: Failure::Unknown,
+            source: "no reply".into(),
+        };
+        assert!(!timeout.is_permanent());
     }
 }

@@ -292,6 +292,18 @@ fn spawn_cleanup(inner: Weak<Inner>, target: Target) {
             let until = Instant::now() + inner.timeout();
             match inner.remove_entry(&target, until).await {
                 Ok(()) => return,
+                Err(e) if e.is_permanent() => {
+                    // Retrying cannot help (permission denied, credentials refused): stop, say
+                    // so once, and let the entry go with its lease — no longer registered, the
+                    // session is revoked or expires once its other locks are released.
+                    tracing::warn!(
+                        lock = %String::from_utf8_lossy(&target.name),
+                        error = %e.source,
+                        "etcd refuses to delete a lock entry for good; giving up: it goes when its lease ends"
+                    );
+                    inner.drop_user(&target.session, &target.name).await;
+                    return;
+                }
                 Err(e) => {
                     tracing::debug!(error = %e.source, "deleting a lock entry failed; retrying")
                 }

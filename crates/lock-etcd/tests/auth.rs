@@ -121,3 +121,94 @@ async fn an_expired_auth_token_is_refreshed() {
     assert!(lock.release(&second).await.unwrap());
     assert!(lock.release(&lease).await.unwrap());
 }
+
+/// A background clean-up that etcd refuses for good (the user lost its permission on the
+/// lock's keys) stops instead of retrying for as long as the client lives: a waiter that gives
+/// up after the permission was revoked leaves a clean-up that is refused, gives up (logged
+/// once) and leaves the entry to its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_up_refused_for_good_stops() {
+    if conformance::backend_url("DISTLOCK_TEST_ETCD_URL").is_none() {
+        return;
+    }
+    assert!(etcd_installed(), "etcd is not installed");
+    let etcd = start_etcd(&[]).await;
+    let endpoint = format!("http://127.0.0.1:{}", etcd.port);
+    let admin = etcd_client::Client::connect([endpoint.as_str()], None)
+        .await
+        .unwrap();
+    let mut auth = admin.auth_client();
+    auth.user_add("root", "pw-root", None).await.unwrap();
+    auth.user_grant_role("root", "root").await.unwrap();
+    auth.role_add("locks").await.unwrap();
+    auth.role_grant_permission(
+        "locks",
+        etcd_client::Permission::read_write("distlock/").with_prefix(),
+    )
+    .await
+    .unwrap();
+    auth.user_add("locker", "pw-locker", None).await.unwrap();
+    auth.user_grant_role("locker", "locks").await.unwrap();
+    auth.auth_enable().await.unwrap();
+    let root = etcd_client::Client::connect(
+        [endpoint.as_str()],
+        Some(etcd_client::ConnectOptions::new().with_user("root", "pw-root")),
+    )
+    .await
+    .unwrap();
+
+    let url = format!("etcd://locker:pw-locker@127.0.0.1:{}?min_ttl=1s", etcd.port);
+    let (holder, waiter) = (
+        EtcdLock::connect_url(&url).await.unwrap(),
+        std::sync::Arc::new(EtcdLock::connect_url(&url).await.unwrap()),
+    );
+    let key = LockKey::new("refused-clean-up").unwrap();
+    let ttl = Duration::from_secs(30);
+    let _held = holder.try_acquire(&key, ttl).await.unwrap().unwrap();
+    let task = {
+        let (waiter, key) = (waiter.clone(), key.clone());
+        tokio::spawn(async move {
+            waiter
+                .acquire(&key, ttl, Instant::now() + Duration::from_secs(60))
+                .await
+        })
+    };
+    let entries = || {
+        let mut kv = root.kv_client();
+        async move {
+            let opts = etcd_client::GetOptions::new()
+                .with_prefix()
+                .with_count_only();
+            kv.get("distlock/refused-clean-up/", Some(opts))
+                .await
+                .unwrap()
+                .count()
+        }
+    };
+    let until = Instant::now() + Duration::from_secs(10);
+    while entries().await < 2 {
+        assert!(Instant::now() < until, "the waiter never queued");
+        sleep(Duration::from_millis(20)).await;
+    }
+    let mut root_auth = root.auth_client();
+    root_auth
+        .role_revoke_permission(
+            "locks",
+            "distlock/",
+            Some(etcd_client::RoleRevokePermissionOptions::new().with_prefix()),
+        )
+        .await
+        .unwrap();
+    // The waiter gives up: its entry's clean-up starts in the background and is refused.
+    task.abort();
+    let _ = task.await;
+    assert!(
+        lock_core::cleanup::finish(Duration::from_secs(10)).await,
+        "a clean-up refused for good is still retrying"
+    );
+    assert_eq!(
+        entries().await,
+        2,
+        "the refused delete did not apply; the entry goes with its lease"
+    );
+}
