@@ -76,6 +76,20 @@ struct Answered {
     connection: u64,
 }
 
+/// The pause after a handshake that timed out before `Session::open` tries again (see there
+/// why), doubled after each attempt up to [`MAX_CONNECT_RETRY_DELAY`].
+const CONNECT_RETRY_DELAY: Duration = Duration::from_millis(10);
+
+/// The longest pause between two connect attempts.
+const MAX_CONNECT_RETRY_DELAY: Duration = Duration::from_millis(200);
+
+/// How long zookeeper-client 0.11 waits for a new session's connection and ConnectResponse
+/// when asked for `session_timeout` (and no connection timeout): 8 ticks of
+/// `max(session_timeout / 20, 1ms)`.
+fn handshake_budget(session_timeout: Duration) -> Duration {
+    (session_timeout / 20).max(Duration::from_millis(1)) * 8
+}
+
 /// How many answered requests are kept as candidates (the oldest are dropped first, which only
 /// makes a promotion more conservative).
 const MAX_CANDIDATES: usize = 1024;
@@ -132,26 +146,45 @@ impl Session {
         if let Some((user, password)) = &config.auth {
             connector = connector.with_auth("digest", format!("{user}:{password}").as_bytes());
         }
-        let sent = Instant::now();
-        let client = match timeout(
-            config.connect_timeout,
-            connector.connect(&config.connect_string()),
-        )
-        .await
-        {
-            Ok(Ok(client)) => client,
-            Ok(Err(e @ (zk::Error::AuthFailed | zk::Error::NoAuth))) => {
-                return Err(Error::backend(BACKEND, "connect", e));
+        // zookeeper-client gives the handshake only a share of the *requested* session timeout
+        // (see `handshake_budget`), and the server's reply waits for the createSession
+        // transaction to be logged (an fsync): with a short session timeout, a busy server
+        // makes the connect fail now and then with "no available hosts" although it is up. An
+        // attempt that ran out of that budget is tried again, backing off, for as long as
+        // `connect_timeout` (the documented bound on establishing a session) allows; one that
+        // failed sooner (a refused connection) is not, so a closed port still fails at once.
+        let budget = handshake_budget(config.session_timeout);
+        let started = Instant::now();
+        let mut attempt = 1;
+        let mut delay = CONNECT_RETRY_DELAY;
+        let (client, sent) = loop {
+            let sent = Instant::now();
+            let left = config
+                .connect_timeout
+                .saturating_sub(sent.saturating_duration_since(started));
+            let e = match timeout(left, connector.clone().connect(&config.connect_string())).await {
+                Ok(Ok(client)) => break (client, sent),
+                Ok(Err(e @ (zk::Error::AuthFailed | zk::Error::NoAuth))) => {
+                    return Err(Error::backend(BACKEND, "connect", e));
+                }
+                Ok(Err(e)) => e,
+                Err(_) => {
+                    return Err(Error::Unavailable {
+                        backend: BACKEND,
+                        op: "connect",
+                        message: format!("no session within {:?}", config.connect_timeout),
+                        source: None,
+                    });
+                }
+            };
+            let ran_out = sent.elapsed() >= budget / 2;
+            if !ran_out || started.elapsed() + delay >= config.connect_timeout {
+                return Err(Error::unavailable(BACKEND, "connect", e));
             }
-            Ok(Err(e)) => return Err(Error::unavailable(BACKEND, "connect", e)),
-            Err(_) => {
-                return Err(Error::Unavailable {
-                    backend: BACKEND,
-                    op: "connect",
-                    message: format!("no session within {:?}", config.connect_timeout),
-                    source: None,
-                });
-            }
+            tracing::debug!(attempt, error = %e, "zookeeper handshake timed out; trying again");
+            attempt += 1;
+            sleep(delay).await;
+            delay = delay.saturating_mul(2).min(MAX_CONNECT_RETRY_DELAY);
         };
         let negotiated = client.session_timeout();
         if negotiated > config.session_timeout + Duration::from_millis(1) {
