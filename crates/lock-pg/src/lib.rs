@@ -5,6 +5,7 @@ mod config;
 mod conn;
 mod fenced;
 mod lock;
+mod message;
 mod notify;
 mod sql;
 

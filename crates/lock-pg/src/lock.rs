@@ -27,6 +27,7 @@ use tokio::{
 use crate::{
     PgLockConfig,
     conn::ConnPool,
+    message::{PgError, one_line},
     notify::{Notifier, Subscription},
     sql::Statements,
 };
@@ -77,7 +78,7 @@ struct Inner {
 #[derive(Debug)]
 enum ExecError {
     /// No connection could be had: nothing was sent.
-    NotSent(sqlx::Error),
+    NotSent(PgError),
     /// The server refused the statement: its transaction rolled back, nothing was applied.
     Rejected(sqlx::Error),
     /// The statement was sent and its reply was lost: it may have been applied. `retry` when
@@ -129,18 +130,20 @@ fn is_transient_conflict(e: &sqlx::Error) -> bool {
 /// A classified failure that can be handed to every lock of a failed batch.
 #[derive(Clone, Debug)]
 enum Failure {
-    Unavailable(Arc<sqlx::Error>),
-    Backend(Arc<sqlx::Error>),
+    Unavailable(Arc<PgError>),
+    Backend(Arc<PgError>),
     Indeterminate(String),
 }
 
 impl From<ExecError> for Failure {
     fn from(e: ExecError) -> Self {
         match e {
-            ExecError::NotSent(e) if is_untrusted_server(&e) => Self::Backend(Arc::new(e)),
+            ExecError::NotSent(e) if is_untrusted_server(e.sqlx()) => Self::Backend(Arc::new(e)),
             ExecError::NotSent(e) => Self::Unavailable(Arc::new(e)),
-            ExecError::Rejected(e) if is_connection_error(&e) => Self::Unavailable(Arc::new(e)),
-            ExecError::Rejected(e) => Self::Backend(Arc::new(e)),
+            ExecError::Rejected(e) if is_connection_error(&e) => {
+                Self::Unavailable(Arc::new(PgError::new(e)))
+            }
+            ExecError::Rejected(e) => Self::Backend(Arc::new(PgError::new(e))),
             ExecError::Unknown { message, .. } => Self::Indeterminate(message),
         }
     }
@@ -399,18 +402,24 @@ impl Inner {
                     }
                     _ => false,
                 };
-                let map = |e: sqlx::Error| {
-                    if is_untrusted_server(&e) {
+                let classify = |op, e: PgError| {
+                    let e2 = e.sqlx();
+                    if is_untrusted_server(e2) {
                         Error::backend(BACKEND, op, e)
-                    } else if is_connection_error(&e) || matches!(e, sqlx::Error::PoolTimedOut) {
+                    } else if is_connection_error(e2) || matches!(e2, sqlx::Error::PoolTimedOut) {
                         Error::unavailable(BACKEND, op, e)
                     } else {
                         Error::backend(BACKEND, op, e)
                     }
                 };
-                let mut pooled = self.conns.get().await.map_err(map)?;
+                let map = |e: sqlx::Error| classify(op, PgError::new(e));
+                let mut pooled = self
+                    .conns
+                    .get()
+                    .await
+                    .map_err(|e| classify("connect", self.connect_error(e)))?;
                 let Some(conn) = pooled.conn() else {
-                    return Err(Error::unavailable(BACKEND, op, "no connection"));
+                    return Err(Error::unavailable(BACKEND, "connect", "no connection"));
                 };
                 // Whether the table exists, has the queue and the holder columns, and how it
                 // persists.
@@ -515,6 +524,11 @@ impl Inner {
             .map(|_| ())
     }
 
+    /// No connection could be had: the message names the server's address (no credentials).
+    fn connect_error(&self, e: sqlx::Error) -> PgError {
+        PgError::connecting(self.config.connect_options(), e)
+    }
+
     /// Whether the table is known to have the holder columns.
     fn holders(&self) -> bool {
         self.table_ready.get() == Some(&true)
@@ -544,16 +558,24 @@ impl Inner {
         query: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
         limit: Instant,
     ) -> std::result::Result<Vec<PgRow>, ExecError> {
+        let not_sent = |e| ExecError::NotSent(self.connect_error(e));
         // No time left: never send a statement whose reply could not be awaited.
+        let by_deadline = || {
+            ExecError::NotSent(PgError::connecting_because(
+                self.config.connect_options(),
+                "no connection by the deadline",
+                sqlx::Error::PoolTimedOut,
+            ))
+        };
         if Instant::now() >= limit {
-            return Err(ExecError::NotSent(sqlx::Error::PoolTimedOut));
+            return Err(by_deadline());
         }
         let mut pooled = match timeout_at(limit, self.conns.get()).await {
-            Ok(got) => got.map_err(ExecError::NotSent)?,
-            Err(_) => return Err(ExecError::NotSent(sqlx::Error::PoolTimedOut)),
+            Ok(got) => got.map_err(not_sent)?,
+            Err(_) => return Err(by_deadline()),
         };
         let Some(conn) = pooled.conn() else {
-            return Err(ExecError::NotSent(sqlx::Error::PoolClosed));
+            return Err(not_sent(sqlx::Error::PoolClosed));
         };
         self.statements.fetch_add(1, Ordering::Relaxed);
         let until = self.op_deadline().min(limit);
@@ -563,7 +585,7 @@ impl Inner {
                 Ok(rows)
             }
             Ok(Err(e)) if is_connection_error(&e) => Err(ExecError::Unknown {
-                message: e.to_string(),
+                message: one_line(&e),
                 retry: true,
             }),
             Ok(Err(e)) => {
@@ -960,7 +982,7 @@ impl Inner {
                 rows.iter()
                     .map(|row| row.try_get::<String, _>(0))
                     .collect::<std::result::Result<HashSet<String>, _>>()
-                    .map_err(|e| Failure::Backend(Arc::new(e)))
+                    .map_err(|e| Failure::Backend(Arc::new(PgError::new(e))))
             });
             for &i in &group {
                 answers[i] = match &renewed {
