@@ -194,3 +194,18 @@ fn struct_set_bounds_are_checked() {
     }
     assert!(ZkLock::new(base).is_ok());
 }
+
+/// The capabilities state the largest TTL that `try_acquire`/`acquire` accept (what `distlock
+/// check` shows), not "no maximum".
+#[test]
+fn capabilities_state_the_max_ttl_that_is_enforced() {
+    let caps = ZkLock::new(ZkLockConfig::new("127.0.0.1:2181"))
+        .unwrap()
+        .capabilities();
+    assert_eq!(caps.max_ttl, lock_core::Capabilities::MAX_TTL);
+    assert!(caps.check_ttl(caps.max_ttl).is_ok());
+    assert!(matches!(
+        caps.check_ttl(caps.max_ttl + Duration::from_secs(1)),
+        Err(Error::InvalidTtl { .. })
+    ));
+}
