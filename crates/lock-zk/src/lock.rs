@@ -789,13 +789,24 @@ impl ZkLock {
             // Data and Stat come from one read of the same node: the identity is the one its
             // creator wrote, whatever happened to the lock since. Curator writes its IP there
             // and older distlock versions nothing (`from_stored` sanitises; empty is None).
-            match self.call(session.client.get_data(&path)).await {
-                Ok((data, stat)) => {
+            let read = match self.call(session.client.get_data(&path)).await {
+                Ok((data, stat)) => Ok((HolderIdentity::from_stored(&data), stat)),
+                // A foreign node we may see but not read (a Curator client with its own ACL):
+                // the holder is still shown, without an identity, as before node data was read.
+                Err(zk::Error::NoAuth) => self
+                    .call(session.client.check_stat(&path))
+                    .await
+                    .and_then(|stat| stat.ok_or(zk::Error::NoNode))
+                    .map(|stat| (None, stat)),
+                Err(e) => Err(e),
+            };
+            match read {
+                Ok((identity, stat)) => {
                     return Ok(Some(HolderNode {
                         digest: path::token_digest_of(first),
                         fence: u64::try_from(stat.czxid).ok().map(FencingToken),
                         queued: sorted.len() - 1,
-                        identity: HolderIdentity::from_stored(&data),
+                        identity,
                         path,
                     }));
                 }

@@ -129,6 +129,27 @@ async fn a_node_without_data_has_no_identity_and_foreign_data_is_sanitised() {
     );
     assert!(holder.as_str().starts_with("host=x"), "{holder:?}");
     raw.delete(&format!("{prefix}{seq}"), None).await.unwrap();
+    // A foreign node whose ACL does not let us read its data: still held, no identity.
+    let unreadable = [zk::Acl::new(
+        zk::Permission::WRITE | zk::Permission::DELETE | zk::Permission::ADMIN,
+        zk::AuthId::anyone(),
+    )];
+    let prefix = format!("{dir}/_c_{}-lock-", uuid::Uuid::new_v4());
+    let (stat, seq) = raw
+        .create(
+            &prefix,
+            b"secret-ish",
+            &zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::new(&unreadable)),
+        )
+        .await
+        .unwrap();
+    let info = observer.inspect(&key).await.unwrap().expect("held");
+    assert!(info.holder.is_none(), "{:?}", info.holder);
+    assert_eq!(
+        info.fencing_token.map(|t| t.get()),
+        u64::try_from(stat.czxid).ok()
+    );
+    raw.delete(&format!("{prefix}{seq}"), None).await.unwrap();
     assert!(children(&raw, &dir).await.is_empty());
 }
 
