@@ -37,6 +37,20 @@ macro_rules! __conformance_properties {
         $callback!($setup, bad_input_is_rejected_before_io);
         $callback!($setup, capabilities_are_honest);
         $callback!($setup, force_release_removes_any_holder);
+        $callback!(
+            $setup,
+            try_acquire_dropped_at_any_poll_leaves_nothing_behind
+        );
+        $callback!($setup, acquire_dropped_at_any_poll_leaves_nothing_behind);
+        $callback!($setup, renew_dropped_at_any_poll_leaves_nothing_behind);
+        $callback!($setup, release_dropped_at_any_poll_leaves_nothing_behind);
+        $callback!(
+            $setup,
+            force_release_dropped_at_any_poll_leaves_nothing_behind
+        );
+        $callback!($setup, inspect_dropped_at_any_poll_leaves_nothing_behind);
+        // Not yet: run_exclusive_dropped_at_any_poll_leaves_nothing_behind (known defect in
+        // lock-core's LockGuard::release; see its doc).
     };
 }
 
@@ -55,6 +69,19 @@ use lock_core::{
 use tokio::time::{Instant, sleep, timeout};
 
 use crate::{Harness, Outcome};
+
+// Cancellation at every poll (its own file; a child module so that it shares the helpers here).
+#[path = "cancel.rs"]
+mod cancel;
+pub use cancel::{
+    acquire_dropped_at_any_poll_leaves_nothing_behind,
+    force_release_dropped_at_any_poll_leaves_nothing_behind,
+    inspect_dropped_at_any_poll_leaves_nothing_behind,
+    release_dropped_at_any_poll_leaves_nothing_behind,
+    renew_dropped_at_any_poll_leaves_nothing_behind,
+    run_exclusive_dropped_at_any_poll_leaves_nothing_behind,
+    try_acquire_dropped_at_any_poll_leaves_nothing_behind,
+};
 
 /// A TTL long enough that nothing expires during a test unless a test makes it.
 const LONG_TTL: Duration = Duration::from_secs(30);

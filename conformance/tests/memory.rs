@@ -158,5 +158,6 @@ mod without_renew {
         renew_extends_the_lease: "renew not claimed",
         renew_after_expiry_fails_and_does_not_extend_the_new_holder: "renew not claimed",
         watchdog_keeps_the_lease_alive: "renew not claimed",
+        renew_dropped_at_any_poll_leaves_nothing_behind: "renew not claimed",
     });
 }
