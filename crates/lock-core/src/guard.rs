@@ -217,17 +217,20 @@ impl LockGuard {
     /// # Errors
     /// The backend's error; the lease then expires by its TTL.
     pub async fn release(mut self) -> Result<bool> {
-        match self.stop_watchdog().await {
-            None => Ok(false),
-            Some(Handback::Lease(lease)) => self.lock.release(&lease).await,
-            Some(Handback::Released(result)) => result,
-        }
-    }
-
-    async fn stop_watchdog(&mut self) -> Option<Handback> {
+        let Some(task) = self.task.take() else {
+            return Ok(false);
+        };
         self.stop.cancel();
-        let task = self.task.take()?;
-        Some(finish_watchdog(task, &self.shared, &self.key).await)
+        // Cancellation safe: if this future is dropped before the release is done, the
+        // pending release finishes in the background, as a dropped guard's does.
+        let mut pending = PendingRelease {
+            lock: self.lock.clone(),
+            key: self.key.clone(),
+            shared: self.shared.clone(),
+            stage: Some(Stage::Watchdog(task)),
+            background: false,
+        };
+        pending.finish().await
     }
 }
 
@@ -237,21 +240,80 @@ impl Drop for LockGuard {
             return;
         };
         self.stop.cancel();
-        let lock = self.lock.clone();
+        // Dropping it hands the release to the background.
+        drop(PendingRelease {
+            lock: self.lock.clone(),
+            key: self.key.clone(),
+            shared: self.shared.clone(),
+            stage: Some(Stage::Watchdog(task)),
+            background: false,
+        });
+    }
+}
+
+/// A guard's release in progress: stopping the watchdog, then the compare-and-release of the
+/// lease it hands back. Dropped unfinished (the guard dropped, or `release()`'s future dropped
+/// at any await), it finishes in the background ([`crate::cleanup::spawn`]), so a lock is never
+/// left held until its TTL — or, on ZooKeeper, for as long as the session lives — by a release
+/// that was cancelled.
+struct PendingRelease {
+    lock: DynLock,
+    key: LockKey,
+    shared: Arc<Shared>,
+    stage: Option<Stage>,
+    /// Already the background task: dropped unfinished (its runtime shutting down), it gives up
+    /// instead of spawning itself again.
+    background: bool,
+}
+
+enum Stage {
+    Watchdog(JoinHandle<Lease>),
+    Releasing(Lease),
+}
+
+impl PendingRelease {
+    async fn finish(&mut self) -> Result<bool> {
+        if let Some(Stage::Watchdog(task)) = &mut self.stage {
+            match finish_watchdog(task, &self.shared, &self.key).await {
+                Handback::Lease(lease) => self.stage = Some(Stage::Releasing(lease)),
+                Handback::Released(result) => {
+                    self.stage = None;
+                    return result;
+                }
+            }
+        }
+        let result = match &self.stage {
+            Some(Stage::Releasing(lease)) => self.lock.release(lease).await,
+            _ => Ok(false),
+        };
+        self.stage = None;
+        result
+    }
+}
+
+impl Drop for PendingRelease {
+    fn drop(&mut self) {
+        if self.background {
+            return;
+        }
+        let Some(stage) = self.stage.take() else {
+            return;
+        };
+        let mut rest = PendingRelease {
+            lock: self.lock.clone(),
+            key: self.key.clone(),
+            shared: self.shared.clone(),
+            stage: Some(stage),
+            background: true,
+        };
         let key = self.key.clone();
-        let log_key = key.clone();
-        let shared = self.shared.clone();
         let spawned = crate::cleanup::spawn(async move {
-            let released = match finish_watchdog(task, &shared, &key).await {
-                Handback::Lease(lease) => lock.release(&lease).await,
-                Handback::Released(result) => result,
-            };
-            if let Err(e) = released {
-                tracing::warn!(%key, error = %e, "best-effort release on drop failed; the lease will expire by its ttl");
+            if let Err(e) = rest.finish().await {
+                tracing::warn!(key = %rest.key, error = %e, "best-effort release in the background failed; the lease will expire by its ttl");
             }
         });
         if !spawned {
-            tracing::warn!(key = %log_key, "lock guard dropped outside a runtime; the lease will expire by its ttl");
+            tracing::warn!(%key, "lock guard released outside a runtime; the lease will expire by its ttl");
         }
     }
 }
@@ -280,7 +342,7 @@ enum Handback {
 /// has started releasing the last renewed lease: that release's result; failing that, the
 /// last renewed lease itself (its token still names our grant, so a compare-and-release of it
 /// is still right).
-async fn finish_watchdog(task: JoinHandle<Lease>, shared: &Shared, key: &LockKey) -> Handback {
+async fn finish_watchdog(task: &mut JoinHandle<Lease>, shared: &Shared, key: &LockKey) -> Handback {
     match task.await {
         Ok(lease) => Handback::Lease(lease),
         Err(e) => {

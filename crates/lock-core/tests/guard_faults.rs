@@ -349,3 +349,66 @@ async fn an_aged_lease_with_a_long_interval_is_renewed_before_its_deadline() {
     assert!(lost.is_err(), "lost: {:?}", guard.loss_reason());
     assert!(guard.renewals() >= 2);
 }
+
+/// The in-memory coordinator with a slow `release` (the request takes 10 ms to get through).
+#[derive(Debug, Clone)]
+struct SlowRelease(InMemoryLock);
+
+#[async_trait]
+impl DistributedLock for SlowRelease {
+    fn backend_name(&self) -> &'static str {
+        "slow-release"
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.0.capabilities()
+    }
+    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
+        self.0.try_acquire(key, ttl).await
+    }
+    async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
+        self.0.renew(lease, ttl).await
+    }
+    async fn release(&self, lease: &Lease) -> Result<bool> {
+        sleep(Duration::from_millis(10)).await;
+        self.0.release(lease).await
+    }
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        self.0.inspect(key).await
+    }
+}
+
+/// `guard.release()` dropped after its 1st, 2nd, … poll (a caller's timeout or `select!`) still
+/// releases the lock: the rest of the release goes to the background, as a dropped guard's does.
+#[tokio::test(start_paused = true)]
+async fn a_release_dropped_at_any_poll_still_releases() {
+    let mut completed = false;
+    for polls in 1..=16 {
+        let coordinator = InMemoryLock::new();
+        let lock = Arc::new(SlowRelease(coordinator.client()));
+        let guard = lock
+            .lock("faults/release-dropped")
+            .ttl(Duration::from_secs(30))
+            .try_acquire()
+            .await
+            .unwrap()
+            .expect("free");
+        let key = guard.key().clone();
+        let mut release = Box::pin(guard.release());
+        let mut done = false;
+        for _ in 0..polls {
+            if futures::poll!(release.as_mut()).is_ready() {
+                done = true;
+                break;
+            }
+            sleep(Duration::from_millis(1)).await;
+        }
+        drop(release);
+        completed |= done;
+        assert!(lock_core::cleanup::finish(Duration::from_secs(5)).await);
+        assert!(
+            coordinator.client().inspect(&key).await.unwrap().is_none(),
+            "release() dropped after {polls} polls left the lock held"
+        );
+    }
+    assert!(completed, "the last case lets the release complete");
+}
