@@ -228,9 +228,14 @@ fn connect_memory(url: &str) -> Result<DynLock> {
     for (option, value) in parsed.query_pairs() {
         match &*option {
             "label" if label.is_none() => label = Some(value.into_owned()),
+            "label" => {
+                return Err(Error::Config(
+                    "the memory:// option `label` is given twice".into(),
+                ));
+            }
             _ => {
                 return Err(Error::Config(format!(
-                    "unknown or repeated memory:// option `{option}` (the in-memory backend takes only `label`)"
+                    "unknown memory:// option `{option}` (the in-memory backend takes only `label`)"
                 )));
             }
         }
@@ -323,7 +328,7 @@ mod tests {
     #[tokio::test]
     async fn memory_rejects_options_ports_and_paths() {
         let msg = config_message(connect("memory://x?ttl=3").await);
-        assert!(msg.contains("memory:// option `ttl`"), "{msg}");
+        assert!(msg.contains("unknown memory:// option `ttl`"), "{msg}");
         for url in [
             "memory://x:1",
             "memory://u:p@x",
