@@ -152,10 +152,12 @@ async fn assert_left_nothing(
     assert!(release(same, &again).await);
 }
 
-/// How long the clean-ups the drops started may take: some retry until the grant they undo
-/// would have expired (a backend's request timeout plus the TTL, e.g. 5 s + 400 ms for
-/// PostgreSQL), so they are awaited once per property, where they have run side by side.
-const CLEANUP_LIMIT: Duration = Duration::from_secs(15);
+/// How long the clean-ups may take before one counts as leaked. Some retry until the grant they
+/// undo would have expired (a backend's request timeout plus the TTL: 5 s + [`telling_ttl`] for
+/// PostgreSQL), so they are awaited once per property, where they have run side by side; and
+/// the count is the process's, so it includes those of properties running alongside, whose
+/// grants may be [`LONG_TTL`] ones. A clean-up that never ends still fails it.
+const CLEANUP_LIMIT: Duration = Duration::from_secs(LONG_TTL.as_secs() + 3 * SLACK.as_secs());
 
 /// How far the drops went (printed, so a run shows which polls were covered), once every
 /// clean-up they started has finished. An operation still pending after [`MAX_POLLS`] polls is
