@@ -445,12 +445,11 @@ pub async fn inspect_dropped_at_any_poll_leaves_nothing_behind(h: Harness) -> Ou
     covered("inspect", completed_at).await
 }
 
-/// Not in the property list yet (known defect): on ZooKeeper a `run_exclusive` dropped after
-/// its 6th poll (its job done, inside the guard's final release) leaves the key held for as long
-/// as the client lives (the lease is the session). `LockGuard::release` (lock-core) takes the
-/// watchdog out of the guard before it awaits, so once it has started, the guard's `Drop` no
-/// longer releases anything; a backend whose release goes out at its first poll (memory, Redis,
-/// etcd, PostgreSQL) passes. Register it once that release is cancel-safe.
+/// Found a real defect: on ZooKeeper a `run_exclusive` dropped after its 6th poll (its job
+/// done, inside the guard's final release) left the key held for as long as the client lived
+/// (the lease is the session): `LockGuard::release` took the watchdog out of the guard before
+/// it awaited, so the guard's `Drop` no longer released anything. lock-core c855e28 made that
+/// release cancellation safe.
 ///
 /// A `run_exclusive` dropped after any of its polls — acquiring, in its job, or releasing —
 /// leaves nothing behind: the key is acquirable within its TTL.

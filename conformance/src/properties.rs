@@ -49,8 +49,10 @@ macro_rules! __conformance_properties {
             force_release_dropped_at_any_poll_leaves_nothing_behind
         );
         $callback!($setup, inspect_dropped_at_any_poll_leaves_nothing_behind);
-        // Not yet: run_exclusive_dropped_at_any_poll_leaves_nothing_behind (known defect in
-        // lock-core's LockGuard::release; see its doc).
+        $callback!(
+            $setup,
+            run_exclusive_dropped_at_any_poll_leaves_nothing_behind
+        );
     };
 }
 
