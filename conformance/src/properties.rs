@@ -53,6 +53,13 @@ macro_rules! __conformance_properties {
             $setup,
             run_exclusive_dropped_at_any_poll_leaves_nothing_behind
         );
+        $callback!($setup, ttl_limits_are_honoured_or_refused_before_io);
+        $callback!(
+            $setup,
+            keys_at_the_length_limit_and_of_every_character_class_are_distinct
+        );
+        $callback!($setup, deadlines_already_past_time_out_without_io);
+        $callback!($setup, zero_length_waits_return_promptly);
     };
 }
 
@@ -83,6 +90,16 @@ pub use cancel::{
     renew_dropped_at_any_poll_leaves_nothing_behind,
     run_exclusive_dropped_at_any_poll_leaves_nothing_behind,
     try_acquire_dropped_at_any_poll_leaves_nothing_behind,
+};
+
+// Boundary values (its own file, a child module like `cancel`).
+#[path = "boundary.rs"]
+mod boundary;
+pub use boundary::{
+    deadlines_already_past_time_out_without_io,
+    keys_at_the_length_limit_and_of_every_character_class_are_distinct,
+    ttl_at_the_minimum_works_end_to_end, ttl_limits_are_honoured_or_refused_before_io,
+    zero_length_waits_return_promptly,
 };
 
 /// A TTL long enough that nothing expires during a test unless a test makes it.
