@@ -797,8 +797,8 @@ pub async fn dropped_guard_releases_the_lock(h: Harness) -> Outcome {
     Outcome::Passed
 }
 
-/// `inspect` reports no holder for a free key, the holder's token digest, fencing token and
-/// remaining TTL while held, and none again after release.
+/// `inspect` reports no holder for a free key, the holder's token digest, fencing token,
+/// remaining TTL and identity (host, pid) while held, and none again after release.
 pub async fn inspect_reports_the_holder(h: Harness) -> Outcome {
     let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
     let key = h.key("inspect");
@@ -815,6 +815,15 @@ pub async fn inspect_reports_the_holder(h: Harness) -> Outcome {
             "{left:?}"
         );
     }
+    // Every backend records who holds the lock next to its grant (issue 25, C13): this
+    // process, as the holder client made it.
+    let who = info.holder.as_ref().map(|h| h.as_str().to_owned());
+    assert!(
+        who.as_deref().is_some_and(
+            |w| w.starts_with("host=") && w.contains(&format!(" pid={} ", std::process::id()))
+        ),
+        "inspect does not say who holds the lock: {who:?}"
+    );
     let shown = format!("{info:?} {lease:?}");
     assert!(
         !shown.contains(&lease.token().expose_hex()),
