@@ -25,7 +25,10 @@ pub mod holder;
 pub mod proxy;
 pub mod timeline;
 
-pub use checker::{CheckOptions, Rule, Violation, check};
+pub use checker::{
+    CheckOptions, MODEL_SEARCH_CAP, ModelReport, ModelVerdict, Rule, Violation, check,
+    check_mutex_model,
+};
 pub use history::{
     ClientRecorder, FaultHandle, History, HistoryFile, Hold, Kind, Op, PendingOp, Record,
     ResourceKind, SavedFiles,
