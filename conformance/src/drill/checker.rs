@@ -52,6 +52,18 @@
 //!   invoked after the heal, or still pending at it) was granted within `ttl + margin` of
 //!   `max(heal, its first such invoke)`. Unhealed faults, and faults after which nobody tried,
 //!   are violations: liveness must be exercised.
+//! * (f) [`Rule::NotLinearizable`] ([`check_mutex_model`]): per key, some order of the
+//!   operations, each taking effect at one instant inside its `[invoke, completion]` window, fits
+//!   a single-holder mutex with leases: a grant needs the key free, or its holder's definite
+//!   lease (time bound, or its `lost` record) over; a release that returned `true` needs its own
+//!   grant to be the holder and frees the key; one that returned `false` changes nothing unless
+//!   its grant's lease may have ended; an acquire answered busy needs some holder; a
+//!   force-release or expiry frees the key. Operations that failed, timed out or are unknown
+//!   (acquires, releases, force-releases) may or may not have taken effect, at any instant after
+//!   their invoke. Wing & Gong search over the key's operations with memoised states
+//!   `(placed set, holder, latest point)`, capped at [`MODEL_SEARCH_CAP`] states: beyond the cap
+//!   the verdict is [`ModelVerdict::Inconclusive`] (no violation reported; the drills print
+//!   every report). Renewals only extend definite leases; writes are left to (a)–(d).
 //! * [`Rule::Malformed`]: a completion without its invoke, two completions of one operation.
 
 use std::{
