@@ -10,7 +10,7 @@ use std::time::Duration;
 use lock_core::{Capabilities, DynLock, Error, Lease, LockKey};
 use tokio::time::{Instant, timeout};
 
-use super::{LONG_TTL, SLACK, is_held_elsewhere, release, take};
+use super::{LONG_TTL, SLACK, fencing_claimed, is_held_elsewhere, release, take};
 use crate::{Harness, Outcome};
 
 /// The longest TTL `caps` accepts: its own maximum, capped by the one every backend shares.
@@ -445,5 +445,51 @@ pub async fn zero_length_waits_return_promptly(h: Harness) -> Outcome {
     assert!(release(&b, &holder).await, "the holder lost its lease");
     let lease = take(&a, &held, LONG_TTL).await;
     assert!(release(&a, &lease).await);
+    Outcome::Passed
+}
+
+/// Fences across 2^53 (where an `f64`, a JSON number, stops being exact) and up to `i64::MAX`
+/// (the largest signed 64-bit counter), with the counter set on the server: every grant's fence
+/// is the counter's next value, strictly above the last, reported exactly by `inspect`; a grant
+/// that would take the fence past `i64::MAX` fails with an error instead of wrapping or
+/// repeating one, and leaves the key free.
+pub async fn fences_stay_exact_across_2_pow_53_and_up_to_i64_max(h: Harness) -> Outcome {
+    let c = h.client().await;
+    if !fencing_claimed(&c) {
+        return Outcome::Skipped("fencing not claimed");
+    }
+    let i64_max = u64::try_from(i64::MAX).unwrap();
+    for (start, grants) in [((1u64 << 53) - 3, 5), (i64_max - 2, 2)] {
+        let key = h.key("boundary-fence");
+        let lease = take(&c, &key, LONG_TTL).await;
+        assert!(release(&c, &lease).await);
+        if !h.set_fence_counter(&key, start).await {
+            return Outcome::Skipped("the backend's fence counter cannot be set");
+        }
+        for i in 1..=grants {
+            let lease = take(&c, &key, LONG_TTL).await;
+            let fence = lease
+                .fencing_token()
+                .expect("a fencing backend's grant has a fence");
+            assert_eq!(fence.0, start + i, "the fence after {start} + {}", i - 1);
+            let info = c.inspect(&key).await.unwrap().expect("the key is held");
+            assert_eq!(info.fencing_token, Some(fence), "inspect's fence");
+            assert!(release(&c, &lease).await);
+        }
+        if start + grants == i64_max {
+            match c.try_acquire(&key, LONG_TTL).await {
+                Ok(Some(lease)) => panic!(
+                    "a grant past i64::MAX got the fence {:?}",
+                    lease.fencing_token()
+                ),
+                Ok(None) => panic!("the free key was held after the fence reached i64::MAX"),
+                Err(e) => assert!(!e.is_temporary(), "a fence overflow is not temporary: {e}"),
+            }
+            assert!(
+                c.inspect(&key).await.unwrap().is_none(),
+                "the failed grant left the key held"
+            );
+        }
+    }
     Outcome::Passed
 }

@@ -34,6 +34,15 @@ pub trait TestBackend: Send + Sync + 'static {
     async fn abandon(&self, client: DynLock) {
         drop(client);
     }
+
+    /// Sets the coordinator's fence counter of `key` (which has been granted and released once)
+    /// to `value`, so that the next grant's fencing token is the one after it: for boundary
+    /// tests of the fence's range (2^53, `i64::MAX`). `None` when the backend's fences cannot
+    /// be set (etcd revisions, ZooKeeper zxids, the in-memory reference); the property skips.
+    async fn set_fence_counter(&self, key: &LockKey, value: u64) -> Option<Result<()>> {
+        let _ = (key, value);
+        None
+    }
 }
 
 /// The handle every property receives.
@@ -87,6 +96,15 @@ impl Harness {
     /// See [`TestBackend::abandon`].
     pub async fn abandon(&self, client: DynLock) {
         self.backend.abandon(client).await;
+    }
+
+    /// See [`TestBackend::set_fence_counter`]: `false` when the backend cannot set it.
+    pub async fn set_fence_counter(&self, key: &LockKey, value: u64) -> bool {
+        match self.backend.set_fence_counter(key, value).await {
+            None => false,
+            Some(Ok(())) => true,
+            Some(Err(e)) => panic!("set_fence_counter({key}, {value}) failed: {e}"),
+        }
     }
 
     /// A fresh random key, so tests can run in parallel against one server.

@@ -4,7 +4,7 @@
 use std::{sync::Arc, time::Duration};
 
 use conformance::{Harness, TestBackend, backend_url};
-use lock_core::{DynLock, Error, Lease, Result};
+use lock_core::{DynLock, Error, Lease, LockKey, Result};
 use lock_pg::{PgLock, PgLockConfig, sqlx};
 
 struct PgBackend {
@@ -42,6 +42,26 @@ impl TestBackend for PgBackend {
         )
         .ok()?;
         Some(Arc::new(PgLock::connect_lazy(config).ok()?))
+    }
+
+    /// `UPDATE` of the row's `fence` (the next grant writes `fence + 1`).
+    async fn set_fence_counter(&self, key: &LockKey, value: u64) -> Option<Result<()>> {
+        let Ok(value) = i64::try_from(value) else {
+            return Some(Err(Error::Config(format!("fence {value} is not a bigint"))));
+        };
+        let updated = sqlx::query("UPDATE distlock_leases SET fence = $2 WHERE name = $1")
+            .bind(key.as_str())
+            .bind(value)
+            .execute(&self.admin)
+            .await
+            .map_err(|e| Error::backend("postgres", "set_fence_counter", e));
+        Some(updated.and_then(|done| {
+            if done.rows_affected() == 1 {
+                Ok(())
+            } else {
+                Err(Error::Config(format!("no row for {key}")))
+            }
+        }))
     }
 }
 

@@ -4,7 +4,7 @@
 use std::{sync::Arc, time::Duration};
 
 use conformance::{Harness, TestBackend, backend_url};
-use lock_core::{DynLock, Lease, Result};
+use lock_core::{DynLock, Lease, LockKey, Result};
 use lock_redis::{RedisLock, RedisLockConfig};
 
 struct Redis {
@@ -38,6 +38,25 @@ impl TestBackend for Redis {
         let mut config = RedisLockConfig::from_url("redis://127.0.0.1:1").ok()?;
         config.namespace = self.namespace.clone();
         Some(Arc::new(RedisLock::connect_lazy(config).ok()?))
+    }
+
+    /// `SET` of the fence counter, `{<namespace><key>}\x1ffence` for a key without braces
+    /// (the driver's naming, `keys.rs`).
+    async fn set_fence_counter(&self, key: &LockKey, value: u64) -> Option<Result<()>> {
+        let lock = format!("{}{}", self.namespace, key.as_str());
+        if lock.contains(['{', '}']) {
+            return None;
+        }
+        let counter = format!("{{{lock}}}\x1ffence");
+        let mut admin = self.admin.clone();
+        Some(
+            redis::cmd("SET")
+                .arg(&counter)
+                .arg(value)
+                .query_async::<()>(&mut admin)
+                .await
+                .map_err(|e| lock_core::Error::backend("redis", "set_fence_counter", e)),
+        )
     }
 }
 
