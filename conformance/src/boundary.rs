@@ -139,10 +139,11 @@ pub async fn ttl_limits_are_honoured_or_refused_before_io(h: Harness) -> Outcome
 /// and the old lease's release does not touch the new holder) or, without `lease_ttl`, shown by
 /// `inspect` and released.
 ///
-/// Not registered in the property list yet: PostgreSQL (and Redis, whenever a reply takes more
-/// than 0.5 ms) claim `min_ttl` = 1 ms but answer every grant at that TTL with `Unavailable`
-/// (the reply comes after the lease's local deadline, `ttl - drift_margin(ttl)` = 0.5 ms), so
-/// the minimum they advertise cannot be honoured over a network.
+/// Found: PostgreSQL (and Redis, whenever a reply took more than 0.5 ms) claimed `min_ttl` =
+/// 1 ms but answered every grant at that TTL with `Unavailable` (the reply came after the
+/// lease's local deadline, `ttl - drift_margin(ttl)` = 0.5 ms); both now claim 100 ms. The grant
+/// is taken with `acquire` under a short deadline, so one scheduling stall longer than the
+/// minimum is retried rather than failing the property.
 pub async fn ttl_at_the_minimum_works_end_to_end(h: Harness) -> Outcome {
     let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
     let caps = a.capabilities();
@@ -150,7 +151,10 @@ pub async fn ttl_at_the_minimum_works_end_to_end(h: Harness) -> Outcome {
     // The minimum, end to end.
     let key = h.key("boundary-ttl-min");
     let sent = Instant::now();
-    let lease = take(&a, &key, min).await;
+    let lease = a
+        .acquire(&key, min, sent + SLACK)
+        .await
+        .unwrap_or_else(|e| panic!("a free key at the minimum ttl {min:?}: {e}"));
     assert!(
         lease.local_deadline() <= sent + min,
         "the local deadline of a {min:?} lease is later than its ttl from the request"

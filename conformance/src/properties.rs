@@ -54,6 +54,7 @@ macro_rules! __conformance_properties {
             run_exclusive_dropped_at_any_poll_leaves_nothing_behind
         );
         $callback!($setup, ttl_limits_are_honoured_or_refused_before_io);
+        $callback!($setup, ttl_at_the_minimum_works_end_to_end);
         $callback!(
             $setup,
             keys_at_the_length_limit_and_of_every_character_class_are_distinct

@@ -1327,7 +1327,9 @@ impl DistributedLock for PgLock {
             wait_notify: self.inner.config.listen,
             lost_notify: true,
             force_release: true,
-            min_ttl: Duration::from_millis(1),
+            // A lease must outlast a round trip and the drift margin, or every grant arrives
+            // past its local deadline and is given back (the boundary property's finding).
+            min_ttl: Duration::from_millis(100),
             max_ttl: MAX_TTL,
             ..Default::default()
         }

@@ -948,7 +948,9 @@ impl DistributedLock for RedisLock {
             wait_notify: true,
             lost_notify: true,
             force_release: true,
-            min_ttl: Duration::from_millis(1),
+            // A lease must outlast a round trip and the drift margin, or every grant arrives
+            // past its local deadline and is given back (the boundary property's finding).
+            min_ttl: Duration::from_millis(100),
             max_ttl: Duration::from_secs(365 * 24 * 3600),
             ..Default::default()
         }
