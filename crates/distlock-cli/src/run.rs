@@ -99,11 +99,15 @@ async fn run_inner(lock: DynLock, args: &RunArgs, wait_deadline: Option<Instant>
     supervise(guard, args, &timing).await
 }
 
-/// How long a lease lasts from a renewal: the TTL, except on a session-bound backend
-/// (ZooKeeper), whose leases last the session timeout (its minimum TTL) however long the TTL.
+/// How long a lease can be left with right after a renewal: the TTL, except on a session-bound
+/// backend (ZooKeeper). There the lease lasts the session timeout (its minimum TTL) from the
+/// last moment the leader is proven to have seen the session — a `sync` answered up to a
+/// quarter timeout after the request it vouches for, on a heartbeat every quarter timeout — so
+/// a renewed lease may have only half the session timeout left. Counting the whole session
+/// made the guard terminate every command a few seconds in ("not renewed in time").
 fn lease_span(caps: &distlock::Capabilities, ttl: Duration) -> Duration {
     if caps.session_bound && !caps.min_ttl.is_zero() {
-        ttl.min(caps.min_ttl)
+        ttl.min(caps.min_ttl) / 2
     } else {
         ttl
     }

@@ -121,7 +121,12 @@ fn wait_with_timeout(mut child: Child, within: Duration) -> Output {
     while child.try_wait().unwrap().is_none() {
         if Instant::now() > deadline {
             let _ = child.kill();
-            panic!("distlock did not exit within {within:?}");
+            // What it said so far, for whoever investigates (its stderr may be a pipe).
+            let said = child
+                .wait_with_output()
+                .map(|out| String::from_utf8_lossy(&out.stderr).into_owned())
+                .unwrap_or_default();
+            panic!("distlock did not exit within {within:?}; its stderr: {said}");
         }
         thread::sleep(Duration::from_millis(10));
     }
@@ -220,7 +225,8 @@ fn distlock_signalled_mid_run(signal: Signal, backend: Backend, url: String) {
         lease_end(backend, &url, &key)
     };
     let second = distlock(&url)
-        .args(["run", &key, "--wait", "20s", "--", "sh", "-c"])
+        // -v: says when it acquired and released, for a failure's message.
+        .args(["run", &key, "-v", "--wait", "20s", "--", "sh", "-c"])
         .arg(format!(
             "echo second >> {d}/log; echo >> {d}/second",
             d = dir.display()
@@ -314,7 +320,8 @@ fn lost_lease_with_a_background_child(backend: Backend, url: String) {
             "--ttl",
             "3s",
             "--kill-after",
-            "500ms",
+            // At most a third of what a renewed lease has left (ZooKeeper's 2 s session: 1 s).
+            "300ms",
             "--",
             "sh",
             "-c",
