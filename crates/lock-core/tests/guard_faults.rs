@@ -17,43 +17,70 @@ use lock_core::{
 };
 use tokio::time::{Instant, sleep, timeout};
 
-/// The in-memory coordinator behind a slow network: each grant is made at once, its reply
-/// arrives `delay` later (a stalled link, a GC pause between send and receive).
-#[derive(Debug, Clone)]
-struct LateReplies {
+/// The in-memory coordinator with faults injected, one kind per test: grant replies that arrive
+/// late (a stalled link, a GC pause between send and receive), a `renew` that panics (a driver
+/// bug), a slow `release`.
+#[derive(Debug)]
+struct Faulty {
     inner: InMemoryLock,
-    delay: Duration,
-    releases: Arc<AtomicUsize>,
+    /// How long the reply to the `n`-th grant (from 0) with this TTL takes.
+    reply_delay: fn(usize, Duration) -> Duration,
+    renew_panics: bool,
+    release_delay: Duration,
+    attempts: AtomicUsize,
+    releases: AtomicUsize,
 }
 
-impl LateReplies {
-    fn new(inner: InMemoryLock, delay: Duration) -> Arc<Self> {
-        Arc::new(Self {
+impl Faulty {
+    fn new(inner: InMemoryLock) -> Self {
+        Self {
             inner,
-            delay,
-            releases: Arc::default(),
+            reply_delay: |_, _| Duration::ZERO,
+            renew_panics: false,
+            release_delay: Duration::ZERO,
+            attempts: AtomicUsize::new(0),
+            releases: AtomicUsize::new(0),
+        }
+    }
+
+    /// Every grant's reply takes 300 ms.
+    fn late_replies(inner: InMemoryLock) -> Arc<Self> {
+        Arc::new(Self {
+            reply_delay: |_, _| Duration::from_millis(300),
+            ..Self::new(inner)
         })
     }
 }
 
 #[async_trait]
-impl DistributedLock for LateReplies {
+impl DistributedLock for Faulty {
     fn backend_name(&self) -> &'static str {
-        "late-replies"
+        "faulty"
     }
     fn capabilities(&self) -> Capabilities {
         self.inner.capabilities()
     }
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
+        let n = self.attempts.fetch_add(1, Ordering::SeqCst);
         let lease = self.inner.try_acquire(key, ttl).await?;
-        sleep(self.delay).await;
+        let delay = (self.reply_delay)(n, ttl);
+        if !delay.is_zero() {
+            sleep(delay).await;
+        }
         Ok(lease)
     }
     async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
+        assert!(
+            !self.renew_panics,
+            "a driver bug in renew (expected by this test)"
+        );
         self.inner.renew(lease, ttl).await
     }
     async fn release(&self, lease: &Lease) -> Result<bool> {
         self.releases.fetch_add(1, Ordering::SeqCst);
+        if !self.release_delay.is_zero() {
+            sleep(self.release_delay).await;
+        }
         self.inner.release(lease).await
     }
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
@@ -64,7 +91,7 @@ impl DistributedLock for LateReplies {
 #[tokio::test(start_paused = true)]
 async fn a_job_never_starts_on_a_lease_that_arrived_expired() {
     let coordinator = InMemoryLock::new();
-    let lock = LateReplies::new(coordinator.client(), Duration::from_millis(300));
+    let lock = Faulty::late_replies(coordinator.client());
     let ran = Arc::new(AtomicBool::new(false));
     let flag = ran.clone();
     let out = lock
@@ -88,7 +115,7 @@ async fn a_job_never_starts_on_a_lease_that_arrived_expired() {
 
 #[tokio::test(start_paused = true)]
 async fn a_guard_on_a_lease_that_arrived_expired_is_born_lost() {
-    let lock = LateReplies::new(InMemoryLock::new(), Duration::from_millis(300));
+    let lock = Faulty::late_replies(InMemoryLock::new());
     let guard = lock
         .lock("faults/expired-guard")
         .ttl(Duration::from_millis(100))
@@ -108,34 +135,10 @@ async fn a_guard_on_a_lease_that_arrived_expired_is_born_lost() {
 #[tokio::test(start_paused = true)]
 async fn the_default_acquire_gives_back_a_late_grant_and_tries_again() {
     // A reply slower than the TTL on the first attempt only.
-    #[derive(Debug)]
-    struct FirstLate(InMemoryLock, AtomicBool);
-    #[async_trait]
-    impl DistributedLock for FirstLate {
-        fn backend_name(&self) -> &'static str {
-            "first-late"
-        }
-        fn capabilities(&self) -> Capabilities {
-            self.0.capabilities()
-        }
-        async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
-            let lease = self.0.try_acquire(key, ttl).await?;
-            if !self.1.swap(true, Ordering::SeqCst) {
-                sleep(ttl * 2).await;
-            }
-            Ok(lease)
-        }
-        async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
-            self.0.renew(lease, ttl).await
-        }
-        async fn release(&self, lease: &Lease) -> Result<bool> {
-            self.0.release(lease).await
-        }
-        async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
-            self.0.inspect(key).await
-        }
-    }
-    let lock = FirstLate(InMemoryLock::new(), AtomicBool::new(false));
+    let lock = Faulty {
+        reply_delay: |n, ttl| if n == 0 { ttl * 2 } else { Duration::ZERO },
+        ..Faulty::new(InMemoryLock::new())
+    };
     let key = LockKey::new("faults/poll-late").unwrap();
     let ttl = Duration::from_millis(200);
     let lease = lock_core::poll_acquire(&lock, &key, ttl, Instant::now() + Duration::from_secs(5))
@@ -148,35 +151,17 @@ async fn the_default_acquire_gives_back_a_late_grant_and_tries_again() {
 }
 
 /// A driver whose `renew` panics (a bug, an unexpected reply shape).
-#[derive(Debug, Clone)]
-struct PanickingRenew(InMemoryLock);
-
-#[async_trait]
-impl DistributedLock for PanickingRenew {
-    fn backend_name(&self) -> &'static str {
-        "panicking-renew"
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.0.capabilities()
-    }
-    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
-        self.0.try_acquire(key, ttl).await
-    }
-    async fn renew(&self, _lease: &mut Lease, _ttl: Duration) -> Result<()> {
-        panic!("a driver bug in renew (expected by this test)");
-    }
-    async fn release(&self, lease: &Lease) -> Result<bool> {
-        self.0.release(lease).await
-    }
-    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
-        self.0.inspect(key).await
-    }
+fn panicking_renew(inner: InMemoryLock) -> Arc<Faulty> {
+    Arc::new(Faulty {
+        renew_panics: true,
+        ..Faulty::new(inner)
+    })
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_dead_watchdog_fires_lost_and_release_still_releases() {
     let coordinator = InMemoryLock::new();
-    let lock = Arc::new(PanickingRenew(coordinator.client()));
+    let lock = panicking_renew(coordinator.client());
     let ttl = Duration::from_secs(30);
     let guard = lock
         .lock("faults/watchdog-panic")
@@ -207,7 +192,7 @@ async fn a_dead_watchdog_fires_lost_and_release_still_releases() {
 #[tokio::test(start_paused = true)]
 async fn a_dropped_guard_with_a_dead_watchdog_still_releases() {
     let coordinator = InMemoryLock::new();
-    let lock = Arc::new(PanickingRenew(coordinator.client()));
+    let lock = panicking_renew(coordinator.client());
     let guard = lock
         .lock("faults/watchdog-panic-drop")
         .ttl(Duration::from_secs(30))
@@ -309,33 +294,11 @@ async fn a_watchdog_interval_the_lease_cannot_afford_is_refused_before_io() {
 /// long interval: the first renewal comes early enough to keep it, instead of after the deadline.
 #[tokio::test(start_paused = true)]
 async fn an_aged_lease_with_a_long_interval_is_renewed_before_its_deadline() {
-    #[derive(Debug)]
-    struct Aged(InMemoryLock);
-    #[async_trait]
-    impl DistributedLock for Aged {
-        fn backend_name(&self) -> &'static str {
-            "aged"
-        }
-        fn capabilities(&self) -> Capabilities {
-            self.0.capabilities()
-        }
-        async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
-            let lease = self.0.try_acquire(key, ttl).await?;
-            // Handed over a third of the TTL after it started.
-            sleep(ttl / 3).await;
-            Ok(lease)
-        }
-        async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
-            self.0.renew(lease, ttl).await
-        }
-        async fn release(&self, lease: &Lease) -> Result<bool> {
-            self.0.release(lease).await
-        }
-        async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
-            self.0.inspect(key).await
-        }
-    }
-    let lock = Arc::new(Aged(InMemoryLock::new()));
+    // Handed over a third of the TTL after it started.
+    let lock = Arc::new(Faulty {
+        reply_delay: |_, ttl| ttl / 3,
+        ..Faulty::new(InMemoryLock::new())
+    });
     let ttl = Duration::from_secs(3);
     let guard = lock
         .lock("faults/aged")
@@ -350,33 +313,6 @@ async fn an_aged_lease_with_a_long_interval_is_renewed_before_its_deadline() {
     assert!(guard.renewals() >= 2);
 }
 
-/// The in-memory coordinator with a slow `release` (the request takes 10 ms to get through).
-#[derive(Debug, Clone)]
-struct SlowRelease(InMemoryLock);
-
-#[async_trait]
-impl DistributedLock for SlowRelease {
-    fn backend_name(&self) -> &'static str {
-        "slow-release"
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.0.capabilities()
-    }
-    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
-        self.0.try_acquire(key, ttl).await
-    }
-    async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
-        self.0.renew(lease, ttl).await
-    }
-    async fn release(&self, lease: &Lease) -> Result<bool> {
-        sleep(Duration::from_millis(10)).await;
-        self.0.release(lease).await
-    }
-    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
-        self.0.inspect(key).await
-    }
-}
-
 /// `guard.release()` dropped after its 1st, 2nd, … poll (a caller's timeout or `select!`) still
 /// releases the lock: the rest of the release goes to the background, as a dropped guard's does.
 #[tokio::test(start_paused = true)]
@@ -384,7 +320,11 @@ async fn a_release_dropped_at_any_poll_still_releases() {
     let mut completed = false;
     for polls in 1..=16 {
         let coordinator = InMemoryLock::new();
-        let lock = Arc::new(SlowRelease(coordinator.client()));
+        // The release request takes 10 ms to get through.
+        let lock = Arc::new(Faulty {
+            release_delay: Duration::from_millis(10),
+            ..Faulty::new(coordinator.client())
+        });
         let guard = lock
             .lock("faults/release-dropped")
             .ttl(Duration::from_secs(30))
