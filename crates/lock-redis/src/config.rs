@@ -19,7 +19,7 @@ use lock_core::{Error, Result};
 /// | `namespace` | `distlock:` | prefix of every lock key (may be empty: `namespace=`) |
 /// | `connect_timeout` | `1s` | one TCP connect + handshake attempt |
 /// | `response_timeout` | `1s` | a sent command without a reply is "outcome unknown" after this |
-/// | `reconnect_retries` | `2` | connection attempts retried per (re)connect before a request fails |
+/// | `reconnect_retries` | `2` | connection attempts retried per (re)connect before a request fails (at most 5) |
 /// | `max_poll_interval` | `500ms` | cap of the jittered fallback poll of a waiting `acquire` |
 /// | `ca` | system roots | `rediss://` only: PEM file of the CA(s) the server certificate must chain to |
 /// | `label` | none | a short label shown by `inspect` next to this client's grants (see [`RedisLockConfig::label`]) |
@@ -75,8 +75,10 @@ impl RedisLockConfig {
     /// hour), from a URL or set on the fields.
     pub const MAX_DURATION: Duration = Duration::from_secs(3600);
 
-    /// The most `reconnect_retries` accepted.
-    pub const MAX_RECONNECT_RETRIES: usize = 100;
+    /// The most `reconnect_retries` accepted. Each retry may wait up to a second, and a request
+    /// without a deadline (`try_acquire`, `inspect`) waits for all of them: 100 retries made a
+    /// `try_acquire` against an unreachable server take minutes.
+    pub const MAX_RECONNECT_RETRIES: usize = 5;
 
     /// Parses `redis://[user:password@]host[:port][/db][?option=value&...]`.
     ///

@@ -72,7 +72,7 @@ proptest! {
         connect_timeout in duration(),
         response_timeout in duration(),
         max_poll_interval in duration(),
-        reconnect_retries in prop_oneof![0usize..5, Just(100usize), Just(101usize), any::<usize>()],
+        reconnect_retries in prop_oneof![0usize..6, Just(6usize), Just(100usize), any::<usize>()],
         db in prop_oneof![0i64..16, any::<i64>(), Just(i64::MAX), Just(i64::MIN)],
         namespace in "\\PC{0,8}|[a-z]{0,3}\\x1f[a-z]{0,3}",
         empty_host in any::<bool>(),
