@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
 
+pub mod audit;
 mod backoff;
 pub mod batch;
 mod capabilities;
@@ -18,6 +19,7 @@ pub mod observe;
 mod options;
 mod token;
 
+pub use audit::{AuditReport, Finding, Verdict};
 pub use backoff::{AcquireWait, Backoff};
 pub use batch::Batcher;
 pub use capabilities::{Capabilities, FencingGuarantee};
