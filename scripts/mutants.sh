@@ -55,12 +55,114 @@ core() {
   # builds there with the copy's own target dir. One job: two concurrent builds on 2 cores are
   # slower per mutant than one. The tests take ~10 s; a mutant that hangs is stopped after 60 s
   # (a timeout counts as caught).
+  # (`test_package` in .cargo/mutants.toml is not applied by cargo-mutants 27.1: on the command line.)
   TMPDIR=$WORK/tmp cargo mutants --dir "$WORK/core-src" -p lock-core --no-shuffle \
+    --test-package lock-core,distlock-memory-suite \
     --jobs "${MUTANTS_JOBS:-1}" --timeout "${MUTANTS_TIMEOUT:-60}" --build-timeout 900 \
     --output "$WORK/core" "$@"
 }
 
+# The scratch clone at this tree's HEAD, clean (only ever patched by `run_patch`).
+scratch() {
+  if [[ ! -d $SCRATCH/.git ]]; then
+    git clone --quiet "$ROOT" "$SCRATCH"
+  fi
+  git -C "$SCRATCH" fetch --quiet "$ROOT" HEAD
+  git -C "$SCRATCH" checkout --quiet --force --detach FETCH_HEAD
+  git -C "$SCRATCH" clean --quiet -fdx
+}
+
+servers() {
+  eval "$("$ROOT/scripts/backends.sh" env)"
+  export DISTLOCK_REQUIRE_BACKENDS=1
+}
+
+# field PATCH NAME: the values of the patch's `# NAME:` header lines, one a line.
+field() {
+  sed -n "/^diff --git/q; s/^# $2: *//p" "$1"
+}
+
+# in_scratch LOG ARGS...: one `cargo test ARGS` in the scratch clone, output to LOG (the drills'
+# commands say `--features drivers`: their holder binary needs it).
+in_scratch() {
+  local log=$1
+  shift
+  # Never more than 20 minutes for one command: a hang is a failure to report, not a wait.
+  (cd "$SCRATCH" && CARGO_TARGET_DIR=$SCRATCH_TARGET timeout 1200 \
+    cargo test "$@" >"$log" 2>&1)
+}
+
+# run_patch PATCH: apply, build, run each `# test:` command until one fails, revert. Prints one
+# result line: CAUGHT / NOT CAUGHT / UNVIABLE (does not apply or build).
+run_patch() {
+  local patch=$1 name t i=0 log expect status="NOT CAUGHT" by=""
+  name=$(basename "$patch" .patch)
+  expect=$(field "$patch" expect)
+  scratch
+  if ! git -C "$SCRATCH" apply "$patch"; then
+    printf '%-60s UNVIABLE (does not apply to HEAD)\n' "$name"
+    return
+  fi
+  while IFS= read -r t; do
+    i=$((i + 1))
+    log=$LOGS/$name.$i.log
+    # shellcheck disable=SC2086 # the header's arguments are words
+    if in_scratch "$log" $t; then
+      continue
+    fi
+    if grep -Eq '^error(\[E[0-9]+\])?:' "$log" && ! grep -q '^test result' "$log"; then
+      status="UNVIABLE (does not build: $log)"
+      break
+    fi
+    if [[ -n $expect ]] && ! grep -Fq -- "$expect" "$log"; then
+      by="$by [$t failed without '$expect': $log]"
+      continue
+    fi
+    status=CAUGHT
+    by=" by \`cargo test $t\` ($(grep -Em1 'panicked at|FAILED|Violation|error:' "$log" | cut -c1-160))"
+    break
+  done < <(field "$patch" test)
+  git -C "$SCRATCH" checkout --quiet --force -- .
+  printf '%-60s %s%s\n' "$name" "$status" "$by"
+}
+
+# baseline GLOB: every test command of the patches, once, on the unpatched clone. A command that
+# fails there would make its patches look caught.
+baseline() {
+  local t n=0 bad=0
+  scratch
+  while IFS= read -r t; do
+    n=$((n + 1))
+    # shellcheck disable=SC2086
+    if in_scratch "$LOGS/baseline.$n.log" $t; then
+      printf 'baseline ok      cargo test %s\n' "$t"
+    else
+      printf 'baseline FAILED  cargo test %s (%s)\n' "$t" "$LOGS/baseline.$n.log"
+      bad=1
+    fi
+  done < <(for p in "$@"; do field "$p" test; done | sort -u)
+  return $bad
+}
+
+patches() {
+  local kind=$1 p
+  local list=("$ROOT"/conformance/mutants/"$kind"-*.patch)
+  servers
+  if [[ ${MUTANTS_BASELINE:-1} == 1 ]]; then
+    baseline "${list[@]}" || echo "mutants.sh: a test command fails unpatched; its patches' results mean nothing" >&2
+  fi
+  for p in "${list[@]}"; do
+    run_patch "$p"
+  done | tee "$WORK/$kind.txt"
+  echo "$(grep -c ' CAUGHT' "$WORK/$kind.txt") of ${#list[@]} $kind patches caught ($WORK/$kind.txt)"
+}
+
 case ${1:-all} in
   core) shift; core "$@" ;;
-  *) echo "usage: scripts/mutants.sh [core|drivers|drills|all|one PATCH]" >&2; exit 2 ;;
+  drivers) patches driver ;;
+  drills) patches drill ;;
+  baseline) servers; baseline "$ROOT"/conformance/mutants/*.patch ;;
+  one) servers; run_patch "$(cd "$(dirname "$2")" && pwd)/$(basename "$2")" ;;
+  all) core; patches driver; patches drill ;;
+  *) echo "usage: scripts/mutants.sh [core|drivers|drills|all|baseline|one PATCH]" >&2; exit 2 ;;
 esac
