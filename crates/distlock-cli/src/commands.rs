@@ -1,15 +1,14 @@
-//! `inspect`, `release --force` and `check`.
+//! `inspect` and `release --force` (and the capability lines `check` prints).
 
 use std::{
     io::{BufRead, IsTerminal, Write},
     time::Duration,
 };
 
-use distlock::{Capabilities, DistributedLockExt, DynLock, FencingGuarantee, HolderInfo, LockKey};
-use tokio::time::Instant;
+use distlock::{Capabilities, DynLock, FencingGuarantee, HolderInfo, LockKey};
 
 use crate::{
-    CheckArgs, InspectArgs, ReleaseArgs,
+    InspectArgs, ReleaseArgs,
     duration::format_duration,
     exit::{self, code_for},
 };
@@ -191,7 +190,7 @@ pub async fn release(lock: DynLock, args: ReleaseArgs) -> u8 {
     }
 }
 
-fn describe_capabilities(backend: &str, caps: &Capabilities) -> Vec<String> {
+pub fn describe_capabilities(backend: &str, caps: &Capabilities) -> Vec<String> {
     let flag = |on: bool| if on { "yes" } else { "no" };
     let fencing = match caps.fencing {
         _ if backend == "memory" => "in this process only (memory://)",
@@ -224,154 +223,4 @@ fn describe_capabilities(backend: &str, caps: &Capabilities) -> Vec<String> {
             ttl_limit(caps.ttl_granularity)
         ),
     ]
-}
-
-/// `distlock check`.
-pub async fn check(lock: DynLock, args: CheckArgs) -> u8 {
-    let caps = lock.capabilities();
-    println!("backend: {}", lock.backend_name());
-    for line in describe_capabilities(lock.backend_name(), &caps) {
-        println!("{line}");
-    }
-    let ttl = args
-        .ttl
-        .unwrap_or_else(|| caps.effective_ttl(Duration::from_secs(5).max(caps.min_ttl)));
-    // One fixed key, so that checks run every minute leave one key behind, not one per run.
-    let key = match LockKey::new(SELF_TEST_KEY) {
-        Ok(key) => key,
-        Err(e) => {
-            say!("distlock: {e}");
-            return exit::FAILED;
-        }
-    };
-    println!("self-test on {key} (ttl {}):", format_duration(ttl));
-    match self_test(&lock, &key, ttl, caps).await {
-        Ok(()) => {
-            println!("result: OK");
-            exit::OK
-        }
-        Err(SelfTestError::Lock(e)) => {
-            println!("result: FAILED: {e}");
-            code_for(&e)
-        }
-        Err(SelfTestError::Wrong(why)) => {
-            println!("result: FAILED: {why}");
-            exit::FAILED
-        }
-    }
-}
-
-/// The self-test's key.
-pub const SELF_TEST_KEY: &str = "distlock-check/self-test";
-
-enum SelfTestError {
-    Lock(distlock::Error),
-    Wrong(String),
-}
-
-impl From<distlock::Error> for SelfTestError {
-    fn from(e: distlock::Error) -> Self {
-        SelfTestError::Lock(e)
-    }
-}
-
-fn step(name: &str, started: Instant, detail: &str) {
-    println!(
-        "  {name:<13} ok  {:>9}  {detail}",
-        format!("{:.1}ms", started.elapsed().as_secs_f64() * 1000.0)
-    );
-}
-
-async fn self_test(
-    lock: &DynLock,
-    key: &LockKey,
-    ttl: Duration,
-    caps: Capabilities,
-) -> Result<(), SelfTestError> {
-    let wrong = |s: &str| Err(SelfTestError::Wrong(s.to_owned()));
-
-    let t = Instant::now();
-    // Another `check` may be running: wait for it (its lease ends within a ttl).
-    let give_up = Instant::now() + ttl + Duration::from_secs(1);
-    let mut lease = loop {
-        if let Some(lease) = lock.try_acquire(key, ttl).await? {
-            break lease;
-        }
-        if Instant::now() >= give_up {
-            return wrong("the self-test key stayed held (another `distlock check` running?)");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    let first = lease.fencing_token();
-    step(
-        "try_acquire",
-        t,
-        &first.map_or("no fencing token".to_owned(), |f| {
-            format!("fencing token {f}")
-        }),
-    );
-
-    let t = Instant::now();
-    match lock.inspect(key).await? {
-        Some(h) if h.token_digest.is_none_or(|d| d == lease.token().digest()) => {
-            step(
-                "inspect",
-                t,
-                &format!("held by us ({})", describe_holder(&h)),
-            );
-        }
-        Some(_) => return wrong("inspect shows another holder than us"),
-        None => return wrong("inspect shows the key free while we hold it"),
-    }
-
-    let t = Instant::now();
-    if lock.try_acquire(key, ttl).await?.is_some() {
-        return wrong("a second acquisition succeeded while the lock was held");
-    }
-    step("exclusion", t, "a second try_acquire is refused");
-
-    if caps.renew {
-        let t = Instant::now();
-        lock.renew(&mut lease, ttl).await?;
-        step("renew", t, "");
-    } else {
-        println!("  {:<13} skipped (not supported)", "renew");
-    }
-
-    let t = Instant::now();
-    if !lock.release(&lease).await? {
-        return wrong("release reported the lease already lost");
-    }
-    step("release", t, "");
-
-    let t = Instant::now();
-    if lock.inspect(key).await?.is_some() {
-        return wrong("inspect shows a holder after release");
-    }
-    step("inspect", t, "free");
-
-    let t = Instant::now();
-    let guard = lock.lock(key).ttl(ttl).try_acquire().await?;
-    let Some(guard) = guard else {
-        return wrong("the released key could not be acquired again");
-    };
-    let second = guard.fencing_token();
-    let released = guard.release().await?;
-    if !released {
-        return wrong("the second lease was lost before its release");
-    }
-    match (first, second) {
-        (Some(a), Some(b)) if b <= a => {
-            return Err(SelfTestError::Wrong(format!(
-                "fencing tokens did not increase ({a} then {b})"
-            )));
-        }
-        (Some(a), Some(b)) => step(
-            "reacquire",
-            t,
-            &format!("fencing token {b} > {a}, released"),
-        ),
-        _ => step("reacquire", t, "released"),
-    }
-    Ok(())
 }

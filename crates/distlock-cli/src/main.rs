@@ -12,6 +12,7 @@ macro_rules! say {
     }};
 }
 
+mod check;
 mod clock;
 mod commands;
 mod connect_error;
@@ -70,7 +71,10 @@ enum Command {
     Inspect(InspectArgs),
     /// The runbook's manual delete: remove whoever holds the lock.
     Release(ReleaseArgs),
-    /// Connect, print the backend's capabilities and run a quick acquire/renew/release self-test.
+    /// Audit the coordinator: grade the settings the fence and the lease depend on PASS / WARN /
+    /// FAIL (with what to change), print the backend's capabilities and run a quick
+    /// acquire/renew/release self-test with its round trips. Exit 0 unless something FAILs
+    /// (with --strict: or WARNs) or the self-test fails.
     Check(CheckArgs),
     /// Internal: the guard process of `run`.
     #[command(name = "__guard", hide = true)]
@@ -166,6 +170,15 @@ pub struct ReleaseArgs {
 /// Arguments of `distlock check`.
 #[derive(Debug, Args)]
 pub struct CheckArgs {
+    /// The coordinator URL (instead of --url / --url-file / DISTLOCK_URL).
+    #[arg(value_name = "URL")]
+    pub url: Option<String>,
+    /// Print one JSON object (findings, self-test steps) instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Fail (exit 1) on any WARN too, e.g. in CI.
+    #[arg(long)]
+    pub strict: bool,
     /// TTL of the self-test's lease (default: 5s, or the backend's minimum if larger).
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
     pub ttl: Option<Duration>,
@@ -174,6 +187,9 @@ pub struct CheckArgs {
 /// The coordinator URL: --url, --url-file, the file named by DISTLOCK_URL_FILE, DISTLOCK_URL,
 /// in that order (a flag given on the command line wins over the environment).
 fn coordinator_url(cli: &Cli) -> Result<String, u8> {
+    if let Command::Check(CheckArgs { url: Some(url), .. }) = &cli.command {
+        return non_empty(url.trim()).ok_or_else(no_url);
+    }
     if let Some(url) = &cli.url {
         return non_empty(url.trim()).ok_or_else(no_url);
     }
@@ -328,7 +344,13 @@ fn main() -> ExitCode {
         let lock = match connected {
             Ok(Ok(lock)) => lock,
             Ok(Err(e)) => {
-                say!("distlock: {}", connect_error::describe(&url, &e).await);
+                let why = connect_error::describe(&url, &e).await;
+                say!("distlock: {why}");
+                if let Command::Check(args) = &cli.command {
+                    // The audit may say why (a setting the driver refuses).
+                    return check::check_unconnected(&url, args, &why, exit::connect_code(&e))
+                        .await;
+                }
                 return exit::connect_code(&e);
             }
             Err(_elapsed) => {
@@ -340,7 +362,7 @@ fn main() -> ExitCode {
             Command::Run(args) => run::run(lock.clone(), args, wait_deadline).await,
             Command::Inspect(args) => commands::inspect(lock.clone(), args).await,
             Command::Release(args) => commands::release(lock.clone(), args).await,
-            Command::Check(args) => commands::check(lock.clone(), args).await,
+            Command::Check(args) => check::check(lock.clone(), &url, &args).await,
             Command::Guard(_) => exit::USAGE,
         };
         // Clean-ups the drivers started in the background (a waiter leaving its queue, a

@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
 
+mod audit;
 mod config;
 mod conn;
 mod fenced;
@@ -9,6 +10,7 @@ mod message;
 mod notify;
 mod sql;
 
+pub use audit::audit;
 pub use config::{PgLockConfig, TableName};
 pub use fenced::{FenceError, FencedTable};
 pub use lock::PgLock;

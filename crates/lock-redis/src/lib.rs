@@ -2,11 +2,13 @@
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
+mod audit;
 mod config;
 mod keys;
 mod lock;
 mod scripts;
 mod wakeups;
 
+pub use audit::audit;
 pub use config::RedisLockConfig;
 pub use lock::RedisLock;

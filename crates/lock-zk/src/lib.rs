@@ -1,12 +1,14 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
 
+mod audit;
 mod config;
 mod lock;
 mod path;
 mod session;
 mod watch;
 
+pub use audit::audit;
 pub use config::{ZkAcl, ZkLockConfig};
 pub use lock::ZkLock;
 

@@ -1,0 +1,436 @@
+//! `audit`: read the etcd cluster's state the fence and the lease depend on and grade each
+//! (see the README's invariant section: trust needs a quorum behind the member we talk to).
+
+use std::time::Duration;
+
+use etcd_client::{Certificate, Client, ConnectOptions, GetOptions, Identity, TlsOptions};
+use lock_core::{AuditReport, Error, Result};
+use tokio::time::{Instant, timeout};
+
+use crate::{EtcdLockConfig, error::BACKEND};
+
+/// What one member answered.
+#[derive(Debug)]
+struct Probe {
+    endpoint: String,
+    /// `status` answered: (version, leader id, member id).
+    status: std::result::Result<(String, u64, u64), String>,
+    /// A linearizable read (served only with the leader's agreement) succeeded.
+    linearizable: std::result::Result<(), String>,
+}
+
+impl Probe {
+    fn healthy(&self) -> bool {
+        matches!(&self.status, Ok((_, leader, _)) if *leader != 0) && self.linearizable.is_ok()
+    }
+}
+
+/// Reads the cluster's state that the fence and the lease depend on and grades each PASS / WARN
+/// / FAIL with why and what to change. Read-only (`Status`, `MemberList` and linearizable
+/// reads of the lock prefix); it takes no lock.
+///
+/// Checks: `version` (and whether etcd's own Lock RPC has etcd#11456: not used by distlock,
+/// but other clients of the same keys would be), `members` (a single member or an even count
+/// tolerate no failure), `health` (members that answer with a leader and serve linearizable
+/// reads; a minority down is a WARN, no quorum a FAIL), `leader`, `endpoints` (each URL
+/// endpoint answers and is not cut off from the leader), `auth` (whether a client without
+/// credentials may read and write the lock prefix).
+///
+/// # Errors
+/// [`Error::Config`] for an invalid configuration or an unreadable TLS file;
+/// [`Error::Unavailable`] when no endpoint of the URL answers at all.
+pub async fn audit(config: &EtcdLockConfig) -> Result<AuditReport> {
+    config.validate()?;
+    let prefix = config.normalized_prefix();
+    let budget = config.dial_timeout.saturating_add(config.request_timeout);
+    let scheme = if config.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    let mut report = AuditReport::new(BACKEND);
+
+    // Our endpoints first: who answers, and through whom the member list comes.
+    let mut probes = Vec::new();
+    for endpoint in &config.endpoints {
+        probes.push(probe(config, &format!("{scheme}://{endpoint}"), &prefix, budget).await?);
+    }
+    let Some(reachable) = probes
+        .iter()
+        .find(|p| p.status.is_ok())
+        .map(|p| p.endpoint.clone())
+    else {
+        let why = probes
+            .iter()
+            .map(|p| {
+                format!(
+                    "{}: {}",
+                    p.endpoint,
+                    p.status.as_ref().err().map_or("", |s| s)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; ");
+        return Err(Error::Unavailable {
+            backend: BACKEND,
+            op: "audit",
+            message: format!("no endpoint answered ({why})"),
+            source: None,
+        });
+    };
+
+    let mut client = connect(config, &reachable, true).await?;
+    let mut best: Option<Duration> = None;
+    for _ in 0..5 {
+        let sent = Instant::now();
+        if timeout(budget, client.status())
+            .await
+            .is_ok_and(|r| r.is_ok())
+        {
+            let rtt = sent.elapsed();
+            best = Some(best.map_or(rtt, |b| b.min(rtt)));
+        }
+    }
+    report.round_trip = best;
+
+    let members: Vec<(u64, String, Option<String>, bool)> =
+        match timeout(budget, client.member_list()).await {
+            Ok(Ok(list)) => list
+                .members()
+                .iter()
+                .map(|m| {
+                    (
+                        m.id(),
+                        m.name().to_owned(),
+                        m.client_urls().first().cloned(),
+                        m.is_learner(),
+                    )
+                })
+                .collect(),
+            Ok(Err(e)) => return Err(Error::backend(BACKEND, "member list", e)),
+            Err(_) => {
+                return Err(Error::Unavailable {
+                    backend: BACKEND,
+                    op: "member list",
+                    message: format!("no answer within {budget:?}"),
+                    source: None,
+                });
+            }
+        };
+
+    // Every voting member, through its own advertised client URL (a member the URL does not
+    // list still counts for the quorum).
+    let mut member_probes = Vec::new();
+    for (id, name, url, learner) in &members {
+        if *learner {
+            continue;
+        }
+        let known = probes
+            .iter()
+            .find(|p| matches!(&p.status, Ok((_, _, m)) if m == id));
+        let healthy = match (known, url) {
+            (Some(p), _) => p.healthy(),
+            (None, Some(url)) => probe(config, url, &prefix, budget).await?.healthy(),
+            (None, None) => false,
+        };
+        let label = if name.is_empty() {
+            format!("{id:x}")
+        } else {
+            name.clone()
+        };
+        member_probes.push((label, healthy));
+    }
+
+    if let Some((version, ..)) = probes.iter().find_map(|p| p.status.as_ref().ok()) {
+        grade_version(&mut report, version);
+    }
+    grade_members(&mut report, &member_probes);
+    let leaders: Vec<u64> = probes
+        .iter()
+        .filter(|p| p.linearizable.is_ok())
+        .filter_map(|p| p.status.as_ref().ok().map(|s| s.1))
+        .filter(|&l| l != 0)
+        .collect();
+    match leaders.first() {
+        Some(leader) => {
+            let name = members
+                .iter()
+                .find(|m| m.0 == *leader)
+                .map_or_else(|| format!("{leader:x}"), |m| m.1.clone());
+            report.pass("leader", name, "a leader is elected and serves our reads");
+        }
+        None => {
+            report.fail(
+                "leader",
+                "none",
+                "no member we reach has a leader that serves reads: every lock operation fails",
+                "restore a quorum (start the stopped members)",
+            );
+        }
+    }
+    grade_endpoints(&mut report, &probes);
+    auth(&mut report, config, &reachable, &prefix, budget).await?;
+    Ok(report)
+}
+
+fn options(config: &EtcdLockConfig, with_user: bool) -> Result<ConnectOptions> {
+    let mut options = ConnectOptions::new()
+        .with_connect_timeout(config.dial_timeout)
+        .with_timeout(config.request_timeout)
+        .with_require_leader(true);
+    if with_user && let Some(user) = &config.user {
+        options = options.with_user(user.clone(), config.password.clone().unwrap_or_default());
+    }
+    if let Some(tls) = &config.tls {
+        let read = |p: &std::path::Path, what: &str| {
+            std::fs::read(p)
+                .map_err(|e| Error::Config(format!("cannot read {what} {}: {e}", p.display())))
+        };
+        let mut t = TlsOptions::new();
+        if let Some(ca) = &tls.ca_file {
+            t = t.ca_certificate(Certificate::from_pem(read(ca, "ca_file")?));
+        }
+        if let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) {
+            t = t.identity(Identity::from_pem(
+                read(cert, "cert_file")?,
+                read(key, "key_file")?,
+            ));
+        }
+        if let Some(domain) = &tls.domain {
+            t = t.domain_name(domain.clone());
+        }
+        options = options.with_tls(t);
+    }
+    Ok(options)
+}
+
+async fn connect(config: &EtcdLockConfig, url: &str, with_user: bool) -> Result<Client> {
+    let budget = config.dial_timeout.saturating_add(config.request_timeout);
+    match timeout(
+        budget,
+        Client::connect([url.to_owned()], Some(options(config, with_user)?)),
+    )
+    .await
+    {
+        Ok(Ok(client)) => Ok(client),
+        Ok(Err(e)) => Err(Error::unavailable(BACKEND, "connect", e)),
+        Err(_) => Err(Error::Unavailable {
+            backend: BACKEND,
+            op: "connect",
+            message: format!("{url}: no answer within {budget:?}"),
+            source: None,
+        }),
+    }
+}
+
+/// One member on its own: its status, and a linearizable read (which a member cut off from
+/// the leader cannot serve). Errors other than a bad configuration become the probe's result.
+async fn probe(
+    config: &EtcdLockConfig,
+    url: &str,
+    prefix: &str,
+    budget: Duration,
+) -> Result<Probe> {
+    let mut client = match connect(config, url, true).await {
+        Ok(client) => client,
+        Err(e @ Error::Config(_)) => return Err(e),
+        Err(e) => {
+            return Ok(Probe {
+                endpoint: url.to_owned(),
+                status: Err(e.to_string()),
+                linearizable: Err("not connected".to_owned()),
+            });
+        }
+    };
+    let status = match timeout(budget, client.status()).await {
+        Ok(Ok(s)) => Ok((
+            s.version().to_owned(),
+            s.leader(),
+            s.header().map_or(0, |h| h.member_id()),
+        )),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("no answer within {budget:?}")),
+    };
+    let read = GetOptions::new().with_limit(1).with_keys_only();
+    let linearizable = match timeout(budget, client.get(prefix, Some(read))).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("no answer within {budget:?}")),
+    };
+    Ok(Probe {
+        endpoint: url.to_owned(),
+        status,
+        linearizable,
+    })
+}
+
+fn grade_version(report: &mut AuditReport, version: &str) {
+    let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    if (major, minor) < (3, 4) {
+        report.warn(
+            "version",
+            version,
+            "older than etcd 3.4 (not tested; leases and require-leader behave differently)",
+            "upgrade to etcd 3.4 or newer (3.5+ recommended)",
+        );
+    } else if (major, minor) < (3, 5) {
+        report.pass(
+            "version",
+            version,
+            "etcd 3.4: distlock's keys are safe; etcd's own Lock RPC (etcdctl lock, v3lock) has etcd#11456 — do not mix it with distlock on the same names",
+        );
+    } else {
+        report.pass(
+            "version",
+            version,
+            "etcd 3.5+ (its own Lock RPC has the etcd#11456 fix)",
+        );
+    }
+}
+
+fn grade_members(report: &mut AuditReport, members: &[(String, bool)]) {
+    let n = members.len();
+    let up = members.iter().filter(|m| m.1).count();
+    let observed = format!("{n} voting member(s)");
+    if n <= 1 {
+        report.warn(
+            "members",
+            observed,
+            "a single member: no failure is tolerated, and losing its disk loses every fence",
+            "run 3 (or 5) members for a lock that must survive a machine",
+        );
+    } else if n.is_multiple_of(2) {
+        report.warn(
+            "members",
+            observed,
+            "an even count tolerates no more failures than one member fewer",
+            "run an odd number of members (3 or 5)",
+        );
+    } else {
+        report.pass(
+            "members",
+            observed,
+            format!("tolerates {} failed member(s)", (n - 1) / 2),
+        );
+    }
+    let down: Vec<&str> = members
+        .iter()
+        .filter(|m| !m.1)
+        .map(|m| m.0.as_str())
+        .collect();
+    let observed = if down.is_empty() {
+        format!("{up}/{n} healthy")
+    } else {
+        format!("{up}/{n} healthy; not serving: {}", down.join(", "))
+    };
+    if up == n {
+        report.pass(
+            "health",
+            observed,
+            "every member answers with a leader and serves linearizable reads",
+        );
+    } else if up > n / 2 {
+        report.warn(
+            "health",
+            observed,
+            "quorum kept, but fewer failures than designed are tolerated now",
+            "bring the members that do not serve back",
+        );
+    } else {
+        report.fail(
+            "health",
+            observed,
+            "no quorum: no lease can be granted or renewed",
+            "bring members back until a majority serves",
+        );
+    }
+}
+
+fn grade_endpoints(report: &mut AuditReport, probes: &[Probe]) {
+    let bad: Vec<String> = probes
+        .iter()
+        .filter(|p| !p.healthy())
+        .map(|p| {
+            let why = match (&p.status, &p.linearizable) {
+                (Err(e), _) => format!("does not answer ({e})"),
+                (Ok((_, 0, _)), _) => "has no leader".to_owned(),
+                (Ok(_), Err(e)) => format!("cut off from the leader ({e})"),
+                (Ok(_), Ok(())) => "unknown".to_owned(),
+            };
+            format!("{} {why}", p.endpoint)
+        })
+        .collect();
+    let n = probes.len();
+    if bad.is_empty() {
+        report.pass(
+            "endpoints",
+            format!("{n}/{n} serving"),
+            "every endpoint of the URL serves linearizable reads",
+        );
+    } else if bad.len() < n {
+        report.warn(
+            "endpoints",
+            format!("{}/{n} serving; {}", n - bad.len(), bad.join("; ")),
+            "requests sent to these fail (require-leader) and are retried elsewhere; leases stay safe",
+            "fix or remove these endpoints from the URL",
+        );
+    } else {
+        report.fail(
+            "endpoints",
+            format!("0/{n} serving; {}", bad.join("; ")),
+            "no endpoint of the URL serves: every lock operation fails",
+            "list members that are part of a quorum in the URL",
+        );
+    }
+}
+
+/// Whether a client without credentials may read the lock prefix.
+async fn auth(
+    report: &mut AuditReport,
+    config: &EtcdLockConfig,
+    url: &str,
+    prefix: &str,
+    budget: Duration,
+) -> Result<()> {
+    let mut anonymous = match connect(config, url, false).await {
+        Ok(client) => client,
+        Err(e @ Error::Config(_)) => return Err(e),
+        Err(e) => {
+            report.warn(
+                "auth",
+                "unknown",
+                format!("an anonymous client could not connect to check: {e}"),
+                "check by hand that auth is enabled (etcdctl auth enable)",
+            );
+            return Ok(());
+        }
+    };
+    let read = GetOptions::new().with_limit(1).with_keys_only();
+    match timeout(budget, anonymous.get(prefix, Some(read))).await {
+        Ok(Ok(_)) => {
+            report.warn(
+                "auth",
+                "off",
+                "any client that reaches the port can delete or take locks (and their fences)",
+                "create a user with a role limited to the lock prefix and run etcdctl auth enable",
+            );
+        }
+        Ok(Err(e)) => {
+            report.pass(
+                "auth",
+                "on",
+                format!("a client without credentials is refused ({e})"),
+            );
+        }
+        Err(_) => {
+            report.warn(
+                "auth",
+                "unknown",
+                "an anonymous read did not answer",
+                "check by hand that auth is enabled",
+            );
+        }
+    }
+    Ok(())
+}

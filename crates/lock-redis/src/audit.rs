@@ -1,0 +1,496 @@
+//! `audit`: read the Redis settings the fence and the lease depend on and grade each
+//! (see the README's "Fencing: `SingleNode`, and what breaks it").
+
+use std::{
+    collections::HashMap,
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use lock_core::{AuditReport, Error, Result};
+use redis::{
+    AsyncConnectionConfig, ConnectionAddr, InfoDict, IntoConnectionInfo, ProtocolVersion,
+    RedisConnectionInfo, aio::MultiplexedConnection,
+};
+use tokio::time::{Instant, timeout};
+
+use crate::RedisLockConfig;
+
+const BACKEND: &str = "redis";
+
+/// Reads the server's settings that the fence and the lease depend on and grades each PASS /
+/// WARN / FAIL with why and what to change. Read-only: it takes no lock and writes no key (it
+/// runs `PING`, `INFO`, `CONFIG GET`, `TIME`, `EVAL "return 1" 0`, `SCRIPT LOAD`/`EVALSHA` of
+/// that same one-line script).
+///
+/// Checks: `version` (RESP3 needs 6+), `scripts` (the lock is Lua scripts), `maxmemory-policy`
+/// (eviction of a fence counter repeats fences; of a held lock key, two holders), `persistence`
+/// (`appendonly yes` + `appendfsync always`, else a restart loses fence increments), `role` and
+/// `replicas` (a failover to an asynchronous replica loses acknowledged grants), `clock` (the
+/// server's clock next to ours; informational, the lease never uses it).
+///
+/// A setting that cannot be read (`CONFIG` disabled or renamed, as on some managed services)
+/// is a WARN saying so.
+///
+/// # Errors
+/// [`Error::Config`] for an invalid configuration; [`Error::Unavailable`] / [`Error::Backend`]
+/// when the server cannot be reached or refuses the connection.
+pub async fn audit(config: &RedisLockConfig) -> Result<AuditReport> {
+    let mut conn = open(config).await?;
+    let budget = config
+        .connect_timeout
+        .saturating_add(config.response_timeout);
+    let mut report = AuditReport::new(BACKEND);
+
+    // Round trip: the best of a few PINGs (the first one may include a lazy setup).
+    let mut best: Option<Duration> = None;
+    for _ in 0..5 {
+        let sent = Instant::now();
+        query::<String>(&mut conn, redis::cmd("PING"), budget, "ping").await?;
+        let rtt = sent.elapsed();
+        best = Some(best.map_or(rtt, |b| b.min(rtt)));
+    }
+    report.round_trip = best;
+
+    let info = query::<InfoDict>(&mut conn, redis::cmd("INFO"), budget, "info").await?;
+    version(&mut report, info.get::<String>("redis_version"));
+    scripts(&mut report, &mut conn, budget).await;
+    let settings = config_get(
+        &mut conn,
+        budget,
+        &[
+            "maxmemory-policy",
+            "maxmemory",
+            "appendonly",
+            "appendfsync",
+            "min-replicas-to-write",
+        ],
+    )
+    .await;
+    eviction(&mut report, settings.as_ref());
+    persistence(&mut report, settings.as_ref());
+    replication(&mut report, &info, settings.as_ref());
+    clock(&mut report, &mut conn, budget).await;
+    Ok(report)
+}
+
+async fn open(config: &RedisLockConfig) -> Result<MultiplexedConnection> {
+    config.validate()?;
+    let mut redis_info = RedisConnectionInfo::default()
+        .set_db(config.db)
+        .set_protocol(ProtocolVersion::RESP3);
+    if let Some(user) = &config.username {
+        redis_info = redis_info.set_username(user);
+    }
+    if let Some(password) = &config.password {
+        redis_info = redis_info.set_password(password);
+    }
+    let addr = if config.tls {
+        ConnectionAddr::TcpTls {
+            host: config.host.clone(),
+            port: config.port,
+            insecure: false,
+            tls_params: None,
+        }
+    } else {
+        ConnectionAddr::Tcp(config.host.clone(), config.port)
+    };
+    let info = addr
+        .into_connection_info()
+        .map_err(|e| Error::Config(e.to_string()))?
+        .set_redis_settings(redis_info);
+    let client = if config.tls {
+        if rustls::crypto::CryptoProvider::get_default().is_none() {
+            let _ = rustls::crypto::ring::default_provider().install_default();
+        }
+        let root_cert = match &config.ca_file {
+            Some(path) => Some(std::fs::read(path).map_err(|e| {
+                Error::Config(format!("cannot read the CA file {}: {e}", path.display()))
+            })?),
+            None => None,
+        };
+        redis::Client::build_with_tls(
+            info,
+            redis::TlsCertificates {
+                client_tls: None,
+                root_cert,
+            },
+        )
+        .map_err(|e| Error::Config(format!("TLS settings: {e}")))?
+    } else {
+        redis::Client::open(info).map_err(|e| Error::Config(e.to_string()))?
+    };
+    let settings = AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(config.connect_timeout))
+        .set_response_timeout(Some(config.response_timeout));
+    let budget = config
+        .connect_timeout
+        .saturating_add(config.response_timeout);
+    match timeout(
+        budget,
+        client.get_multiplexed_async_connection_with_config(&settings),
+    )
+    .await
+    {
+        Ok(Ok(conn)) => Ok(conn),
+        Ok(Err(e))
+            if e.kind() == redis::ErrorKind::AuthenticationFailed
+                || matches!(e.code(), Some("WRONGPASS" | "NOAUTH" | "NOPERM")) =>
+        {
+            Err(Error::backend(BACKEND, "connect", e))
+        }
+        Ok(Err(e)) => Err(Error::unavailable(BACKEND, "connect", e)),
+        Err(_) => Err(Error::Unavailable {
+            backend: BACKEND,
+            op: "connect",
+            message: format!("no answer within {budget:?}"),
+            source: None,
+        }),
+    }
+}
+
+async fn query<T: redis::FromRedisValue>(
+    conn: &mut MultiplexedConnection,
+    cmd: redis::Cmd,
+    budget: Duration,
+    op: &'static str,
+) -> Result<T> {
+    match timeout(budget, cmd.query_async::<T>(conn)).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(Error::backend(BACKEND, op, e)),
+        Err(_) => Err(Error::Unavailable {
+            backend: BACKEND,
+            op,
+            message: format!("no answer within {budget:?}"),
+            source: None,
+        }),
+    }
+}
+
+/// `CONFIG GET` of each name; `Err(message)` when the server refuses `CONFIG`.
+async fn config_get(
+    conn: &mut MultiplexedConnection,
+    budget: Duration,
+    names: &[&str],
+) -> std::result::Result<HashMap<String, String>, String> {
+    let mut cmd = redis::cmd("CONFIG");
+    cmd.arg("GET");
+    for name in names {
+        cmd.arg(*name);
+    }
+    query::<HashMap<String, String>>(conn, cmd, budget, "config get")
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// `major.minor.patch` → numbers (missing parts 0; `None` when unparsable).
+fn parse_version(v: &str) -> Option<(u32, u32, u32)> {
+    let mut parts = v.trim().split('.').map(|p| p.parse::<u32>().ok());
+    let major = parts.next().flatten()?;
+    let minor = parts.next().flatten().unwrap_or(0);
+    let patch = parts.next().flatten().unwrap_or(0);
+    Some((major, minor, patch))
+}
+
+fn version(report: &mut AuditReport, version: Option<String>) {
+    let Some(v) = version else {
+        report.warn(
+            "version",
+            "unknown",
+            "INFO has no redis_version (a proxy or another server speaking RESP?)",
+            "connect to Redis 6 or newer directly",
+        );
+        return;
+    };
+    match parse_version(&v) {
+        Some((major, ..)) if major >= 6 => {
+            report.pass(
+                "version",
+                v,
+                "Redis 6+ (RESP3, ACLs); 7.0 is what the tests run",
+            );
+        }
+        Some(_) => {
+            report.fail(
+                "version",
+                v,
+                "the driver speaks RESP3, which needs Redis 6 or newer",
+                "upgrade to Redis 6 or newer (7.x recommended)",
+            );
+        }
+        None => {
+            report.warn(
+                "version",
+                v,
+                "unrecognised version string",
+                "connect to Redis 6 or newer",
+            );
+        }
+    }
+}
+
+async fn scripts(report: &mut AuditReport, conn: &mut MultiplexedConnection, budget: Duration) {
+    let mut eval = redis::cmd("EVAL");
+    eval.arg("return 1").arg(0);
+    if let Err(e) = query::<i64>(conn, eval, budget, "eval").await {
+        report.fail(
+            "scripts",
+            "EVAL refused",
+            format!("every lock operation is a Lua script: {e}"),
+            "allow EVAL/EVALSHA/SCRIPT for this user (ACL +@scripting) and do not put a proxy that drops scripts in between",
+        );
+        return;
+    }
+    let mut load = redis::cmd("SCRIPT");
+    load.arg("LOAD").arg("return 1");
+    let sha = match query::<String>(conn, load, budget, "script load").await {
+        Ok(sha) => sha,
+        Err(e) => {
+            report.fail(
+                "scripts",
+                "SCRIPT LOAD refused",
+                format!("the driver loads its scripts and runs them by SHA: {e}"),
+                "allow SCRIPT LOAD and EVALSHA for this user (ACL +@scripting)",
+            );
+            return;
+        }
+    };
+    let mut evalsha = redis::cmd("EVALSHA");
+    evalsha.arg(&sha).arg(0);
+    match query::<i64>(conn, evalsha, budget, "evalsha").await {
+        Ok(1) => {
+            report.pass(
+                "scripts",
+                "EVAL, SCRIPT LOAD, EVALSHA",
+                "Lua scripts run (every lock operation is one atomic script)",
+            );
+        }
+        Ok(other) => {
+            report.fail(
+                "scripts",
+                format!("EVALSHA returned {other}"),
+                "a script did not return what it should (a proxy in between?)",
+                "connect to Redis directly",
+            );
+        }
+        Err(e) => {
+            report.fail(
+                "scripts",
+                "EVALSHA failed after SCRIPT LOAD",
+                format!("loaded scripts are not found again (a proxy spreading requests over servers?): {e}"),
+                "connect to one Redis primary directly, not through a proxy that drops SCRIPT LOAD",
+            );
+        }
+    }
+}
+
+fn unreadable(report: &mut AuditReport, check: &str, why: &str) {
+    report.warn(
+        check,
+        "unreadable",
+        format!("CONFIG GET refused ({why}), so this cannot be checked"),
+        "allow CONFIG GET for the audit's user, or check this setting by hand",
+    );
+}
+
+fn eviction(
+    report: &mut AuditReport,
+    settings: std::result::Result<&HashMap<String, String>, &String>,
+) {
+    let settings = match settings {
+        Ok(s) => s,
+        Err(why) => return unreadable(report, "maxmemory-policy", why),
+    };
+    let Some(policy) = settings.get("maxmemory-policy") else {
+        return unreadable(
+            report,
+            "maxmemory-policy",
+            "no maxmemory-policy in the reply",
+        );
+    };
+    let maxmemory = settings
+        .get("maxmemory")
+        .and_then(|m| m.parse::<u64>().ok())
+        .unwrap_or(0);
+    let observed = format!("{policy} (maxmemory {maxmemory})");
+    if policy == "noeviction" {
+        report.pass(
+            "maxmemory-policy",
+            observed,
+            "no key is ever evicted: fence counters and held locks stay",
+        );
+    } else if policy.starts_with("allkeys-") {
+        report.fail(
+            "maxmemory-policy",
+            observed,
+            "an allkeys-* policy can evict a fence counter (fences repeat) or a held lock (two holders)",
+            "CONFIG SET maxmemory-policy noeviction (and in redis.conf), or use a Redis of its own for locks",
+        );
+    } else if maxmemory > 0 {
+        report.fail(
+            "maxmemory-policy",
+            observed,
+            "a volatile-* policy with a memory limit can evict a held lock key (it has a TTL): two holders",
+            "CONFIG SET maxmemory-policy noeviction (and in redis.conf)",
+        );
+    } else {
+        report.warn(
+            "maxmemory-policy",
+            observed,
+            "no memory limit now, but once maxmemory is set this policy evicts held lock keys",
+            "CONFIG SET maxmemory-policy noeviction (and in redis.conf)",
+        );
+    }
+}
+
+fn persistence(
+    report: &mut AuditReport,
+    settings: std::result::Result<&HashMap<String, String>, &String>,
+) {
+    let settings = match settings {
+        Ok(s) => s,
+        Err(why) => return unreadable(report, "persistence", why),
+    };
+    let aof = settings.get("appendonly").map(String::as_str);
+    let fsync = settings.get("appendfsync").map(String::as_str);
+    let observed = format!(
+        "appendonly {}, appendfsync {}",
+        aof.unwrap_or("?"),
+        fsync.unwrap_or("?")
+    );
+    match (aof, fsync) {
+        (Some("yes"), Some("always")) => {
+            report.pass(
+                "persistence",
+                observed,
+                "every acknowledged fence increment is on disk before the reply",
+            );
+        }
+        (Some("yes"), _) => {
+            report.warn(
+                "persistence",
+                observed,
+                "a crash loses up to the last second of writes: fences can repeat after a restart",
+                "CONFIG SET appendfsync always (and in redis.conf) if fences must survive a crash",
+            );
+        }
+        _ => {
+            report.warn(
+                "persistence",
+                observed,
+                "without the AOF a restart loses fence counters (back to the last snapshot, or to nothing): fences repeat",
+                "CONFIG SET appendonly yes + appendfsync always (and in redis.conf) if fences must survive a restart",
+            );
+        }
+    }
+}
+
+fn replication(
+    report: &mut AuditReport,
+    info: &InfoDict,
+    settings: std::result::Result<&HashMap<String, String>, &String>,
+) {
+    let role = info.get::<String>("role").unwrap_or_default();
+    match role.as_str() {
+        "master" => {
+            report.pass("role", "master", "writes go to the primary");
+        }
+        "slave" | "replica" => {
+            report.fail(
+                "role",
+                "replica",
+                "this server is a replica: it refuses the lock's writes, or (replica-read-only no) keeps them to itself",
+                "point the URL at the primary",
+            );
+        }
+        other => {
+            report.warn(
+                "role",
+                if other.is_empty() { "unknown" } else { other },
+                "INFO replication does not say this server is a primary",
+                "point the URL at the Redis primary",
+            );
+        }
+    }
+    let replicas = info.get::<u64>("connected_slaves").unwrap_or(0);
+    if replicas == 0 {
+        report.pass(
+            "replicas",
+            "0 connected",
+            "no replica that a failover could promote with writes missing",
+        );
+        return;
+    }
+    let min = settings
+        .ok()
+        .and_then(|s| s.get("min-replicas-to-write"))
+        .and_then(|m| m.parse::<u64>().ok())
+        .unwrap_or(0);
+    report.warn(
+        "replicas",
+        format!("{replicas} connected, min-replicas-to-write {min}"),
+        "replication is asynchronous: a promoted replica can miss acknowledged grants (two holders, repeated fences)",
+        if min == 0 {
+            "do not fail over automatically, or set min-replicas-to-write (bounds, does not prevent, the loss); protect resources with fencing tokens"
+        } else {
+            "min-replicas-to-write bounds the loss but does not prevent it: do not fail over automatically; protect resources with fencing tokens"
+        },
+    );
+}
+
+async fn clock(report: &mut AuditReport, conn: &mut MultiplexedConnection, budget: Duration) {
+    let before = SystemTime::now();
+    let sent = Instant::now();
+    let Ok((secs, micros)) =
+        query::<(String, String)>(conn, redis::cmd("TIME"), budget, "time").await
+    else {
+        report.warn(
+            "clock",
+            "unreadable",
+            "TIME refused (informational: leases are timed by this client's monotonic clock)",
+            "nothing to change for the lock",
+        );
+        return;
+    };
+    let rtt = sent.elapsed();
+    let server = secs.parse::<u64>().ok().zip(micros.parse::<u64>().ok());
+    let local = before.duration_since(UNIX_EPOCH).ok().map(|d| d + rtt / 2);
+    let (Some((s, us)), Some(local)) = (server, local) else {
+        report.warn(
+            "clock",
+            "unreadable",
+            "TIME reply not understood",
+            "nothing to change for the lock",
+        );
+        return;
+    };
+    let server = Duration::from_secs(s) + Duration::from_micros(us);
+    // Always PASS: no lease depends on the two clocks agreeing.
+    report.pass(
+        "clock",
+        clock_observed(server, local, rtt),
+        "informational: leases are timed by this client's monotonic clock, never by the server's",
+    );
+}
+
+/// `server +1.2 ms from ours (± 0.1 ms)`.
+pub(crate) fn clock_observed(server: Duration, local: Duration, rtt: Duration) -> String {
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    let sign = if server >= local { "+" } else { "-" };
+    format!(
+        "server {sign}{:.1} ms from ours (± {:.1} ms)",
+        ms(server.abs_diff(local)),
+        ms(rtt) / 2.0
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions() {
+        assert_eq!(parse_version("7.0.15"), Some((7, 0, 15)));
+        assert_eq!(parse_version("6"), Some((6, 0, 0)));
+        assert_eq!(parse_version("x"), None);
+    }
+}
