@@ -62,6 +62,17 @@ macro_rules! __conformance_properties {
         $callback!($setup, deadlines_already_past_time_out_without_io);
         $callback!($setup, zero_length_waits_return_promptly);
         $callback!($setup, fences_stay_exact_across_2_pow_53_and_up_to_i64_max);
+        $callback!($setup, a_release_hands_the_lock_to_the_first_waiter);
+        $callback!($setup, a_grant_to_a_waiter_that_gave_up_is_given_back);
+        $callback!(
+            $setup,
+            a_waiter_that_gives_up_leaves_the_queue_and_delays_nobody
+        );
+        $callback!($setup, many_guards_on_one_client_keep_their_leases_alive);
+        $callback!(
+            $setup,
+            a_grant_at_the_waiters_deadline_is_kept_or_given_back
+        );
     };
 }
 
@@ -103,6 +114,16 @@ pub use boundary::{
     keys_at_the_length_limit_and_of_every_character_class_are_distinct,
     ttl_at_the_minimum_works_end_to_end, ttl_limits_are_honoured_or_refused_before_io,
     zero_length_waits_return_promptly,
+};
+
+// Behaviours once tested per driver (its own file, a child module like `cancel`).
+#[path = "shared.rs"]
+mod shared;
+pub use shared::{
+    a_grant_at_the_waiters_deadline_is_kept_or_given_back,
+    a_grant_to_a_waiter_that_gave_up_is_given_back, a_release_hands_the_lock_to_the_first_waiter,
+    a_waiter_that_gives_up_leaves_the_queue_and_delays_nobody,
+    many_guards_on_one_client_keep_their_leases_alive,
 };
 
 /// A TTL long enough that nothing expires during a test unless a test makes it.

@@ -161,6 +161,7 @@ mod without_renew {
         renew_after_expiry_fails_and_does_not_extend_the_new_holder: "renew not claimed",
         watchdog_keeps_the_lease_alive: "renew not claimed",
         renew_dropped_at_any_poll_leaves_nothing_behind: "renew not claimed",
+        many_guards_on_one_client_keep_their_leases_alive: "renew not claimed",
         fences_stay_exact_across_2_pow_53_and_up_to_i64_max: "the in-memory reference has no way to set its fence counter from outside",
     });
 }
