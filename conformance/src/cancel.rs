@@ -491,3 +491,641 @@ pub async fn run_exclusive_dropped_at_any_poll_leaves_nothing_behind(h: Harness)
     }
     covered("run_exclusive", completed_at).await
 }
+
+/// Cancellation timing variants: each operation dropped while its request or its reply is on a
+/// slow link, so that the drop lands while the coordinator has the request (or is about to get
+/// it), not between polls at server speed.
+///
+/// A [`Delayed`] setup is a client behind a [`Link`] (the drill proxy for the network backends,
+/// a delaying wrapper for the in-memory one) and a second, direct client. Each operation is
+/// dropped at `(k + ½)·delay` after it starts, for k = 0, 1, … until it completes uncancelled
+/// (at most [`MAX_ROUNDS`]), once with the replies delayed (the request applied, its answer in
+/// flight: the k-th round trip's) and once with the requests delayed (the request still on its
+/// way; it reaches the coordinator after the drop). After each drop the link heals and the same
+/// checks as for the drops at every poll run.
+pub mod delayed {
+    use super::*;
+
+    /// The most round trips after which an operation is dropped.
+    pub const MAX_ROUNDS: u32 = 6;
+
+    /// A client's slow link, switchable at run time.
+    pub trait Link: Send + Sync {
+        /// Requests reach the coordinator at once; each reply takes `delay` longer.
+        fn delay_replies(&self, delay: Duration);
+        /// Each request takes `delay` longer to reach the coordinator.
+        fn delay_requests(&self, delay: Duration);
+        /// Heals: everything at full speed.
+        fn pass(&self);
+        /// A count that grows whenever the client sends a request.
+        fn requests(&self) -> u64;
+        /// Whether replies can be delayed below the client's cancellation point (not for an
+        /// in-process coordinator, whose answer is the completed call itself: holding it back
+        /// in a wrapper would test the wrapper).
+        fn delays_replies(&self) -> bool {
+            true
+        }
+    }
+
+    impl Link for crate::drill::Proxy {
+        fn delay_replies(&self, delay: Duration) {
+            crate::drill::Proxy::delay_replies(self, delay);
+        }
+        fn delay_requests(&self, delay: Duration) {
+            crate::drill::Proxy::delay_requests(self, delay);
+        }
+        fn pass(&self) {
+            crate::drill::Proxy::pass(self);
+        }
+        fn requests(&self) -> u64 {
+            self.request_chunks()
+        }
+    }
+
+    /// What the timing variants run on.
+    pub struct Delayed {
+        /// The backend's name, for messages.
+        pub name: &'static str,
+        /// The client behind the link.
+        pub slow: DynLock,
+        /// Its link.
+        pub link: Arc<dyn Link>,
+        /// A second client, connected directly.
+        pub other: DynLock,
+        /// A third, direct client (the holder a waiter queues behind, the operator).
+        pub third: DynLock,
+        /// The shortest reliable TTL (as [`crate::TestBackend::short_ttl`]).
+        pub short_ttl: Duration,
+        /// The link's delay: a round trip's worth, well under the clients' request timeouts.
+        pub delay: Duration,
+    }
+
+    impl std::fmt::Debug for Delayed {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("Delayed")
+                .field("name", &self.name)
+                .field("delay", &self.delay)
+                .finish_non_exhaustive()
+        }
+    }
+
+    /// Which direction is slow.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Slow {
+        /// The reply is in flight when the future is dropped.
+        Replies,
+        /// The request is in flight when the future is dropped.
+        Requests,
+    }
+
+    impl Delayed {
+        fn slow_down(&self, slow: Slow) {
+            match slow {
+                Slow::Replies => self.link.delay_replies(self.delay),
+                Slow::Requests => self.link.delay_requests(self.delay),
+            }
+        }
+
+        fn variants(&self) -> Vec<Slow> {
+            if self.link.delays_replies() {
+                vec![Slow::Replies, Slow::Requests]
+            } else {
+                vec![Slow::Requests]
+            }
+        }
+
+        fn ttl(&self) -> Duration {
+            self.slow.capabilities().effective_ttl(self.short_ttl)
+        }
+
+        fn telling_ttl(&self) -> Duration {
+            self.short_ttl + SLACK * 2
+        }
+
+        /// Waits until a request still on the slow link when it healed has reached the
+        /// coordinator (each chunk waits one delay), so that "did the dropped call apply?" has
+        /// one answer from then on.
+        async fn settle(&self) {
+            sleep(self.delay * 2).await;
+        }
+
+        /// When the k-th drop lands.
+        fn drop_at(&self, k: u32) -> Duration {
+            self.delay * (2 * k + 1) / 2
+        }
+    }
+
+    /// Runs `fut` with the link slowed down, dropping it `after`: `Some` when it completed
+    /// before. The link heals right after.
+    async fn drop_in_flight<F: Future>(
+        d: &Delayed,
+        slow: Slow,
+        after: Duration,
+        fut: F,
+    ) -> Option<F::Output> {
+        d.slow_down(slow);
+        let out = timeout(after, fut).await.ok();
+        d.link.pass();
+        out
+    }
+
+    fn report(d: &Delayed, op: &str, slow: Slow, completed: Option<u32>, started: Instant) {
+        let took = started.elapsed();
+        match completed {
+            Some(k) => eprintln!(
+                "{} {op} ({slow:?} delayed {:?}): completes within {} round trips; dropped in each before ({took:?})",
+                d.name,
+                d.delay,
+                k + 1
+            ),
+            None => eprintln!(
+                "{} {op} ({slow:?} delayed {:?}): still pending after {MAX_ROUNDS} round trips; dropped in each ({took:?})",
+                d.name, d.delay
+            ),
+        }
+    }
+
+    /// `try_acquire` dropped with its request or reply in flight leaves nothing behind.
+    pub async fn try_acquire(d: &Delayed) {
+        let ttl = d.ttl();
+        for slow in d.variants() {
+            let (mut completed, started) = (None, Instant::now());
+            for k in 0..MAX_ROUNDS {
+                let key = crate::fresh_key("cancel-delayed-try-acquire");
+                let before = fence_of_a_grant(&d.slow, &key).await;
+                let out = drop_in_flight(
+                    d,
+                    slow,
+                    d.drop_at(k),
+                    d.slow.try_acquire(&key, d.telling_ttl()),
+                )
+                .await;
+                match out {
+                    Some(Ok(Some(lease))) => {
+                        assert!(release(&d.slow, &lease).await);
+                        completed = Some(k);
+                        break;
+                    }
+                    Some(other) => panic!("{} try_acquire of a free key: {other:?}", d.name),
+                    None => {
+                        let what = format!(
+                            "{} try_acquire dropped in round trip {} ({slow:?} delayed)",
+                            d.name,
+                            k + 1
+                        );
+                        let since = Instant::now();
+                        assert_left_nothing(
+                            &what,
+                            (&d.slow, &d.other),
+                            &key,
+                            ttl,
+                            since,
+                            before,
+                            None,
+                        )
+                        .await;
+                    }
+                }
+            }
+            report(d, "try_acquire", slow, completed, started);
+        }
+    }
+
+    /// `acquire` queued behind a holder that releases as the drop's round trip begins: the
+    /// grant (or the waiter's next step) is in flight when it is dropped.
+    pub async fn acquire(d: &Delayed) {
+        let ttl = d.ttl();
+        for slow in d.variants() {
+            let (mut completed, started) = (None, Instant::now());
+            for k in 0..MAX_ROUNDS {
+                let key = crate::fresh_key("cancel-delayed-acquire");
+                let before = fence_of_a_grant(&d.slow, &key).await;
+                let held = take(&d.third, &key, LONG_TTL).await;
+                let mut attempt = d
+                    .slow
+                    .acquire(&key, d.telling_ttl(), Instant::now() + LONG_TTL);
+                // Queued at full speed first.
+                let early = tokio::select! {
+                    out = attempt.as_mut() => Some(out),
+                    () = queued(&d.third, &key) => None,
+                };
+                if let Some(out) = early {
+                    panic!(
+                        "{} acquire completed while the key was held: {out:?}",
+                        d.name
+                    );
+                }
+                // The holder releases (directly); the waiter's wake-up, grant or retry goes over
+                // the slow link.
+                d.slow_down(slow);
+                assert!(release(&d.third, &held).await);
+                let late = timeout(d.drop_at(k), attempt.as_mut()).await.ok();
+                drop(attempt);
+                d.link.pass();
+                let since = Instant::now();
+                match late {
+                    Some(Ok(lease)) => {
+                        assert_fence_increased("acquire", before, &lease);
+                        assert!(release(&d.slow, &lease).await);
+                        completed = Some(k);
+                        break;
+                    }
+                    Some(Err(e)) => panic!("{} acquire of a released key failed: {e}", d.name),
+                    None => {
+                        let what = format!(
+                            "{} acquire dropped in round trip {} after the release ({slow:?} delayed)",
+                            d.name,
+                            k + 1
+                        );
+                        assert_left_nothing(
+                            &what,
+                            (&d.slow, &d.other),
+                            &key,
+                            ttl,
+                            since,
+                            before,
+                            None,
+                        )
+                        .await;
+                    }
+                }
+            }
+            report(d, "acquire", slow, completed, started);
+        }
+    }
+
+    /// `renew` dropped in flight leaves the lease held; the next renew answers from the
+    /// coordinator's real state: `Ok` while held, `NotHeld` once an operator removed it (an
+    /// answer left over from the dropped renew must not be taken for it), and after a release.
+    pub async fn renew(d: &Delayed) {
+        if !d.slow.capabilities().renew {
+            eprintln!("{} renew: skipped, renew not claimed", d.name);
+            return;
+        }
+        let ttl = d.ttl();
+        for slow in d.variants() {
+            let (mut completed, started) = (None, Instant::now());
+            for k in 0..MAX_ROUNDS {
+                let key = crate::fresh_key("cancel-delayed-renew");
+                let before = fence_of_a_grant(&d.slow, &key).await;
+                let mut lease = take(&d.slow, &key, LONG_TTL).await;
+                let out =
+                    drop_in_flight(d, slow, d.drop_at(k), d.slow.renew(&mut lease, LONG_TTL)).await;
+                if let Some(Err(e)) = &out {
+                    panic!("{} renew of a held lease failed: {e}", d.name);
+                }
+                let what = format!(
+                    "{} renew dropped in round trip {} ({slow:?} delayed)",
+                    d.name,
+                    k + 1
+                );
+                if let Err(e) = d.slow.renew(&mut lease, LONG_TTL).await {
+                    panic!("{what}: the next renew of the held lease failed: {e}");
+                }
+                if d.slow.capabilities().force_release {
+                    let fence = lease.fencing_token();
+                    let removed = match fence {
+                        Some(f) => d.third.force_release_grant(&key, f).await,
+                        None => d.third.force_release(&key).await,
+                    };
+                    assert!(
+                        matches!(removed, Ok(true)),
+                        "{what}: force_release: {removed:?}"
+                    );
+                    match d.slow.renew(&mut lease, ttl).await {
+                        Err(Error::NotHeld { .. }) => {}
+                        other => panic!(
+                            "{what}: renew after an operator removed the lease: {other:?}, not NotHeld"
+                        ),
+                    }
+                } else {
+                    assert!(release(&d.slow, &lease).await, "{what}: not releasable");
+                }
+                let stale = Stale {
+                    owner: &d.slow,
+                    lease: lease.clone(),
+                };
+                assert_left_nothing(
+                    &what,
+                    (&d.slow, &d.other),
+                    &key,
+                    ttl,
+                    Instant::now(),
+                    before,
+                    Some(stale),
+                )
+                .await;
+                if out.is_some() {
+                    completed = Some(k);
+                    break;
+                }
+            }
+            report(d, "renew", slow, completed, started);
+        }
+    }
+
+    /// `release` dropped in flight leaves nothing behind (the key is free within one TTL; the
+    /// lease then neither renews nor releases the next holder's lock).
+    pub async fn release_op(d: &Delayed) {
+        let ttl = d.ttl();
+        for slow in d.variants() {
+            let (mut completed, started) = (None, Instant::now());
+            for k in 0..MAX_ROUNDS {
+                let key = crate::fresh_key("cancel-delayed-release");
+                let before = fence_of_a_grant(&d.slow, &key).await;
+                let lease = take(&d.slow, &key, ttl).await;
+                let out = drop_in_flight(d, slow, d.drop_at(k), d.slow.release(&lease)).await;
+                match &out {
+                    Some(Ok(true)) | None => {}
+                    Some(other) => panic!("{} release of a held lease: {other:?}", d.name),
+                }
+                let what = format!(
+                    "{} release dropped in round trip {} ({slow:?} delayed)",
+                    d.name,
+                    k + 1
+                );
+                // Landed or not, the lease's own release is safe (`false` once it applied), and
+                // frees a lease the dropped call left in place without waiting for its TTL.
+                d.settle().await;
+                let _ = release(&d.slow, &lease).await;
+                let stale = Stale {
+                    owner: &d.slow,
+                    lease,
+                };
+                assert_left_nothing(
+                    &what,
+                    (&d.slow, &d.other),
+                    &key,
+                    ttl,
+                    Instant::now(),
+                    before,
+                    Some(stale),
+                )
+                .await;
+                if out.is_some() {
+                    completed = Some(k);
+                    break;
+                }
+            }
+            report(d, "release", slow, completed, started);
+        }
+    }
+
+    /// `force_release` (by the client behind the link) dropped in flight leaves nothing behind.
+    pub async fn force_release(d: &Delayed) {
+        if !d.slow.capabilities().force_release {
+            eprintln!("{} force_release: skipped, not claimed", d.name);
+            return;
+        }
+        let ttl = d.ttl();
+        for slow in d.variants() {
+            let (mut completed, started) = (None, Instant::now());
+            for k in 0..MAX_ROUNDS {
+                let key = crate::fresh_key("cancel-delayed-force-release");
+                let before = fence_of_a_grant(&d.third, &key).await;
+                let lease = take(&d.third, &key, ttl).await;
+                let out = drop_in_flight(d, slow, d.drop_at(k), d.slow.force_release(&key)).await;
+                match &out {
+                    Some(Ok(true)) | None => {}
+                    Some(other) => panic!("{} force_release of a held key: {other:?}", d.name),
+                }
+                let what = format!(
+                    "{} force_release dropped in round trip {} ({slow:?} delayed)",
+                    d.name,
+                    k + 1
+                );
+                d.settle().await;
+                let _ = release(&d.third, &lease).await;
+                let stale = Stale {
+                    owner: &d.third,
+                    lease,
+                };
+                assert_left_nothing(
+                    &what,
+                    (&d.slow, &d.other),
+                    &key,
+                    ttl,
+                    Instant::now(),
+                    before,
+                    Some(stale),
+                )
+                .await;
+                if out.is_some() {
+                    completed = Some(k);
+                    break;
+                }
+            }
+            report(d, "force_release", slow, completed, started);
+        }
+    }
+
+    /// `inspect` dropped in flight changes nothing, and the client's next answers are its own
+    /// (not the dropped call's, arriving late).
+    pub async fn inspect(d: &Delayed) {
+        let ttl = d.ttl();
+        for slow in d.variants() {
+            let (mut completed, started) = (None, Instant::now());
+            for k in 0..MAX_ROUNDS {
+                let key = crate::fresh_key("cancel-delayed-inspect");
+                let before = fence_of_a_grant(&d.other, &key).await;
+                let lease = take(&d.other, &key, LONG_TTL).await;
+                let out = drop_in_flight(d, slow, d.drop_at(k), d.slow.inspect(&key)).await;
+                if let Some(Err(e)) = &out {
+                    panic!("{} inspect of a held key failed: {e}", d.name);
+                }
+                let what = format!(
+                    "{} inspect dropped in round trip {} ({slow:?} delayed)",
+                    d.name,
+                    k + 1
+                );
+                // Another key, free: the answer must be about it.
+                let free = crate::fresh_key("cancel-delayed-inspect-free");
+                assert!(
+                    d.slow.inspect(&free).await.unwrap().is_none(),
+                    "{what}: the next inspect of a free key shows a holder"
+                );
+                assert!(
+                    d.slow.try_acquire(&key, LONG_TTL).await.unwrap().is_none(),
+                    "{what}: the holder lost its lock"
+                );
+                assert!(
+                    release(&d.other, &lease).await,
+                    "{what}: the holder lost its lock"
+                );
+                let stale = Stale {
+                    owner: &d.other,
+                    lease,
+                };
+                assert_left_nothing(
+                    &what,
+                    (&d.slow, &d.other),
+                    &key,
+                    ttl,
+                    Instant::now(),
+                    before,
+                    Some(stale),
+                )
+                .await;
+                if out.is_some() {
+                    completed = Some(k);
+                    break;
+                }
+            }
+            report(d, "inspect", slow, completed, started);
+        }
+    }
+
+    /// `run_exclusive` dropped in flight (acquiring, or releasing after its job) leaves nothing
+    /// behind.
+    pub async fn run_exclusive(d: &Delayed) {
+        let ttl = d.ttl();
+        for slow in d.variants() {
+            let (mut completed, started) = (None, Instant::now());
+            for k in 0..MAX_ROUNDS {
+                let key = crate::fresh_key("cancel-delayed-run-exclusive");
+                let before = fence_of_a_grant(&d.slow, &key).await;
+                let run = d.slow.run_exclusive(
+                    &key,
+                    LockOptions::with_ttl(d.telling_ttl()),
+                    |_ctx| async {},
+                );
+                let out = drop_in_flight(d, slow, d.drop_at(k), run).await;
+                match out {
+                    Some(Ok(Some(()))) => {
+                        completed = Some(k);
+                        break;
+                    }
+                    Some(other) => panic!("{} run_exclusive on a free key: {other:?}", d.name),
+                    None => {
+                        let what = format!(
+                            "{} run_exclusive dropped in round trip {} ({slow:?} delayed)",
+                            d.name,
+                            k + 1
+                        );
+                        let since = Instant::now();
+                        assert_left_nothing(
+                            &what,
+                            (&d.slow, &d.other),
+                            &key,
+                            ttl,
+                            since,
+                            before,
+                            None,
+                        )
+                        .await;
+                    }
+                }
+            }
+            report(d, "run_exclusive", slow, completed, started);
+        }
+    }
+
+    /// Returns once the client behind the link has sent a request after `since` (the guard's
+    /// renewal, nothing else running on it), or fails after `within`.
+    async fn next_request(d: &Delayed, since: u64, within: Duration, what: &str) {
+        let until = Instant::now() + within;
+        while d.link.requests() <= since {
+            assert!(
+                Instant::now() < until,
+                "{what}: no renewal sent within {within:?}"
+            );
+            sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    /// The guard's background renewal cut short: with the renewal's request (or reply) in flight
+    /// the guard is dropped (its release then runs in the background), a `run_exclusive`'s
+    /// future is dropped (job running), or the guard is released. Each leaves nothing behind:
+    /// the key is free within one TTL, the guard's lease renews `NotHeld`, fences increase, the
+    /// clean-ups finish.
+    pub async fn guard_renewal(d: &Delayed) {
+        // Renewed every third of the TTL: the TTL the watchdog properties use (≥ 1 s).
+        let gttl = d.short_ttl.max(Duration::from_secs(1));
+        let ttl = d.slow.capabilities().effective_ttl(gttl);
+        for slow in d.variants() {
+            for how in ["guard dropped", "run_exclusive dropped", "guard released"] {
+                let key = crate::fresh_key("cancel-delayed-guard");
+                let before = fence_of_a_grant(&d.slow, &key).await;
+                let what = format!("{} {how} during a renewal ({slow:?} delayed)", d.name);
+                let stale = if how == "run_exclusive dropped" {
+                    let (lease_tx, lease_rx) = tokio::sync::oneshot::channel();
+                    let run = d.slow.run_exclusive(
+                        &key,
+                        LockOptions::with_ttl(gttl),
+                        move |ctx| async move {
+                            let _ = lease_tx.send(ctx.fencing_token());
+                            std::future::pending::<()>().await;
+                        },
+                    );
+                    // Boxed (as every `run_exclusive` future is), so that `drop` below drops it.
+                    let mut run = run;
+                    let fence = tokio::select! {
+                        out = run.as_mut() => panic!("{what}: run_exclusive ended: {out:?}"),
+                        fence = lease_rx => fence.unwrap(),
+                    };
+                    let since = d.link.requests();
+                    d.slow_down(slow);
+                    next_request(d, since, gttl, &what).await;
+                    drop(run);
+                    d.link.pass();
+                    // The job's lease is not exposed; its fence tells it apart from the next.
+                    if let Some(f) = fence {
+                        assert!(
+                            before.is_none_or(|b| f > b),
+                            "{what}: fence {f:?} after {before:?}"
+                        );
+                    }
+                    None
+                } else {
+                    let guard = match d.slow.lock(key.as_str()).ttl(gttl).acquire().await {
+                        Ok(guard) => guard,
+                        Err(e) => panic!("{what}: acquire: {e}"),
+                    };
+                    let lease = guard.granted_lease().clone();
+                    let since = d.link.requests();
+                    d.slow_down(slow);
+                    next_request(d, since, gttl, &what).await;
+                    if how == "guard dropped" {
+                        drop(guard);
+                        d.link.pass();
+                    } else {
+                        let released = timeout(SLACK, guard.release()).await;
+                        d.link.pass();
+                        match released {
+                            Ok(Ok(true)) => {}
+                            other => panic!("{what}: release: {other:?}"),
+                        }
+                    }
+                    Some(Stale {
+                        owner: &d.slow,
+                        lease,
+                    })
+                };
+                let since = Instant::now();
+                assert_left_nothing(&what, (&d.slow, &d.other), &key, ttl, since, before, stale)
+                    .await;
+                eprintln!("{what}: nothing left behind ({:?})", since.elapsed());
+            }
+        }
+    }
+
+    /// Every timing variant, then the clean-ups they started must finish.
+    pub async fn all(d: &Delayed) {
+        let started = Instant::now();
+        try_acquire(d).await;
+        acquire(d).await;
+        renew(d).await;
+        release_op(d).await;
+        force_release(d).await;
+        inspect(d).await;
+        run_exclusive(d).await;
+        guard_renewal(d).await;
+        assert!(
+            lock_core::cleanup::finish(CLEANUP_LIMIT).await,
+            "{}: {} clean-ups still pending {CLEANUP_LIMIT:?} after the last drop",
+            d.name,
+            lock_core::cleanup::pending()
+        );
+        eprintln!("{}: delayed drops done in {:?}", d.name, started.elapsed());
+    }
+}

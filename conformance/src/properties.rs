@@ -95,6 +95,9 @@ use crate::{Harness, Outcome};
 // Cancellation at every poll (its own file; a child module so that it shares the helpers here).
 #[path = "cancel.rs"]
 mod cancel;
+/// Cancellation timing variants (each op dropped with its request or reply in flight), run by
+/// `tests/cancel_delayed.rs` on every backend.
+pub use cancel::delayed;
 pub use cancel::{
     acquire_dropped_at_any_poll_leaves_nothing_behind,
     force_release_dropped_at_any_poll_leaves_nothing_behind,

@@ -11,6 +11,9 @@
 //! | [`Fault::Blackhole`] | **held** | **held** | open (no FIN, no RST) |
 //! | [`Fault::Delay`] | each chunk delayed | each chunk delayed | open |
 //! | [`Fault::DropReplies`] | forwarded (the request applies) | **discarded** | open; broken once healed |
+//! | [`Proxy::delay_replies`] | forwarded | each chunk delayed | open |
+//! | [`Proxy::delay_requests`] | each chunk delayed | forwarded | open |
+//! | [`Proxy::lose_reply`]`(n)` | forwarded | replies 1..n−1 forwarded, the n-th **discarded** | that connection reset at the n-th |
 //! | [`Proxy::reset`] (an action) | — | — | current connections get an RST on both sides |
 //!
 //! **Blackhole holds, it does not drop.** A real partition drops packets, but TCP retransmits
@@ -27,6 +30,18 @@
 //! the fault changes away from [`Fault::DropReplies`] such a connection is reset instead of
 //! resuming — exactly what a client sees when its request's reply was lost and the connection
 //! died. Connections that discarded nothing continue normally.
+//!
+//! **Replies are counted in turns.** A *reply turn* of a connection is the server's answer to
+//! what the client sent since the server last spoke: the first reply chunk read after request
+//! bytes were forwarded begins a turn (a reply split over several chunks is one turn; replies to
+//! pipelined requests arriving together are one turn too). Turns are counted from the moment the
+//! fault was last set ([`Proxy::reply_turns`]), so that setting [`Fault::Pass`] before an
+//! operation and reading the count after it tells how many round trips it took — and
+//! [`Proxy::lose_reply`]`(n)` loses each connection's n-th turn since it was set: requests before
+//! it reach the server, its first n−1 answers come back, the n-th is discarded and the
+//! connection reset (a reply lost past the first round trip). Unsolicited server traffic (pings,
+//! watch events) counts when it follows request bytes, so counts are approximate for protocols
+//! that have it; a drill that loses each turn 1..=n in turn covers every round trip anyway.
 
 use std::{
     io,
@@ -66,6 +81,24 @@ pub enum Fault {
     DropReplies,
 }
 
+/// The one-direction faults, kept apart from [`Fault`] (whose variants drills match on): set by
+/// [`Proxy::delay_replies`], [`Proxy::delay_requests`] and [`Proxy::lose_reply`] with
+/// [`Fault::Pass`], cleared by every [`Proxy::set`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Shape {
+    #[default]
+    None,
+    /// Delay each reply chunk: requests apply at server speed while their answers are in
+    /// flight.
+    DelayReplies(Duration),
+    /// Delay each request chunk: a future dropped meanwhile is dropped before its request
+    /// reached the coordinator, which still gets it later.
+    DelayRequests(Duration),
+    /// Forward each connection's first n−1 reply turns, discard the n-th and reset that
+    /// connection (0 and 1 both lose the first).
+    LoseReply(u32),
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Direction {
     Request,
@@ -75,10 +108,26 @@ enum Direction {
 struct Shared {
     upstream: SocketAddr,
     fault: watch::Sender<Fault>,
+    shape: std::sync::Mutex<Shape>,
     resets: watch::Sender<u64>,
     shutdown: watch::Sender<bool>,
     connections: watch::Sender<usize>,
     accepted: AtomicU64,
+    /// Bumped by every [`Proxy::set`], so that reply turns are counted from then.
+    generation: AtomicU64,
+    /// Reply turns, over all connections, since the fault was last set.
+    turns: AtomicU64,
+    /// Request chunks read from clients since the start.
+    request_chunks: AtomicU64,
+    /// Reply turns lost by [`Proxy::lose_reply`] since the start.
+    lost_turns: AtomicU64,
+}
+
+/// What a connection's reply pump needs to know of its request pump: the generation and
+/// sequence number of the last request chunk forwarded (`generation << 32 | sequence`).
+#[derive(Default)]
+struct Turns {
+    last_request: AtomicU64,
 }
 
 /// A TCP proxy on `127.0.0.1:<ephemeral port>` in front of one upstream address.
@@ -101,10 +150,15 @@ impl Proxy {
         let shared = Arc::new(Shared {
             upstream,
             fault: watch::Sender::new(Fault::Pass),
+            shape: std::sync::Mutex::new(Shape::None),
             resets: watch::Sender::new(0),
             shutdown: watch::Sender::new(false),
             connections: watch::Sender::new(0),
             accepted: AtomicU64::new(0),
+            generation: AtomicU64::new(0),
+            turns: AtomicU64::new(0),
+            request_chunks: AtomicU64::new(0),
+            lost_turns: AtomicU64::new(0),
         });
         let accept = tokio::spawn(accept_loop(listener, shared.clone()));
         Ok(Self {
@@ -150,9 +204,55 @@ impl Proxy {
         *self.shared.fault.borrow()
     }
 
-    /// Switches to `fault` for existing and new connections.
+    /// Switches to `fault` for existing and new connections, and restarts the count of reply
+    /// turns.
     pub fn set(&self, fault: Fault) {
+        self.set_shaped(fault, Shape::None);
+    }
+
+    fn set_shaped(&self, fault: Fault, shape: Shape) {
+        // The generation first, so that a pump seeing the new fault counts in the new one.
+        self.shared.generation.fetch_add(1, Ordering::SeqCst);
+        self.shared.turns.store(0, Ordering::SeqCst);
+        *self
+            .shared
+            .shape
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = shape;
         self.shared.fault.send_replace(fault);
+    }
+
+    /// Delays every reply chunk by `delay`, requests pass at once (a [`Fault::Pass`] with
+    /// slow answers; any [`Proxy::set`] ends it).
+    pub fn delay_replies(&self, delay: Duration) {
+        self.set_shaped(Fault::Pass, Shape::DelayReplies(delay));
+    }
+
+    /// Delays every request chunk by `delay`, replies pass at once (any [`Proxy::set`] ends it).
+    pub fn delay_requests(&self, delay: Duration) {
+        self.set_shaped(Fault::Pass, Shape::DelayRequests(delay));
+    }
+
+    /// From now on each connection forwards its first `n`−1 reply turns, loses the `n`-th and
+    /// is reset (see the [module docs](self); any [`Proxy::set`] ends it).
+    pub fn lose_reply(&self, n: u32) {
+        self.set_shaped(Fault::Pass, Shape::LoseReply(n));
+    }
+
+    /// Reply turns over all connections since the fault was last set (see the
+    /// [module docs](self)).
+    pub fn reply_turns(&self) -> u64 {
+        self.shared.turns.load(Ordering::SeqCst)
+    }
+
+    /// Reply turns [`Proxy::lose_reply`] discarded since the start (each reset its connection).
+    pub fn lost_turns(&self) -> u64 {
+        self.shared.lost_turns.load(Ordering::SeqCst)
+    }
+
+    /// Request chunks read from clients since the start (grows whenever a client sends).
+    pub fn request_chunks(&self) -> u64 {
+        self.shared.request_chunks.load(Ordering::SeqCst)
     }
 
     /// Heals: forward everything (held bytes are delivered now).
@@ -334,9 +434,22 @@ async fn serve(shared: Arc<Shared>, mut client: TcpStream) {
     let reset = {
         let (client_read, client_write) = client.split();
         let (server_read, server_write) = server.split();
+        let turns = Turns::default();
         let pumps = futures::future::try_join(
-            pump(client_read, server_write, Direction::Request, fault.clone()),
-            pump(server_read, client_write, Direction::Reply, fault),
+            pump(
+                client_read,
+                server_write,
+                Direction::Request,
+                fault.clone(),
+                (&shared, &turns),
+            ),
+            pump(
+                server_read,
+                client_write,
+                Direction::Reply,
+                fault,
+                (&shared, &turns),
+            ),
         );
         tokio::select! {
             biased;
@@ -354,6 +467,37 @@ fn broken(why: &'static str) -> io::Error {
     io::Error::new(io::ErrorKind::ConnectionReset, why)
 }
 
+/// Counts reply turns for one connection's reply pump.
+struct TurnCounter {
+    generation: u64,
+    turns: u32,
+    last_request: u64,
+}
+
+impl TurnCounter {
+    /// Whether a reply chunk read now begins a new turn, and that turn's number since the
+    /// fault was set.
+    fn on_reply(&mut self, shared: &Shared, conn: &Turns) -> Option<u32> {
+        let generation = shared.generation.load(Ordering::SeqCst);
+        if generation != self.generation {
+            self.generation = generation;
+            self.turns = 0;
+        }
+        let last = conn.last_request.load(Ordering::SeqCst);
+        if last == self.last_request {
+            return None;
+        }
+        self.last_request = last;
+        // A request sent before the fault was set answers a turn that is not counted.
+        if last >> 32 != generation & 0xffff_ffff {
+            return None;
+        }
+        self.turns = self.turns.saturating_add(1);
+        shared.turns.fetch_add(1, Ordering::SeqCst);
+        Some(self.turns)
+    }
+}
+
 /// Copies one direction until EOF (then half-closes the other side) or an error, applying the
 /// current fault to every chunk.
 async fn pump(
@@ -361,12 +505,19 @@ async fn pump(
     mut to: WriteHalf<'_>,
     direction: Direction,
     mut fault: watch::Receiver<Fault>,
+    (shared, conn): (&Shared, &Turns),
 ) -> io::Result<()> {
     let stopped = |_| broken("proxy stopped");
     let lost_bytes = || broken("reply bytes were dropped on this connection");
     let mut buf = vec![0u8; 16 * 1024];
     // Set once this direction discarded bytes: the stream can no longer be healed.
     let mut tainted = false;
+    let mut counter = TurnCounter {
+        generation: shared.generation.load(Ordering::SeqCst),
+        turns: 0,
+        last_request: 0,
+    };
+    let mut sequence: u64 = 0;
     loop {
         // Blackholed: do not even read, so the bytes wait in the kernel (and stall the sender).
         let current = *fault
@@ -396,6 +547,13 @@ async fn pump(
             to.shutdown().await?;
             return Ok(());
         }
+        let turn = match direction {
+            Direction::Request => {
+                shared.request_chunks.fetch_add(1, Ordering::SeqCst);
+                None
+            }
+            Direction::Reply => counter.on_reply(shared, conn),
+        };
         match current {
             Fault::Pass | Fault::Blackhole => {}
             Fault::Delay(delay) => tokio::time::sleep(delay).await,
@@ -405,7 +563,34 @@ async fn pump(
             }
             Fault::DropReplies => {}
         }
+        let shape = *shared
+            .shape
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match shape {
+            Shape::DelayReplies(delay) if direction == Direction::Reply => {
+                tokio::time::sleep(delay).await;
+            }
+            Shape::DelayRequests(delay) if direction == Direction::Request => {
+                tokio::time::sleep(delay).await;
+            }
+            Shape::LoseReply(n) if turn.is_some_and(|t| t >= n) => {
+                shared.lost_turns.fetch_add(1, Ordering::SeqCst);
+                return Err(broken("the n-th reply was lost"));
+            }
+            Shape::None
+            | Shape::DelayReplies(_)
+            | Shape::DelayRequests(_)
+            | Shape::LoseReply(_) => {}
+        }
         to.write_all(&buf[..n]).await?;
+        if direction == Direction::Request {
+            // Recorded once forwarded: the reply that follows answers it.
+            sequence = (sequence + 1) & 0xffff_ffff;
+            let generation = shared.generation.load(Ordering::SeqCst) & 0xffff_ffff;
+            conn.last_request
+                .store(generation << 32 | sequence, Ordering::SeqCst);
+        }
     }
 }
 
