@@ -1,6 +1,7 @@
 //! `EtcdLock`: a client-side mutex on etcd with Go `concurrency.Mutex`'s key layout.
 
 use std::{
+    collections::HashSet,
     fmt,
     sync::{Arc, Mutex, Weak},
     time::Duration,
@@ -82,6 +83,19 @@ const LEAVE_GRACE: Duration = Duration::from_millis(150);
 
 /// The most operations etcd accepts in one txn by default (`--max-txn-ops`).
 const MAX_TXN_OPS: usize = 128;
+
+/// A waiter behind at most this many entries watches the whole queue and needs no read when
+/// its turn comes ([`Inner::wait_turn`]); behind more it watches its predecessor only, so a
+/// release wakes at most this many waiters.
+const QUEUE_WATCH_MAX: usize = 32;
+
+/// Who a waiter waits for, from one read of the queue.
+enum Ahead {
+    /// Every earlier entry (newest first), watched through the queue prefix from `from`.
+    All { keys: Vec<Vec<u8>>, from: i64 },
+    /// Only the newest earlier entry, watched from `from`; the queue is read again when it goes.
+    Predecessor { key: Vec<u8>, from: i64 },
+}
 
 /// How many requests one [`EtcdLock`] client has sent to etcd, by kind (for measuring overhead).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -1075,13 +1089,17 @@ impl Inner {
     /// about).
     ///
     /// Each look at the queue is one read-only transaction that also reads our own entry (gone →
-    /// error, never `Ok`). Behind several entries, a waiter watches only its immediate
-    /// predecessor (no herd) and looks again when that one goes. Next in line (the
-    /// predecessor query found exactly one earlier entry), it instead watches the whole queue
-    /// prefix from just after its own creation: events arrive in revision order, so when the
-    /// predecessor's deletion arrives with no deletion of our own key before it, at that revision
-    /// no earlier entry existed (create revisions only grow, so none can appear) and ours did —
-    /// the lock is ours without another read. This saves the hand-off two round trips.
+    /// error, never `Ok`). It reads up to [`QUEUE_WATCH_MAX`] entries older than ours. When that
+    /// is all of them, the waiter watches the whole queue prefix (deletions only) from just
+    /// after the read and crosses each earlier entry off as its deletion arrives: events arrive
+    /// in revision order, so when the last earlier entry's deletion arrives with no deletion of
+    /// our own key before it, at that revision no earlier entry existed (create revisions only
+    /// grow, so none can appear) and ours did — the lock is ours without another read. A
+    /// hand-off then costs the holder's delete and one watch event, wherever the waiter stood
+    /// in the queue (with only the next in line watching the prefix, every other waiter read
+    /// the queue again when its predecessor went: one more round trip on the contended path).
+    /// Behind more entries than that, a waiter watches only its immediate predecessor (no herd
+    /// of events) and looks again when that one goes.
     async fn wait_turn(
         &self,
         entry: &Entry,
@@ -1104,13 +1122,13 @@ impl Inner {
             if Instant::now() >= until {
                 return Err(wait.timeout());
             }
-            // One read-only transaction: the newest entry older than ours, and our own entry.
+            // One read-only transaction: the newest entries older than ours, and our own entry.
             Counters::bump(&self.counters.txn);
             let opts = GetOptions::new()
                 .with_prefix()
                 .with_sort(SortTarget::Create, SortOrder::Descend)
                 .with_max_create_revision(entry.rev - 1)
-                .with_limit(1);
+                .with_limit(QUEUE_WATCH_MAX as i64);
             let read = Txn::new().and_then([
                 TxnOp::get(entry.name.clone(), Some(opts)),
                 TxnOp::get(entry.key.clone(), None),
@@ -1127,16 +1145,30 @@ impl Inner {
                         Some(kv) if kv.create_revision() == entry.rev => {}
                         _ => return Err(queue_entry_lost(key)),
                     }
+                    let earlier: Vec<&KeyValue> = queue
+                        .kvs()
+                        .iter()
+                        .filter(|kv| keys::is_entry(&entry.name, kv.key(), kv.lease()))
+                        .collect();
                     match (queue.kvs().first(), resp.header()) {
                         // No earlier entry and ours exists, at one revision: the lock is ours.
                         (None, _) => return Ok(()),
-                        // `more` is computed after the create-revision filter: false means this
-                        // is the only earlier entry.
-                        (Some(kv), Some(h))
-                            if keys::is_entry(&entry.name, kv.key(), kv.lease()) =>
-                        {
-                            Some((kv.key().to_vec(), h.revision() + 1, !queue.more()))
+                        // `more` is computed after the create-revision filter: false means
+                        // these are all the keys older than ours.
+                        (Some(_), Some(h)) if !queue.more() => {
+                            if earlier.is_empty() {
+                                // Only keys that are no contender: nobody is ahead of us.
+                                return Ok(());
+                            }
+                            Some(Ahead::All {
+                                keys: earlier.iter().map(|kv| kv.key().to_vec()).collect(),
+                                from: h.revision() + 1,
+                            })
                         }
+                        (Some(_), Some(h)) if !earlier.is_empty() => Some(Ahead::Predecessor {
+                            key: earlier[0].key().to_vec(),
+                            from: h.revision() + 1,
+                        }),
                         (Some(_), Some(_)) => {
                             // A key under our range that is no contender: look at the entries
                             // only (rare). No shortcut: the watch is then on the predecessor.
@@ -1152,11 +1184,10 @@ impl Inner {
                                         }
                                         return Err(queue_entry_lost(key));
                                     }
-                                    Some(kv) => Some((
-                                        kv.key().to_vec(),
-                                        kv.mod_revision().max(kv.create_revision()) + 1,
-                                        false,
-                                    )),
+                                    Some(kv) => Some(Ahead::Predecessor {
+                                        key: kv.key().to_vec(),
+                                        from: kv.mod_revision().max(kv.create_revision()) + 1,
+                                    }),
                                 },
                                 Err(e) => {
                                     tracing::debug!(%key, error = %e.source, "reading the lock queue failed; retrying");
@@ -1172,14 +1203,22 @@ impl Inner {
                     None
                 }
             };
-            // `Some(pred_key)` while watching the whole queue for the shortcut.
-            let mut next_in_line: Option<Vec<u8>> = None;
+            // The earlier entries not yet seen deleted, while watching the whole queue.
+            let mut ahead: Option<HashSet<Vec<u8>>> = None;
+            let pred = match pred {
+                // A refused queue watch (compacted): watch the newest earlier entry instead.
+                Some(Ahead::All { keys, from }) if !queue_watch_ok => {
+                    let newest = keys.into_iter().next();
+                    newest.map(|key| Ahead::Predecessor { key, from })
+                }
+                other => other,
+            };
             let mut stream = match pred {
-                Some((pred_key, _, true)) if queue_watch_ok => {
+                Some(Ahead::All { keys, from }) => {
                     Counters::bump(&self.counters.watch);
                     let opts = WatchOptions::new()
                         .with_prefix()
-                        .with_start_revision(entry.rev + 1)
+                        .with_start_revision(from)
                         .with_filters([WatchFilterType::NoPut]);
                     let stream = error::request_until(
                         self.timeout(),
@@ -1191,11 +1230,14 @@ impl Inner {
                     .await
                     .ok();
                     if stream.is_some() {
-                        next_in_line = Some(pred_key);
+                        ahead = Some(keys.into_iter().collect());
                     }
                     stream
                 }
-                Some((pred_key, from, _)) => {
+                Some(Ahead::Predecessor {
+                    key: pred_key,
+                    from,
+                }) => {
                     Counters::bump(&self.counters.watch);
                     let opts = WatchOptions::new()
                         .with_start_revision(from)
@@ -1237,7 +1279,7 @@ impl Inner {
                         match msg {
                             Ok(Some(resp)) if resp.events().is_empty() && !resp.canceled() => {}
                             Ok(Some(resp)) => {
-                                let Some(pred_key) = &next_in_line else {
+                                let Some(waiting_for) = ahead.as_mut() else {
                                     backoff.reset();
                                     continue 'queue;
                                 };
@@ -1255,7 +1297,7 @@ impl Inner {
                                     if kv.key() == entry.key.as_slice() {
                                         return Err(queue_entry_lost(key));
                                     }
-                                    if kv.key() == pred_key.as_slice() {
+                                    if waiting_for.remove(kv.key()) && waiting_for.is_empty() {
                                         return Ok(());
                                     }
                                 }
