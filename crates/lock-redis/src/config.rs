@@ -65,6 +65,38 @@ pub struct RedisLockConfig {
     /// start time) this client records next to each of its grants, which `inspect` shows.
     /// Not secret: any client that can read the lock can see it.
     pub label: Option<String>,
+    /// Which servers: one (`host`/`port`, the default), a master found through Sentinel, or a
+    /// Cluster (see [`RedisTopology`]).
+    pub topology: RedisTopology,
+    /// Replica acknowledgement (`replicas=N`): an acquire or a renewal counts only after
+    /// `WAIT N` confirms that N replicas have its write; 0 (the default) does not wait. Not
+    /// available on a Cluster.
+    pub replicas: u32,
+    /// How long `WAIT` may wait for the replicas (`replica_timeout`, default 500 ms); a WAIT
+    /// that ends with fewer is an unknown outcome (undone, `Error::Indeterminate`).
+    pub replica_timeout: Duration,
+}
+
+/// Which Redis servers a [`RedisLockConfig`] names.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RedisTopology {
+    /// One server at `host:port`.
+    #[default]
+    Single,
+    /// `redis+sentinel://h1:p1,h2:p2/MASTERNAME[/db]`: the master named `master_name`, asked
+    /// of the sentinels in order; re-resolved after a failover.
+    Sentinel {
+        /// The sentinels' addresses (default port 26379).
+        sentinels: Vec<(String, u16)>,
+        /// The name the sentinels monitor the master under.
+        master_name: String,
+    },
+    /// `redis+cluster://h1:p1,h2:p2`: Redis Cluster, reached through these seed nodes.
+    Cluster {
+        /// The seed nodes (default port 6379).
+        nodes: Vec<(String, u16)>,
+    },
 }
 
 impl RedisLockConfig {
@@ -80,19 +112,27 @@ impl RedisLockConfig {
     /// `try_acquire` against an unreachable server take minutes.
     pub const MAX_RECONNECT_RETRIES: usize = 5;
 
+    /// The most replicas `replicas=` may ask for.
+    pub const MAX_REPLICAS: u32 = 64;
+
     /// Parses `redis://[user:password@]host[:port][/db][?option=value&...]`.
     ///
     /// # Errors
     /// [`Error::Config`] for another scheme, a bad host, port or database, and for unknown or
     /// malformed options. No I/O is done.
     pub fn from_url(url: &str) -> Result<Self> {
+        if let Some((scheme, rest)) = url.split_once("://")
+            && let Some(kind) = scheme.strip_prefix("redis+")
+        {
+            return Self::from_multi_host_url(kind, rest);
+        }
         let parsed = url::Url::parse(url).map_err(|e| config_err(format!("bad redis url: {e}")))?;
         let tls = match parsed.scheme() {
             "redis" => false,
             "rediss" => true,
             other => {
                 return Err(config_err(format!(
-                    "unsupported scheme {other:?}: expected redis:// or rediss://"
+                    "unsupported scheme {other:?}: expected redis://, rediss://, redis+sentinel:// or redis+cluster://"
                 )));
             }
         };
@@ -131,8 +171,99 @@ impl RedisLockConfig {
         Ok(config)
     }
 
+    /// `redis+sentinel://[user:password@]h1[:p1],h2[:p2]/MASTERNAME[/db][?options]` and
+    /// `redis+cluster://[user:password@]h1[:p1],h2[:p2][?options]`: the host list is split
+    /// here, the rest is read as the `redis://` URL of the first host would be.
+    fn from_multi_host_url(kind: &str, rest: &str) -> Result<Self> {
+        let (authority, tail) = match rest.find(['/', '?', '#']) {
+            Some(i) => rest.split_at(i),
+            None => (rest, ""),
+        };
+        let (userinfo, hosts) = match authority.rsplit_once('@') {
+            Some((u, h)) => (Some(u), h),
+            None => (None, authority),
+        };
+        let default_port = match kind {
+            "sentinel" => 26379,
+            "cluster" => 6379,
+            other => {
+                return Err(config_err(format!(
+                    "unsupported scheme \"redis+{other}\": expected redis+sentinel:// or redis+cluster://"
+                )));
+            }
+        };
+        let mut nodes = Vec::new();
+        for host in hosts.split(',') {
+            let one = Self::from_url(&format!("redis://{host}"))
+                .map_err(|_| config_err(format!("bad host {host:?} in the redis+{kind} url")))?;
+            let port = if host.ends_with(']') || !host.contains(':') {
+                default_port
+            } else {
+                one.port
+            };
+            if one.db != 0 || one.host.is_empty() {
+                return Err(config_err(format!(
+                    "bad host {host:?} in the redis+{kind} url"
+                )));
+            }
+            nodes.push((one.host, port));
+        }
+        if tail.contains('#') {
+            return Err(config_err("a redis url has no #fragment"));
+        }
+        let (path, query) = match tail.split_once('?') {
+            Some((p, q)) => (p, Some(q)),
+            None => (tail, None),
+        };
+        let mut segments = path.trim_start_matches('/').splitn(2, '/');
+        let first = segments.next().unwrap_or_default();
+        let (master_name, db) = match kind {
+            "sentinel" => {
+                let name = decode(first, "master name")?;
+                if name.is_empty() || name.chars().any(|c| c.is_control() || c.is_whitespace()) {
+                    return Err(config_err(
+                        "a redis+sentinel url names the master: redis+sentinel://host:port/MASTERNAME",
+                    ));
+                }
+                (name, segments.next().unwrap_or_default())
+            }
+            _ => (String::new(), first),
+        };
+        // Everything else as a single-host URL would have it (credentials, db, options).
+        let userinfo = userinfo.map(|u| format!("{u}@")).unwrap_or_default();
+        let query = query.map(|q| format!("?{q}")).unwrap_or_default();
+        let mut config = Self::from_url(&format!(
+            "redis://{userinfo}{}/{db}{query}",
+            hosts.split(',').next().unwrap_or_default()
+        ))?;
+        config.topology = match kind {
+            "sentinel" => RedisTopology::Sentinel {
+                sentinels: nodes,
+                master_name,
+            },
+            _ => RedisTopology::Cluster { nodes },
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
     fn set_option(&mut self, name: &str, value: &str) -> Result<()> {
         match name {
+            "replicas" => {
+                self.replicas = value
+                    .parse()
+                    .ok()
+                    .filter(|n| *n <= Self::MAX_REPLICAS)
+                    .ok_or_else(|| {
+                        config_err(format!(
+                            "replicas must be a number from 0 to {}, not {value:?}",
+                            Self::MAX_REPLICAS
+                        ))
+                    })?;
+            }
+            "replica_timeout" => {
+                self.replica_timeout = lock_core::parse_duration_option(name, value, None)?
+            }
             "namespace" => {
                 if value.chars().any(char::is_control) {
                     return Err(config_err(
@@ -179,7 +310,7 @@ impl RedisLockConfig {
             }
             other => {
                 return Err(config_err(format!(
-                    "unknown option {other:?} (known: namespace, connect_timeout, response_timeout, reconnect_retries, max_poll_interval, ca, label)"
+                    "unknown option {other:?} (known: namespace, connect_timeout, response_timeout, reconnect_retries, max_poll_interval, ca, label, replicas, replica_timeout)"
                 )));
             }
         }
@@ -208,6 +339,7 @@ impl RedisLockConfig {
             ("connect_timeout", self.connect_timeout),
             ("response_timeout", self.response_timeout),
             ("max_poll_interval", self.max_poll_interval),
+            ("replica_timeout", self.replica_timeout),
         ] {
             if d.is_zero() {
                 return Err(config_err(format!("{name} must be positive")));
@@ -240,6 +372,46 @@ impl RedisLockConfig {
         if let Some(label) = &self.label {
             lock_core::HolderIdentity::check_label(label)?;
         }
+        if self.replicas > Self::MAX_REPLICAS {
+            return Err(config_err(format!(
+                "replicas must be at most {}, not {}",
+                Self::MAX_REPLICAS,
+                self.replicas
+            )));
+        }
+        match &self.topology {
+            RedisTopology::Single => {}
+            RedisTopology::Sentinel {
+                sentinels,
+                master_name,
+            } => {
+                if sentinels.is_empty() || sentinels.iter().any(|(h, _)| h.is_empty()) {
+                    return Err(config_err("a sentinel topology needs sentinel addresses"));
+                }
+                if master_name.is_empty() || master_name.chars().any(char::is_control) {
+                    return Err(config_err("a sentinel topology needs a master name"));
+                }
+                if self.tls {
+                    return Err(config_err("TLS is not supported with Sentinel"));
+                }
+            }
+            RedisTopology::Cluster { nodes } => {
+                if nodes.is_empty() || nodes.iter().any(|(h, _)| h.is_empty()) {
+                    return Err(config_err("a cluster topology needs seed nodes"));
+                }
+                if self.db != 0 {
+                    return Err(config_err("Redis Cluster has only database 0"));
+                }
+                if self.tls {
+                    return Err(config_err("TLS is not supported with Redis Cluster"));
+                }
+                if self.replicas > 0 {
+                    return Err(config_err(
+                        "replicas= (WAIT) is not supported on Redis Cluster",
+                    ));
+                }
+            }
+        }
         Ok(())
     }
 
@@ -250,7 +422,17 @@ impl RedisLockConfig {
         self.connect_timeout
             .saturating_mul(attempts)
             .saturating_add(self.response_timeout)
+            .saturating_add(self.wait_allowance())
             .saturating_add(Duration::from_millis(200))
+    }
+
+    /// What a reply may take beyond `response_timeout`: the `WAIT` for the replicas.
+    pub(crate) fn wait_allowance(&self) -> Duration {
+        if self.replicas > 0 {
+            self.replica_timeout
+        } else {
+            Duration::ZERO
+        }
     }
 }
 
@@ -270,6 +452,9 @@ impl Default for RedisLockConfig {
             reconnect_retries: 2,
             max_poll_interval: Duration::from_millis(500),
             label: None,
+            topology: RedisTopology::Single,
+            replicas: 0,
+            replica_timeout: Duration::from_millis(500),
         }
     }
 }
@@ -290,6 +475,9 @@ impl fmt::Debug for RedisLockConfig {
             .field("reconnect_retries", &self.reconnect_retries)
             .field("max_poll_interval", &self.max_poll_interval)
             .field("label", &self.label)
+            .field("topology", &self.topology)
+            .field("replicas", &self.replicas)
+            .field("replica_timeout", &self.replica_timeout)
             .finish()
     }
 }
@@ -405,6 +593,69 @@ mod tests {
         let c = RedisLockConfig::from_url("rediss://h").unwrap();
         assert!(c.tls && c.ca_file.is_none());
         assert!(!RedisLockConfig::from_url("redis://h").unwrap().tls);
+    }
+
+    #[test]
+    fn sentinel_and_cluster_urls() {
+        let c = RedisLockConfig::from_url(
+            "redis+sentinel://u:p%40ss@10.0.0.1:26380,s2,[::1]:26390/mymaster/2?replicas=1&replica_timeout=250ms&namespace=x:",
+        )
+        .unwrap();
+        assert_eq!(
+            c.topology,
+            RedisTopology::Sentinel {
+                sentinels: vec![
+                    ("10.0.0.1".into(), 26380),
+                    ("s2".into(), 26379),
+                    ("::1".into(), 26390)
+                ],
+                master_name: "mymaster".into(),
+            }
+        );
+        assert_eq!((c.db, c.replicas), (2, 1));
+        assert_eq!(c.replica_timeout, Duration::from_millis(250));
+        assert_eq!(c.password.as_deref(), Some("p@ss"));
+        assert_eq!(c.namespace, "x:");
+        let c = RedisLockConfig::from_url("redis+sentinel://s1/m").unwrap();
+        assert_eq!(c.db, 0);
+        let c = RedisLockConfig::from_url("redis+cluster://a:7000,b").unwrap();
+        assert_eq!(
+            c.topology,
+            RedisTopology::Cluster {
+                nodes: vec![("a".into(), 7000), ("b".into(), 6379)]
+            }
+        );
+        assert_eq!(
+            RedisLockConfig::from_url("redis://h").unwrap().topology,
+            RedisTopology::Single
+        );
+        for url in [
+            "redis+sentinel://s1",
+            "redis+sentinel://s1/",
+            "redis+sentinel:///m",
+            "redis+sentinel://s1,,s2/m",
+            "redis+sentinel://s1:x/m",
+            "redis+sentinel://s1/m/x",
+            "redis+sentinel://s1/m?nope=1",
+            "redis+sentinel://s1/m#f",
+            "redis+cluster://a/1",
+            "redis+cluster://a?replicas=1",
+            "redis+cluster://",
+            "redis+other://a",
+            "redis://h?replicas=65",
+            "redis://h?replicas=-1",
+            "redis://h?replica_timeout=0",
+        ] {
+            assert!(
+                matches!(RedisLockConfig::from_url(url), Err(Error::Config(_))),
+                "{url}"
+            );
+        }
+        let shown = format!(
+            "{:?}",
+            RedisLockConfig::from_url("redis+sentinel://u:hunter2@s/m").unwrap()
+        );
+        assert!(!shown.contains("hunter2"), "{shown}");
     }
 
     #[test]

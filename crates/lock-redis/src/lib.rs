@@ -4,11 +4,12 @@
 
 mod audit;
 mod config;
+mod conn;
 mod keys;
 mod lock;
 mod scripts;
 mod wakeups;
 
 pub use audit::audit;
-pub use config::RedisLockConfig;
+pub use config::{RedisLockConfig, RedisTopology};
 pub use lock::RedisLock;

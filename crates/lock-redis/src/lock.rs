@@ -15,8 +15,9 @@ use redis::{
 use tokio::time::{Instant, sleep, sleep_until, timeout, timeout_at};
 
 use crate::{
-    RedisLockConfig,
-    keys::KeyNames,
+    RedisLockConfig, RedisTopology,
+    conn::{Acked, Conn, SentinelConn, SentinelSettings},
+    keys::{KeyNames, key_slot},
     scripts::Scripts,
     wakeups::{Registry, WAKE_CHANNEL_PREFIX, Watch},
 };
@@ -37,7 +38,7 @@ pub struct RedisLock {
 
 struct Inner {
     config: RedisLockConfig,
-    conn: ConnectionManager,
+    conn: Conn,
     scripts: Scripts,
     wakeups: Arc<Registry>,
     /// Who this client is (host, pid, start, `label`), recorded next to each of its grants.
@@ -175,16 +176,62 @@ impl RedisLock {
             redis::Client::open(info).map_err(|e| Error::Config(e.to_string()))?
         };
         let wakeups = Arc::new(Registry::default());
+        // A script's reply may also wait for its `WAIT` (replica acknowledgement).
+        let response_timeout = config
+            .response_timeout
+            .saturating_add(config.wait_allowance());
         let manager_config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(config.connect_timeout))
-            .set_response_timeout(Some(config.response_timeout))
+            .set_response_timeout(Some(response_timeout))
             .set_number_of_retries(config.reconnect_retries)
             .set_min_delay(Duration::from_millis(50))
             .set_max_delay(Duration::from_secs(1))
             .set_push_sender(wakeups.clone())
             .set_automatic_resubscription();
-        let conn = ConnectionManager::new_lazy_with_config(client, manager_config)
-            .map_err(|e| Error::Config(e.to_string()))?;
+        let conn = match &config.topology {
+            RedisTopology::Single => Conn::Single(
+                ConnectionManager::new_lazy_with_config(client, manager_config)
+                    .map_err(|e| Error::Config(e.to_string()))?,
+            ),
+            RedisTopology::Sentinel {
+                sentinels,
+                master_name,
+            } => Conn::Sentinel(Arc::new(SentinelConn::new(SentinelSettings {
+                sentinels: sentinels.clone(),
+                master_name: master_name.clone(),
+                redis_info: client.get_connection_info().redis_settings().clone(),
+                manager_config,
+                connect_timeout: config.connect_timeout,
+                response_timeout: config.response_timeout,
+                wakeups: wakeups.clone(),
+            }))),
+            RedisTopology::Cluster { nodes } => {
+                let mut builder = redis::cluster::ClusterClientBuilder::new(
+                    nodes
+                        .iter()
+                        .map(|(h, p)| ConnectionAddr::Tcp(h.clone(), *p))
+                        .collect::<Vec<_>>(),
+                )
+                .use_protocol(ProtocolVersion::RESP3)
+                .connection_timeout(config.connect_timeout)
+                .response_timeout(response_timeout)
+                .retries(u32::try_from(config.reconnect_retries).unwrap_or(u32::MAX))
+                .push_sender(wakeups.clone());
+                if let Some(user) = &config.username {
+                    builder = builder.username(user);
+                }
+                if let Some(password) = &config.password {
+                    builder = builder.password(password);
+                }
+                let cluster = builder
+                    .build()
+                    .map_err(|e| Error::Config(format!("cluster settings: {e}")))?;
+                let cluster_config = redis::cluster::ClusterConfig::new()
+                    .set_connection_timeout(config.connect_timeout)
+                    .set_response_timeout(response_timeout);
+                Conn::Cluster(cluster.get_pending_async_connection_with_config(cluster_config))
+            }
+        };
         Ok(Self {
             inner: Arc::new(Inner {
                 config,
@@ -264,12 +311,21 @@ impl RedisLock {
             },
             ttl,
         };
-        let reply = self
-            .run(
-                invocation.invoke_async::<redis::Value>(&mut self.inner.conn.clone()),
-                by,
-            )
-            .await;
+        let (reply, acked) = if self.inner.config.replicas > 0 {
+            let mut acked = self.acked();
+            let reply = self
+                .run(invocation.invoke_async::<redis::Value>(&mut acked), by)
+                .await;
+            (reply, Some(acked.confirmed()))
+        } else {
+            let reply = self
+                .run(
+                    invocation.invoke_async::<redis::Value>(&mut self.inner.conn.clone()),
+                    by,
+                )
+                .await;
+            (reply, None)
+        };
         let bad_reply = |message: String| Error::Backend {
             backend: BACKEND,
             op: "try_acquire",
@@ -358,6 +414,17 @@ impl RedisLock {
             }
         };
         let (lease, inflight) = lease;
+        if let Some(Err(message)) = acked {
+            // Granted on the master, but not known to be on enough replicas: a failover may
+            // lose it, so it does not count; undone like a grant without a reply.
+            self.settle(inflight.undo(true), by).await;
+            return Err(Error::Indeterminate {
+                backend: BACKEND,
+                op: "try_acquire",
+                key: key.as_str().to_owned(),
+                message,
+            });
+        }
         if lease.is_locally_valid() {
             inflight.disarm();
             return Ok(Attempt::Granted(lease));
@@ -375,6 +442,11 @@ impl RedisLock {
             ),
             source: None,
         })
+    }
+
+    /// A connection that sends each script with its `WAIT` (replica acknowledgement).
+    fn acked(&self) -> Acked {
+        acked(&self.inner)
     }
 
     /// Waits for a spawned clean-up's answer within one request budget when the caller has no
@@ -410,6 +482,15 @@ impl RedisLock {
 
     /// The operator override, of any holder or only of the grant with fence `holder`.
     async fn force_release_if(&self, key: &LockKey, holder: Option<FencingToken>) -> Result<bool> {
+        // The cluster client re-sends a request whose connection dropped: an unconditional
+        // delete run twice could remove the grant the first run handed to a waiter. Name the
+        // grant being removed, so that a re-sent request matches only it.
+        let holder = match holder {
+            None if self.inner.conn.is_cluster() => {
+                self.inspect(key).await?.and_then(|h| h.fencing_token)
+            }
+            holder => holder,
+        };
         let names = self.names(key);
         let fence = holder.map(|f| f.get().to_string()).unwrap_or_default();
         let deleted = self
@@ -455,14 +536,50 @@ impl RedisLock {
 /// multiplexed connection. Every item of a failed call gets that call's failure; the other
 /// chunks are unaffected.
 async fn renew_batch(inner: Arc<Inner>, items: Vec<RenewItem>) -> Vec<Result<bool, Failure>> {
-    let chunks = items
-        .chunks(RENEW_CHUNK)
-        .map(|chunk| renew_chunk(&inner, chunk));
-    futures::future::join_all(chunks)
-        .await
-        .into_iter()
-        .flatten()
-        .collect()
+    if !inner.conn.is_cluster() {
+        let chunks = items
+            .chunks(RENEW_CHUNK)
+            .map(|chunk| renew_chunk(&inner, chunk));
+        return futures::future::join_all(chunks)
+            .await
+            .into_iter()
+            .flatten()
+            .collect();
+    }
+    // On a Cluster one script call may only touch one slot: group by slot, answer in order.
+    let mut by_slot: std::collections::BTreeMap<u16, Vec<usize>> = Default::default();
+    for (i, item) in items.iter().enumerate() {
+        by_slot.entry(key_slot(&item.lock)).or_default().push(i);
+    }
+    let mut groups: Vec<(Vec<usize>, Vec<RenewItem>)> = Vec::new();
+    let mut items: Vec<Option<RenewItem>> = items.into_iter().map(Some).collect();
+    for indices in by_slot.into_values() {
+        for part in indices.chunks(RENEW_CHUNK) {
+            let chunk = part.iter().filter_map(|i| items[*i].take()).collect();
+            groups.push((part.to_vec(), chunk));
+        }
+    }
+    let answers =
+        futures::future::join_all(groups.iter().map(|(_, chunk)| renew_chunk(&inner, chunk))).await;
+    let mut out: Vec<Result<bool, Failure>> = (0..items.len())
+        .map(|_| Err(Failure::Unknown("the renewal was not sent".to_owned())))
+        .collect();
+    for ((indices, _), answer) in groups.iter().zip(answers) {
+        for (i, a) in indices.iter().zip(answer) {
+            out[*i] = a;
+        }
+    }
+    out
+}
+
+/// A connection of `inner` that sends each script with its `WAIT`.
+fn acked(inner: &Inner) -> Acked {
+    Acked {
+        conn: inner.conn.clone(),
+        replicas: inner.config.replicas,
+        timeout: inner.config.replica_timeout,
+        acked: None,
+    }
 }
 
 async fn renew_chunk(inner: &Inner, chunk: &[RenewItem]) -> Vec<Result<bool, Failure>> {
@@ -477,10 +594,32 @@ async fn renew_chunk(inner: &Inner, chunk: &[RenewItem]) -> Vec<Result<bool, Fai
         invocation.arg(&item.prefix).arg(item.ttl_ms);
     }
     let budget = inner.config.request_budget();
-    let mut conn = inner.conn.clone();
-    let failure = match timeout(budget, invocation.invoke_async::<Vec<i64>>(&mut conn)).await {
+    let mut conn = acked(inner);
+    let reply = if inner.config.replicas > 0 {
+        timeout(budget, invocation.invoke_async::<Vec<i64>>(&mut conn)).await
+    } else {
+        timeout(
+            budget,
+            invocation.invoke_async::<Vec<i64>>(&mut inner.conn.clone()),
+        )
+        .await
+    };
+    let failure = match reply {
         Ok(Ok(replies)) if replies.len() == chunk.len() => {
-            return replies.into_iter().map(|n| Ok(n == 1)).collect();
+            let confirmed = if inner.config.replicas > 0 {
+                conn.confirmed()
+            } else {
+                Ok(())
+            };
+            // A renewal the replicas did not all acknowledge may be lost on a failover: its
+            // outcome is unknown (a lock that is no longer ours stays `NotHeld`).
+            return replies
+                .into_iter()
+                .map(|n| match (&confirmed, n == 1) {
+                    (Err(message), true) => Err(Failure::Unknown(message.clone())),
+                    (_, held) => Ok(held),
+                })
+                .collect();
         }
         // Cannot happen with our script; whatever it did, the renewals are not confirmed.
         Ok(Ok(replies)) => Failure::Unknown(format!(
@@ -737,6 +876,11 @@ impl Registration {
     /// restarts its TTL (or `leave` passes it on).
     fn granted(&mut self, key: &LockKey, ttl: Duration) -> Option<Lease> {
         let grant = self.watch.take_grant()?;
+        // With replica acknowledgement the releaser's grant was not WAITed for: the waiter's
+        // own attempt confirms it (restarting its TTL) with its WAIT.
+        if self.inner.config.replicas > 0 {
+            return None;
+        }
         let lease = self.registered?.lease(grant, key, self.grant, ttl)?;
         if !lease.is_locally_valid() {
             return None;
@@ -898,6 +1042,8 @@ fn classify(e: RedisError) -> Failure {
             | ServerErrorKind::ReadOnly,
         ) => Failure::NotSent(e),
         ErrorKind::Server(_) if e.code() == Some("BUSY") => Failure::NotSent(e),
+        // The cluster client had no connection to send it on.
+        ErrorKind::ClusterConnectionNotFound => Failure::NotSent(e),
         ErrorKind::Io => Failure::Unknown(e.to_string()),
         _ if e.is_timeout() || e.is_connection_dropped() => Failure::Unknown(e.to_string()),
         _ => Failure::Server(e),
@@ -1199,6 +1345,7 @@ impl fmt::Debug for RedisLock {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let c = &self.inner.config;
         f.debug_struct("RedisLock")
+            .field("topology", &c.topology)
             .field("host", &c.host)
             .field("port", &c.port)
             .field("db", &c.db)

@@ -30,6 +30,11 @@ use redis::Script;
 /// the registration's lifetime in ms, its grant prefix (`<grant token hex>:`) and then its
 /// earlier members that may still be queued (a bounded number).
 ///
+/// A lock already held by this very attempt's prefix is its own grant, re-sent (the cluster
+/// client re-sends a request whose connection dropped before the reply): its fence is
+/// returned again, so the re-sent attempt is not mistaken for a refusal that leaves its own
+/// grant stranded until the TTL.
+///
 /// An undo marker (see [`RELEASE`]) says that the clean-up of this attempt (or of the whole
 /// waiting `acquire`) has already run: the attempt arrived late, after its sender gave up on
 /// it, and does nothing at all (no grant, no registration; an error reply nobody reads).
@@ -75,8 +80,11 @@ if redis.call('SET', KEYS[1], ARGV[1] .. fence, 'NX', 'PX', ARGV[2]) then
   end
   return fence
 end
+local value = redis.pcall('GET', KEYS[1])
+if type(value) == 'string' and string.sub(value, 1, #ARGV[1]) == ARGV[1] then
+  return string.match(value, '^%x+:(%d+)')
+end
 if KEYS[5] then
-  local value = redis.pcall('GET', KEYS[1])
   if type(value) == 'string' then
     if string.sub(value, 1, #ARGV[6]) == ARGV[6] then
       redis.call('PEXPIRE', KEYS[1], ARGV[2])

@@ -18,8 +18,10 @@ use std::{
 };
 
 use lock_core::handoff::{Grant, Message};
-use redis::{PushInfo, PushKind, Value, aio::ConnectionManager};
+use redis::{PushInfo, PushKind, Value};
 use tokio::sync::Notify;
+
+use crate::conn::Conn;
 
 /// The prefix of every client's wake channel (the release script builds the same name).
 pub(crate) const WAKE_CHANNEL_PREFIX: &[u8] = b"distlock\x1fwake:";
@@ -70,19 +72,20 @@ impl Registry {
                     slot.notify.notify_one();
                 }
             }
-            PushKind::Disconnection => {
-                self.waiters().values().for_each(|s| s.notify.notify_one());
-            }
+            PushKind::Disconnection => self.wake_all(),
             _ => {}
         }
     }
 
+    /// Wakes every waiter, so each tries again at once (after a disconnect or a new master:
+    /// a grant message may have been lost).
+    pub(crate) fn wake_all(&self) {
+        self.waiters().values().for_each(|s| s.notify.notify_one());
+    }
+
     /// Registers a waiter and makes sure the client's wake channel is subscribed: returns once
     /// the server has confirmed the subscription, so a wake-up published afterwards is seen.
-    pub(crate) async fn watch(
-        self: &Arc<Self>,
-        conn: &ConnectionManager,
-    ) -> redis::RedisResult<Watch> {
+    pub(crate) async fn watch(self: &Arc<Self>, conn: &Conn) -> redis::RedisResult<Watch> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let slot = Arc::new(Slot::default());
         self.waiters().insert(id, slot.clone());
@@ -93,7 +96,7 @@ impl Registry {
         };
         let mut subscribed = self.subscribed.lock().await;
         if !*subscribed {
-            conn.clone().subscribe(&self.channel).await?;
+            conn.subscribe(&self.channel).await?;
             *subscribed = true;
         }
         Ok(watch)

@@ -1,0 +1,408 @@
+//! The connection to whichever servers the topology names: one server, the master a Sentinel
+//! set names (followed across failovers), or a Redis Cluster. Every variant is a
+//! [`ConnectionLike`], so the scripts run on it unchanged.
+
+use std::{
+    io,
+    sync::{
+        Arc, Mutex, PoisonError,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use redis::{
+    Cmd, ConnectionAddr, ErrorKind, IntoConnectionInfo, Pipeline, RedisConnectionInfo, RedisError,
+    RedisFuture, RedisResult, ServerErrorKind, Value,
+    aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig},
+    cluster_async::ClusterConnection,
+};
+use tokio::time::timeout;
+
+use crate::wakeups::Registry;
+
+/// One client's connection.
+#[derive(Clone)]
+pub(crate) enum Conn {
+    /// One server: a reconnecting multiplexed connection.
+    Single(ConnectionManager),
+    /// The master the sentinels name, re-resolved after a failover.
+    Sentinel(Arc<SentinelConn>),
+    /// Redis Cluster: the redis crate's async cluster client (MOVED/ASK, slot map refresh).
+    Cluster(ClusterConnection),
+}
+
+impl Conn {
+    /// Subscribes to `channel` (RESP3 push messages go to the client's wake-up registry); a
+    /// reconnection (or, on Sentinel, a new master) subscribes again by itself.
+    pub(crate) async fn subscribe(&self, channel: &[u8]) -> RedisResult<()> {
+        match self {
+            Self::Single(m) => m.clone().subscribe(channel).await,
+            Self::Sentinel(s) => s.subscribe(channel).await,
+            Self::Cluster(c) => c.clone().subscribe(channel).await,
+        }
+    }
+
+    /// Whether this connection speaks to a Cluster (renewals are then grouped by slot).
+    pub(crate) fn is_cluster(&self) -> bool {
+        matches!(self, Self::Cluster(_))
+    }
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Single(m) => m.req_packed_command(cmd),
+            Self::Cluster(c) => c.req_packed_command(cmd),
+            Self::Sentinel(s) => {
+                let s = s.clone();
+                Box::pin(async move {
+                    let (_, _, mut m) = s.current().await?;
+                    let reply = m.req_packed_command(cmd).await;
+                    s.observe(reply.as_ref().err());
+                    reply
+                })
+            }
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Single(m) => m.req_packed_commands(pipeline, offset, count),
+            Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            Self::Sentinel(s) => {
+                let s = s.clone();
+                Box::pin(async move {
+                    let (_, _, mut m) = s.current().await?;
+                    let reply = m.req_packed_commands(pipeline, offset, count).await;
+                    match &reply {
+                        Err(e) => s.observe(Some(e)),
+                        Ok(values) => {
+                            for v in values.iter() {
+                                if let Value::ServerError(e) = v {
+                                    s.observe(Some(&RedisError::from(e.clone())));
+                                }
+                            }
+                        }
+                    }
+                    reply
+                })
+            }
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Single(m) => m.get_db(),
+            Self::Cluster(c) => c.get_db(),
+            Self::Sentinel(s) => s.db,
+        }
+    }
+}
+
+/// What a Sentinel-managed master's connection needs to follow a failover.
+pub(crate) struct SentinelConn {
+    sentinels: Vec<(String, u16)>,
+    master_name: String,
+    /// Database, credentials and protocol of the master connection.
+    redis_info: RedisConnectionInfo,
+    db: i64,
+    manager_config: ConnectionManagerConfig,
+    connect_timeout: Duration,
+    response_timeout: Duration,
+    /// The master's address and its connection; `None` until the first request.
+    current: Mutex<Option<(String, u16, ConnectionManager)>>,
+    /// Set by an answer that suggests a failover: the next request asks the sentinels again.
+    stale: AtomicBool,
+    /// One resolution at a time.
+    resolving: tokio::sync::Mutex<()>,
+    /// Channels subscribed so far, subscribed again on a new master.
+    channels: Mutex<Vec<Vec<u8>>>,
+    wakeups: Arc<Registry>,
+}
+
+/// The settings of a [`SentinelConn`].
+pub(crate) struct SentinelSettings {
+    pub(crate) sentinels: Vec<(String, u16)>,
+    pub(crate) master_name: String,
+    pub(crate) redis_info: RedisConnectionInfo,
+    pub(crate) manager_config: ConnectionManagerConfig,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) response_timeout: Duration,
+    pub(crate) wakeups: Arc<Registry>,
+}
+
+impl SentinelConn {
+    pub(crate) fn new(s: SentinelSettings) -> Self {
+        Self {
+            db: s.redis_info.db(),
+            sentinels: s.sentinels,
+            master_name: s.master_name,
+            redis_info: s.redis_info,
+            manager_config: s.manager_config,
+            connect_timeout: s.connect_timeout,
+            response_timeout: s.response_timeout,
+            current: Mutex::new(None),
+            stale: AtomicBool::new(false),
+            resolving: tokio::sync::Mutex::new(()),
+            channels: Mutex::new(Vec::new()),
+            wakeups: s.wakeups,
+        }
+    }
+
+    fn current_now(&self) -> Option<(String, u16, ConnectionManager)> {
+        self.current
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The master's connection, asking the sentinels first when there is none yet or an
+    /// earlier answer suggested a failover.
+    async fn current(&self) -> RedisResult<(String, u16, ConnectionManager)> {
+        if let Some(m) = self.current_now()
+            && !self.stale.load(Ordering::Acquire)
+        {
+            return Ok(m);
+        }
+        let _one = self.resolving.lock().await;
+        if let Some(m) = self.current_now()
+            && !self.stale.load(Ordering::Acquire)
+        {
+            return Ok(m);
+        }
+        let (host, port) = self.resolve().await?;
+        if let Some(m) = self.current_now()
+            && m.0 == host
+            && m.1 == port
+        {
+            self.stale.store(false, Ordering::Release);
+            return Ok(m);
+        }
+        let info = ConnectionAddr::Tcp(host.clone(), port)
+            .into_connection_info()?
+            .set_redis_settings(self.redis_info.clone());
+        let client = redis::Client::open(info)?;
+        let manager = ConnectionManager::new_lazy_with_config(client, self.manager_config.clone())?;
+        let channels = self
+            .channels
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        for channel in &channels {
+            // A failed subscription leaves the waiters to their fallback polls.
+            if let Err(e) = manager.clone().subscribe(channel).await {
+                tracing::debug!(error = %e, "cannot subscribe on the new master");
+            }
+        }
+        let replaced = {
+            let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+            current.replace((host.clone(), port, manager.clone()))
+        };
+        self.stale.store(false, Ordering::Release);
+        if let Some((old_host, old_port, _)) = replaced {
+            tracing::info!(
+                master = %self.master_name,
+                from = %format!("{old_host}:{old_port}"),
+                to = %format!("{host}:{port}"),
+                "the sentinels name a new master; following it"
+            );
+            // Waiters try again at once on the new master (their grant messages may be lost).
+            self.wakeups.wake_all();
+        }
+        Ok((host, port, manager))
+    }
+
+    /// Asks the sentinels in order for the master's address and checks with `ROLE` that the
+    /// node it names is a master: a replica (a stale sentinel, a failover under way) is refused.
+    async fn resolve(&self) -> RedisResult<(String, u16)> {
+        let mut last = refused("no sentinel answered");
+        for (host, port) in &self.sentinels {
+            match self.ask(host, *port).await {
+                Ok(Some(addr)) => match self.check_master(&addr).await {
+                    Ok(()) => return Ok(addr),
+                    Err(e) => last = e,
+                },
+                Ok(None) => {
+                    last = refused(&format!(
+                        "sentinel {host}:{port} knows no master named {:?}",
+                        self.master_name
+                    ));
+                }
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    async fn ask(&self, host: &str, port: u16) -> RedisResult<Option<(String, u16)>> {
+        let client = redis::Client::open(ConnectionAddr::Tcp(host.to_owned(), port))?;
+        let mut c = timeout(
+            self.connect_timeout,
+            client.get_multiplexed_async_connection(),
+        )
+        .await
+        .map_err(|_| refused("sentinel connect timed out"))??;
+        let reply: Option<(String, String)> = timeout(
+            self.response_timeout,
+            redis::cmd("SENTINEL")
+                .arg("get-master-addr-by-name")
+                .arg(&self.master_name)
+                .query_async(&mut c),
+        )
+        .await
+        .map_err(|_| refused("no answer from the sentinel"))??;
+        Ok(reply.and_then(|(h, p)| Some((h, p.parse().ok()?))))
+    }
+
+    async fn check_master(&self, (host, port): &(String, u16)) -> RedisResult<()> {
+        let info = ConnectionAddr::Tcp(host.clone(), *port)
+            .into_connection_info()?
+            .set_redis_settings(
+                self.redis_info
+                    .clone()
+                    .set_protocol(redis::ProtocolVersion::RESP2),
+            );
+        let client = redis::Client::open(info)?;
+        let mut c = timeout(
+            self.connect_timeout,
+            client.get_multiplexed_async_connection(),
+        )
+        .await
+        .map_err(|_| refused("master connect timed out"))??;
+        let role: Value = timeout(
+            self.response_timeout,
+            redis::cmd("ROLE").query_async(&mut c),
+        )
+        .await
+        .map_err(|_| refused("no answer to ROLE"))??;
+        match role {
+            Value::Array(parts) if matches!(parts.first(), Some(Value::BulkString(r)) if r == b"master") => {
+                Ok(())
+            }
+            _ => Err(refused(&format!(
+                "{host}:{port}, named master {:?} by a sentinel, reports itself a replica (ROLE)",
+                self.master_name
+            ))),
+        }
+    }
+
+    /// An answer that may mean the master moved (a dropped or refused connection, a timeout,
+    /// `READONLY` from a demoted master): ask the sentinels again before the next request.
+    fn observe(&self, error: Option<&RedisError>) {
+        let Some(e) = error else { return };
+        let moved = e.is_connection_refusal()
+            || e.is_connection_dropped()
+            || e.is_timeout()
+            || e.kind() == ErrorKind::Io
+            || matches!(
+                e.kind(),
+                ErrorKind::Server(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown)
+            );
+        if moved {
+            self.stale.store(true, Ordering::Release);
+        }
+    }
+
+    async fn subscribe(&self, channel: &[u8]) -> RedisResult<()> {
+        {
+            let mut channels = self.channels.lock().unwrap_or_else(PoisonError::into_inner);
+            if !channels.iter().any(|c| c == channel) {
+                channels.push(channel.to_vec());
+            }
+        }
+        let (_, _, mut m) = self.current().await?;
+        m.subscribe(channel).await
+    }
+}
+
+/// A failure before anything reached the master: `Unavailable`, never an unknown outcome.
+fn refused(message: &str) -> RedisError {
+    RedisError::from(io::Error::new(
+        io::ErrorKind::ConnectionRefused,
+        message.to_owned(),
+    ))
+}
+
+/// Sends every script call (`EVALSHA`) together with `WAIT replicas timeout` in one pipeline,
+/// so both go on the same connection: a `WAIT` on another connection (after a reconnect, or to
+/// a new master) would count none of our writes and answer at once. The `WAIT`'s answer of the
+/// latest call is kept in `acked`.
+pub(crate) struct Acked {
+    pub(crate) conn: Conn,
+    pub(crate) replicas: u32,
+    pub(crate) timeout: Duration,
+    /// How many replicas the latest `WAIT` counted (or why it failed).
+    pub(crate) acked: Option<RedisResult<i64>>,
+}
+
+impl Acked {
+    /// Whether the latest `WAIT` counted the replicas asked for; otherwise why not.
+    pub(crate) fn confirmed(&self) -> Result<(), String> {
+        match &self.acked {
+            Some(Ok(n)) if *n >= i64::from(self.replicas) => Ok(()),
+            Some(Ok(n)) => Err(format!(
+                "WAIT: {n} of {} replicas acknowledged the write within {:?}",
+                self.replicas, self.timeout
+            )),
+            Some(Err(e)) => Err(format!("WAIT failed: {e}")),
+            None => Err("WAIT got no answer".to_owned()),
+        }
+    }
+}
+
+impl ConnectionLike for Acked {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        let is_script = matches!(cmd.args_iter().next(), Some(redis::Arg::Simple(name)) if name.eq_ignore_ascii_case(b"EVALSHA"));
+        if !is_script {
+            return self.conn.req_packed_command(cmd);
+        }
+        Box::pin(async move {
+            self.acked = None;
+            let mut pipe = redis::pipe();
+            pipe.add_command(cmd.clone())
+                .cmd("WAIT")
+                .arg(self.replicas)
+                .arg(
+                    u64::try_from(self.timeout.as_millis())
+                        .unwrap_or(u64::MAX)
+                        .max(1),
+                );
+            let mut values = self.conn.req_packed_commands(&pipe, 0, 2).await?;
+            let (Some(wait), Some(reply), true) = (values.pop(), values.pop(), values.is_empty())
+            else {
+                return Err(RedisError::from(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "a script and its WAIT did not get two answers",
+                )));
+            };
+            self.acked = Some(match wait {
+                Value::Int(n) => Ok(n),
+                Value::ServerError(e) => Err(e.into()),
+                other => Err(RedisError::from(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("unexpected WAIT answer {other:?}"),
+                ))),
+            });
+            reply.extract_error()
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        self.conn.req_packed_commands(pipeline, offset, count)
+    }
+
+    fn get_db(&self) -> i64 {
+        self.conn.get_db()
+    }
+}
