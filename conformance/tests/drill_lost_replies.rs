@@ -14,6 +14,15 @@
 //!   queued (a second `try_acquire` right after a release is granted).
 //!
 //! Each lost operation's outcome is printed (`--nocapture`) as `OUTCOME <backend> <op> <kind>`.
+//!
+//! **A lost reply past the first round trip** (`*_nth_reply`): the same operations, with the
+//! proxy in `lose_reply(n)` — each connection forwards its first n−1 replies and
+//! loses the n-th (then is reset) — for n = 1, 2, … until the operation completes without
+//! losing one (at most [`MAX_TURNS`]): the etcd txn after the lease grant and the keepalive
+//! after the txn, ZooKeeper's getChildren/sync/exists after the create, PostgreSQL's statements
+//! and COMMIT after BEGIN, Redis's EVAL after EVALSHA answered NOSCRIPT (Redis runs on a
+//! private `redis-server` whose script cache is flushed before each operation, so that every
+//! script call takes the fallback). Same invariants; printed as `OUTCOME <backend> <op>@<n>`.
 //! Needs `--features drivers` (as every drill).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed expectation is a failed test
 
@@ -35,6 +44,28 @@ const SLACK: Duration = Duration::from_secs(3);
 /// How long the request gets to reach the server before its connection is reset (loopback: the
 /// request is there in well under a millisecond; this is the margin for a loaded machine).
 const IN_FLIGHT: Duration = Duration::from_millis(300);
+
+/// The most reply turns lost in turn per operation (none takes more round trips uncancelled,
+/// counting the background traffic of its connection).
+const MAX_TURNS: u32 = 8;
+
+/// Which replies of the lost operation are lost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Loss {
+    /// Every reply from the first on (the connections reset once the request applied).
+    All,
+    /// Each connection's n-th reply turn (the first n−1 answered).
+    Nth(u32),
+}
+
+impl Loss {
+    fn label(self, op: &str) -> String {
+        match self {
+            Loss::All => op.to_owned(),
+            Loss::Nth(n) => format!("{op}@{n}"),
+        }
+    }
+}
 
 /// How a lost operation ended.
 #[derive(Debug)]
@@ -75,34 +106,49 @@ fn classify<T: std::fmt::Debug>(
 struct Linked {
     lock: DynLock,
     proxy: Proxy,
+    loss: Loss,
 }
 
 impl Linked {
-    async fn new(url: &str) -> Self {
+    async fn new(url: &str, loss: Loss) -> Self {
         let (proxy, proxied) = Proxy::start_for_url(url).await.expect("start a proxy");
         let lock = drill_support::client(&proxied).await;
-        Self { lock, proxy }
+        Self { lock, proxy, loss }
     }
 
-    /// Runs `op` with its replies dropped: the request goes out, once `applied` completes
-    /// (bounded by [`SOON`]) every connection is reset — replies still dropped on the new ones —
-    /// and the proxy heals once `op` returned.
+    /// Whether the proxy lost a reply (always, for [`Loss::All`]; for [`Loss::Nth`], only if
+    /// some connection got that far).
+    fn lost_any(&self) -> bool {
+        self.loss == Loss::All || self.proxy.lost_turns() > 0
+    }
+
+    /// Runs `op` with its replies lost: [`Loss::All`]: the request goes out, once `applied`
+    /// completes (bounded by [`SOON`]) every connection is reset — replies still dropped on the
+    /// new ones; [`Loss::Nth`]: each connection loses its n-th reply and is reset then, while
+    /// `applied` runs alongside. The proxy heals once `op` returned.
     async fn lost<T>(
         &self,
         op: impl Future<Output = lock_core::Result<T>>,
         applied: impl Future<Output = ()>,
     ) -> Result<lock_core::Result<T>, tokio::time::error::Elapsed> {
-        self.proxy.drop_replies();
+        match self.loss {
+            Loss::All => self.proxy.drop_replies(),
+            Loss::Nth(n) => self.proxy.lose_reply(n),
+        }
         let reset = async {
             let _ = timeout(SOON, applied).await;
-            self.proxy.reset();
+            if self.loss == Loss::All {
+                self.proxy.reset();
+            }
             std::future::pending::<()>().await;
         };
         let result = tokio::select! {
             result = timeout(SOON, op) => result,
             () = reset => unreachable!("the reset never completes"),
         };
-        self.proxy.reset();
+        if self.loss == Loss::All {
+            self.proxy.reset();
+        }
         self.proxy.pass();
         result
     }
@@ -154,14 +200,14 @@ async fn still_held(what: &str, guard: &LockGuard) {
     );
 }
 
-async fn lost_try_acquire(backend: Backend, url: &str, direct: &DynLock) {
+async fn lost_try_acquire(backend: Backend, url: &str, direct: &DynLock, loss: Loss) -> bool {
     let key = conformance::fresh_key("lost-try-acquire");
-    let c = Linked::new(url).await;
+    let c = Linked::new(url, loss).await;
     let result = c
         .lost(c.lock.try_acquire(&key, ORPHAN_TTL), sleep(IN_FLIGHT))
         .await;
     let healed = Instant::now();
-    match classify(backend, "try_acquire", result) {
+    match classify(backend, &loss.label("try_acquire"), result) {
         Outcome::Ok(None) => panic!("{} try_acquire: busy for a free key", backend.name()),
         Outcome::Ok(Some(lease)) => {
             // Correct only if the coordinator records exactly this grant.
@@ -175,12 +221,13 @@ async fn lost_try_acquire(backend: Backend, url: &str, direct: &DynLock) {
     }
     // No orphan: the lost attempt's 10 s TTL would outlive this bound.
     acquirable_after_heal(direct, &key, healed).await;
+    c.lost_any()
 }
 
-async fn lost_queued_acquire(backend: Backend, url: &str, direct: &DynLock) {
+async fn lost_queued_acquire(backend: Backend, url: &str, direct: &DynLock, loss: Loss) -> bool {
     let key = conformance::fresh_key("lost-acquire");
     let holder = hold(direct, &key).await;
-    let c = Linked::new(url).await;
+    let c = Linked::new(url, loss).await;
     // A short wait: a driver that keeps waiting without replies ends with `Timeout` then.
     let acquire = c.lock.acquire(&key, TTL, Instant::now() + 2 * TTL);
     let result = c
@@ -193,7 +240,7 @@ async fn lost_queued_acquire(backend: Backend, url: &str, direct: &DynLock) {
         })
         .await;
     let healed = Instant::now();
-    match classify(backend, "acquire", result) {
+    match classify(backend, &loss.label("acquire"), result) {
         Outcome::Ok(lease) => {
             assert!(
                 holder_is(direct, &key, lease.fencing_token()).await,
@@ -211,11 +258,12 @@ async fn lost_queued_acquire(backend: Backend, url: &str, direct: &DynLock) {
         .await
         .expect("the client acquires after the heal");
     assert!(c.lock.release(&lease).await.expect("release"));
+    c.lost_any()
 }
 
-async fn lost_renew(backend: Backend, url: &str, direct: &DynLock) {
+async fn lost_renew(backend: Backend, url: &str, direct: &DynLock, loss: Loss) -> bool {
     let key = conformance::fresh_key("lost-renew");
-    let c = Linked::new(url).await;
+    let c = Linked::new(url, loss).await;
     let mut lease = c
         .lock
         .try_acquire(&key, TTL)
@@ -227,7 +275,7 @@ async fn lost_renew(backend: Backend, url: &str, direct: &DynLock) {
         .lost(c.lock.renew(&mut lease, TTL), sleep(IN_FLIGHT))
         .await;
     let healed = Instant::now();
-    match classify(backend, "renew", result) {
+    match classify(backend, &loss.label("renew"), result) {
         Outcome::Ok(()) => {
             // Correct only while the coordinator still records this lease, for at least as
             // long as its new local deadline says.
@@ -259,11 +307,12 @@ async fn lost_renew(backend: Backend, url: &str, direct: &DynLock) {
     assert!(holder_is(direct, &key, other.fencing_token()).await);
     assert!(direct.release(&other).await.expect("release"));
     acquirable_after_heal(direct, &key, Instant::now()).await;
+    c.lost_any()
 }
 
-async fn lost_release(backend: Backend, url: &str, direct: &DynLock) {
+async fn lost_release(backend: Backend, url: &str, direct: &DynLock, loss: Loss) -> bool {
     let key = conformance::fresh_key("lost-release");
-    let c = Linked::new(url).await;
+    let c = Linked::new(url, loss).await;
     let lease = c
         .lock
         .try_acquire(&key, TTL)
@@ -272,7 +321,7 @@ async fn lost_release(backend: Backend, url: &str, direct: &DynLock) {
         .expect("free");
     let result = c.lost(c.lock.release(&lease), sleep(IN_FLIGHT)).await;
     let healed = Instant::now();
-    match classify(backend, "release", result) {
+    match classify(backend, &loss.label("release"), result) {
         // `false` would say the lease had been lost before: it was ours until this release.
         Outcome::Ok(released) => assert!(released, "release of our own lease returned false"),
         Outcome::Unknown(_) => {}
@@ -294,6 +343,7 @@ async fn lost_release(backend: Backend, url: &str, direct: &DynLock) {
     still_held("the new holder", &other).await;
     assert!(other.release().await.expect("release"));
     acquirable_after_heal(direct, &key, Instant::now()).await;
+    c.lost_any()
 }
 
 /// `grant`: the lost call is `force_release_grant` of the holder's fencing token (one step on
@@ -304,7 +354,8 @@ async fn lost_force_release(
     direct: &DynLock,
     waiter: &DynLock,
     grant: bool,
-) {
+    loss: Loss,
+) -> bool {
     let op = if grant {
         "force_release_grant"
     } else {
@@ -312,7 +363,7 @@ async fn lost_force_release(
     };
     if !direct.capabilities().force_release {
         drill_support::skip(op, backend, "no force_release capability");
-        return;
+        return false;
     }
     let key = conformance::fresh_key("lost-force-release");
     let first = hold(direct, &key).await;
@@ -336,7 +387,7 @@ async fn lost_force_release(
     });
     // The waiter is queued (or polling) before the operator acts.
     sleep(IN_FLIGHT).await;
-    let c = Linked::new(url).await;
+    let c = Linked::new(url, loss).await;
     let call = async {
         if grant {
             c.lock.force_release_grant(&key, fence).await
@@ -350,7 +401,7 @@ async fn lost_force_release(
             let _ = timeout(SOON / 4, granted_rx).await;
         })
         .await;
-    match classify(backend, op, result) {
+    match classify(backend, &loss.label(op), result) {
         Outcome::Ok(removed) => assert!(removed, "{op} removed nobody from a held key"),
         Outcome::Unknown(_) => {}
     }
@@ -377,14 +428,15 @@ async fn lost_force_release(
     assert!(holder_is(direct, &key, second.fencing_token()).await);
     assert!(second.release().await.expect("the waiter's release"));
     acquirable_after_heal(direct, &key, Instant::now()).await;
+    c.lost_any()
 }
 
-async fn lost_inspect(backend: Backend, url: &str, direct: &DynLock) {
+async fn lost_inspect(backend: Backend, url: &str, direct: &DynLock, loss: Loss) -> bool {
     let key = conformance::fresh_key("lost-inspect");
     let holder = hold(direct, &key).await;
-    let c = Linked::new(url).await;
+    let c = Linked::new(url, loss).await;
     let result = c.lost(c.lock.inspect(&key), sleep(IN_FLIGHT)).await;
-    match classify(backend, "inspect", result) {
+    match classify(backend, &loss.label("inspect"), result) {
         Outcome::Ok(info) => {
             let info = info.expect("inspect without a reply says a held key is free");
             assert_eq!(info.fencing_token, holder.fencing_token());
@@ -396,24 +448,169 @@ async fn lost_inspect(backend: Backend, url: &str, direct: &DynLock) {
     acquirable_after_heal(direct, &key, Instant::now()).await;
     // The client works again through the healed proxy.
     assert!(c.lock.inspect(&key).await.expect("inspect").is_none());
+    c.lost_any()
 }
 
 async fn lost_replies(backend: Backend, url: String) {
     let started = Instant::now();
     let direct = drill_support::client(&url).await;
     let waiter = drill_support::client(&url).await;
-    lost_try_acquire(backend, &url, &direct).await;
-    lost_queued_acquire(backend, &url, &direct).await;
-    lost_renew(backend, &url, &direct).await;
-    lost_release(backend, &url, &direct).await;
-    lost_force_release(backend, &url, &direct, &waiter, false).await;
-    lost_force_release(backend, &url, &direct, &waiter, true).await;
-    lost_inspect(backend, &url, &direct).await;
+    lost_try_acquire(backend, &url, &direct, Loss::All).await;
+    lost_queued_acquire(backend, &url, &direct, Loss::All).await;
+    lost_renew(backend, &url, &direct, Loss::All).await;
+    lost_release(backend, &url, &direct, Loss::All).await;
+    lost_force_release(backend, &url, &direct, &waiter, false, Loss::All).await;
+    lost_force_release(backend, &url, &direct, &waiter, true, Loss::All).await;
+    lost_inspect(backend, &url, &direct, Loss::All).await;
     assert!(
         lock_core::cleanup::finish(SOON).await,
         "the clean-ups did not finish"
     );
     println!("{} lost replies: {:?}", backend.name(), started.elapsed());
+}
+
+/// Every operation loses its reply turn 1, 2, … in turn, until it completes without losing one.
+/// `prepare` runs before each (Redis: the private server forgets its scripts).
+async fn nth_replies(backend: Backend, url: String, prepare: impl AsyncFn()) {
+    let started = Instant::now();
+    let direct = drill_support::client(&url).await;
+    let waiter = drill_support::client(&url).await;
+    let ops = [
+        "try_acquire",
+        "acquire",
+        "renew",
+        "release",
+        "force_release",
+        "force_release_grant",
+        "inspect",
+    ];
+    for op in ops {
+        let mut covered = None;
+        for n in 1..=MAX_TURNS {
+            prepare().await;
+            let (url, direct, loss) = (url.as_str(), &direct, Loss::Nth(n));
+            let lost = match op {
+                "try_acquire" => lost_try_acquire(backend, url, direct, loss).await,
+                "acquire" => lost_queued_acquire(backend, url, direct, loss).await,
+                "renew" => lost_renew(backend, url, direct, loss).await,
+                "release" => lost_release(backend, url, direct, loss).await,
+                "force_release" => {
+                    lost_force_release(backend, url, direct, &waiter, false, loss).await
+                }
+                "force_release_grant" => {
+                    lost_force_release(backend, url, direct, &waiter, true, loss).await
+                }
+                _ => lost_inspect(backend, url, direct, loss).await,
+            };
+            if !lost {
+                covered = Some(n - 1);
+                break;
+            }
+        }
+        match covered {
+            Some(turns) => println!(
+                "NTH {} {op}: completes within {turns} reply turns; each lost in turn",
+                backend.name()
+            ),
+            None => println!(
+                "NTH {} {op}: reply turns 1..={MAX_TURNS} lost in turn (still more)",
+                backend.name()
+            ),
+        }
+    }
+    assert!(
+        lock_core::cleanup::finish(SOON).await,
+        "the clean-ups did not finish"
+    );
+    println!(
+        "{} n-th lost replies: {:?}",
+        backend.name(),
+        started.elapsed()
+    );
+}
+
+fn run_nth(backend: Backend) {
+    let Some(url) = backend.shared_url() else {
+        drill_support::skip("nth_lost_replies", backend, "no server URL set");
+        return;
+    };
+    drill_support::block_on(nth_replies(backend, url, async || {}));
+}
+
+/// A `redis-server` of this drill's own on a free port (killed on drop), so that its script
+/// cache can be flushed without touching the shared server.
+struct PrivateRedis {
+    port: u16,
+    _child: tokio::process::Child,
+    dir: std::path::PathBuf,
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl PrivateRedis {
+    async fn start() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir = std::env::temp_dir().join(format!(
+            "distlock-drill-nth-redis-{}-{port}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let child = tokio::process::Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--save", "", "--appendonly", "no", "--dir"])
+            .arg(&dir)
+            .stdout(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start redis-server");
+        let redis = Self {
+            port,
+            _child: child,
+            dir,
+        };
+        let until = Instant::now() + SOON;
+        while redis.command(&["PING"]).await.as_deref() != Some("+PONG") {
+            assert!(
+                Instant::now() < until,
+                "the private redis-server did not start"
+            );
+            sleep(Duration::from_millis(20)).await;
+        }
+        redis
+    }
+
+    /// Sends one command and returns the first line of the reply.
+    async fn command(&self, args: &[&str]) -> Option<String> {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+            .await
+            .ok()?;
+        let mut req = format!("*{}\r\n", args.len());
+        for a in args {
+            req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+        }
+        stream.write_all(req.as_bytes()).await.ok()?;
+        let mut line = String::new();
+        BufReader::new(stream).read_line(&mut line).await.ok()?;
+        Some(line.trim_end().to_owned())
+    }
+
+    /// Forgets every cached script: the next EVALSHA of each is answered NOSCRIPT.
+    async fn flush_scripts(&self) {
+        assert_eq!(
+            self.command(&["SCRIPT", "FLUSH"]).await.as_deref(),
+            Some("+OK"),
+            "SCRIPT FLUSH on the private server"
+        );
+    }
 }
 
 fn run(backend: Backend) {
@@ -442,4 +639,36 @@ fn zk() {
 #[test]
 fn pg() {
     run(Backend::Pg);
+}
+
+#[test]
+fn redis_nth_reply() {
+    // The shared server's URL says whether Redis is set up; the drill runs on a private one.
+    if Backend::Redis.shared_url().is_none() {
+        drill_support::skip("nth_lost_replies", Backend::Redis, "no server URL set");
+        return;
+    }
+    drill_support::block_on(async {
+        let redis = PrivateRedis::start().await;
+        let url = drill_support::with_query(
+            &format!("redis://127.0.0.1:{}/0", redis.port),
+            Backend::Redis.options(),
+        );
+        nth_replies(Backend::Redis, url, async || redis.flush_scripts().await).await;
+    });
+}
+
+#[test]
+fn etcd_nth_reply() {
+    run_nth(Backend::Etcd);
+}
+
+#[test]
+fn zk_nth_reply() {
+    run_nth(Backend::Zk);
+}
+
+#[test]
+fn pg_nth_reply() {
+    run_nth(Backend::Pg);
 }
