@@ -372,7 +372,7 @@ fn grade_endpoints(report: &mut AuditReport, probes: &[Probe]) {
         report.warn(
             "endpoints",
             format!("{}/{n} serving; {}", n - bad.len(), bad.join("; ")),
-            "requests sent to these fail (require-leader) and are retried elsewhere; leases stay safe",
+            "requests the client sends to these fail (Unavailable; leases stay safe, but operations fail now and then)",
             "fix or remove these endpoints from the URL",
         );
     } else {

@@ -1,0 +1,601 @@
+//! `distlock check URL --json` grades real servers: the shared, well-configured ones PASS (no
+//! FAIL), and servers this test starts itself with a deliberately bad setting get the FAIL or
+//! WARN their driver's README says they deserve: Redis evicting keys, PostgreSQL with
+//! `synchronous_commit=off`, `fsync=off` and an unlogged table, a ZooKeeper whose
+//! `maxSessionTimeout` is below what the URL asks, a 3-member etcd cluster with one member down.
+//! Each private server is started once per test, on free ports, and stopped when the test ends.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::{
+    net::TcpListener,
+    path::{Path, PathBuf},
+    process::{Child, Command, Output, Stdio},
+    thread,
+    time::{Duration, Instant},
+};
+
+use distlock::Backend;
+use serde_json::Value;
+
+fn check(url: &str, extra: &[&str]) -> (Option<i32>, Value, Output) {
+    let out = Command::new(env!("CARGO_BIN_EXE_distlock"))
+        .arg("check")
+        .arg(url)
+        .arg("--json")
+        .args(extra)
+        .env_remove("DISTLOCK_URL")
+        .env_remove("DISTLOCK_URL_FILE")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let value: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "check {url}: not JSON ({e}): {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    (out.status.code(), value, out)
+}
+
+/// The verdict of `name` in a `check --json` object (panics, showing the report, if absent).
+fn verdict(report: &Value, name: &str) -> String {
+    finding(report, name)["verdict"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+fn finding<'a>(report: &'a Value, name: &str) -> &'a Value {
+    report["audit"]["findings"]
+        .as_array()
+        .and_then(|f| f.iter().find(|f| f["check"] == name))
+        .unwrap_or_else(|| panic!("no finding {name} in {report:#}"))
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn temp_dir(label: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "distlock-check-audit-{label}-{}-{:08x}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A server process this test started: killed (by its own pid) and its directory removed
+/// when dropped.
+struct Server {
+    child: Option<Child>,
+    dir: PathBuf,
+}
+
+impl Server {
+    fn spawn(command: &mut Command, dir: PathBuf, log: &str) -> Self {
+        let log = std::fs::File::create(dir.join(log)).unwrap();
+        let child = command
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        Self {
+            child: Some(child),
+            dir,
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Waits (up to `within`) until `ready` holds, polling.
+fn wait_until(what: &str, within: Duration, mut ready: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !ready() {
+        assert!(
+            Instant::now() < deadline,
+            "{what}: not ready within {within:?}"
+        );
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn shared(var: &str, backend: Backend) -> Option<String> {
+    if !backend.is_enabled() {
+        return None;
+    }
+    conformance::backend_url(var)
+}
+
+/// `DISTLOCK_TEST_*_URL` that are set but optional (the secured and clustered servers).
+fn optional(var: &str, backend: Backend) -> Option<String> {
+    (backend.is_enabled())
+        .then(|| std::env::var(var).ok())
+        .flatten()
+        .filter(|u| !u.is_empty())
+}
+
+#[test]
+fn the_shared_servers_pass_what_their_setup_gets_right() {
+    let expectations: &[(&str, Backend, &[&str])] = &[
+        (
+            "DISTLOCK_TEST_REDIS_URL",
+            Backend::Redis,
+            &["version", "scripts", "maxmemory-policy", "role", "clock"],
+        ),
+        (
+            "DISTLOCK_TEST_PG_URL",
+            Backend::Postgres,
+            &[
+                "version",
+                "synchronous_commit",
+                "fsync",
+                "full_page_writes",
+                "table-persistence",
+                "standby",
+                "replication",
+                "listen",
+            ],
+        ),
+        (
+            "DISTLOCK_TEST_ETCD_URL",
+            Backend::Etcd,
+            &["version", "health", "leader", "endpoints"],
+        ),
+        (
+            "DISTLOCK_TEST_ZK_URL",
+            Backend::ZooKeeper,
+            &["version", "quorum", "session-timeout"],
+        ),
+    ];
+    let mut checked = 0;
+    for (var, backend, passes) in expectations {
+        let Some(url) = shared(var, *backend) else {
+            continue;
+        };
+        let (code, report, out) = check(&url, &[]);
+        assert_eq!(
+            code,
+            Some(0),
+            "{url}: {report:#}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_ne!(report["audit"]["worst"], "FAIL", "{url}: {report:#}");
+        for name in *passes {
+            assert_eq!(verdict(&report, name), "PASS", "{url} {name}: {report:#}");
+        }
+        assert!(
+            report["audit"]["round_trip_ms"].as_f64().is_some(),
+            "{report:#}"
+        );
+        assert_eq!(report["self_test"]["error"], Value::Null, "{report:#}");
+        // --strict fails exactly when something warns.
+        let warns = report["audit"]["warn"].as_u64().unwrap();
+        let (strict, _, _) = check(&url, &["--strict"]);
+        assert_eq!(strict, Some(if warns > 0 { 1 } else { 0 }), "{url}");
+        checked += 1;
+    }
+    // The clustered and secured servers, when up: a 3-member cluster tolerates a failure; auth
+    // refuses anonymous clients.
+    for (var, backend, name) in [
+        ("DISTLOCK_TEST_ETCD3_URL", Backend::Etcd, "members"),
+        ("DISTLOCK_TEST_ETCD3_URL", Backend::Etcd, "health"),
+        ("DISTLOCK_TEST_ZK3_URL", Backend::ZooKeeper, "members"),
+        ("DISTLOCK_TEST_ZK3_URL", Backend::ZooKeeper, "quorum"),
+        ("DISTLOCK_TEST_ETCD_SECURE_URL", Backend::Etcd, "auth"),
+        ("DISTLOCK_TEST_ZK_SECURE_URL", Backend::ZooKeeper, "auth"),
+    ] {
+        let Some(url) = optional(var, backend) else {
+            continue;
+        };
+        let (code, report, _) = check(&url, &[]);
+        assert_eq!(code, Some(0), "{var}: {report:#}");
+        assert_eq!(verdict(&report, name), "PASS", "{var} {name}: {report:#}");
+    }
+    if conformance::backends_required() {
+        assert_eq!(checked, 4, "every shared server is checked");
+    }
+}
+
+#[test]
+fn redis_that_evicts_keys_fails() {
+    if !Backend::Redis.is_enabled() || which("redis-server").is_none() {
+        assert!(!conformance::backends_required(), "redis-server is needed");
+        return;
+    }
+    let port = free_port();
+    let dir = temp_dir("redis");
+    let _server = Server::spawn(
+        Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+            .args(["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"])
+            .arg("--dir")
+            .arg(&dir),
+        dir.clone(),
+        "redis.log",
+    );
+    let cli = |args: &[&str]| {
+        Command::new("redis-cli")
+            .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+            .args(args)
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+            .unwrap_or_default()
+    };
+    wait_until("redis", Duration::from_secs(20), || {
+        cli(&["ping"]) == "PONG"
+    });
+    let url = format!("redis://127.0.0.1:{port}");
+
+    let (code, report, _) = check(&url, &[]);
+    assert_eq!(verdict(&report, "maxmemory-policy"), "FAIL", "{report:#}");
+    assert!(
+        finding(&report, "maxmemory-policy")["fix"]
+            .as_str()
+            .unwrap()
+            .contains("noeviction"),
+        "{report:#}"
+    );
+    assert_eq!(code, Some(1), "a FAIL fails the check: {report:#}");
+    // The self-test itself still passes: the setting is what fails.
+    assert_eq!(report["self_test"]["error"], Value::Null, "{report:#}");
+
+    // A volatile policy with a memory limit can evict a held lock (it has a TTL).
+    assert_eq!(
+        cli(&["config", "set", "maxmemory-policy", "volatile-lru"]),
+        "OK"
+    );
+    let (code, report, _) = check(&url, &[]);
+    assert_eq!(verdict(&report, "maxmemory-policy"), "FAIL", "{report:#}");
+    assert_eq!(code, Some(1));
+
+    // Read live: fixed, it passes; the AOF with fsync always passes persistence too.
+    assert_eq!(
+        cli(&["config", "set", "maxmemory-policy", "noeviction"]),
+        "OK"
+    );
+    assert_eq!(cli(&["config", "set", "appendonly", "yes"]), "OK");
+    assert_eq!(cli(&["config", "set", "appendfsync", "always"]), "OK");
+    let (code, report, _) = check(&url, &["--strict"]);
+    assert_eq!(verdict(&report, "maxmemory-policy"), "PASS", "{report:#}");
+    assert_eq!(verdict(&report, "persistence"), "PASS", "{report:#}");
+    assert_eq!(code, Some(0), "nothing left to warn about: {report:#}");
+}
+
+fn which(program: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|p| p.join(program))
+            .find(|p| p.is_file())
+    })
+}
+
+fn backends_sh() -> PathBuf {
+    std::env::var_os("DISTLOCK_BACKENDS_SH")
+        .filter(|p| !p.is_empty())
+        .map_or_else(
+            || Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/backends.sh"),
+            PathBuf::from,
+        )
+}
+
+/// A PostgreSQL of our own, through `backends.sh` (private directory and port).
+struct PrivatePg {
+    port: u16,
+    dir: PathBuf,
+}
+
+impl PrivatePg {
+    fn ctl(&self, action: &str) -> Output {
+        Command::new(backends_sh())
+            .args([action, "pg"])
+            .env("DISTLOCK_BACKENDS_DIR", &self.dir)
+            .env("DISTLOCK_PG_PORT", self.port.to_string())
+            .output()
+            .unwrap()
+    }
+
+    fn psql(&self, sql: &str) -> String {
+        let out = Command::new("psql")
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+            .args([
+                "-U",
+                "postgres",
+                "-d",
+                "distlock",
+                "-XqtA",
+                "-v",
+                "ON_ERROR_STOP=1",
+            ])
+            .args(["-c", sql])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{sql}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+}
+
+impl Drop for PrivatePg {
+    fn drop(&mut self) {
+        let _ = self.ctl("stop");
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[test]
+fn postgres_with_async_commit_fsync_off_and_an_unlogged_table_is_flagged() {
+    if !Backend::Postgres.is_enabled() || which("psql").is_none() {
+        assert!(!conformance::backends_required(), "psql is needed");
+        return;
+    }
+    let pg = PrivatePg {
+        port: free_port(),
+        dir: temp_dir("pg"),
+    };
+    let out = pg.ctl("start");
+    assert!(
+        out.status.success(),
+        "backends.sh start pg: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    pg.psql("ALTER DATABASE distlock SET synchronous_commit = off");
+    pg.psql("ALTER SYSTEM SET fsync = off");
+    pg.psql("SELECT pg_reload_conf()");
+    pg.psql("CREATE UNLOGGED TABLE audit_unlogged (name text PRIMARY KEY)");
+    // The reload reaches every backend soon, not at once.
+    wait_until("fsync = off", Duration::from_secs(10), || {
+        pg.psql("SHOW fsync") == "off"
+    });
+    let base = format!("postgres://postgres@127.0.0.1:{}/distlock", pg.port);
+
+    let url = format!("{base}?table=audit_unlogged");
+    let (code, report, out) = check(&url, &[]);
+    assert_eq!(verdict(&report, "table-persistence"), "FAIL", "{report:#}");
+    assert_eq!(verdict(&report, "synchronous_commit"), "WARN", "{report:#}");
+    assert_eq!(verdict(&report, "fsync"), "FAIL", "{report:#}");
+    assert_eq!(code, Some(1), "{report:#}");
+    // The driver refuses the unlogged table when connecting; the audit says why anyway.
+    assert!(
+        report["self_test"]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("not connected")),
+        "{report:#}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Fixed: the settings pass (the default table does not exist yet: created logged).
+    pg.psql("ALTER DATABASE distlock SET synchronous_commit = on");
+    pg.psql("ALTER SYSTEM SET fsync = on");
+    pg.psql("SELECT pg_reload_conf()");
+    wait_until("fsync = on", Duration::from_secs(10), || {
+        pg.psql("SHOW fsync") == "on"
+    });
+    let (code, report, _) = check(&base, &[]);
+    for name in ["table-persistence", "synchronous_commit", "fsync"] {
+        assert_eq!(verdict(&report, name), "PASS", "{name}: {report:#}");
+    }
+    assert_eq!(code, Some(0), "{report:#}");
+}
+
+/// The four-letter word `srvr` of a ZooKeeper on `port`, if it answers.
+fn srvr(port: u16) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return String::new();
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    let _ = stream.write_all(b"srvr");
+    let mut reply = String::new();
+    let _ = stream.read_to_string(&mut reply);
+    reply
+}
+
+#[test]
+fn zookeeper_that_lowers_or_raises_the_session_timeout_is_flagged() {
+    let jar = Path::new("/usr/share/java/zookeeper.jar");
+    if !Backend::ZooKeeper.is_enabled() || !jar.exists() || which("java").is_none() {
+        assert!(!conformance::backends_required(), "ZooKeeper is needed");
+        return;
+    }
+    let port = free_port();
+    let dir = temp_dir("zk");
+    std::fs::create_dir_all(dir.join("data")).unwrap();
+    std::fs::write(
+        dir.join("zoo.cfg"),
+        format!(
+            "tickTime=100\ndataDir={}\nclientPort={port}\nclientPortAddress=127.0.0.1\n\
+             admin.enableServer=false\n4lw.commands.whitelist=*\nmaxClientCnxns=0\n\
+             minSessionTimeout=500\nmaxSessionTimeout=2000\n",
+            dir.join("data").display()
+        ),
+    )
+    .unwrap();
+    let classpath = format!(
+        "{}:/usr/share/java/zookeeper.jar:/usr/share/java/zookeeper-jute.jar:\
+         /usr/share/java/slf4j-api.jar:/usr/share/java/slf4j-nop.jar",
+        dir.display()
+    );
+    let _server = Server::spawn(
+        Command::new("java")
+            .args(["-Xmx128m", "-Dzookeeper.admin.enableServer=false", "-cp"])
+            .arg(classpath)
+            .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
+            .arg(dir.join("zoo.cfg")),
+        dir.clone(),
+        "zk.log",
+    );
+    wait_until("zookeeper", Duration::from_secs(30), || {
+        srvr(port).contains("Mode:")
+    });
+
+    // Asked 10 s, the server's maxSessionTimeout is 2 s: every lease is capped at 2 s.
+    let url = format!("zk://127.0.0.1:{port}?session_timeout=10s");
+    let (code, report, out) = check(&url, &[]);
+    assert_eq!(verdict(&report, "session-timeout"), "WARN", "{report:#}");
+    let observed = finding(&report, "session-timeout")["observed"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        observed.contains("asked 10000 ms, negotiated 2000 ms"),
+        "{observed}"
+    );
+    assert_eq!(
+        code,
+        Some(0),
+        "a WARN alone passes: {report:#}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(check(&url, &["--strict"]).0, Some(1));
+
+    // Asked 300 ms, the server raises it to its minimum of 500 ms: the driver refuses.
+    let url = format!("zk://127.0.0.1:{port}?session_timeout=300ms");
+    let (code, report, _) = check(&url, &[]);
+    assert_eq!(verdict(&report, "session-timeout"), "FAIL", "{report:#}");
+    assert_eq!(code, Some(1), "{report:#}");
+
+    // What the server allows: PASS.
+    let url = format!("zk://127.0.0.1:{port}?session_timeout=2s");
+    let (_, report, _) = check(&url, &[]);
+    assert_eq!(verdict(&report, "session-timeout"), "PASS", "{report:#}");
+}
+
+#[test]
+fn etcd_cluster_with_a_member_down_warns() {
+    if !Backend::Etcd.is_enabled() || which("etcd").is_none() {
+        assert!(!conformance::backends_required(), "etcd is needed");
+        return;
+    }
+    let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
+    let cluster = ports
+        .iter()
+        .enumerate()
+        .map(|(i, (_, peer))| format!("audit{i}=http://127.0.0.1:{peer}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut members: Vec<Server> = ports
+        .iter()
+        .enumerate()
+        .map(|(i, (client, peer))| {
+            let dir = temp_dir(&format!("etcd{i}"));
+            let client = format!("http://127.0.0.1:{client}");
+            let peer = format!("http://127.0.0.1:{peer}");
+            Server::spawn(
+                Command::new("etcd")
+                    .args(["--name", &format!("audit{i}")])
+                    .arg("--data-dir")
+                    .arg(dir.join("data"))
+                    .args(["--listen-client-urls", &client])
+                    .args(["--advertise-client-urls", &client])
+                    .args(["--listen-peer-urls", &peer])
+                    .args(["--initial-advertise-peer-urls", &peer])
+                    .args(["--initial-cluster", &cluster])
+                    .args(["--initial-cluster-state", "new"])
+                    .args(["--heartbeat-interval", "50", "--election-timeout", "500"]),
+                dir,
+                "etcd.log",
+            )
+        })
+        .collect();
+    let url = format!(
+        "etcd://{}",
+        ports
+            .iter()
+            .map(|(c, _)| format!("127.0.0.1:{c}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    let mut last = Value::Null;
+    wait_until("etcd cluster healthy", Duration::from_secs(30), || {
+        let (_, report, _) = check(&url, &[]);
+        let healthy = report["audit"]["findings"].as_array().is_some_and(|f| {
+            f.iter()
+                .any(|f| f["check"] == "health" && f["verdict"] == "PASS")
+        });
+        last = report;
+        healthy
+    });
+    assert_eq!(verdict(&last, "members"), "PASS", "{last:#}");
+
+    members[2].kill();
+    // Once the two left agree on a leader (at once, or after an election of ~1 s), the
+    // cluster serves with one member fewer: WARN, not FAIL, and not PASS.
+    let mut report = Value::Null;
+    let mut code = None;
+    wait_until(
+        "etcd cluster serving on two",
+        Duration::from_secs(30),
+        || {
+            let (c, r, _) = check(&url, &[]);
+            let settled = r["audit"]["findings"].as_array().is_some_and(|f| {
+                f.iter()
+                    .any(|f| f["check"] == "leader" && f["verdict"] == "PASS")
+            });
+            report = r;
+            code = c;
+            settled
+        },
+    );
+    assert_eq!(verdict(&report, "health"), "WARN", "{report:#}");
+    assert!(
+        finding(&report, "health")["observed"]
+            .as_str()
+            .unwrap()
+            .contains("2/3 healthy; not serving: audit2"),
+        "{report:#}"
+    );
+    assert_eq!(verdict(&report, "endpoints"), "WARN", "{report:#}");
+    assert_eq!(verdict(&report, "members"), "PASS", "{report:#}");
+    assert_eq!(report["audit"]["worst"], "WARN", "{report:#}");
+    let _ = code; // the self-test may hit the dead endpoint (see the endpoints finding)
+
+    // The URL naming only the live members: the dead one is still found (through the member
+    // list) and the cluster is WARN, while the endpoints pass and so does the self-test.
+    let live = format!(
+        "etcd://{}",
+        ports[..2]
+            .iter()
+            .map(|(c, _)| format!("127.0.0.1:{c}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    let (code, report, _) = check(&live, &[]);
+    assert_eq!(verdict(&report, "health"), "WARN", "{report:#}");
+    assert_eq!(verdict(&report, "endpoints"), "PASS", "{report:#}");
+    assert_eq!(code, Some(0), "a member down is a WARN: {report:#}");
+    assert_eq!(check(&live, &["--strict"]).0, Some(1));
+
+    // A second member down: no quorum.
+    members[1].kill();
+    let (code, report, _) = check(&url, &[]);
+    assert_ne!(code, Some(0), "{report:#}");
+    if report["audit"]["findings"].is_array() {
+        assert_eq!(verdict(&report, "health"), "FAIL", "{report:#}");
+    }
+}
