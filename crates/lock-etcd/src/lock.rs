@@ -182,6 +182,9 @@ struct Entry {
     /// This attempt's abandonment marker (see [`keys::attempt_marker`]).
     marker: Vec<u8>,
     armed: bool,
+    /// Who was ahead in the queue when the put applied (read by the put itself), so a waiter
+    /// starts watching without reading the queue first.
+    ahead: Option<Ahead>,
 }
 
 impl Entry {
@@ -193,8 +196,9 @@ impl Entry {
     }
 
     /// The attempt's put (Go's `tryAcquire` txn): put our key if it does not exist and read the
-    /// oldest key of the range, else read our key. Conditional on the attempt's marker too:
-    /// once a withdrawal wrote it, this put can never apply, however late it arrives (review L1).
+    /// oldest key of the range and the newest [`QUEUE_WATCH_MAX`] + 1 (ours and who is ahead of
+    /// it), else read our key. Conditional on the attempt's marker too: once a withdrawal wrote
+    /// it, this put can never apply, however late it arrives (review L1).
     fn put_txn(&self) -> Txn {
         Txn::new()
             .when([
@@ -208,6 +212,15 @@ impl Entry {
                     Some(PutOptions::new().with_lease(self.session.id)),
                 ),
                 TxnOp::get(self.name.clone(), Some(first_create())),
+                TxnOp::get(
+                    self.name.clone(),
+                    Some(
+                        GetOptions::new()
+                            .with_prefix()
+                            .with_sort(SortTarget::Create, SortOrder::Descend)
+                            .with_limit(QUEUE_WATCH_MAX as i64 + 1),
+                    ),
+                ),
             ])
             .or_else([TxnOp::get(self.key.clone(), None)])
     }
@@ -512,11 +525,12 @@ impl EtcdLock {
     ) -> Result<Lease> {
         let inner = &self.inner;
         let until = wait.deadline();
-        let (entry, owned, base) = inner.put_entry(key, ttl, "acquire", until).await?;
+        let (mut entry, owned, base) = inner.put_entry(key, ttl, "acquire", until).await?;
         let (entry, base) = if owned {
             (entry, base)
         } else {
-            if let Err(e) = inner.wait_turn(&entry, key, ttl, wait).await {
+            let first = entry.ahead.take();
+            if let Err(e) = inner.wait_turn(&entry, first, key, ttl, wait).await {
                 // Leave the queue before returning when that is quick (a waiter that timed out
                 // must not be handed the lock next); past a short grace the rest goes to the
                 // background, so the deadline is overshot by that grace at most.
@@ -542,11 +556,34 @@ impl EtcdLock {
             Err(entry) => {
                 // Too late to trust: give the turn up (the next in line is granted) and try
                 // again while the deadline allows (review S3).
-                entry.discard(Instant::now() + inner.timeout()).await;
+                (*entry).discard(Instant::now() + inner.timeout()).await;
                 Err(expired_on_arrival("acquire"))
             }
         }
     }
+}
+
+/// Whom to wait for, from a read of the queue at `revision` (`from` − 1) holding the newest
+/// keys of `name` (newest first; keys created at or after `own_rev` are skipped), `more` when
+/// the read was cut by its limit. `None`: nobody contends ahead of us, or the read says too
+/// little (the waiter then reads the queue itself).
+fn ahead_of(
+    name: &[u8],
+    own_rev: i64,
+    newest: &[KeyValue],
+    more: bool,
+    from: i64,
+) -> Option<Ahead> {
+    let mut earlier = newest
+        .iter()
+        .filter(|kv| kv.create_revision() < own_rev && keys::is_entry(name, kv.key(), kv.lease()))
+        .map(|kv| kv.key().to_vec());
+    if more {
+        let key = earlier.next()?;
+        return Some(Ahead::Predecessor { key, from });
+    }
+    let keys: Vec<Vec<u8>> = earlier.collect();
+    (!keys.is_empty()).then_some(Ahead::All { keys, from })
 }
 
 /// A grant whose local deadline had passed by the time it was confirmed.
@@ -876,6 +913,7 @@ impl Inner {
                 rev: 0,
                 marker: keys::attempt_marker(&self.config.prefix, rand::random()),
                 armed: true,
+                ahead: None,
             };
             let txn = entry.put_txn();
             Counters::bump(&self.counters.txn);
@@ -891,6 +929,9 @@ impl Inner {
                         return Err(protocol(op, "etcd's txn reply lacks a revision or owner"));
                     };
                     entry.rev = rev;
+                    entry.ahead = txn_get(&resp, 2).and_then(|newest| {
+                        ahead_of(&name, rev, newest.kvs(), newest.more(), rev + 1)
+                    });
                     let owner = match self.owner_rev(&name, &first, until).await {
                         Ok(owner) => owner,
                         Err(e) => {
@@ -1058,11 +1099,11 @@ impl Inner {
         key: &LockKey,
         ttl: Duration,
         base: Instant,
-    ) -> std::result::Result<Lease, Entry> {
+    ) -> std::result::Result<Lease, Box<Entry>> {
         let fence = u64::try_from(entry.rev).ok().map(FencingToken);
         let lease = Lease::new(key.clone(), entry.token, fence, ttl, base);
         if !lease.is_locally_valid() {
-            return Err(entry);
+            return Err(Box::new(entry));
         }
         entry.armed = false;
         let held = Arc::new(Held {
@@ -1103,6 +1144,7 @@ impl Inner {
     async fn wait_turn(
         &self,
         entry: &Entry,
+        mut first: Option<Ahead>,
         key: &LockKey,
         ttl: Duration,
         wait: &AcquireWait,
@@ -1122,85 +1164,91 @@ impl Inner {
             if Instant::now() >= until {
                 return Err(wait.timeout());
             }
-            // One read-only transaction: the newest entries older than ours, and our own entry.
-            Counters::bump(&self.counters.txn);
-            let opts = GetOptions::new()
-                .with_prefix()
-                .with_sort(SortTarget::Create, SortOrder::Descend)
-                .with_max_create_revision(entry.rev - 1)
-                .with_limit(QUEUE_WATCH_MAX as i64);
-            let read = Txn::new().and_then([
-                TxnOp::get(entry.name.clone(), Some(opts)),
-                TxnOp::get(entry.key.clone(), None),
-            ]);
-            let read =
-                error::request_until(self.timeout(), until, self.client.kv_client().txn(read))
-                    .await;
-            let pred = match read {
-                Ok(resp) => {
-                    let (Some(queue), Some(own)) = (txn_get(&resp, 0), txn_get(&resp, 1)) else {
-                        return Err(protocol("acquire", "etcd's txn reply lacks a read"));
-                    };
-                    match own.kvs().first() {
-                        Some(kv) if kv.create_revision() == entry.rev => {}
-                        _ => return Err(queue_entry_lost(key)),
-                    }
-                    let earlier: Vec<&KeyValue> = queue
-                        .kvs()
-                        .iter()
-                        .filter(|kv| keys::is_entry(&entry.name, kv.key(), kv.lease()))
-                        .collect();
-                    match (queue.kvs().first(), resp.header()) {
-                        // No earlier entry and ours exists, at one revision: the lock is ours.
-                        (None, _) => return Ok(()),
-                        // `more` is computed after the create-revision filter: false means
-                        // these are all the keys older than ours.
-                        (Some(_), Some(h)) if !queue.more() => {
-                            if earlier.is_empty() {
-                                // Only keys that are no contender: nobody is ahead of us.
-                                return Ok(());
-                            }
-                            Some(Ahead::All {
-                                keys: earlier.iter().map(|kv| kv.key().to_vec()).collect(),
-                                from: h.revision() + 1,
-                            })
+            // The put's own read says who is ahead the first time; later looks read the queue.
+            let pred = if let Some(ahead) = first.take() {
+                Some(ahead)
+            } else {
+                // One read-only transaction: the newest entries older than ours, and our own entry.
+                Counters::bump(&self.counters.txn);
+                let opts = GetOptions::new()
+                    .with_prefix()
+                    .with_sort(SortTarget::Create, SortOrder::Descend)
+                    .with_max_create_revision(entry.rev - 1)
+                    .with_limit(QUEUE_WATCH_MAX as i64);
+                let read = Txn::new().and_then([
+                    TxnOp::get(entry.name.clone(), Some(opts)),
+                    TxnOp::get(entry.key.clone(), None),
+                ]);
+                let read =
+                    error::request_until(self.timeout(), until, self.client.kv_client().txn(read))
+                        .await;
+                match read {
+                    Ok(resp) => {
+                        let (Some(queue), Some(own)) = (txn_get(&resp, 0), txn_get(&resp, 1))
+                        else {
+                            return Err(protocol("acquire", "etcd's txn reply lacks a read"));
+                        };
+                        match own.kvs().first() {
+                            Some(kv) if kv.create_revision() == entry.rev => {}
+                            _ => return Err(queue_entry_lost(key)),
                         }
-                        (Some(_), Some(h)) if !earlier.is_empty() => Some(Ahead::Predecessor {
-                            key: earlier[0].key().to_vec(),
-                            from: h.revision() + 1,
-                        }),
-                        (Some(_), Some(_)) => {
-                            // A key under our range that is no contender: look at the entries
-                            // only (rare). No shortcut: the watch is then on the predecessor.
-                            match self
-                                .entries_of(&entry.name, Some(entry.rev - 1), until)
-                                .await
-                            {
-                                Ok(earlier) => match earlier.last() {
-                                    None => {
-                                        // Ours must still exist: read again, it costs one txn.
-                                        if self.own_entry_exists(entry, until).await? {
-                                            return Ok(());
+                        let earlier: Vec<&KeyValue> = queue
+                            .kvs()
+                            .iter()
+                            .filter(|kv| keys::is_entry(&entry.name, kv.key(), kv.lease()))
+                            .collect();
+                        match (queue.kvs().first(), resp.header()) {
+                            // No earlier entry and ours exists, at one revision: the lock is ours.
+                            (None, _) => return Ok(()),
+                            // `more` is computed after the create-revision filter: false means
+                            // these are all the keys older than ours.
+                            (Some(_), Some(h)) if !queue.more() => {
+                                if earlier.is_empty() {
+                                    // Only keys that are no contender: nobody is ahead of us.
+                                    return Ok(());
+                                }
+                                Some(Ahead::All {
+                                    keys: earlier.iter().map(|kv| kv.key().to_vec()).collect(),
+                                    from: h.revision() + 1,
+                                })
+                            }
+                            (Some(_), Some(h)) if !earlier.is_empty() => Some(Ahead::Predecessor {
+                                key: earlier[0].key().to_vec(),
+                                from: h.revision() + 1,
+                            }),
+                            (Some(_), Some(_)) => {
+                                // A key under our range that is no contender: look at the entries
+                                // only (rare). No shortcut: the watch is then on the predecessor.
+                                match self
+                                    .entries_of(&entry.name, Some(entry.rev - 1), until)
+                                    .await
+                                {
+                                    Ok(earlier) => match earlier.last() {
+                                        None => {
+                                            // Ours must still exist: read again, it costs one txn.
+                                            if self.own_entry_exists(entry, until).await? {
+                                                return Ok(());
+                                            }
+                                            return Err(queue_entry_lost(key));
                                         }
-                                        return Err(queue_entry_lost(key));
+                                        Some(kv) => Some(Ahead::Predecessor {
+                                            key: kv.key().to_vec(),
+                                            from: kv.mod_revision().max(kv.create_revision()) + 1,
+                                        }),
+                                    },
+                                    Err(e) => {
+                                        tracing::debug!(%key, error = %e.source, "reading the lock queue failed; retrying");
+                                        None
                                     }
-                                    Some(kv) => Some(Ahead::Predecessor {
-                                        key: kv.key().to_vec(),
-                                        from: kv.mod_revision().max(kv.create_revision()) + 1,
-                                    }),
-                                },
-                                Err(e) => {
-                                    tracing::debug!(%key, error = %e.source, "reading the lock queue failed; retrying");
-                                    None
                                 }
                             }
+                            (Some(_), None) => None,
                         }
-                        (Some(_), None) => None,
                     }
-                }
-                Err(e) => {
-                    tracing::debug!(%key, error = %e.source, "reading the lock queue failed; retrying");
-                    None
+                    Err(e) => {
+                        tracing::debug!(%key, error = %e.source, "reading the lock queue failed; retrying");
+                        None
+                    }
                 }
             };
             // The earlier entries not yet seen deleted, while watching the whole queue.
@@ -1400,7 +1448,9 @@ impl DistributedLock for EtcdLock {
         match self.inner.hold(entry, key, ttl, base) {
             Ok(lease) => Ok(Some(lease)),
             Err(entry) => {
-                entry.discard(Instant::now() + self.inner.timeout()).await;
+                (*entry)
+                    .discard(Instant::now() + self.inner.timeout())
+                    .await;
                 Err(expired_on_arrival("try_acquire"))
             }
         }
@@ -1709,6 +1759,7 @@ mod tests {
                 rev: 0,
                 marker: keys::attempt_marker(&inner.config.prefix, rand::random()),
                 armed: false,
+                ahead: None,
             };
             let put = entry.put_txn();
             if !late {
