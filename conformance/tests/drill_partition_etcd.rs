@@ -11,7 +11,12 @@
 //! behind a small proxy of this file that can cut the member off: every connection *to* the
 //! isolated member, and every connection the isolated member opened *to* the others (found by
 //! the owner of the connecting socket in `/proc`), is closed while the partition lasts; the
-//! majority's links to each other stay up. Runs where the cluster drills run
+//! majority's links to each other stay up.
+//!
+//! `etcd_isolated_leader_holder` cuts the **leader** instead, with the holder's client and a
+//! second, waiting client attached to it: the holder's `lost()` must precede the grant the new
+//! majority makes to a contender, and the waiter on the old leader's side must not be granted
+//! while the partition lasts (after the heal it may be). Runs where the cluster drills run
 //! (`DISTLOCK_TEST_ETCD3_URL` set, i.e. `backends.sh up3`), with the `etcd` binary of that setup.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed expectation is a failed test
 
@@ -413,6 +418,117 @@ async fn partitioned_member_holder() {
     finish(&history, &log, &[]);
 }
 
+/// The leader is isolated while the holder's client, and a waiter's, talk only to it.
+async fn isolated_leader_holder() {
+    let cluster = Cluster::start().await;
+    let leader = cluster.leader(&[0, 1, 2]).await.expect("a leader");
+    let majority = (leader + 1) % 3;
+    let history = History::new("etcd_isolated_leader_holder");
+    let key = conformance::fresh_key("drill-leader-cut");
+    let log = FencedLog::new();
+    let holder = Client::new(&history, "holder", &cluster.url(leader)).await;
+    let minority = Client::new(&history, "minority-waiter", &cluster.url(leader)).await;
+    let contender = Client::new(&history, "contender", &cluster.url(majority)).await;
+
+    let held = holder
+        .acquire(&key, WAIT)
+        .await
+        .expect("the holder acquires");
+    let f1 = held.hold.fencing.map_or(0, FencingToken::get);
+    assert!(write(&holder.rec, &held.hold, &log, "holder#0"));
+    // Both waiters queue before the cut: the one on the leader first.
+    let minority_waiting = tokio::spawn({
+        let wait = minority.start_acquire(&key, WAIT);
+        async move {
+            let held = wait.await;
+            (Instant::now(), held)
+        }
+    });
+    sleep(TTL / 4).await;
+    let waiting = tokio::spawn(contender.start_acquire(&key, WAIT));
+    sleep(TTL / 4).await;
+    assert!(
+        !waiting.is_finished() && !minority_waiting.is_finished(),
+        "granted while held"
+    );
+    held.note_renewals();
+
+    let fault = history.fault(
+        "leader partitioned from the other members",
+        Some(&cluster.members[leader].name),
+    );
+    let cut = Instant::now();
+    cluster.isolate(leader);
+    let granted = waiting
+        .await
+        .unwrap()
+        .expect("the majority grants the contender once the holder's lease expired");
+    let granted_at = Instant::now();
+    let lost_at = if held.guard.is_lost() {
+        held.wait_lost(SOON).await
+    } else {
+        None
+    };
+    let f2 = granted.hold.fencing.map_or(0, FencingToken::get);
+    assert!(f2 > f1, "fencing must increase: {f1} then {f2}");
+    assert!(write(&contender.rec, &granted.hold, &log, "contender#1"));
+    let lost_at = lost_at.expect(
+        "the holder on the isolated leader still trusted its lease when the contender was granted",
+    );
+    eprintln!(
+        "{}: leader {} cut off; holder lost ({:?}) {:?} after the cut, contender granted {:?} \
+         after the cut ({:?} after the loss); fence {f1} then {f2}",
+        history.name(),
+        cluster.members[leader].name,
+        held.guard.loss_reason(),
+        lost_at - cut,
+        granted_at - cut,
+        granted_at - lost_at,
+    );
+    assert!(lost_at < granted_at);
+    // Freed on the majority side while still cut: the waiter on the old leader stays waiting
+    // (or fails), it is never granted across the partition.
+    assert_eq!(contender.release(granted).await, Some(true));
+    sleep(TTL * 2).await;
+    let healed = Instant::now();
+    cluster.heal();
+    fault.heal();
+    let _ = holder.release(held).await;
+    match tokio::time::timeout(WAIT + SOON, minority_waiting).await {
+        Ok(Ok((at, Some(late)))) => {
+            assert!(
+                at >= healed,
+                "the waiter on the isolated leader was granted {:?} before the heal",
+                healed - at
+            );
+            assert!(write(&minority.rec, &late.hold, &log, "minority#1"));
+            let _ = minority.release(late).await;
+        }
+        Ok(Ok((_, None))) => {
+            // It gave up during the partition; once healed its client locks again.
+            let late = minority
+                .acquire(&key, WAIT)
+                .await
+                .expect("the minority waiter acquires after the heal");
+            assert!(write(&minority.rec, &late.hold, &log, "minority#1"));
+            assert_eq!(minority.release(late).await, Some(true));
+        }
+        Ok(Err(e)) => panic!("the minority waiter's task: {e}"),
+        Err(_) => panic!("the minority waiter never returned"),
+    }
+    history.note(format!(
+        "holder and a waiter on leader {} (isolated); contender on {}",
+        cluster.members[leader].name, cluster.members[majority].name
+    ));
+    let again = holder
+        .acquire(&key, WAIT)
+        .await
+        .expect("the holder acquires again after the heal");
+    assert!(write(&holder.rec, &again.hold, &log, "holder#again"));
+    assert_eq!(holder.release(again).await, Some(true));
+    finish(&history, &log, &[]);
+}
+
 /// The same private cluster loses its leader (SIGKILL of our own member process) while a lock
 /// is held and a contender waits, both clients knowing every member: with the client requiring
 /// a leader, requests refused during the election are retried, the history stays clean, and
@@ -488,4 +604,18 @@ fn etcd_partitioned_member_holder() {
     }
     assert!(etcd_installed(), "etcd is not installed");
     drill_support::block_on(partitioned_member_holder());
+}
+
+#[test]
+fn etcd_isolated_leader_holder() {
+    if conformance::backend_url("DISTLOCK_TEST_ETCD3_URL").is_none() {
+        drill_support::skip(
+            "isolated_leader_holder",
+            Backend::Etcd,
+            "up3 is not running",
+        );
+        return;
+    }
+    assert!(etcd_installed(), "etcd is not installed");
+    drill_support::block_on(isolated_leader_holder());
 }
