@@ -1,4 +1,6 @@
-//! Redis: `RedisLock` vs `SET NX PX` + an `EVALSHA` compare-and-delete vs `rslock`.
+//! Redis: `RedisLock` vs `SET NX PX` + an `EVALSHA` compare-and-delete (no fence), vs the same
+//! guarantee as ours made bare (one `EVALSHA` granting with `SET NX PX` and minting the fence
+//! with `INCR`, one compare-and-delete `EVALSHA`), vs `rslock`.
 
 use std::{sync::Arc, time::Duration};
 
@@ -15,6 +17,16 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
 return 0
+";
+
+/// The bare grant with the guarantee `RedisLock` gives: `SET NX PX` and a fence from `INCR` in
+/// one atomic step, the fence stored with the token so a compare-and-delete checks both.
+const FENCED_ACQUIRE: &str = r"
+local fence = redis.call('INCR', KEYS[2])
+if redis.call('SET', KEYS[1], ARGV[1] .. ':' .. fence, 'NX', 'PX', ARGV[2]) then
+  return fence
+end
+return false
 ";
 
 /// The Redis backend at a URL.
@@ -75,6 +87,51 @@ impl Cycle for Bare {
             .release
             .key(&self.key)
             .arg(&token)
+            .invoke_async(&mut self.conn)
+            .await?;
+        if deleted != 1 {
+            return Err("the bare compare-and-delete found another token".into());
+        }
+        Ok(())
+    }
+}
+
+/// The same guarantee as `RedisLock` (a fence minted atomically with the grant), bare.
+struct BareFenced {
+    conn: MultiplexedConnection,
+    acquire: redis::Script,
+    release: redis::Script,
+    key: String,
+    counter: String,
+    ttl_ms: u64,
+}
+
+#[async_trait]
+impl Cycle for BareFenced {
+    fn kind(&self) -> Kind {
+        Kind::Bare
+    }
+
+    fn label(&self) -> String {
+        "same guarantee: EVALSHA SET NX PX + INCR fence, EVALSHA compare-and-delete (redis crate)"
+            .into()
+    }
+
+    async fn run(&mut self) -> Res<()> {
+        let token = OwnershipToken::generate().expose_hex();
+        let fence: Option<i64> = self
+            .acquire
+            .key(&self.key)
+            .key(&self.counter)
+            .arg(&token)
+            .arg(self.ttl_ms)
+            .invoke_async(&mut self.conn)
+            .await?;
+        let fence = fence.ok_or("the bare fenced key was held")?;
+        let deleted: i64 = self
+            .release
+            .key(&self.key)
+            .arg(format!("{token}:{fence}"))
             .invoke_async(&mut self.conn)
             .await?;
         if deleted != 1 {
@@ -224,6 +281,15 @@ impl Backend for Redis {
                 conn: self.connection().await?,
                 release: redis::Script::new(COMPARE_DELETE),
                 key: format!("distlock-bench:{run}:bare"),
+                ttl_ms,
+            }),
+            Box::new(BareFenced {
+                conn: self.connection().await?,
+                acquire: redis::Script::new(FENCED_ACQUIRE),
+                release: redis::Script::new(COMPARE_DELETE),
+                // One hash slot, like the driver's keys.
+                key: format!("distlock-bench:{{{run}}}:fenced"),
+                counter: format!("distlock-bench:{{{run}}}:fenced:fence"),
                 ttl_ms,
             }),
             Box::new(Peer {
