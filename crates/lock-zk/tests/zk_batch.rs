@@ -315,7 +315,8 @@ async fn waiters_that_give_up_in_the_middle_do_not_let_their_successors_jump_the
     let Some(config) = config() else { return };
     let raw = raw_client(&config).await;
     let holder = Arc::new(ZkLock::connect(config.clone()).await.unwrap());
-    let waiters = Arc::new(ZkLock::connect(config.clone()).await.unwrap());
+    // Counted, to see the deep waiter go back to waiting after its predecessor gave up.
+    let (waiters, counts) = counted_client(&config).await;
     let key = plain_key();
     let dir = format!("{ROOT}/{key}");
     let held = holder.try_acquire(&key, SESSION).await.unwrap().unwrap();
@@ -350,6 +351,7 @@ async fn waiters_that_give_up_in_the_middle_do_not_let_their_successors_jump_the
     }
     // Give up: the one right behind the holder and one behind the watched window.
     let gave_up = [0, 18];
+    let (lists, checks) = (counts.lists(), counts.checks());
     for &i in &gave_up {
         tasks[i].abort();
     }
@@ -357,8 +359,17 @@ async fn waiters_that_give_up_in_the_middle_do_not_let_their_successors_jump_the
         children(&raw, &dir).await.len() == 1 + W - gave_up.len()
     })
     .await;
-    // Their successors had time to wake up and must still wait for the holder.
-    sleep(Duration::from_millis(300)).await;
+    // Their successors woke up, and must still wait for the holder. Awaited as events, not a
+    // sleep: waiter 19 (behind the watched window) lists again and re-arms its watch (the
+    // removals of the two nodes send neither); waiter 1 decides without a request, on the
+    // deletion event, which its session delivers before the reply to any later request.
+    until(
+        "the deep waiter listed again and watches again",
+        async || counts.lists() > lists && counts.checks() > checks,
+    )
+    .await;
+    waiters.inspect(&key).await.unwrap();
+    tokio::task::yield_now().await;
     assert!(order.lock().unwrap().is_empty());
     let info = holder.inspect(&key).await.unwrap().unwrap();
     assert_eq!(info.token_digest, Some(held.token().digest()));
@@ -380,10 +391,18 @@ async fn every_watch_lost_future_of_a_lease_fires_when_its_node_is_deleted() {
     let a = ZkLock::connect(config.clone()).await.unwrap();
     let key = plain_key();
     let lease = a.try_acquire(&key, SESSION).await.unwrap().unwrap();
-    // Three independent watchers of one lease, each polled by its own task.
-    let watchers: Vec<_> = (0..3).map(|_| tokio::spawn(a.watch_lost(&lease))).collect();
-    // Let every watcher register (and arm the node watch) before the deletion.
-    sleep(Duration::from_millis(200)).await;
+    // Three independent watchers of one lease, each polled once here — which registers it with
+    // the lease's node watch (or sends the request arming it) — before its own task polls on,
+    // so every one is registered before the deletion (an event, not a sleep).
+    let mut watchers = Vec::new();
+    for _ in 0..3 {
+        let mut watcher = a.watch_lost(&lease);
+        assert!(
+            futures::poll!(&mut watcher).is_pending(),
+            "lost before the node was deleted"
+        );
+        watchers.push(tokio::spawn(watcher));
+    }
     let dir = format!("{ROOT}/{key}");
     let node = children(&raw, &dir).await.remove(0);
     raw.delete(&format!("{dir}/{node}"), None).await.unwrap();
