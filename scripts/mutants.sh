@@ -20,6 +20,7 @@
 #   # breaks: <what the patch breaks>
 #   # test: <cargo test arguments, run in the scratch clone>      (one or more)
 #   # expect: <a string the failing run's output must contain>  (optional)
+#   # env: NAME=value ...  (optional: environment of its test commands, e.g. a longer soak)
 # A patch is caught when one of its test commands fails (and the output contains `expect`); the
 # test commands must pass on the unpatched clone (checked first: `scripts/mutants.sh baseline`).
 set -euo pipefail
@@ -88,7 +89,8 @@ in_scratch() {
   local log=$1
   shift
   # Never more than 20 minutes for one command: a hang is a failure to report, not a wait.
-  (cd "$SCRATCH" && CARGO_TARGET_DIR=$SCRATCH_TARGET timeout 1200 \
+  # shellcheck disable=SC2086 # PATCH_ENV is a list of NAME=value words
+  (cd "$SCRATCH" && env ${PATCH_ENV:-} CARGO_TARGET_DIR=$SCRATCH_TARGET timeout 1200 \
     cargo test "$@" >"$log" 2>&1)
 }
 
@@ -98,6 +100,7 @@ run_patch() {
   local patch=$1 name t i=0 log expect status="NOT CAUGHT" by=""
   name=$(basename "$patch" .patch)
   expect=$(field "$patch" expect)
+  PATCH_ENV=$(field "$patch" env | tr '\n' ' ')
   scratch
   if ! git -C "$SCRATCH" apply "$patch"; then
     printf '%-60s UNVIABLE (does not apply to HEAD)\n' "$name"
@@ -123,6 +126,7 @@ run_patch() {
     break
   done < <(field "$patch" test)
   git -C "$SCRATCH" checkout --quiet --force -- .
+  PATCH_ENV=
   printf '%-60s %s%s\n' "$name" "$status" "$by"
 }
 
@@ -154,7 +158,7 @@ patches() {
   for p in "${list[@]}"; do
     run_patch "$p"
   done | tee "$WORK/$kind.txt"
-  echo "$(grep -c ' CAUGHT' "$WORK/$kind.txt") of ${#list[@]} $kind patches caught ($WORK/$kind.txt)"
+  echo "$(grep -c ' CAUGHT by' "$WORK/$kind.txt") of ${#list[@]} $kind patches caught ($WORK/$kind.txt)"
 }
 
 case ${1:-all} in
