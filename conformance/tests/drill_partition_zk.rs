@@ -42,6 +42,11 @@ use tokio::{
 const CLIENT_PORTS: [u16; 3] = [23181, 23182, 23183];
 const QUORUM_PORTS: [u16; 3] = [23184, 23185, 23186];
 const ELECTION_PORTS: [u16; 3] = [23187, 23188, 23189];
+/// The isolated-leader drill's ensemble (its own ports: the drills of this file run in
+/// parallel): clients 23281–23283, quorum 23284–23286, election 23287–23289.
+const LEADER_CLIENT_PORTS: [u16; 3] = [23281, 23282, 23283];
+const LEADER_QUORUM_PORTS: [u16; 3] = [23284, 23285, 23286];
+const LEADER_ELECTION_PORTS: [u16; 3] = [23287, 23288, 23289];
 const TICK_MS: u64 = 200;
 /// A follower gives up on a silent leader after SYNC_LIMIT × TICK_MS = 5 s.
 const SYNC_LIMIT: u64 = 25;
@@ -55,6 +60,8 @@ struct Ensemble {
     dir: PathBuf,
     members: Vec<Child>,
     proxies: Vec<Proxy>,
+    /// The members' client ports.
+    client_ports: [u16; 3],
 }
 
 impl Drop for Ensemble {
@@ -95,7 +102,7 @@ impl Ensemble {
              maxSessionTimeout=60000\nmaxClientCnxns=0\nadmin.enableServer=false\n\
              4lw.commands.whitelist=*\n",
             data.display(),
-            CLIENT_PORTS[id - 1],
+            self.client_ports[id - 1],
             2 * TICK_MS
         );
         for (i, (quorum, election)) in peers.iter().enumerate() {
@@ -163,7 +170,7 @@ async fn mode(port: u16) -> String {
 async fn wait_mode(ensemble: &Ensemble, id: usize, ok: impl Fn(&str) -> bool) -> String {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let m = mode(CLIENT_PORTS[id - 1]).await;
+        let m = mode(ensemble.client_ports[id - 1]).await;
         if ok(&m) {
             return m;
         }
@@ -265,6 +272,7 @@ async fn drill() {
         dir,
         members: Vec::new(),
         proxies: Vec::new(),
+        client_ports: CLIENT_PORTS,
     };
     let direct = [0, 1, 2].map(|i| (QUORUM_PORTS[i], ELECTION_PORTS[i]));
     ensemble.start(1, direct);
@@ -379,6 +387,237 @@ async fn drill() {
     assert!(write(&rec_b, &again.hold, &log, "b#2"));
     let release = rec_b.release(again.hold.clone());
     match tokio::time::timeout(SOON, again.guard.release()).await {
+        Ok(Ok(released)) => release.released(released),
+        Ok(Err(e)) => release.error(&e),
+        Err(_) => release.unknown("release timed out"),
+    }
+    finish(&history, &log, &[]);
+    drop(ensemble);
+}
+
+/// Drill: the **leader** of a private 3-member ensemble is cut off from both followers while
+/// the holder's client, and a waiter's, are connected to it only. Member 3 is made the leader
+/// (it starts first, so the first election it takes part in is won by the highest id), and every
+/// link between it and members 1 and 2 runs through drill proxies: its own connections to their
+/// quorum and election ports, and theirs to its ports. Blackholing the six proxies isolates it.
+/// A leader without a quorum goes on answering its clients (reads, and syncs while no proposal
+/// is outstanding) until it gives up after syncLimit × tickTime; meanwhile the followers elect a
+/// new leader, which expires the holder's session and grants the lock to `b`. Requires: the
+/// holder's `lost()` precedes `b`'s grant, fences increase, the waiter on the old leader's side
+/// is never granted during the partition, and the history passes the checker.
+#[test]
+fn zk_holder_on_an_isolated_leader_loses_before_the_new_leader_grants_another() {
+    if conformance::backend_url("DISTLOCK_TEST_ZK_URL").is_none() {
+        return;
+    }
+    assert!(
+        Path::new(JAR).exists(),
+        "{JAR} is missing (scripts/backends.sh install)"
+    );
+    for port in LEADER_CLIENT_PORTS
+        .iter()
+        .chain(&LEADER_QUORUM_PORTS)
+        .chain(&LEADER_ELECTION_PORTS)
+    {
+        assert!(
+            port_free(*port),
+            "port {port} is in use: this drill needs 23281-23289"
+        );
+    }
+    block_on(leader_drill());
+}
+
+/// An acquisition that may fail (the waiter on the isolated side): when it returned, and the
+/// guard if granted. Recorded in the history either way.
+async fn try_to_acquire(
+    rec: &ClientRecorder,
+    lock: &DynLock,
+    key: &LockKey,
+    wait: Duration,
+) -> (Instant, Option<LockGuard>) {
+    let op = rec.acquire(key, SESSION);
+    let result = tokio::time::timeout(
+        wait + SOON,
+        lock.lock(key.as_str()).ttl(SESSION).wait(wait).acquire(),
+    )
+    .await;
+    let at = Instant::now();
+    match result {
+        Ok(Ok(guard)) => {
+            op.granted(&guard);
+            (at, Some(guard))
+        }
+        Ok(Err(e)) => {
+            op.error(&e);
+            (at, None)
+        }
+        Err(_) => {
+            op.unknown("acquire did not return by its deadline");
+            (at, None)
+        }
+    }
+}
+
+async fn leader_drill() {
+    let dir = std::env::temp_dir().join(format!("distlock-drill-zk-il-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut ensemble = Ensemble {
+        dir,
+        members: Vec::new(),
+        proxies: Vec::new(),
+        client_ports: LEADER_CLIENT_PORTS,
+    };
+    let direct = [0, 1, 2].map(|i| (LEADER_QUORUM_PORTS[i], LEADER_ELECTION_PORTS[i]));
+    let to = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
+    // proxied[i]: member i + 1's quorum and election ports as the other members reach them.
+    let mut proxied = direct;
+    for (i, peer) in proxied.iter_mut().enumerate() {
+        let quorum = Proxy::start(to(LEADER_QUORUM_PORTS[i])).await.unwrap();
+        let election = Proxy::start(to(LEADER_ELECTION_PORTS[i])).await.unwrap();
+        *peer = (quorum.addr().port(), election.addr().port());
+        ensemble.proxies.push(quorum);
+        ensemble.proxies.push(election);
+    }
+    // Member 3 reaches 1 and 2 through their proxies; 1 and 2 reach each other directly and 3
+    // through its proxies.
+    let view_of_3 = [proxied[0], proxied[1], direct[2]];
+    let view_of_majority = [direct[0], direct[1], proxied[2]];
+    ensemble.start(3, view_of_3);
+    ensemble.start(1, view_of_majority);
+    wait_mode(&ensemble, 3, |m| m == "leader" || m == "follower").await;
+    ensemble.start(2, view_of_majority);
+    wait_mode(&ensemble, 2, |m| m == "follower").await;
+    let m3 = mode(LEADER_CLIENT_PORTS[2]).await;
+    assert_eq!(
+        m3,
+        "leader",
+        "member 3 did not win the first election; its log:\n{}",
+        ensemble.log_tail(3)
+    );
+    eprintln!("ensemble up: member 3 leads, every link to it through the drill proxies");
+
+    let history = History::new("zk_isolated_leader");
+    history.note(format!(
+        "3-member ensemble, tickTime {TICK_MS} ms, syncLimit {SYNC_LIMIT}; a and w on leader 3, b on members 1 and 2"
+    ));
+    let log = FencedLog::new();
+    let key = conformance::fresh_key("drill-il");
+    let (rec_a, rec_w, rec_b) = (
+        history.client("a"),
+        history.client("w"),
+        history.client("b"),
+    );
+    let a = client(&url(&LEADER_CLIENT_PORTS[2..])).await;
+    let w = client(&url(&LEADER_CLIENT_PORTS[2..])).await;
+    let b = client(&url(&LEADER_CLIENT_PORTS[..2])).await;
+
+    let held_a = acquire(&rec_a, &a, &key, SOON).await;
+    assert!(write(&rec_a, &held_a.hold, &log, "a#1"));
+    // w queues first (on the leader), then b (on the followers).
+    let minority = tokio::spawn({
+        let (rec_w, w, key) = (rec_w.clone(), w.clone(), key.clone());
+        async move { try_to_acquire(&rec_w, &w, &key, Duration::from_secs(60)).await }
+    });
+    let queued = |n: usize| {
+        let (a, key) = (a.clone(), key.clone());
+        async move {
+            let deadline = Instant::now() + SOON;
+            while !matches!(a.inspect(&key).await, Ok(Some(h)) if h.waiters == Some(n)) {
+                assert!(Instant::now() < deadline, "{n} waiters never queued");
+                sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    queued(1).await;
+    let waiter = tokio::spawn({
+        let (rec_b, b, key) = (rec_b.clone(), b.clone(), key.clone());
+        async move {
+            let held = acquire(&rec_b, &b, &key, Duration::from_secs(60)).await;
+            (Instant::now(), held)
+        }
+    });
+    queued(2).await;
+    sleep(SESSION).await;
+    assert!(!held_a.guard.is_lost(), "a lost the lock before the cut");
+    assert!(write(&rec_a, &held_a.hold, &log, "a#2"));
+
+    let cut = history.fault("isolate leader 3 from members 1 and 2", Some("zk member 3"));
+    for proxy in &ensemble.proxies {
+        proxy.blackhole();
+    }
+    let cut_at = Instant::now();
+    let (granted_at, held_b) = tokio::time::timeout(Duration::from_secs(60), waiter)
+        .await
+        .expect("b was never granted after the new leader expired a's session")
+        .unwrap();
+    assert!(write(&rec_b, &held_b.hold, &log, "b#1"));
+    let lost_at = *held_a.lost_at.lock().unwrap();
+    let lost_at = match lost_at {
+        Some(at) => at,
+        None => {
+            let _ = tokio::time::timeout(Duration::from_secs(15), held_a.guard.lost()).await;
+            sleep(Duration::from_millis(10)).await;
+            held_a
+                .lost_at
+                .lock()
+                .unwrap()
+                .expect("a never reported the loss")
+        }
+    };
+    let since = |t: Instant| t.saturating_duration_since(cut_at);
+    eprintln!(
+        "leader cut at +0; a lost at +{:?} ({:?}); b granted at +{:?} (fence {:?} after {:?})",
+        since(lost_at),
+        held_a.guard.loss_reason(),
+        since(granted_at),
+        held_b.guard.fencing_token(),
+        held_a.guard.fencing_token()
+    );
+    assert!(
+        lost_at <= granted_at,
+        "a's guard trusted the lock for {:?} after the new leader had granted it to b",
+        lost_at - granted_at
+    );
+    assert!(held_b.guard.fencing_token() > held_a.guard.fencing_token());
+    assert!(!write(&rec_a, &held_a.hold, &log, "a#3"));
+    // Freed on the majority side while still cut: w, on the old leader, is not granted.
+    let release = rec_b.release(held_b.hold.clone());
+    match tokio::time::timeout(SOON, held_b.guard.release()).await {
+        Ok(Ok(released)) => release.released(released),
+        Ok(Err(e)) => release.error(&e),
+        Err(_) => release.unknown("release timed out"),
+    }
+    sleep(SESSION).await;
+    let healed_at = Instant::now();
+    for proxy in &ensemble.proxies {
+        proxy.pass();
+    }
+    cut.heal();
+    drop(held_a);
+    let (w_at, w_guard) = tokio::time::timeout(Duration::from_secs(90), minority)
+        .await
+        .expect("w's acquire never returned")
+        .unwrap();
+    let w_guard = match w_guard {
+        Some(guard) => {
+            assert!(
+                w_at >= healed_at,
+                "w, on the isolated leader, was granted {:?} before the heal",
+                healed_at - w_at
+            );
+            guard
+        }
+        // It gave up (its session or connection lost): once healed its client locks again.
+        None => {
+            let (_, guard) = try_to_acquire(&rec_w, &w, &key, SOON).await;
+            guard.expect("w acquires after the heal")
+        }
+    };
+    let hold_w = Hold::from(&w_guard);
+    assert!(write(&rec_w, &hold_w, &log, "w#1"));
+    let release = rec_w.release(hold_w);
+    match tokio::time::timeout(SOON, w_guard.release()).await {
         Ok(Ok(released)) => release.released(released),
         Ok(Err(e)) => release.error(&e),
         Err(_) => release.unknown("release timed out"),
