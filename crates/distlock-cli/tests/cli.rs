@@ -58,11 +58,23 @@ fn bad_urls_unknown_schemes_and_missing_features_give_one_clear_line() {
         (Backend::ZooKeeper, "zk://127.0.0.1:1"),
         (Backend::Postgres, "postgres://u:secret@127.0.0.1:1/db"),
     ] {
+        let feature = backend.feature().unwrap();
+        // What a build without this feature answers (run in every build, `--all-features`
+        // included): a configuration error — which the binary prints as one line and exits 78
+        // with, as the unknown schemes above show — naming the feature, without the password.
+        match Backend::for_url_without(url, backend) {
+            Err(distlock::Error::Config(msg)) => {
+                assert!(msg.contains(&format!("the `{feature}` feature")), "{msg}");
+                assert_eq!(msg.lines().count(), 1, "{msg}");
+                assert!(!msg.contains("secret"), "{msg}");
+            }
+            other => panic!("{url} without `{feature}`: {other:?}, not a configuration error"),
+        }
         if backend.is_enabled() {
             continue;
         }
+        // This build really lacks it: the binary says so.
         let out = output(distlock().args(["--url", url, "inspect", "k"]));
-        let feature = backend.feature().unwrap();
         assert_one_line_error(&out, 78, &format!("the `{feature}` feature"));
         assert!(!stderr(&out).contains("secret"));
     }
@@ -501,4 +513,135 @@ fn a_killed_guard_process_gets_the_command_terminated() {
         started.elapsed() < std::time::Duration::from_secs(10),
         "{err}"
     );
+}
+
+/// `run` of a file that exists but cannot be executed exits 126, one line naming it (127 is
+/// for a command that does not exist, above).
+#[test]
+fn run_of_a_command_that_cannot_be_executed_exits_126() {
+    let path = std::env::temp_dir().join(format!("distlock-not-exec-{}", std::process::id()));
+    std::fs::write(&path, "#!/bin/sh\necho ran\n").unwrap();
+    // rw-r--r--: present, not executable (not even for root).
+    let mut mode = std::fs::metadata(&path).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut mode, 0o644);
+    std::fs::set_permissions(&path, mode).unwrap();
+    let out = output(
+        distlock()
+            .args(["--url", "memory://", "run", "k", "--"])
+            .arg(&path),
+    );
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(out.status.code(), Some(126), "{}", stderr(&out));
+    assert!(!stdout(&out).contains("ran"), "{}", stdout(&out));
+    assert!(
+        stderr(&out).contains(path.to_str().unwrap()),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// The coordinator unreachable for every command that needs it exits 69 (`check`, `inspect`,
+/// `release --force`, `run`), one line each.
+#[test]
+fn an_unreachable_coordinator_exits_69_for_every_command() {
+    if !Backend::Redis.is_enabled() {
+        return;
+    }
+    for args in [
+        &["check"][..],
+        &["inspect", "k"][..],
+        &["release", "--force", "--yes", "k"][..],
+        &["run", "k", "--", "true"][..],
+    ] {
+        let out = output(distlock().args(["--url", "redis://127.0.0.1:1"]).args(args));
+        assert_one_line_error(&out, 69, "127.0.0.1:1");
+    }
+}
+
+/// Runs `distlock ARGS` on a terminal (util-linux `script` gives it one) with `answer` typed in.
+fn on_a_terminal(args: &[&str], answer: &str) -> Output {
+    let quoted: Vec<String> = std::iter::once(env!("CARGO_BIN_EXE_distlock"))
+        .chain(args.iter().copied())
+        .map(|a| format!("'{}'", a.replace('\'', r"'\''")))
+        .collect();
+    let mut child = Command::new("script")
+        .args(["-q", "-e", "-c", &quoted.join(" "), "/dev/null"])
+        .env_remove("DISTLOCK_URL")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("util-linux script");
+    std::io::Write::write_all(child.stdin.as_mut().unwrap(), answer.as_bytes()).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// `release --force` without `--yes` shows the holder and the warning and asks: off a terminal it
+/// refuses (2) and releases nothing; on a terminal "n" releases nothing (1) and "y" removes
+/// exactly that grant (0).
+#[test]
+fn release_force_asks_for_confirmation() {
+    if !Backend::Redis.is_enabled() {
+        return;
+    }
+    let Some(url) = conformance::backend_url("DISTLOCK_TEST_REDIS_URL") else {
+        return;
+    };
+    let has_script = Command::new("script").arg("--version").output().is_ok();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let holder = runtime.block_on(distlock::connect(&url)).unwrap();
+    let key = conformance::fresh_key("cli-confirm");
+    let ttl = std::time::Duration::from_secs(60);
+    let lease = runtime
+        .block_on(holder.try_acquire(&key, ttl))
+        .unwrap()
+        .expect("a fresh key");
+    let held = || {
+        runtime
+            .block_on(holder.inspect(&key))
+            .unwrap()
+            .is_some_and(|h| h.fencing_token == lease.fencing_token())
+    };
+    let args = ["--url", url.as_str(), "release", "--force", key.as_str()];
+
+    let out = output(distlock().args(args));
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains(&format!("{key} is held by")), "{err}");
+    assert!(
+        err.contains("fencing tokens"),
+        "the warning is shown: {err}"
+    );
+    assert!(
+        err.contains("stdin is not a terminal (pass --yes)"),
+        "{err}"
+    );
+    assert!(held(), "refused, yet released");
+
+    if !has_script {
+        assert!(
+            !conformance::backends_required(),
+            "util-linux `script` is needed for the terminal half of this test"
+        );
+        return;
+    }
+    let out = on_a_terminal(&args, "n\n");
+    let text = format!("{}{}", stdout(&out), stderr(&out));
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains(&format!("Force-release {key}? [y/N]")),
+        "{text}"
+    );
+    assert!(text.contains("not released"), "{text}");
+    assert!(held(), "answered n, yet released");
+
+    let out = on_a_terminal(&args, "y\n");
+    let text = format!("{}{}", stdout(&out), stderr(&out));
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(text.contains(&format!("released {key}")), "{text}");
+    assert!(!held(), "answered y, yet still held");
+    assert!(!runtime.block_on(holder.release(&lease)).unwrap());
 }

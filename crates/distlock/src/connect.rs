@@ -48,19 +48,34 @@ impl Backend {
     /// [`Error::Config`] when `url` has no `SCHEME://`, the scheme is unknown (the message lists
     /// the supported ones) or its driver's Cargo feature is not enabled (the message names it).
     pub fn for_url(url: &str) -> Result<Self> {
+        Self::for_url_in(url, Backend::is_enabled)
+    }
+
+    /// [`Backend::for_url`] as a build without `missing`'s feature (and with every other one)
+    /// answers it: for tests of the missing-feature path (the CLI's among them) in a build that
+    /// has every feature.
+    #[doc(hidden)]
+    pub fn for_url_without(url: &str, missing: Backend) -> Result<Self> {
+        Self::for_url_in(url, |b| b != missing)
+    }
+
+    /// [`Backend::for_url`] for a build in which `enabled` says which backends are compiled in:
+    /// the missing-feature branches are then testable in any build (under `--all-features` the
+    /// real set has none missing).
+    fn for_url_in(url: &str, enabled: impl Fn(Backend) -> bool + Copy) -> Result<Self> {
         let Some((scheme, _)) = url.split_once("://") else {
             return Err(Error::Config(format!(
                 "a lock URL looks like SCHEME://…, e.g. memory://demo or redis://127.0.0.1:6379; {}",
-                supported_schemes_sentence()
+                schemes_sentence(enabled)
             )));
         };
         let Some(backend) = Self::from_scheme(scheme) else {
             return Err(Error::Config(format!(
                 "unknown lock URL scheme `{scheme}://`; {}",
-                supported_schemes_sentence()
+                schemes_sentence(enabled)
             )));
         };
-        if !backend.is_enabled() {
+        if !enabled(backend) {
             let feature = backend.feature().unwrap_or("full");
             return Err(Error::Config(format!(
                 "the `{feature}` feature of distlock is not enabled, so `{}://` URLs cannot be used; \
@@ -119,21 +134,28 @@ impl fmt::Display for Backend {
 
 /// The URL schemes this build of distlock can connect to.
 pub fn supported_schemes() -> Vec<&'static str> {
+    schemes_of(Backend::is_enabled)
+}
+
+/// The URL schemes of the backends `enabled` says are compiled in.
+fn schemes_of(enabled: impl Fn(Backend) -> bool) -> Vec<&'static str> {
     Backend::ALL
         .into_iter()
-        .filter(|b| b.is_enabled())
+        .filter(|b| enabled(*b))
         .flat_map(|b| b.schemes().iter().copied())
         .collect()
 }
 
-fn supported_schemes_sentence() -> String {
-    let enabled: Vec<String> = supported_schemes()
+/// "supported schemes: …; not compiled in: …" for the set of backends `enabled` says are
+/// compiled in.
+fn schemes_sentence(enabled: impl Fn(Backend) -> bool + Copy) -> String {
+    let supported: Vec<String> = schemes_of(enabled)
         .into_iter()
         .map(|s| format!("{s}://"))
         .collect();
     let disabled: Vec<String> = Backend::ALL
         .into_iter()
-        .filter(|b| !b.is_enabled())
+        .filter(|b| !enabled(*b))
         .map(|b| {
             let schemes: Vec<String> = b.schemes().iter().map(|s| format!("{s}://")).collect();
             format!(
@@ -143,7 +165,7 @@ fn supported_schemes_sentence() -> String {
             )
         })
         .collect();
-    let mut sentence = format!("supported schemes: {}", enabled.join(", "));
+    let mut sentence = format!("supported schemes: {}", supported.join(", "));
     if !disabled.is_empty() {
         sentence.push_str(&format!("; not compiled in: {}", disabled.join(", ")));
     }
@@ -288,11 +310,11 @@ mod tests {
 
     use super::*;
 
-    fn config_message(result: Result<DynLock>) -> String {
+    fn config_message<T: std::fmt::Debug>(result: Result<T>) -> String {
         match result {
             Err(Error::Config(message)) => message,
             Err(other) => panic!("expected a Config error, got {other}"),
-            Ok(lock) => panic!("expected a Config error, got a client {lock:?}"),
+            Ok(value) => panic!("expected a Config error, got {value:?}"),
         }
     }
 
@@ -423,25 +445,76 @@ mod tests {
             ("postgres://u:secret@127.0.0.1:1/db", Backend::Postgres),
             ("postgresql://127.0.0.1:1/db", Backend::Postgres),
         ];
-        let mut checked = 0;
+        // Each case in a build without that backend's feature (the others and memory in), so
+        // this runs under `--all-features` too; plus, through `connect`, whatever this build
+        // really lacks.
         for (url, backend) in cases {
-            if backend.is_enabled() {
-                continue;
-            }
-            checked += 1;
-            let msg = config_message(connect(url).await);
+            let without = move |b: Backend| b != backend;
+            let scheme = url.split("://").next().unwrap();
+            let msg = config_message(Backend::for_url_in(url, without));
             let feature = backend.feature().unwrap();
             assert!(
                 msg.contains(&format!(
-                    "the `{feature}` feature of distlock is not enabled"
+                    "the `{feature}` feature of distlock is not enabled, so `{scheme}://` URLs"
                 )),
                 "{msg}"
             );
+            assert!(
+                msg.contains(&format!("features = [\"{feature}\"]")),
+                "{msg}"
+            );
             assert!(!msg.contains("secret"), "{msg} leaks the password");
-            assert!(!supported_schemes().contains(&url.split("://").next().unwrap()));
+            assert!(!schemes_of(without).contains(&scheme));
+            assert!(schemes_of(without).contains(&"memory"));
+            // The other backends are still accepted in that build.
+            for other in Backend::ALL.into_iter().filter(|b| *b != backend) {
+                let url = format!("{}://127.0.0.1:1", other.schemes()[0]);
+                assert_eq!(Backend::for_url_in(&url, without).unwrap(), other, "{url}");
+            }
+            // An unknown scheme's message lists the missing backend as not compiled in.
+            let msg = config_message(Backend::for_url_in("foo://bar", without));
+            let (_, missing) = msg.split_once("not compiled in: ").unwrap_or_default();
+            assert!(missing.contains(&format!("{scheme}://")), "{msg}");
+            assert!(missing.contains(&format!("(feature `{feature}`)")), "{msg}");
+            if !backend.is_enabled() {
+                let msg = config_message(connect(url).await);
+                assert!(
+                    msg.contains(&format!(
+                        "the `{feature}` feature of distlock is not enabled"
+                    )),
+                    "{msg}"
+                );
+                assert!(!msg.contains("secret"), "{msg} leaks the password");
+                assert!(!supported_schemes().contains(&scheme));
+            }
         }
-        if Backend::ALL.iter().any(|b| !b.is_enabled()) {
-            assert!(checked > 0);
+    }
+
+    /// The sentence of a build with every driver left out names each one's feature, and that of
+    /// a build with all of them has no "not compiled in" part.
+    #[test]
+    fn the_schemes_sentence_names_every_missing_feature() {
+        let none = schemes_sentence(|b| b == Backend::Memory);
+        assert!(
+            none.starts_with("supported schemes: memory://; not compiled in: "),
+            "{none}"
+        );
+        for backend in Backend::ALL.into_iter().filter(|b| *b != Backend::Memory) {
+            let feature = backend.feature().unwrap();
+            for scheme in backend.schemes() {
+                assert!(none.contains(&format!("{scheme}://")), "{none}: {scheme}");
+            }
+            assert!(
+                none.contains(&format!("(feature `{feature}`)")),
+                "{none}: {feature}"
+            );
+        }
+        let all = schemes_sentence(|_| true);
+        assert!(!all.contains("not compiled in"), "{all}");
+        for backend in Backend::ALL {
+            for scheme in backend.schemes() {
+                assert!(all.contains(&format!("{scheme}://")), "{all}: {scheme}");
+            }
         }
     }
 }
