@@ -44,6 +44,22 @@ use tokio::time::{Instant, sleep, timeout};
 const CLIENTS: usize = 4;
 /// A loop iteration's acquire wait.
 const LOOP_WAIT: Duration = Duration::from_secs(2);
+/// The longest a driver here takes to find a dead connection and open a new one: the drills'
+/// operation timeouts are 500 ms and their connect/dial timeouts 1 s (`Backend::options`).
+const RECONNECT: Duration = Duration::from_millis(1500);
+/// Scheduling slack for five soaks running at once on a loaded 2-core machine.
+const LOADED: Duration = Duration::from_secs(5);
+
+/// How long after the heal a client may wait to be granted, from the backend's own numbers: a
+/// grant the fault phase left behind (an unknown outcome whose undo had not got through) lives
+/// one lease — the TTL the coordinator really applies (etcd rounds 1 s up to its lease floor;
+/// ZooKeeper's lease is the session, its minimum TTL) — then the waiter's link may need one
+/// reconnect, twice (before and after that expiry), plus the slack of a loaded machine.
+fn liveness_window(c: &Client) -> Duration {
+    let caps = c.lock.capabilities();
+    let lease = caps.effective_ttl(drill_support::TTL).max(caps.min_ttl);
+    lease + RECONNECT * 2 + LOADED
+}
 
 /// The soak's length per backend (the fault phase).
 fn soak_secs() -> u64 {
@@ -292,14 +308,17 @@ async fn soak(backend: &'static str, url: String, seed: u64, secs: u64) -> Strin
             "{backend}: a lost lease released"
         );
     }
-    // Liveness: every client acquires again.
+    // Liveness: every client acquires again, each within the window the backend's numbers give
+    // (counted from its own attempt: the ones before it held the lock in turn).
     for c in &clients {
-        let held = c
-            .acquire(&key, Duration::from_secs(10))
-            .await
-            .unwrap_or_else(|| {
-                panic!("{backend}: {} could not acquire after the heal", c.rec.id())
-            });
+        let window = liveness_window(c);
+        let held = c.acquire(&key, window).await.unwrap_or_else(|| {
+            panic!(
+                "{backend}: {} could not acquire within {window:?} (one lease, two reconnects \
+                 and the slack) after the heal",
+                c.rec.id()
+            )
+        });
         assert!(
             write(&c.rec, &held.hold, &log, &format!("{}#final", c.rec.id())),
             "{backend}: {}'s final write was rejected",
@@ -312,13 +331,14 @@ async fn soak(backend: &'static str, url: String, seed: u64, secs: u64) -> Strin
     finish(&history, &log, &[]);
     let s = &stats;
     let summary = format!(
-        "{backend}: seed {seed}: {} faults, {} grants, {} accepted writes, {} losses, {} zombie writes ({} rejected), all {CLIENTS} clients re-acquired {liveness:?} after the heal",
+        "{backend}: seed {seed}: {} faults, {} grants, {} accepted writes, {} losses, {} zombie writes ({} rejected), all {CLIENTS} clients re-acquired {liveness:?} after the heal (each within {:?})",
         s.faults.load(Ordering::SeqCst),
         s.grants.load(Ordering::SeqCst),
         s.writes.load(Ordering::SeqCst),
         s.losses.load(Ordering::SeqCst),
         s.zombie_writes.load(Ordering::SeqCst),
         s.zombie_rejected.load(Ordering::SeqCst),
+        liveness_window(&clients[0]),
     );
     assert!(
         s.zombie_writes.load(Ordering::SeqCst) >= 1,
