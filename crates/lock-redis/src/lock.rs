@@ -59,6 +59,10 @@ const RENEW_CHUNK: usize = 500;
 /// the queue: a round trip on a loaded machine, far less than a stalled request's budget.
 const LEAVE_GRACE: Duration = Duration::from_millis(200);
 
+/// How many times the cluster client retries a request (redirects, reconnects after a
+/// failover), within the request budget.
+const CLUSTER_RETRIES: u32 = 16;
+
 /// One lock's part in a batched renewal.
 struct RenewItem {
     lock: Vec<u8>,
@@ -215,7 +219,10 @@ impl RedisLock {
                 .use_protocol(ProtocolVersion::RESP3)
                 .connection_timeout(config.connect_timeout)
                 .response_timeout(response_timeout)
-                .retries(u32::try_from(config.reconnect_retries).unwrap_or(u32::MAX))
+                // Redirects (MOVED/ASK) and a failover's reconnects use these retries too; a re-sent
+                // request is harmless (see the scripts: an attempt finds its own grant, the rest
+                // compare tokens or fences). Our own deadline still bounds each request.
+                .retries(CLUSTER_RETRIES)
                 .push_sender(wakeups.clone());
                 if let Some(user) = &config.username {
                     builder = builder.username(user);
@@ -1039,7 +1046,10 @@ fn classify(e: RedisError) -> Failure {
             | ServerErrorKind::TryAgain
             | ServerErrorKind::ClusterDown
             | ServerErrorKind::MasterDown
-            | ServerErrorKind::ReadOnly,
+            | ServerErrorKind::ReadOnly
+            // A redirect the cluster client ran out of retries to follow: that node ran nothing.
+            | ServerErrorKind::Moved
+            | ServerErrorKind::Ask,
         ) => Failure::NotSent(e),
         ErrorKind::Server(_) if e.code() == Some("BUSY") => Failure::NotSent(e),
         // The cluster client had no connection to send it on.
