@@ -5,6 +5,7 @@ pub mod drill;
 mod harness;
 pub mod properties;
 pub mod security;
+pub mod suite;
 mod url_props;
 
 pub use harness::{

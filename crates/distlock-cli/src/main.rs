@@ -15,6 +15,7 @@ macro_rules! say {
 mod check;
 mod clock;
 mod commands;
+mod conformance;
 mod connect_error;
 mod duration;
 mod exit;
@@ -76,6 +77,11 @@ enum Command {
     /// acquire/renew/release self-test with its round trips. Exit 0 unless something FAILs
     /// (with --strict: or WARNs) or the self-test fails.
     Check(CheckArgs),
+    /// Run the conformance properties that need no server control against the coordinator of
+    /// --url, on fresh keys under a namespace of this run's own (removed, and checked empty,
+    /// afterwards): a progress line per property, a summary, optionally JUnit XML. Fault drills
+    /// (kill, restart, partitions) need control of the servers and are refused.
+    Conformance(ConformanceArgs),
     /// Internal: the guard process of `run`.
     #[command(name = "__guard", hide = true)]
     Guard(guard::GuardArgs),
@@ -182,6 +188,23 @@ pub struct CheckArgs {
     /// TTL of the self-test's lease (default: 5s, or the backend's minimum if larger).
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
     pub ttl: Option<Duration>,
+}
+
+/// Arguments of `distlock conformance`.
+#[derive(Debug, Args)]
+pub struct ConformanceArgs {
+    /// Write the results as JUnit XML to this file (for CI systems).
+    #[arg(long, value_name = "FILE")]
+    pub junit: Option<std::path::PathBuf>,
+    /// Run only the properties whose name contains this text (repeatable).
+    #[arg(long, value_name = "TEXT")]
+    pub only: Vec<String>,
+    /// List the properties (after --only) instead of running them.
+    #[arg(long)]
+    pub list: bool,
+    /// Refused: fault drills need control of the servers (kill, restart, partition).
+    #[arg(long)]
+    pub drills: bool,
 }
 
 /// The coordinator URL: --url, --url-file, the file named by DISTLOCK_URL_FILE, DISTLOCK_URL,
@@ -363,6 +386,7 @@ fn main() -> ExitCode {
             Command::Inspect(args) => commands::inspect(lock.clone(), args).await,
             Command::Release(args) => commands::release(lock.clone(), args).await,
             Command::Check(args) => check::check(lock.clone(), &url, &args).await,
+            Command::Conformance(args) => conformance::conformance(&url, &args).await,
             Command::Guard(_) => exit::USAGE,
         };
         // Clean-ups the drivers started in the background (a waiter leaving its queue, a

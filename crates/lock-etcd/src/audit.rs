@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use etcd_client::{Certificate, Client, ConnectOptions, GetOptions, Identity, TlsOptions};
+use etcd_client::{
+    Certificate, Client, ConnectOptions, DeleteOptions, GetOptions, Identity, TlsOptions,
+};
 use lock_core::{AuditReport, Error, Result};
 use tokio::time::{Instant, timeout};
 
@@ -433,4 +435,90 @@ async fn auth(
         }
     }
     Ok(())
+}
+
+/// A client for the namespace functions, refusing an empty prefix.
+async fn prefix_client(config: &EtcdLockConfig) -> Result<(Client, String)> {
+    config.validate()?;
+    let prefix = config.normalized_prefix();
+    if prefix.is_empty() {
+        return Err(Error::Config(
+            "refusing to touch every key of the cluster: the prefix is empty".to_owned(),
+        ));
+    }
+    let scheme = if config.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    let endpoints: Vec<String> = config
+        .endpoints
+        .iter()
+        .map(|e| format!("{scheme}://{e}"))
+        .collect();
+    let budget = config.dial_timeout.saturating_add(config.request_timeout);
+    match timeout(
+        budget,
+        Client::connect(endpoints, Some(options(config, true)?)),
+    )
+    .await
+    {
+        Ok(Ok(client)) => Ok((client, prefix)),
+        Ok(Err(e)) => Err(Error::unavailable(BACKEND, "connect", e)),
+        Err(_) => Err(Error::Unavailable {
+            backend: BACKEND,
+            op: "connect",
+            message: format!("no answer within {budget:?}"),
+            source: None,
+        }),
+    }
+}
+
+fn timed_out(op: &'static str, budget: Duration) -> Error {
+    Error::Unavailable {
+        backend: BACKEND,
+        op,
+        message: format!("no answer within {budget:?}"),
+        source: None,
+    }
+}
+
+/// How many keys lie under `config.prefix` (lock entries). For checking that a test run left
+/// nothing behind.
+///
+/// # Errors
+/// [`Error::Config`] for an empty prefix; [`Error::Unavailable`] / [`Error::Backend`] otherwise.
+pub async fn namespace_size(config: &EtcdLockConfig) -> Result<usize> {
+    let (mut client, prefix) = prefix_client(config).await?;
+    let budget = config.request_timeout;
+    let found = timeout(
+        budget,
+        client.get(
+            prefix,
+            Some(GetOptions::new().with_prefix().with_count_only()),
+        ),
+    )
+    .await
+    .map_err(|_| timed_out("count", budget))?
+    .map_err(|e| Error::backend(BACKEND, "count", e))?;
+    Ok(usize::try_from(found.count()).unwrap_or(usize::MAX))
+}
+
+/// Deletes every key under `config.prefix` — **only for a prefix of your own**, such as a test
+/// run's: a lock deleted under its holder is given to the next caller. Returns how many keys
+/// were deleted. Leases stay until they expire (they are the clients' sessions).
+///
+/// # Errors
+/// [`Error::Config`] for an empty prefix; [`Error::Unavailable`] / [`Error::Backend`] otherwise.
+pub async fn purge_namespace(config: &EtcdLockConfig) -> Result<usize> {
+    let (mut client, prefix) = prefix_client(config).await?;
+    let budget = config.request_timeout;
+    let deleted = timeout(
+        budget,
+        client.delete(prefix, Some(DeleteOptions::new().with_prefix())),
+    )
+    .await
+    .map_err(|_| timed_out("delete", budget))?
+    .map_err(|e| Error::backend(BACKEND, "delete", e))?;
+    Ok(usize::try_from(deleted.deleted()).unwrap_or(usize::MAX))
 }

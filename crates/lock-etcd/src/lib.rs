@@ -9,6 +9,6 @@ mod lock;
 mod session;
 mod watch;
 
-pub use audit::audit;
+pub use audit::{audit, namespace_size, purge_namespace};
 pub use config::{EtcdLockConfig, EtcdTlsConfig};
 pub use lock::{EtcdLock, EtcdRequestCounts};

@@ -416,3 +416,81 @@ async fn listen(report: &mut AuditReport, config: &PgLockConfig, conn: &mut PgCo
         }
     }
 }
+
+async fn connect(config: &PgLockConfig) -> Result<PgConnection> {
+    config.validate()?;
+    match timeout(
+        config.connect_timeout,
+        PgConnection::connect_with(config.connect_options()),
+    )
+    .await
+    {
+        Ok(Ok(conn)) => Ok(conn),
+        Ok(Err(e)) => Err(connect_error(e)),
+        Err(_) => Err(Error::Unavailable {
+            backend: BACKEND,
+            op: "connect",
+            message: format!("no connection within {:?}", config.connect_timeout),
+            source: None,
+        }),
+    }
+}
+
+/// How many rows the lease table holds (0 when it does not exist). For checking that a test
+/// run left nothing behind.
+///
+/// # Errors
+/// [`Error::Unavailable`] / [`Error::Backend`] when the server cannot be reached or refuses.
+pub async fn namespace_size(config: &PgLockConfig) -> Result<usize> {
+    let mut conn = connect(config).await?;
+    let name = config.table.quoted();
+    let exists: Option<String> = timeout(
+        config.op_timeout,
+        sqlx::query_scalar("SELECT to_regclass($1)::text")
+            .bind(&name)
+            .fetch_one(&mut conn),
+    )
+    .await
+    .map_err(|_| timed_out("find the table", config.op_timeout))?
+    .map_err(|e| Error::backend(BACKEND, "count", e))?;
+    if exists.is_none() {
+        return Ok(0);
+    }
+    // The name is a validated, quoted identifier (`TableName`), not user text.
+    let count = format!("SELECT count(*) FROM {name}");
+    let rows: i64 = timeout(
+        config.op_timeout,
+        sqlx::query_scalar(sqlx::AssertSqlSafe(count)).fetch_one(&mut conn),
+    )
+    .await
+    .map_err(|_| timed_out("count", config.op_timeout))?
+    .map_err(|e| Error::backend(BACKEND, "count", e))?;
+    let _ = conn.close().await;
+    Ok(usize::try_from(rows).unwrap_or(0))
+}
+
+/// Drops the lease table — **only for a table of your own**, such as a test run's: every lock
+/// and fence in it is gone. Returns how many rows it held.
+///
+/// # Errors
+/// [`Error::Config`] for the default table; [`Error::Unavailable`] / [`Error::Backend`]
+/// otherwise.
+pub async fn purge_namespace(config: &PgLockConfig) -> Result<usize> {
+    if config.table.table() == crate::TableName::DEFAULT && config.table.schema().is_none() {
+        return Err(Error::Config(
+            "refusing to drop the default lease table".to_owned(),
+        ));
+    }
+    let rows = namespace_size(config).await?;
+    let mut conn = connect(config).await?;
+    let drop = format!("DROP TABLE IF EXISTS {}", config.table.quoted());
+    timeout(
+        config.op_timeout,
+        sqlx::query(sqlx::AssertSqlSafe(drop)).execute(&mut conn),
+    )
+    .await
+    .map_err(|_| timed_out("drop the table", config.op_timeout))?
+    .map_err(|e| Error::backend(BACKEND, "drop", e))?;
+    let _ = conn.close().await;
+    Ok(rows)
+}

@@ -10,7 +10,7 @@ mod message;
 mod notify;
 mod sql;
 
-pub use audit::audit;
+pub use audit::{audit, namespace_size, purge_namespace};
 pub use config::{PgLockConfig, TableName};
 pub use fenced::{FenceError, FencedTable};
 pub use lock::PgLock;

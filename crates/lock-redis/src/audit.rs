@@ -483,6 +483,104 @@ pub(crate) fn clock_observed(server: Duration, local: Duration, rtt: Duration) -
     )
 }
 
+/// The glob patterns (for `SCAN MATCH`) of every key the driver writes for locks under
+/// `namespace`: `<ns>…` (a lock and its hash-tagged keys), `{<ns>…` (the derived keys of a
+/// lock without braces) and `{<tag>}\x1f<ns>…` (those of a lock with braces).
+fn namespace_patterns(namespace: &str) -> Vec<String> {
+    let escaped: String = namespace
+        .chars()
+        .flat_map(|c| {
+            let special = matches!(c, '*' | '?' | '[' | ']' | '\\');
+            special
+                .then_some('\\')
+                .into_iter()
+                .chain(std::iter::once(c))
+        })
+        .collect();
+    vec![
+        format!("{escaped}*"),
+        format!("{{{escaped}*"),
+        format!("{{*}}\x1f{escaped}*"),
+    ]
+}
+
+async fn namespace_keys(
+    conn: &mut MultiplexedConnection,
+    namespace: &str,
+    budget: Duration,
+) -> Result<Vec<Vec<u8>>> {
+    let mut keys = Vec::new();
+    for pattern in namespace_patterns(namespace) {
+        let mut cursor: u64 = 0;
+        loop {
+            let mut scan = redis::cmd("SCAN");
+            scan.arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(1000);
+            let (next, batch): (u64, Vec<Vec<u8>>) = query(conn, scan, budget, "scan").await?;
+            keys.extend(batch);
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+    }
+    keys.sort_unstable();
+    keys.dedup();
+    Ok(keys)
+}
+
+fn own_namespace(config: &RedisLockConfig) -> Result<()> {
+    if config.namespace.is_empty() {
+        return Err(Error::Config(
+            "refusing to touch every key of the database: the namespace is empty".to_owned(),
+        ));
+    }
+    Ok(())
+}
+
+/// How many keys the driver's locks under `config.namespace` occupy (lock, fence counter,
+/// queue, holder and clean-up keys). For checking that a test run left nothing behind.
+///
+/// # Errors
+/// [`Error::Config`] for an empty namespace; as [`audit`] otherwise.
+pub async fn namespace_size(config: &RedisLockConfig) -> Result<usize> {
+    own_namespace(config)?;
+    let budget = config
+        .connect_timeout
+        .saturating_add(config.response_timeout);
+    let mut conn = open(config).await?;
+    Ok(namespace_keys(&mut conn, &config.namespace, budget)
+        .await?
+        .len())
+}
+
+/// Deletes every key of the driver's locks under `config.namespace`, fence counters included
+/// — **only for a namespace of your own**, such as a test run's: a lock deleted under its
+/// holder is given to the next caller, and a deleted fence counter restarts at 1. Returns how
+/// many keys were deleted.
+///
+/// # Errors
+/// [`Error::Config`] for an empty namespace; as [`audit`] otherwise.
+pub async fn purge_namespace(config: &RedisLockConfig) -> Result<usize> {
+    own_namespace(config)?;
+    let budget = config
+        .connect_timeout
+        .saturating_add(config.response_timeout);
+    let mut conn = open(config).await?;
+    let keys = namespace_keys(&mut conn, &config.namespace, budget).await?;
+    for chunk in keys.chunks(500) {
+        let mut del = redis::cmd("DEL");
+        for key in chunk {
+            del.arg(key.as_slice());
+        }
+        query::<u64>(&mut conn, del, budget, "del").await?;
+    }
+    Ok(keys.len())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -492,5 +590,13 @@ mod tests {
         assert_eq!(parse_version("7.0.15"), Some((7, 0, 15)));
         assert_eq!(parse_version("6"), Some((6, 0, 0)));
         assert_eq!(parse_version("x"), None);
+    }
+
+    #[test]
+    fn patterns_escape_the_namespace() {
+        assert_eq!(
+            namespace_patterns("a*b:"),
+            vec!["a\\*b:*", "{a\\*b:*", "{*}\x1fa\\*b:*"]
+        );
     }
 }

@@ -10,6 +10,6 @@ mod lock;
 mod scripts;
 mod wakeups;
 
-pub use audit::audit;
+pub use audit::{audit, namespace_size, purge_namespace};
 pub use config::{RedisLockConfig, RedisTopology};
 pub use lock::RedisLock;

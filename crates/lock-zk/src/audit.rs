@@ -454,3 +454,75 @@ async fn auth(report: &mut AuditReport, config: &ZkLockConfig) {
         }
     }
 }
+
+/// How many nodes lie under the lock root (lock directories and contenders; 0 when the root
+/// does not exist). For checking that a test run left nothing behind.
+///
+/// # Errors
+/// [`Error::Config`] for the root `/`; [`Error::Unavailable`] / [`Error::Backend`] otherwise.
+pub async fn namespace_size(config: &ZkLockConfig) -> Result<usize> {
+    let root = own_root(config)?;
+    let client = session(config, true).await?;
+    match timeout(config.op_timeout, client.count_descendants_number(&root)).await {
+        Ok(Ok(n)) => Ok(n),
+        Ok(Err(zk::Error::NoNode)) => Ok(0),
+        Ok(Err(e)) => Err(Error::backend(BACKEND, "count", e)),
+        Err(_) => Err(zk_timed_out("count", config.op_timeout)),
+    }
+}
+
+/// Deletes the lock root and everything under it — **only for a root of your own**, such as a
+/// test run's: a contender node deleted under its holder hands the lock to the next one.
+/// Returns how many nodes were deleted.
+///
+/// # Errors
+/// [`Error::Config`] for the root `/`; [`Error::Unavailable`] / [`Error::Backend`] otherwise.
+pub async fn purge_namespace(config: &ZkLockConfig) -> Result<usize> {
+    let root = own_root(config)?;
+    let client = session(config, true).await?;
+    let mut deleted = 0;
+    // Depth first, children before their parent; a node that vanished meanwhile is fine.
+    let mut stack = vec![(root, false)];
+    while let Some((path, expanded)) = stack.pop() {
+        if expanded {
+            match timeout(config.op_timeout, client.delete(&path, None)).await {
+                Ok(Ok(())) => deleted += 1,
+                Ok(Err(zk::Error::NoNode)) => {}
+                Ok(Err(e)) => return Err(Error::backend(BACKEND, "delete", e)),
+                Err(_) => return Err(zk_timed_out("delete", config.op_timeout)),
+            }
+            continue;
+        }
+        let children = match timeout(config.op_timeout, client.list_children(&path)).await {
+            Ok(Ok(children)) => children,
+            Ok(Err(zk::Error::NoNode)) => continue,
+            Ok(Err(e)) => return Err(Error::backend(BACKEND, "list", e)),
+            Err(_) => return Err(zk_timed_out("list", config.op_timeout)),
+        };
+        stack.push((path.clone(), true));
+        for child in children {
+            stack.push((format!("{path}/{child}"), false));
+        }
+    }
+    Ok(deleted)
+}
+
+fn own_root(config: &ZkLockConfig) -> Result<String> {
+    config.validate()?;
+    let root = config.root();
+    if root.is_empty() || root == "/" {
+        return Err(Error::Config(
+            "refusing to touch the whole tree: the lock root is /".to_owned(),
+        ));
+    }
+    Ok(root.to_owned())
+}
+
+fn zk_timed_out(op: &'static str, budget: Duration) -> Error {
+    Error::Unavailable {
+        backend: BACKEND,
+        op,
+        message: format!("no answer within {budget:?}"),
+        source: None,
+    }
+}

@@ -8,7 +8,7 @@ mod path;
 mod session;
 mod watch;
 
-pub use audit::audit;
+pub use audit::{audit, namespace_size, purge_namespace};
 pub use config::{ZkAcl, ZkLockConfig};
 pub use lock::ZkLock;
 

@@ -1,0 +1,395 @@
+//! `distlock conformance [--junit FILE] [--only NAME]..`: the conformance properties that need
+//! no server control, against the coordinator of `--url`, on fresh keys under a namespace of
+//! this run's own, removed (and checked empty) afterwards.
+
+use std::{
+    path::Path,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use conformance::{
+    Harness, TestBackend,
+    suite::{self, Report, Verdict},
+};
+use distlock::{Backend, DynLock, Lease, async_trait};
+
+use crate::{ConformanceArgs, exit};
+
+/// The coordinator, with this run's namespace in its configuration (built once per run: the
+/// variants' sizes do not matter).
+#[derive(Clone, Debug)]
+#[allow(clippy::large_enum_variant)]
+enum Target {
+    Memory(String),
+    #[cfg(feature = "redis")]
+    Redis(distlock::redis::RedisLockConfig),
+    #[cfg(feature = "etcd")]
+    Etcd(distlock::etcd::EtcdLockConfig),
+    #[cfg(feature = "zk")]
+    Zk(distlock::zk::ZkLockConfig),
+    #[cfg(feature = "pg")]
+    Pg(distlock::pg::PgLockConfig),
+}
+
+impl Target {
+    /// `url`'s configuration with everything moved under `run` (a fresh, unique name).
+    fn new(url: &str, run: &str) -> distlock::Result<Self> {
+        Ok(match Backend::for_url(url)? {
+            Backend::Memory => Target::Memory(format!("memory://{run}")),
+            #[cfg(feature = "redis")]
+            Backend::Redis => {
+                let mut config = distlock::redis::RedisLockConfig::from_url(url)?;
+                config.namespace = format!("{}{run}:", config.namespace);
+                Target::Redis(config)
+            }
+            #[cfg(feature = "etcd")]
+            Backend::Etcd => {
+                let mut config = distlock::etcd::EtcdLockConfig::from_url(url)?;
+                config.prefix = format!("{}{run}/", config.normalized_prefix());
+                Target::Etcd(config)
+            }
+            #[cfg(feature = "zk")]
+            Backend::ZooKeeper => {
+                let mut config = distlock::zk::ZkLockConfig::from_url(url)?;
+                config.root = format!("{}/{run}", config.root.trim_end_matches('/'));
+                Target::Zk(config)
+            }
+            #[cfg(feature = "pg")]
+            Backend::Postgres => {
+                let mut config = distlock::pg::PgLockConfig::from_url(url)?;
+                let table = run.replace('-', "_");
+                let name = match config.table.schema() {
+                    Some(schema) => format!("{schema}.{table}"),
+                    None => table,
+                };
+                config.table = distlock::pg::TableName::new(&name)?;
+                Target::Pg(config)
+            }
+            #[allow(unreachable_patterns)]
+            other => {
+                return Err(distlock::Error::Config(format!(
+                    "the {other} backend is not compiled in"
+                )));
+            }
+        })
+    }
+
+    /// Where this run's locks live, for messages.
+    fn namespace(&self) -> String {
+        match self {
+            Target::Memory(url) => url.clone(),
+            #[cfg(feature = "redis")]
+            Target::Redis(c) => format!("redis keys {}*", c.namespace),
+            #[cfg(feature = "etcd")]
+            Target::Etcd(c) => format!("etcd prefix {}", c.prefix),
+            #[cfg(feature = "zk")]
+            Target::Zk(c) => format!("zookeeper root {}", c.root),
+            #[cfg(feature = "pg")]
+            Target::Pg(c) => format!("postgres table {}", c.table.quoted()),
+        }
+    }
+
+    async fn connect(&self) -> distlock::Result<DynLock> {
+        Ok(match self {
+            Target::Memory(url) => distlock::connect(url).await?,
+            #[cfg(feature = "redis")]
+            Target::Redis(c) => Arc::new(distlock::RedisLock::connect(c.clone()).await?),
+            #[cfg(feature = "etcd")]
+            Target::Etcd(c) => Arc::new(distlock::EtcdLock::connect(c.clone()).await?),
+            #[cfg(feature = "zk")]
+            Target::Zk(c) => Arc::new(distlock::ZkLock::connect(c.clone()).await?),
+            #[cfg(feature = "pg")]
+            Target::Pg(c) => Arc::new(distlock::PgLock::connect(c.clone()).await?),
+        })
+    }
+
+    /// How many keys / nodes / rows this run's namespace holds.
+    async fn size(&self) -> distlock::Result<usize> {
+        match self {
+            Target::Memory(_) => Ok(0),
+            #[cfg(feature = "redis")]
+            Target::Redis(c) => distlock::redis::namespace_size(c).await,
+            #[cfg(feature = "etcd")]
+            Target::Etcd(c) => distlock::etcd::namespace_size(c).await,
+            #[cfg(feature = "zk")]
+            Target::Zk(c) => distlock::zk::namespace_size(c).await,
+            #[cfg(feature = "pg")]
+            Target::Pg(c) => distlock::pg::namespace_size(c).await,
+        }
+    }
+
+    /// Removes this run's namespace.
+    async fn purge(&self) -> distlock::Result<usize> {
+        match self {
+            Target::Memory(_) => Ok(0),
+            #[cfg(feature = "redis")]
+            Target::Redis(c) => distlock::redis::purge_namespace(c).await,
+            #[cfg(feature = "etcd")]
+            Target::Etcd(c) => distlock::etcd::purge_namespace(c).await,
+            #[cfg(feature = "zk")]
+            Target::Zk(c) => distlock::zk::purge_namespace(c).await,
+            #[cfg(feature = "pg")]
+            Target::Pg(c) => distlock::pg::purge_namespace(c).await,
+        }
+    }
+}
+
+/// The suite's view of the user's coordinator: fresh clients, and an operator client whose
+/// `force_release` stands in for "the coordinator dropped the lease" (no server control).
+struct UserBackend {
+    target: Target,
+    operator: DynLock,
+    short_ttl: Duration,
+}
+
+#[async_trait]
+impl TestBackend for UserBackend {
+    async fn client(&self) -> distlock::Result<DynLock> {
+        self.target.connect().await
+    }
+
+    fn short_ttl(&self) -> Duration {
+        self.short_ttl
+    }
+
+    async fn force_expire(&self, lease: &Lease) -> distlock::Result<()> {
+        self.operator.force_release(lease.key()).await.map(|_| ())
+    }
+}
+
+/// The longest one property may run before it counts as failed.
+const PROPERTY_LIMIT: Duration = Duration::from_secs(180);
+
+/// Fault drills the repository runs, which need control of the servers.
+const DRILLS: &str = "kill and restart (drill_restart), frozen servers (drill_frozen), \
+    partitions (drill_partition_*), lost replies through a proxy (drill_proxy, \
+    drill_lost_replies), cluster fail-overs (drill_cluster)";
+
+/// `distlock conformance`.
+pub async fn conformance(url: &str, args: &ConformanceArgs) -> u8 {
+    if args.drills {
+        say!(
+            "distlock: conformance --drills: fault drills need control of the servers ({DRILLS}); \
+             they are not run against your coordinator. Run them in the distlock repository with \
+             its private servers: scripts/test.sh"
+        );
+        return exit::USAGE;
+    }
+    let all = suite::properties();
+    let selected: Vec<_> = all
+        .iter()
+        .copied()
+        .filter(|p| args.only.is_empty() || args.only.iter().any(|o| p.name.contains(o.as_str())))
+        .collect();
+    if selected.is_empty() {
+        say!("distlock: --only matches no property (see --list)");
+        return exit::USAGE;
+    }
+    if args.list {
+        for p in &selected {
+            println!("{}", p.name);
+        }
+        return exit::OK;
+    }
+    let run = format!("distlock-conformance-{:016x}", rand::random::<u64>());
+    let target = match Target::new(url, &run) {
+        Ok(target) => target,
+        Err(e) => {
+            say!("distlock: {e}");
+            return exit::code_for(&e);
+        }
+    };
+    let operator = match target.connect().await {
+        Ok(lock) => lock,
+        Err(e) => {
+            say!("distlock: cannot connect: {e}");
+            return exit::connect_code(&e);
+        }
+    };
+    let caps = operator.capabilities();
+    let short_ttl = caps.min_ttl.max(Duration::from_millis(300));
+    let backend = operator.backend_name().to_owned();
+    println!(
+        "conformance: {} properties against {backend} under {} (short ttl {:?}); fault drills \
+         need server control and are not run",
+        selected.len(),
+        target.namespace(),
+        short_ttl
+    );
+    let harness = Harness::new(UserBackend {
+        target: target.clone(),
+        operator,
+        short_ttl,
+    });
+    let started = Instant::now();
+    let mut reports = Vec::with_capacity(selected.len());
+    let width = selected.len().to_string().len();
+    for (i, property) in selected.iter().enumerate() {
+        let report = suite::run(*property, harness.clone(), PROPERTY_LIMIT).await;
+        // One line per property once it ended (what a property prints comes before it).
+        print!(
+            "[{:>width$}/{}] {} ... ",
+            i + 1,
+            selected.len(),
+            property.name
+        );
+        match &report.verdict {
+            Verdict::Passed => println!("ok ({:.1}s)", report.took.as_secs_f64()),
+            Verdict::Skipped(why) => println!("skipped: {why}"),
+            Verdict::Failed(why) => {
+                println!("FAILED ({:.1}s)", report.took.as_secs_f64());
+                for line in why.lines() {
+                    println!("      {line}");
+                }
+            }
+        }
+        reports.push(report);
+    }
+    drop(harness);
+    // Clean-ups the properties left to the background finish before the namespace goes.
+    distlock::cleanup::finish(Duration::from_secs(10)).await;
+    let leftover = clean_up(&target).await;
+    let passed = count(&reports, |v| matches!(v, Verdict::Passed));
+    let skipped = count(&reports, |v| matches!(v, Verdict::Skipped(_)));
+    let failed = count(&reports, |v| matches!(v, Verdict::Failed(_)));
+    println!(
+        "summary: {} properties: {passed} passed, {skipped} skipped, {failed} failed in {:.1}s \
+         against {backend}",
+        reports.len(),
+        started.elapsed().as_secs_f64()
+    );
+    let mut code = if failed == 0 { exit::OK } else { exit::FAILED };
+    match &leftover {
+        Ok(()) => println!("clean-up: {} removed, nothing left", target.namespace()),
+        Err(why) => {
+            println!("clean-up: FAILED: {why}");
+            code = exit::FAILED;
+        }
+    }
+    if let Some(path) = &args.junit {
+        let xml = junit(
+            &backend,
+            &reports,
+            started.elapsed(),
+            leftover.as_ref().err(),
+        );
+        if let Err(e) = std::fs::write(path, xml) {
+            say!("distlock: cannot write {}: {e}", path.display());
+            return exit::CONFIG;
+        }
+        println!("junit: {}", Path::new(path).display());
+    }
+    code
+}
+
+fn count(reports: &[Report], f: impl Fn(&Verdict) -> bool) -> usize {
+    reports.iter().filter(|r| f(&r.verdict)).count()
+}
+
+/// Removes the run's namespace and checks that nothing is left (a clean-up still running in
+/// the background may re-create an entry for a moment: retried a few times).
+async fn clean_up(target: &Target) -> Result<(), String> {
+    let mut last = String::new();
+    for attempt in 0..5 {
+        if attempt > 0 {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        if let Err(e) = target.purge().await {
+            last = format!("removing {}: {e}", target.namespace());
+            continue;
+        }
+        match target.size().await {
+            Ok(0) => return Ok(()),
+            Ok(n) => last = format!("{n} left under {} after removing it", target.namespace()),
+            Err(e) => last = format!("checking {}: {e}", target.namespace()),
+        }
+    }
+    Err(last)
+}
+
+fn xml_escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&apos;"),
+            // XML 1.0 allows no other control characters.
+            c if c.is_control() && !matches!(c, '\n' | '\r' | '\t') => {
+                out.push_str(&format!("\\u{{{:x}}}", c as u32));
+            }
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// The reports as JUnit XML (one `testsuite`; the clean-up is a test case of its own).
+fn junit(backend: &str, reports: &[Report], took: Duration, leftover: Option<&String>) -> String {
+    let failures =
+        count(reports, |v| matches!(v, Verdict::Failed(_))) + usize::from(leftover.is_some());
+    let skipped = count(reports, |v| matches!(v, Verdict::Skipped(_)));
+    let class = format!("distlock.conformance.{}", xml_escape(backend));
+    let mut xml = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
+    xml.push_str(&format!(
+        "<testsuites name=\"distlock conformance\" tests=\"{}\" failures=\"{failures}\" \
+         skipped=\"{skipped}\" time=\"{:.3}\">\n",
+        reports.len() + 1,
+        took.as_secs_f64()
+    ));
+    xml.push_str(&format!(
+        "  <testsuite name=\"{class}\" tests=\"{}\" failures=\"{failures}\" errors=\"0\" \
+         skipped=\"{skipped}\" time=\"{:.3}\">\n",
+        reports.len() + 1,
+        took.as_secs_f64()
+    ));
+    for r in reports {
+        let head = format!(
+            "    <testcase classname=\"{class}\" name=\"{}\" time=\"{:.3}\"",
+            xml_escape(r.name),
+            r.took.as_secs_f64()
+        );
+        match &r.verdict {
+            Verdict::Passed => xml.push_str(&format!("{head}/>\n")),
+            Verdict::Skipped(why) => xml.push_str(&format!(
+                "{head}>\n      <skipped message=\"{}\"/>\n    </testcase>\n",
+                xml_escape(why)
+            )),
+            Verdict::Failed(why) => {
+                let first = why.lines().next().unwrap_or_default();
+                xml.push_str(&format!(
+                    "{head}>\n      <failure message=\"{}\">{}</failure>\n    </testcase>\n",
+                    xml_escape(first),
+                    xml_escape(why)
+                ));
+            }
+        }
+    }
+    let head =
+        format!("    <testcase classname=\"{class}\" name=\"nothing_is_left_behind\" time=\"0\"");
+    match leftover {
+        None => xml.push_str(&format!("{head}/>\n")),
+        Some(why) => xml.push_str(&format!(
+            "{head}>\n      <failure message=\"{}\"/>\n    </testcase>\n",
+            xml_escape(why)
+        )),
+    }
+    xml.push_str("  </testsuite>\n</testsuites>\n");
+    xml
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn escapes_what_xml_needs() {
+        assert_eq!(
+            xml_escape("a<b & \"c\"\u{1}"),
+            "a&lt;b &amp; &quot;c&quot;\\u{1}"
+        );
+    }
+}
