@@ -139,3 +139,21 @@ fn stored_identities_are_trimmed_and_shown_as_stored() {
         "xy"
     );
 }
+
+#[test]
+fn the_process_identity_names_this_host() {
+    let Ok(host) = std::fs::read_to_string("/proc/sys/kernel/hostname") else {
+        return;
+    };
+    let host: String = host
+        .trim()
+        .chars()
+        .filter(|c| c.is_ascii_graphic())
+        .take(64)
+        .collect();
+    if host.is_empty() {
+        return;
+    }
+    let id = HolderIdentity::process(None).unwrap();
+    assert!(id.as_str().starts_with(&format!("host={host} ")), "{id}");
+}
