@@ -14,7 +14,8 @@ use lock_core::{DynLock, Error, InMemoryLock, Observed, Result};
 pub enum Backend {
     /// `memory://NAME`: the in-process reference backend (always available).
     Memory,
-    /// `redis://` / `rediss://` (feature `redis`).
+    /// `redis://` / `rediss://`, `redis+sentinel://`, `redis+cluster://` and `redlock://`
+    /// (feature `redis`).
     Redis,
     /// `etcd://` / `etcds://` (feature `etcd`).
     Etcd,
@@ -90,7 +91,13 @@ impl Backend {
     pub fn schemes(self) -> &'static [&'static str] {
         match self {
             Backend::Memory => &["memory"],
-            Backend::Redis => &["redis", "rediss"],
+            Backend::Redis => &[
+                "redis",
+                "rediss",
+                "redis+sentinel",
+                "redis+cluster",
+                "redlock",
+            ],
             Backend::Etcd => &["etcd", "etcds"],
             Backend::ZooKeeper => &["zk"],
             Backend::Postgres => &["postgres", "postgresql"],
@@ -178,6 +185,8 @@ fn schemes_sentence(enabled: impl Fn(Backend) -> bool + Copy) -> String {
 /// |---|---|---|
 /// | `memory://NAME` | [`InMemoryLock`] | always |
 /// | `redis://`, `rediss://` | Redis | `redis` |
+/// | `redis+sentinel://`, `redis+cluster://` | Redis (Sentinel, Cluster) | `redis` |
+/// | `redlock://` | Redlock over independent Redis masters (no fencing) | `redis` |
 /// | `etcd://`, `etcds://` | etcd | `etcd` |
 /// | `zk://` | ZooKeeper | `zk` |
 /// | `postgres://`, `postgresql://` | PostgreSQL | `pg` |
@@ -278,6 +287,12 @@ fn connect_memory(url: &str) -> Result<DynLock> {
 
 #[cfg(feature = "redis")]
 async fn connect_redis(url: &str) -> Result<DynLock> {
+    if url
+        .get(..10)
+        .is_some_and(|s| s.eq_ignore_ascii_case("redlock://"))
+    {
+        return Ok(Arc::new(lock_redis::RedlockLock::connect_url(url).await?));
+    }
     let config = lock_redis::RedisLockConfig::from_url(url)?;
     Ok(Arc::new(lock_redis::RedisLock::connect(config).await?))
 }
@@ -418,6 +433,9 @@ mod tests {
         let cases = [
             ("redis", Backend::Redis, Some("redis")),
             ("rediss", Backend::Redis, Some("redis")),
+            ("redis+sentinel", Backend::Redis, Some("redis")),
+            ("redis+cluster", Backend::Redis, Some("redis")),
+            ("redlock", Backend::Redis, Some("redis")),
             ("etcd", Backend::Etcd, Some("etcd")),
             ("etcds", Backend::Etcd, Some("etcd")),
             ("zk", Backend::ZooKeeper, Some("zk")),

@@ -53,7 +53,9 @@ impl RedlockConfig {
     /// [`Error::Config`] for another scheme, a bad host list or option. No I/O is done.
     pub fn from_url(url: &str) -> Result<Self> {
         let rest = url
-            .strip_prefix("redlock://")
+            .get(..10)
+            .filter(|scheme| scheme.eq_ignore_ascii_case("redlock://"))
+            .and_then(|_| url.get(10..))
             .ok_or_else(|| Error::Config("expected a redlock:// url".to_owned()))?;
         // The host list is parsed as a cluster's would be; each master is then a single server.
         let cluster = RedisLockConfig::from_url(&format!("redis+cluster://{rest}"))
