@@ -12,6 +12,8 @@ use lock_core::{Error, Result};
 /// ```text
 /// redis://[user:password@]host[:port][/db][?option=value&...]
 /// rediss://[user:password@]host[:port][/db][?ca=/path/ca.pem&option=value&...]   (TLS)
+/// redis+sentinel://[user:password@]s1[:p1],s2[:p2]/MASTERNAME[/db][?option=value&...]
+/// redis+cluster://[user:password@]n1[:p1],n2[:p2][?option=value&...]
 /// ```
 ///
 /// | option | default | meaning |
@@ -23,6 +25,8 @@ use lock_core::{Error, Result};
 /// | `max_poll_interval` | `500ms` | cap of the jittered fallback poll of a waiting `acquire` |
 /// | `ca` | system roots | `rediss://` only: PEM file of the CA(s) the server certificate must chain to |
 /// | `label` | none | a short label shown by `inspect` next to this client's grants (see [`RedisLockConfig::label`]) |
+/// | `replicas` | `0` | acquire and renew count only after `WAIT N` confirmed N replicas (not on Cluster; see the crate's *Topologies*) |
+/// | `replica_timeout` | `500ms` | how long that `WAIT` may take; fewer replicas by then: `Indeterminate`, undone |
 ///
 /// Durations take a unit: `250ms`, `2s`, `1m` (a bare number is refused, not guessed), and are
 /// at most one hour ([`RedisLockConfig::MAX_DURATION`]), whether set in the URL or on the fields

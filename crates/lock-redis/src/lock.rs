@@ -24,7 +24,8 @@ use crate::{
 
 const BACKEND: &str = "redis";
 
-/// A distributed lock client on one Redis server (single node; no Redlock).
+/// A distributed lock client on one Redis server, a Sentinel-managed master or a Redis Cluster
+/// (Redlock is [`crate::RedlockLock`]).
 ///
 /// One client holds one reconnecting, multiplexed RESP3 connection that serves every lock it
 /// takes, its renewals and the release notifications its waiters subscribe to. Clone it
