@@ -13,7 +13,7 @@
 //! | [`Fault::DropReplies`] | forwarded (the request applies) | **discarded** | open; broken once healed |
 //! | [`Proxy::delay_replies`] | forwarded | each chunk delayed | open |
 //! | [`Proxy::delay_requests`] | each chunk delayed | forwarded | open |
-//! | [`Proxy::lose_reply`]`(n)` | forwarded | replies 1..n−1 forwarded, the n-th **discarded** | that connection reset at the n-th |
+//! | [`Proxy::lose_reply`]`(n)` | forwarded | replies 1..n−1 forwarded, the n-th **discarded** (once) | that connection reset at the n-th |
 //! | [`Proxy::reset`] (an action) | — | — | current connections get an RST on both sides |
 //!
 //! **Blackhole holds, it does not drop.** A real partition drops packets, but TCP retransmits
@@ -37,9 +37,11 @@
 //! pipelined requests arriving together are one turn too). Turns are counted from the moment the
 //! fault was last set ([`Proxy::reply_turns`]), so that setting [`Fault::Pass`] before an
 //! operation and reading the count after it tells how many round trips it took — and
-//! [`Proxy::lose_reply`]`(n)` loses each connection's n-th turn since it was set: requests before
-//! it reach the server, its first n−1 answers come back, the n-th is discarded and the
-//! connection reset (a reply lost past the first round trip). Unsolicited server traffic (pings,
+//! [`Proxy::lose_reply`]`(n)` loses the first n-th turn any connection reaches since it was set:
+//! requests before it reach the server, its first n−1 answers come back, the n-th is discarded
+//! and the connection reset (a reply lost past the first round trip); after that one loss
+//! everything passes again, so a driver that re-sends gets its answer — which is how a blind
+//! re-send of a non-idempotent request shows. Unsolicited server traffic (pings,
 //! watch events) counts when it follows request bytes, so counts are approximate for protocols
 //! that have it; a drill that loses each turn 1..=n in turn covers every round trip anyway.
 
@@ -94,8 +96,9 @@ enum Shape {
     /// Delay each request chunk: a future dropped meanwhile is dropped before its request
     /// reached the coordinator, which still gets it later.
     DelayRequests(Duration),
-    /// Forward each connection's first n−1 reply turns, discard the n-th and reset that
-    /// connection (0 and 1 both lose the first).
+    /// Forward each connection's first n−1 reply turns, discard the first n-th one any
+    /// connection reaches and reset that connection, then forward everything (0 and 1 both lose
+    /// the first).
     LoseReply(u32),
 }
 
@@ -121,6 +124,8 @@ struct Shared {
     request_chunks: AtomicU64,
     /// Reply turns lost by [`Proxy::lose_reply`] since the start.
     lost_turns: AtomicU64,
+    /// The generation (+1) in which [`Proxy::lose_reply`] lost its turn: one loss per setting.
+    lost_in: AtomicU64,
 }
 
 /// What a connection's reply pump needs to know of its request pump: the generation and
@@ -159,6 +164,7 @@ impl Proxy {
             turns: AtomicU64::new(0),
             request_chunks: AtomicU64::new(0),
             lost_turns: AtomicU64::new(0),
+            lost_in: AtomicU64::new(0),
         });
         let accept = tokio::spawn(accept_loop(listener, shared.clone()));
         Ok(Self {
@@ -233,8 +239,9 @@ impl Proxy {
         self.set_shaped(Fault::Pass, Shape::DelayRequests(delay));
     }
 
-    /// From now on each connection forwards its first `n`−1 reply turns, loses the `n`-th and
-    /// is reset (see the [module docs](self); any [`Proxy::set`] ends it).
+    /// From now on connections forward their first `n`−1 reply turns; the first to reach its
+    /// `n`-th loses it and is reset, then everything passes (see the [module docs](self); any
+    /// [`Proxy::set`] ends it).
     pub fn lose_reply(&self, n: u32) {
         self.set_shaped(Fault::Pass, Shape::LoseReply(n));
     }
@@ -574,7 +581,13 @@ async fn pump(
             Shape::DelayRequests(delay) if direction == Direction::Request => {
                 tokio::time::sleep(delay).await;
             }
-            Shape::LoseReply(n) if turn.is_some_and(|t| t >= n) => {
+            Shape::LoseReply(n)
+                if turn.is_some_and(|t| t >= n)
+                    && shared.lost_in.swap(
+                        shared.generation.load(Ordering::SeqCst) + 1,
+                        Ordering::SeqCst,
+                    ) != shared.generation.load(Ordering::SeqCst) + 1 =>
+            {
                 shared.lost_turns.fetch_add(1, Ordering::SeqCst);
                 return Err(broken("the n-th reply was lost"));
             }
@@ -597,6 +610,59 @@ async fn pump(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An echo server on loopback: every chunk read is written back.
+    async fn echo() -> SocketAddr {
+        let listener = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 64];
+                    while let Ok(n) = s.read(&mut buf).await {
+                        if n == 0 || s.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        addr
+    }
+
+    /// One request, its echo: `None` when the connection broke instead.
+    async fn round_trip(s: &mut TcpStream, msg: &[u8]) -> Option<Vec<u8>> {
+        s.write_all(msg).await.ok()?;
+        let mut buf = vec![0u8; msg.len()];
+        tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut buf))
+            .await
+            .ok()?
+            .ok()?;
+        Some(buf)
+    }
+
+    #[tokio::test]
+    async fn lose_reply_loses_the_nth_turn_once_and_counts_turns() {
+        let proxy = Proxy::start(echo().await).await.unwrap();
+        let mut c = TcpStream::connect(proxy.addr()).await.unwrap();
+        proxy.pass();
+        assert_eq!(round_trip(&mut c, b"a").await.as_deref(), Some(&b"a"[..]));
+        assert_eq!(round_trip(&mut c, b"b").await.as_deref(), Some(&b"b"[..]));
+        assert_eq!(proxy.reply_turns(), 2);
+        proxy.lose_reply(2);
+        assert_eq!(round_trip(&mut c, b"c").await.as_deref(), Some(&b"c"[..]));
+        assert_eq!(
+            round_trip(&mut c, b"d").await,
+            None,
+            "the second turn is lost"
+        );
+        assert_eq!(proxy.lost_turns(), 1);
+        // Lost once: a new connection's second turn passes.
+        let mut c = TcpStream::connect(proxy.addr()).await.unwrap();
+        assert_eq!(round_trip(&mut c, b"e").await.as_deref(), Some(&b"e"[..]));
+        assert_eq!(round_trip(&mut c, b"f").await.as_deref(), Some(&b"f"[..]));
+        assert_eq!(proxy.lost_turns(), 1);
+    }
 
     #[test]
     fn urls_are_rewritten_to_the_proxy() {
