@@ -383,7 +383,81 @@ fn junit(backend: &str, reports: &[Report], took: Duration, leftover: Option<&St
 
 #[cfg(test)]
 mod tests {
+    use quick_xml::{Reader, events::Event};
+
     use super::*;
+
+    /// Each `testcase`'s name and its `skipped` / `failure` child's message, read back with a
+    /// real XML parser.
+    fn parse(xml: &str) -> Vec<(String, Option<(String, String)>)> {
+        let mut reader = Reader::from_str(xml);
+        let mut cases: Vec<(String, Option<(String, String)>)> = Vec::new();
+        loop {
+            match reader.read_event().expect("well-formed XML") {
+                Event::Start(e) | Event::Empty(e) => {
+                    let attr = |name: &str| {
+                        e.try_get_attribute(name)
+                            .expect("attribute")
+                            .map(|a| a.unescape_value().expect("escaped").into_owned())
+                    };
+                    match e.name().as_ref() {
+                        b"testcase" => cases.push((attr("name").unwrap_or_default(), None)),
+                        kind @ (b"skipped" | b"failure") => {
+                            let kind = String::from_utf8_lossy(kind).into_owned();
+                            let message = attr("message").unwrap_or_default();
+                            cases.last_mut().expect("inside a testcase").1 = Some((kind, message));
+                        }
+                        _ => {}
+                    }
+                }
+                Event::Eof => break,
+                _ => {}
+            }
+        }
+        cases
+    }
+
+    #[test]
+    fn junit_parses_with_every_verdict_and_awkward_text() {
+        let reports = vec![
+            Report {
+                name: "a_passes",
+                verdict: Verdict::Passed,
+                took: Duration::from_millis(5),
+            },
+            Report {
+                name: "b_skips",
+                verdict: Verdict::Skipped("fair_queue <not> claimed".to_owned()),
+                took: Duration::ZERO,
+            },
+            Report {
+                name: "c_fails",
+                verdict: Verdict::Failed("left & right \"differ\"\nsecond line\u{1}".to_owned()),
+                took: Duration::from_secs(1),
+            },
+        ];
+        let xml = junit("redis", &reports, Duration::from_secs(2), None);
+        let cases = parse(&xml);
+        assert_eq!(cases.len(), 4, "{xml}");
+        assert_eq!(cases[0], ("a_passes".to_owned(), None));
+        assert_eq!(
+            cases[1].1,
+            Some(("skipped".to_owned(), "fair_queue <not> claimed".to_owned()))
+        );
+        assert_eq!(
+            cases[2].1,
+            Some(("failure".to_owned(), "left & right \"differ\"".to_owned()))
+        );
+        assert_eq!(cases[3], ("nothing_is_left_behind".to_owned(), None));
+        assert!(xml.contains("failures=\"1\""), "{xml}");
+
+        let left = "3 left under redis keys x*".to_owned();
+        let cases = parse(&junit("redis", &reports[..1], Duration::ZERO, Some(&left)));
+        assert_eq!(
+            cases.last().and_then(|c| c.1.clone()),
+            Some(("failure".to_owned(), left))
+        );
+    }
 
     #[test]
     fn escapes_what_xml_needs() {
