@@ -157,3 +157,30 @@ fn the_process_identity_names_this_host() {
     let id = HolderIdentity::process(None).unwrap();
     assert!(id.as_str().starts_with(&format!("host={host} ")), "{id}");
 }
+
+#[tokio::test]
+async fn a_labelled_memory_client_records_its_label_with_its_grants() {
+    use lock_core::{DistributedLock, InMemoryLock};
+    let coordinator = InMemoryLock::new();
+    let client = coordinator.client().with_label("nightly-report").unwrap();
+    let key = LockKey::new("mutation/label").unwrap();
+    let lease = client
+        .try_acquire(&key, Duration::from_secs(10))
+        .await
+        .unwrap()
+        .expect("free");
+    let info = coordinator
+        .client()
+        .inspect(&key)
+        .await
+        .unwrap()
+        .expect("held");
+    assert_eq!(info.fencing_token, lease.fencing_token());
+    let holder = info.holder.expect("the grant's identity");
+    assert!(
+        holder.as_str().ends_with(" label=nightly-report"),
+        "{holder}"
+    );
+    assert!(coordinator.client().with_label("has space").is_err());
+    assert!(client.release(&lease).await.unwrap());
+}
