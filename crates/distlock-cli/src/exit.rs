@@ -4,7 +4,8 @@ use distlock::Error;
 
 /// Success. `run` passes the command's own status through instead.
 pub const OK: u8 = 0;
-/// `check`: the self-test failed; `release`: nothing was released (declined, free, no longer
+/// `check`: a setting FAILs (with `--strict`: or WARNs) or the self-test failed; `conformance`:
+/// a property failed or something was left behind; `release`: nothing was released (declined, free, no longer
 /// held by the grant shown, or a grant it cannot name); `inspect`: the lock is free.
 pub const FAILED: u8 = 1;
 /// Usage error: bad arguments, invalid key or duration, no URL, no confirmation possible.
@@ -35,8 +36,10 @@ pub const NOT_FOUND: u8 = 127;
 pub const HELP: &str = "\
 Exit status:
   0        success (`run`: the command's own exit status is passed through)
-  1        `check`: the self-test failed; `release`: nothing released (not confirmed,
-           not held, or held by another grant meanwhile); `inspect`: the lock is free
+  1        `check`: a setting FAILs (--strict: or WARNs) or the self-test failed;
+           `conformance`: a property failed or something was left behind; `release`:
+           nothing released (not confirmed, not held, or held by another grant
+           meanwhile); `inspect`: the lock is free
   2        usage error (bad arguments, invalid key or duration, no URL)
   69       the coordinator is unavailable or failed
   70       `run`: distlock's guard process failed; the command was terminated
