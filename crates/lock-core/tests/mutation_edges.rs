@@ -184,3 +184,56 @@ async fn a_labelled_memory_client_records_its_label_with_its_grants() {
     assert!(coordinator.client().with_label("has space").is_err());
     assert!(client.release(&lease).await.unwrap());
 }
+
+/// A waiter that gives up leaves the queue and only itself: the waiter behind it is still
+/// handed the lock at the release (not at the holder's TTL or its own deadline).
+#[tokio::test(start_paused = true)]
+async fn a_waiter_that_gives_up_removes_only_itself_from_the_queue() {
+    use lock_core::{DistributedLock, InMemoryLock};
+    let coordinator = InMemoryLock::new();
+    let (holder, w1, w2) = (
+        coordinator.client(),
+        coordinator.client(),
+        coordinator.client(),
+    );
+    let key = LockKey::new("mutation/queue").unwrap();
+    let long = Duration::from_secs(30);
+    let held = holder.try_acquire(&key, long).await.unwrap().expect("free");
+    let second = tokio::spawn({
+        let key = key.clone();
+        async move {
+            w2.acquire(&key, long, Instant::now() + Duration::from_secs(20))
+                .await
+        }
+    });
+    tokio::task::yield_now().await;
+    // w1 queues behind w2 and gives up after 1 s.
+    let gave_up = w1
+        .acquire(&key, long, Instant::now() + Duration::from_secs(1))
+        .await;
+    assert!(gave_up.is_err(), "{gave_up:?}");
+    let waiters = coordinator
+        .client()
+        .inspect(&key)
+        .await
+        .unwrap()
+        .unwrap()
+        .waiters;
+    assert_eq!(waiters, Some(1), "only w2 is still queued");
+    assert!(holder.release(&held).await.unwrap());
+    let granted = tokio::time::timeout(Duration::from_secs(2), second)
+        .await
+        .expect("w2 is handed the lock at the release")
+        .unwrap()
+        .expect("w2's acquire");
+    assert!(granted.fencing_token() > held.fencing_token());
+}
+
+#[test]
+fn the_memory_clients_debug_says_whether_it_is_offline() {
+    let client = lock_core::InMemoryLock::new();
+    assert!(format!("{client:?}").starts_with("InMemoryLock"));
+    assert!(format!("{client:?}").contains("offline: false"));
+    client.set_offline(true);
+    assert!(format!("{client:?}").contains("offline: true"));
+}
