@@ -281,6 +281,63 @@ fn redis_that_evicts_keys_fails() {
     assert_eq!(verdict(&report, "maxmemory-policy"), "PASS", "{report:#}");
     assert_eq!(verdict(&report, "persistence"), "PASS", "{report:#}");
     assert_eq!(code, Some(0), "nothing left to warn about: {report:#}");
+
+    // replicas=1 with no replica connected: every grant would end Indeterminate.
+    let (code, report, _) = check(&format!("{url}?replicas=1"), &[]);
+    assert_eq!(verdict(&report, "replicas"), "FAIL", "{report:#}");
+    assert_ne!(code, Some(0), "{report:#}");
+
+    // Through a Sentinel: the master it names is what gets audited.
+    let sentinel_port = free_port();
+    std::fs::write(
+        dir.join("sentinel.conf"),
+        format!(
+            "port {sentinel_port}\nbind 127.0.0.1\ndir {}\n\
+             sentinel monitor audited 127.0.0.1 {port} 1\n\
+             sentinel down-after-milliseconds audited 600000\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    let _sentinel = Server::spawn(
+        Command::new("redis-server")
+            .arg(dir.join("sentinel.conf"))
+            .arg("--sentinel"),
+        temp_dir("sentinel"),
+        "sentinel.log",
+    );
+    let sentinel_cli = |args: &[&str]| {
+        Command::new("redis-cli")
+            .args(["-h", "127.0.0.1", "-p", &sentinel_port.to_string()])
+            .args(args)
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+            .unwrap_or_default()
+    };
+    wait_until("sentinel", Duration::from_secs(20), || {
+        sentinel_cli(&["sentinel", "get-master-addr-by-name", "audited"])
+            .contains(&port.to_string())
+    });
+    let (code, report, out) = check(
+        &format!("redis+sentinel://127.0.0.1:{sentinel_port}/audited"),
+        &[],
+    );
+    assert_eq!(verdict(&report, "topology"), "PASS", "{report:#}");
+    assert!(
+        finding(&report, "topology")["observed"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("127.0.0.1:{port}")),
+        "{report:#}"
+    );
+    assert_eq!(verdict(&report, "maxmemory-policy"), "PASS", "{report:#}");
+    assert_eq!(verdict(&report, "scripts"), "PASS", "{report:#}");
+    assert_eq!(
+        code,
+        Some(0),
+        "{report:#}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 fn which(program: &str) -> Option<PathBuf> {

@@ -13,7 +13,7 @@ use redis::{
 };
 use tokio::time::{Instant, timeout};
 
-use crate::RedisLockConfig;
+use crate::{RedisLockConfig, RedisTopology};
 
 const BACKEND: &str = "redis";
 
@@ -35,7 +35,194 @@ const BACKEND: &str = "redis";
 /// [`Error::Config`] for an invalid configuration; [`Error::Unavailable`] / [`Error::Backend`]
 /// when the server cannot be reached or refuses the connection.
 pub async fn audit(config: &RedisLockConfig) -> Result<AuditReport> {
-    let mut conn = open(config).await?;
+    config.validate()?;
+    match &config.topology {
+        RedisTopology::Cluster { .. } => {
+            let masters = servers(config).await?;
+            let mut reports = Vec::new();
+            for (host, port) in &masters {
+                reports.push((
+                    format!("{host}:{port}"),
+                    audit_server(config, host, *port).await?,
+                ));
+            }
+            let mut report = merge(reports);
+            report.findings.insert(
+                0,
+                lock_core::Finding {
+                    check: "topology".to_owned(),
+                    verdict: lock_core::Verdict::Pass,
+                    observed: format!("cluster, {} masters", masters.len()),
+                    why: "every master audited; a check shows the worst of them".to_owned(),
+                    fix: None,
+                },
+            );
+            Ok(report)
+        }
+        RedisTopology::Sentinel { master_name, .. } => {
+            let (host, port) =
+                servers(config)
+                    .await?
+                    .into_iter()
+                    .next()
+                    .ok_or_else(|| Error::Unavailable {
+                        backend: BACKEND,
+                        op: "audit",
+                        message: "no master".to_owned(),
+                        source: None,
+                    })?;
+            let mut report = audit_server(config, &host, port).await?;
+            report.findings.insert(
+                0,
+                lock_core::Finding {
+                    check: "topology".to_owned(),
+                    verdict: lock_core::Verdict::Pass,
+                    observed: format!("sentinel master {master_name:?} at {host}:{port}"),
+                    why: "the master the sentinels name is audited (a failover promotes a replica: see replicas)".to_owned(),
+                    fix: None,
+                },
+            );
+            Ok(report)
+        }
+        _ => audit_server(config, &config.host, config.port).await,
+    }
+}
+
+/// The servers that hold locks: the one server, the master the sentinels name, or every
+/// master of the cluster.
+async fn servers(config: &RedisLockConfig) -> Result<Vec<(String, u16)>> {
+    let budget = config
+        .connect_timeout
+        .saturating_add(config.response_timeout);
+    match &config.topology {
+        RedisTopology::Sentinel {
+            sentinels,
+            master_name,
+        } => {
+            let mut last = String::from("no sentinel given");
+            for (host, port) in sentinels {
+                let asked = async {
+                    let client = redis::Client::open(ConnectionAddr::Tcp(host.clone(), *port))
+                        .map_err(|e| e.to_string())?;
+                    let mut c = timeout(budget, client.get_multiplexed_async_connection())
+                        .await
+                        .map_err(|_| "connect timed out".to_owned())?
+                        .map_err(|e| e.to_string())?;
+                    let reply: Option<(String, String)> = timeout(
+                        budget,
+                        redis::cmd("SENTINEL")
+                            .arg("get-master-addr-by-name")
+                            .arg(master_name)
+                            .query_async(&mut c),
+                    )
+                    .await
+                    .map_err(|_| "no answer".to_owned())?
+                    .map_err(|e| e.to_string())?;
+                    reply
+                        .and_then(|(h, p)| Some((h, p.parse::<u16>().ok()?)))
+                        .ok_or_else(|| format!("knows no master named {master_name:?}"))
+                };
+                match asked.await {
+                    Ok(addr) => return Ok(vec![addr]),
+                    Err(e) => last = format!("sentinel {host}:{port}: {e}"),
+                }
+            }
+            Err(Error::Unavailable {
+                backend: BACKEND,
+                op: "audit",
+                message: last,
+                source: None,
+            })
+        }
+        RedisTopology::Cluster { nodes } => {
+            let mut last = String::from("no seed node given");
+            for (host, port) in nodes {
+                let listed = async {
+                    let mut conn = open_at(config, host, *port).await?;
+                    let mut cmd = redis::cmd("CLUSTER");
+                    cmd.arg("NODES");
+                    query::<String>(&mut conn, cmd, budget, "cluster nodes").await
+                };
+                match listed.await {
+                    Ok(text) => {
+                        let masters = cluster_masters(&text);
+                        if !masters.is_empty() {
+                            return Ok(masters);
+                        }
+                        last = format!("{host}:{port} lists no master");
+                    }
+                    Err(e) => last = format!("{host}:{port}: {e}"),
+                }
+            }
+            Err(Error::Unavailable {
+                backend: BACKEND,
+                op: "audit",
+                message: last,
+                source: None,
+            })
+        }
+        _ => Ok(vec![(config.host.clone(), config.port)]),
+    }
+}
+
+/// The masters of a `CLUSTER NODES` reply (`id ip:port@cport flags master …`), failed ones
+/// left out.
+fn cluster_masters(text: &str) -> Vec<(String, u16)> {
+    text.lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let addr = fields.nth(1)?;
+            let flags = fields.next()?;
+            let flags: Vec<&str> = flags.split(',').collect();
+            if !flags.contains(&"master") || flags.iter().any(|f| f.starts_with("fail")) {
+                return None;
+            }
+            let addr = addr.split('@').next()?;
+            let (host, port) = addr.rsplit_once(':')?;
+            Some((host.to_owned(), port.parse().ok()?))
+        })
+        .collect()
+}
+
+/// One report of several servers' reports: each check once, with the worst verdict; its
+/// observation per server when they differ.
+fn merge(reports: Vec<(String, AuditReport)>) -> AuditReport {
+    let mut merged = AuditReport::new(BACKEND);
+    merged.round_trip = reports.iter().filter_map(|(_, r)| r.round_trip).max();
+    let Some((_, first)) = reports.first() else {
+        return merged;
+    };
+    for check in first.findings.iter().map(|f| f.check.clone()) {
+        let all: Vec<(&String, &lock_core::Finding)> = reports
+            .iter()
+            .filter_map(|(addr, r)| r.finding(&check).map(|f| (addr, f)))
+            .collect();
+        let Some(worst) = all.iter().map(|(_, f)| *f).max_by_key(|f| f.verdict) else {
+            continue;
+        };
+        let same = all.iter().all(|(_, f)| f.observed == worst.observed);
+        let observed = if same {
+            worst.observed.clone()
+        } else {
+            all.iter()
+                .map(|(addr, f)| format!("{addr}: {}", f.observed))
+                .collect::<Vec<_>>()
+                .join("; ")
+        };
+        merged.push(
+            check,
+            worst.verdict,
+            observed,
+            worst.why.clone(),
+            worst.fix.clone(),
+        );
+    }
+    merged
+}
+
+/// The audit of one server.
+async fn audit_server(config: &RedisLockConfig, host: &str, port: u16) -> Result<AuditReport> {
+    let mut conn = open_at(config, host, port).await?;
     let budget = config
         .connect_timeout
         .saturating_add(config.response_timeout);
@@ -68,12 +255,12 @@ pub async fn audit(config: &RedisLockConfig) -> Result<AuditReport> {
     .await;
     eviction(&mut report, settings.as_ref());
     persistence(&mut report, settings.as_ref());
-    replication(&mut report, &info, settings.as_ref());
+    replication(&mut report, &info, settings.as_ref(), config);
     clock(&mut report, &mut conn, budget).await;
     Ok(report)
 }
 
-async fn open(config: &RedisLockConfig) -> Result<MultiplexedConnection> {
+async fn open_at(config: &RedisLockConfig, host: &str, port: u16) -> Result<MultiplexedConnection> {
     config.validate()?;
     let mut redis_info = RedisConnectionInfo::default()
         .set_db(config.db)
@@ -86,13 +273,13 @@ async fn open(config: &RedisLockConfig) -> Result<MultiplexedConnection> {
     }
     let addr = if config.tls {
         ConnectionAddr::TcpTls {
-            host: config.host.clone(),
-            port: config.port,
+            host: host.to_owned(),
+            port,
             insecure: false,
             tls_params: None,
         }
     } else {
-        ConnectionAddr::Tcp(config.host.clone(), config.port)
+        ConnectionAddr::Tcp(host.to_owned(), port)
     };
     let info = addr
         .into_connection_info()
@@ -388,6 +575,7 @@ fn replication(
     report: &mut AuditReport,
     info: &InfoDict,
     settings: std::result::Result<&HashMap<String, String>, &String>,
+    config: &RedisLockConfig,
 ) {
     let role = info.get::<String>("role").unwrap_or_default();
     match role.as_str() {
@@ -412,6 +600,24 @@ fn replication(
         }
     }
     let replicas = info.get::<u64>("connected_slaves").unwrap_or(0);
+    let wanted = u64::from(config.replicas);
+    if wanted > replicas {
+        report.fail(
+            "replicas",
+            format!("{replicas} connected, replicas={wanted} asked"),
+            "fewer replicas than the URL's replicas= can acknowledge: every grant and renewal ends Indeterminate",
+            "connect the replicas, or lower replicas= in the URL",
+        );
+        return;
+    }
+    if wanted > 0 {
+        report.pass(
+            "replicas",
+            format!("{replicas} connected, replicas={wanted} acknowledge each grant (WAIT)"),
+            "a grant counts only once replicas have it, so a failover to one of them keeps it",
+        );
+        return;
+    }
     if replicas == 0 {
         report.pass(
             "replicas",
@@ -430,7 +636,7 @@ fn replication(
         format!("{replicas} connected, min-replicas-to-write {min}"),
         "replication is asynchronous: a promoted replica can miss acknowledged grants (two holders, repeated fences)",
         if min == 0 {
-            "do not fail over automatically, or set min-replicas-to-write (bounds, does not prevent, the loss); protect resources with fencing tokens"
+            "add replicas=N to the URL (each grant waits for N replicas), do not fail over automatically, or set min-replicas-to-write (bounds, does not prevent, the loss); protect resources with fencing tokens"
         } else {
             "min-replicas-to-write bounds the loss but does not prevent it: do not fail over automatically; protect resources with fencing tokens"
         },
@@ -542,7 +748,8 @@ fn own_namespace(config: &RedisLockConfig) -> Result<()> {
 }
 
 /// How many keys the driver's locks under `config.namespace` occupy (lock, fence counter,
-/// queue, holder and clean-up keys). For checking that a test run left nothing behind.
+/// queue, holder and clean-up keys), on every server that holds locks (each master of a
+/// cluster). For checking that a test run left nothing behind.
 ///
 /// # Errors
 /// [`Error::Config`] for an empty namespace; as [`audit`] otherwise.
@@ -551,16 +758,20 @@ pub async fn namespace_size(config: &RedisLockConfig) -> Result<usize> {
     let budget = config
         .connect_timeout
         .saturating_add(config.response_timeout);
-    let mut conn = open(config).await?;
-    Ok(namespace_keys(&mut conn, &config.namespace, budget)
-        .await?
-        .len())
+    let mut total = 0;
+    for (host, port) in servers(config).await? {
+        let mut conn = open_at(config, &host, port).await?;
+        total += namespace_keys(&mut conn, &config.namespace, budget)
+            .await?
+            .len();
+    }
+    Ok(total)
 }
 
-/// Deletes every key of the driver's locks under `config.namespace`, fence counters included
-/// — **only for a namespace of your own**, such as a test run's: a lock deleted under its
-/// holder is given to the next caller, and a deleted fence counter restarts at 1. Returns how
-/// many keys were deleted.
+/// Deletes every key of the driver's locks under `config.namespace`, fence counters included,
+/// on every server that holds locks — **only for a namespace of your own**, such as a test
+/// run's: a lock deleted under its holder is given to the next caller, and a deleted fence
+/// counter restarts at 1. Returns how many keys were deleted.
 ///
 /// # Errors
 /// [`Error::Config`] for an empty namespace; as [`audit`] otherwise.
@@ -569,16 +780,25 @@ pub async fn purge_namespace(config: &RedisLockConfig) -> Result<usize> {
     let budget = config
         .connect_timeout
         .saturating_add(config.response_timeout);
-    let mut conn = open(config).await?;
-    let keys = namespace_keys(&mut conn, &config.namespace, budget).await?;
-    for chunk in keys.chunks(500) {
-        let mut del = redis::cmd("DEL");
-        for key in chunk {
-            del.arg(key.as_slice());
+    // A cluster refuses a DEL of keys in different slots: one key per DEL there.
+    let chunk = match config.topology {
+        RedisTopology::Cluster { .. } => 1,
+        _ => 500,
+    };
+    let mut deleted = 0;
+    for (host, port) in servers(config).await? {
+        let mut conn = open_at(config, &host, port).await?;
+        let keys = namespace_keys(&mut conn, &config.namespace, budget).await?;
+        for keys in keys.chunks(chunk) {
+            let mut del = redis::cmd("DEL");
+            for key in keys {
+                del.arg(key.as_slice());
+            }
+            query::<u64>(&mut conn, del, budget, "del").await?;
         }
-        query::<u64>(&mut conn, del, budget, "del").await?;
+        deleted += keys.len();
     }
-    Ok(keys.len())
+    Ok(deleted)
 }
 
 #[cfg(test)]
@@ -590,6 +810,18 @@ mod tests {
         assert_eq!(parse_version("7.0.15"), Some((7, 0, 15)));
         assert_eq!(parse_version("6"), Some((6, 0, 0)));
         assert_eq!(parse_version("x"), None);
+    }
+
+    #[test]
+    fn cluster_masters_are_read_from_cluster_nodes() {
+        let text = "a1 127.0.0.1:7000@17000 myself,master - 0 0 1 connected 0-5460\n\
+                    b2 127.0.0.1:7003@17003 slave a1 0 0 1 connected\n\
+                    c3 127.0.0.1:7001@17001 master,fail - 0 0 2 connected\n\
+                    d4 ::1:7002@17002 master - 0 0 3 connected 5461-10922\n";
+        assert_eq!(
+            cluster_masters(text),
+            vec![("127.0.0.1".to_owned(), 7000), ("::1".to_owned(), 7002)]
+        );
     }
 
     #[test]
