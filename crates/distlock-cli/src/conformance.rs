@@ -208,7 +208,11 @@ pub async fn conformance(url: &str, args: &ConformanceArgs) -> u8 {
         }
     };
     let caps = operator.capabilities();
-    let short_ttl = caps.min_ttl.max(Duration::from_millis(300));
+    // Long enough that a scheduling stall of a loaded machine does not outlast it.
+    let short_ttl = args
+        .short_ttl
+        .unwrap_or(Duration::from_millis(500))
+        .max(caps.min_ttl);
     let backend = operator.backend_name().to_owned();
     println!(
         "conformance: {} properties against {backend} under {} (short ttl {:?}); fault drills \

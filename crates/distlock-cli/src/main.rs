@@ -202,6 +202,10 @@ pub struct ConformanceArgs {
     /// List the properties (after --only) instead of running them.
     #[arg(long)]
     pub list: bool,
+    /// The TTL of the properties that wait for an expiry (default: 500ms, or the backend's
+    /// minimum if larger); raise it for a coordinator far away or under load.
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub short_ttl: Option<Duration>,
     /// Refused: fault drills need control of the servers (kill, restart, partition).
     #[arg(long)]
     pub drills: bool,
