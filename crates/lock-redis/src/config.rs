@@ -678,4 +678,14 @@ mod url_proptests {
     fn from_url_never_panics_or_shows_the_password() {
         conformance::check_url_parser("redis|rediss", super::RedisLockConfig::from_url);
     }
+
+    /// The same for the multi-host forms (host lists, master names) and Redlock's.
+    #[test]
+    fn multi_host_urls_never_panic_or_show_the_password() {
+        conformance::check_url_parser(
+            "redis\\+sentinel|redis\\+cluster",
+            super::RedisLockConfig::from_url,
+        );
+        conformance::check_url_parser("redlock|REDLOCK", crate::RedlockConfig::from_url);
+    }
 }
