@@ -171,11 +171,13 @@ fn free_ports(n: u16) -> u16 {
 }
 
 fn data_dir(what: &str) -> PathBuf {
-    std::env::temp_dir().join(format!(
+    let dir = std::env::temp_dir().join(format!(
         "lock-redis-{what}-{}-{:08x}",
         std::process::id(),
         rand::random::<u32>()
-    ))
+    ));
+    reaper().remove_later(&dir);
+    dir
 }
 
 fn node_args(port: u16) -> Vec<String> {
@@ -200,22 +202,31 @@ fn node_args(port: u16) -> Vec<String> {
     .collect()
 }
 
-/// Kills the servers of this test process once it has exited (statics are never dropped).
+/// Kills the servers of this test process once it has exited (statics are never dropped), and
+/// removes their data directories.
 struct Reaper {
     pids: PathBuf,
+    dirs: PathBuf,
 }
 
 fn reaper() -> &'static Reaper {
     static REAPER: OnceLock<Reaper> = OnceLock::new();
     REAPER.get_or_init(|| {
-        let pids = data_dir("pids");
+        let base = std::env::temp_dir().join(format!(
+            "lock-redis-reaper-{}-{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        let (pids, dirs) = (base.with_extension("pids"), base.with_extension("dirs"));
         std::fs::write(&pids, "").unwrap();
+        std::fs::write(&dirs, "").unwrap();
         let script = format!(
             "while kill -0 {parent} 2>/dev/null; do sleep 0.5; done; \
-             for p in $(cat {file}); do grep -q redis-server /proc/$p/cmdline 2>/dev/null && kill -9 $p; done; \
-             rm -f {file}",
+             for p in $(cat {pids}); do grep -q redis-server /proc/$p/cmdline 2>/dev/null && kill -9 $p; done; \
+             sleep 0.2; for d in $(cat {dirs}); do rm -rf \"$d\"; done; rm -f {pids} {dirs}",
             parent = std::process::id(),
-            file = pids.display()
+            pids = pids.display(),
+            dirs = dirs.display()
         );
         // Never waited for: it outlives this process on purpose (it reaps after our exit).
         #[allow(clippy::zombie_processes)]
@@ -226,18 +237,23 @@ fn reaper() -> &'static Reaper {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        Reaper { pids }
+        Reaper { pids, dirs }
     })
 }
 
 impl Reaper {
     fn watch(&self, pid: u32) {
-        let mut f = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&self.pids)
-            .unwrap();
-        writeln!(f, "{pid}").unwrap();
+        append_line(&self.pids, &pid.to_string());
     }
+
+    fn remove_later(&self, dir: &Path) {
+        append_line(&self.dirs, &dir.display().to_string());
+    }
+}
+
+fn append_line(file: &Path, line: &str) {
+    let mut f = std::fs::OpenOptions::new().append(true).open(file).unwrap();
+    writeln!(f, "{line}").unwrap();
 }
 
 /// A Sentinel set: one master, two replicas, three sentinels (quorum 2), all on loopback.
