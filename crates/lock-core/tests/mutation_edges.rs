@@ -237,3 +237,12 @@ fn the_memory_clients_debug_says_whether_it_is_offline() {
     client.set_offline(true);
     assert!(format!("{client:?}").contains("offline: true"));
 }
+
+#[test]
+fn the_memory_coordinator_advertises_a_1ms_minimum_ttl() {
+    use lock_core::{DistributedLock, FencingGuarantee, InMemoryLock};
+    let caps = InMemoryLock::new().capabilities();
+    assert_eq!(caps.min_ttl, Duration::from_millis(1));
+    assert_eq!(caps.fencing, FencingGuarantee::Quorum);
+    assert!(caps.renew && caps.wait_notify && caps.fair_queue && caps.force_release);
+}
