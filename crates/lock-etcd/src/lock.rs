@@ -11,7 +11,7 @@ use async_trait::async_trait;
 use etcd_client::{
     Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, Identity,
     KeyValue, PutOptions, SortOrder, SortTarget, TlsOptions, Txn, TxnOp, TxnOpResponse,
-    TxnResponse, WatchFilterType, WatchOptions,
+    TxnResponse, WatchFilterType, WatchOptions, WatchStream,
 };
 use futures::future::BoxFuture;
 use lock_core::{
@@ -1158,8 +1158,11 @@ impl Inner {
         // until its deadline (review L4).
         let reread_every = (ttl / 2).clamp(Duration::from_secs(1), Duration::from_secs(5));
         let session = &entry.session;
-        // Cleared when a queue watch from our creation revision was refused (compacted).
+        // Cleared when a queue watch was refused (compacted).
         let mut queue_watch_ok = true;
+        // A queue watch kept across a read of the queue: it reports every deletion after the
+        // revision it started at, so a read at that revision or later can go on with it.
+        let mut carried: Option<(WatchStream, i64)> = None;
         'queue: loop {
             if Instant::now() >= until {
                 return Err(wait.timeout());
@@ -1251,8 +1254,11 @@ impl Inner {
                     }
                 }
             };
-            // The earlier entries not yet seen deleted, while watching the whole queue.
+            // The earlier entries not yet seen deleted, while watching the whole queue, and the
+            // first revision whose deletions count (older ones happened before the read).
             let mut ahead: Option<HashSet<Vec<u8>>> = None;
+            let mut min_rev = 0;
+            let carried_watch = carried.take();
             let pred = match pred {
                 // A refused queue watch (compacted): watch the newest earlier entry instead.
                 Some(Ahead::All { keys, from }) if !queue_watch_ok => {
@@ -1263,24 +1269,25 @@ impl Inner {
             };
             let mut stream = match pred {
                 Some(Ahead::All { keys, from }) => {
-                    Counters::bump(&self.counters.watch);
-                    let opts = WatchOptions::new()
-                        .with_prefix()
-                        .with_start_revision(from)
-                        .with_filters([WatchFilterType::NoPut]);
-                    let stream = error::request_until(
-                        self.timeout(),
-                        until,
-                        self.client
-                            .watch_client()
-                            .watch(entry.name.clone(), Some(opts)),
-                    )
-                    .await
-                    .ok();
-                    if stream.is_some() {
-                        ahead = Some(keys.into_iter().collect());
+                    let watch = match carried_watch {
+                        Some((stream, start)) if start < from => Some((stream, start)),
+                        _ => self.queue_watch(&entry.name, until).await,
+                    };
+                    match watch {
+                        // It reports everything after the read: go on with it.
+                        Some((stream, start)) if start < from => {
+                            ahead = Some(keys.into_iter().collect());
+                            min_rev = from;
+                            Some(stream)
+                        }
+                        // Deletions between the read and the watch's start were not seen:
+                        // read the queue again (at or after the start) and keep this watch.
+                        Some(started) => {
+                            carried = Some(started);
+                            continue 'queue;
+                        }
+                        None => None,
                     }
-                    stream
                 }
                 Some(Ahead::Predecessor {
                     key: pred_key,
@@ -1322,7 +1329,13 @@ impl Inner {
                             }
                         };
                     }
-                    () = sleep_until(retry_at) => continue 'queue,
+                    () = sleep_until(retry_at) => {
+                        // A queue watch stays valid across the look at the queue.
+                        if let (Some(s), Some(_)) = (stream.take(), ahead.as_ref()) {
+                            carried = Some((s, min_rev - 1));
+                        }
+                        continue 'queue;
+                    }
                     msg = async { match stream.as_mut() { Some(s) => s.message().await, None => std::future::pending().await } } => {
                         match msg {
                             Ok(Some(resp)) if resp.events().is_empty() && !resp.canceled() => {}
@@ -1339,7 +1352,11 @@ impl Inner {
                                 }
                                 for event in resp.events() {
                                     let Some(kv) = event.kv() else { continue };
-                                    if event.event_type() != EventType::Delete {
+                                    // A deletion before the read is already in `waiting_for`
+                                    // (and may be an earlier entry of the same key name).
+                                    if event.event_type() != EventType::Delete
+                                        || kv.mod_revision() < min_rev
+                                    {
                                         continue;
                                     }
                                     if kv.key() == entry.key.as_slice() {
@@ -1358,6 +1375,33 @@ impl Inner {
                     }
                 }
             }
+        }
+    }
+
+    /// Watches the deletions under the queue prefix `name` from now on, and returns the stream
+    /// with the revision the watch started after (from its creation reply). No start revision
+    /// on purpose: etcd registers a watch that asks for a past revision as "unsynced" and
+    /// catches those up only every 100 ms (`syncWatchersLoop`), which under contention — the
+    /// queue changes between a read and the watch — put a 100 ms stall on most hand-offs.
+    async fn queue_watch(&self, name: &[u8], until: Instant) -> Option<(WatchStream, i64)> {
+        Counters::bump(&self.counters.watch);
+        let opts = WatchOptions::new()
+            .with_prefix()
+            .with_filters([WatchFilterType::NoPut]);
+        let mut stream = error::request_until(
+            self.timeout(),
+            until,
+            self.client.watch_client().watch(name.to_vec(), Some(opts)),
+        )
+        .await
+        .ok()?;
+        let by = until.min(Instant::now() + self.timeout());
+        match tokio::time::timeout_at(by, stream.message()).await {
+            Ok(Ok(Some(created))) if created.created() && !created.canceled() => {
+                let start = created.header()?.revision();
+                Some((stream, start))
+            }
+            _ => None,
         }
     }
 
