@@ -1369,6 +1369,48 @@ impl fmt::Debug for RedisLock {
 mod tests {
     use super::*;
 
+    /// The cluster client re-sends a request whose connection dropped: the second run of an
+    /// attempt that was granted must return the same grant, not "held" (which left the lock
+    /// stranded until its TTL, with the caller told someone else holds it).
+    #[tokio::test]
+    async fn a_re_sent_attempt_returns_its_own_grant() {
+        let Some(url) = conformance::backend_url("DISTLOCK_TEST_REDIS_URL") else {
+            return;
+        };
+        let lock = RedisLock::connect_url(&url).await.unwrap();
+        let key = conformance::fresh_key("re-sent-attempt");
+        let names = lock.names(&key);
+        let prefix = owner_prefix(&OwnershipToken::generate());
+        let mut replies = Vec::new();
+        for _ in 0..2 {
+            let mut invocation = lock.inner.scripts.acquire.key(&names.lock);
+            invocation
+                .key(names.fence())
+                .key(names.undone(&prefix))
+                .key(names.holder())
+                .arg(&prefix)
+                .arg(30_000)
+                .arg(lock.inner.identity.as_str());
+            replies.push(
+                invocation
+                    .invoke_async::<redis::Value>(&mut lock.inner.conn.clone())
+                    .await
+                    .unwrap(),
+            );
+        }
+        let released = lock.release_by_prefix(&names, &prefix).await;
+        assert!(matches!(released, Ok(true)));
+        assert!(
+            matches!(&replies[0], redis::Value::BulkString(_)),
+            "{:?}",
+            replies[0]
+        );
+        assert_eq!(
+            replies[0], replies[1],
+            "the re-sent attempt is its own grant"
+        );
+    }
+
     #[test]
     fn ttl_is_rounded_up_to_whole_milliseconds() {
         assert_eq!(ttl_millis(Duration::from_millis(300)), 300);
