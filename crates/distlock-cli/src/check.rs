@@ -85,7 +85,7 @@ pub async fn check(lock: DynLock, url: &str, args: &CheckArgs) -> u8 {
             error: Some((e.to_string(), exit::FAILED)),
         },
     };
-    finish(Some(&lock), &report, &test, ttl, args)
+    finish(url, Some(&lock), &report, &test, ttl, args)
 }
 
 /// `distlock check` when connecting failed (`code`): the audit still says why, e.g. a
@@ -96,10 +96,18 @@ pub async fn check_unconnected(url: &str, args: &CheckArgs, why: &str, code: u8)
         steps: Vec::new(),
         error: Some((format!("not connected: {why}"), code)),
     };
-    finish(None, &report, &test, args.ttl.unwrap_or_default(), args)
+    finish(
+        url,
+        None,
+        &report,
+        &test,
+        args.ttl.unwrap_or_default(),
+        args,
+    )
 }
 
 fn finish(
+    url: &str,
     lock: Option<&DynLock>,
     report: &distlock::Result<AuditReport>,
     test: &SelfTest,
@@ -117,14 +125,13 @@ fn finish(
         (Some((_, code)), _) => *code,
         (None, code) => code,
     };
-    let backend = lock.map_or_else(
-        || {
-            report
-                .as_ref()
-                .map_or_else(|_| "unknown".to_owned(), |r| r.backend.clone())
-        },
-        |l| l.backend_name().to_owned(),
-    );
+    let backend = match (lock, report) {
+        (Some(l), _) => l.backend_name().to_owned(),
+        (None, Ok(r)) => r.backend.clone(),
+        (None, Err(_)) => {
+            Backend::for_url(url).map_or_else(|_| "unknown".to_owned(), |b| b.to_string())
+        }
+    };
     let caps = lock.map(|l| l.capabilities());
     if args.json {
         print_json(&backend, report, test, ttl, args.strict, code);

@@ -656,3 +656,28 @@ fn etcd_cluster_with_a_member_down_warns() {
         assert_eq!(verdict(&report, "health"), "FAIL", "{report:#}");
     }
 }
+
+#[test]
+fn an_unreachable_coordinator_is_unavailable_without_leaking_the_password() {
+    for (backend, url) in [
+        (Backend::Redis, "redis://u:s3cretpw@127.0.0.1:1"),
+        (Backend::Etcd, "etcd://u:s3cretpw@127.0.0.1:1"),
+        (Backend::ZooKeeper, "zk://u:s3cretpw@127.0.0.1:1"),
+        (Backend::Postgres, "postgres://u:s3cretpw@127.0.0.1:1/db"),
+    ] {
+        if !backend.is_enabled() {
+            continue;
+        }
+        let (code, report, out) = check(url, &[]);
+        assert_eq!(code, Some(69), "{url}: {report:#}");
+        assert!(report["audit"]["error"].is_string(), "{url}: {report:#}");
+        assert_eq!(report["ok"], false, "{url}: {report:#}");
+        assert_ne!(report["backend"], "unknown", "{url}: {report:#}");
+        let all = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!all.contains("s3cretpw"), "{url}: {all}");
+    }
+}
