@@ -59,7 +59,12 @@ impl ConnectionLike for Conn {
                 Box::pin(async move {
                     let (_, _, mut m) = s.current().await?;
                     let reply = m.req_packed_command(cmd).await;
-                    s.observe(reply.as_ref().err());
+                    // A server's error answer comes as a value (turned into an error later).
+                    match &reply {
+                        Err(e) => s.observe(Some(e)),
+                        Ok(Value::ServerError(e)) => s.observe(Some(&RedisError::from(e.clone()))),
+                        Ok(_) => {}
+                    }
                     reply
                 })
             }
@@ -300,10 +305,8 @@ impl SentinelConn {
             || e.is_connection_dropped()
             || e.is_timeout()
             || e.kind() == ErrorKind::Io
-            || matches!(
-                e.kind(),
-                ErrorKind::Server(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown)
-            );
+            || e.kind() == ErrorKind::Server(ServerErrorKind::MasterDown)
+            || is_read_only(e);
         if moved {
             self.stale.store(true, Ordering::Release);
         }
@@ -319,6 +322,15 @@ impl SentinelConn {
         let (_, _, mut m) = self.current().await?;
         m.subscribe(channel).await
     }
+}
+
+/// A replica refused a write (`READONLY`), also when a script reports it inside its own error
+/// (the acquire script's `pcall` of the fence counter's `INCR`): nothing was written, since a
+/// replica accepts no write at all.
+pub(crate) fn is_read_only(e: &RedisError) -> bool {
+    e.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly)
+        || e.to_string()
+            .contains("READONLY You can't write against a read only replica")
 }
 
 /// A failure before anything reached the master: `Unavailable`, never an unknown outcome.

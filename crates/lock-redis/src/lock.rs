@@ -1038,7 +1038,7 @@ fn ttl_millis(ttl: Duration) -> u64 {
 }
 
 fn classify(e: RedisError) -> Failure {
-    if e.is_connection_refusal() {
+    if e.is_connection_refusal() || crate::conn::is_read_only(&e) {
         return Failure::NotSent(e);
     }
     match e.kind() {

@@ -384,3 +384,48 @@ async fn drill_sentinel_failover_after_an_acknowledged_grant() {
         files.svg.display()
     );
 }
+
+/// `SENTINEL FAILOVER` with the old master alive: it is demoted to a replica of the new master
+/// (its clients disconnected), and a client that reconnects to it by address finds a replica.
+/// Its `READONLY` refusals (also the acquire script's, reported inside its own error) must send
+/// the client to the new master, never fail for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_that_demotes_a_live_master_is_followed() {
+    let Some(set) = start(true).await else {
+        return;
+    };
+    let lock = client(&set.url(FAST)).await;
+    let key = fresh_key("sentinel-demoted");
+    let lease = lock.try_acquire(&key, TTL).await.unwrap().unwrap();
+    assert!(lock.release(&lease).await.unwrap());
+    let old = set.master_port().unwrap();
+    assert_eq!(
+        cli(set.sentinels[0].port, &["SENTINEL", "FAILOVER", &set.name]),
+        "OK"
+    );
+    let new = tokio::task::block_in_place(|| set.wait_failover_from(old, Duration::from_secs(30)));
+    // Wait until the old master really is a replica (the sentinels reconfigure it).
+    tokio::task::block_in_place(|| {
+        support::wait_until(
+            "the old master to be demoted",
+            Duration::from_secs(30),
+            || cli(old, &["ROLE"]).starts_with("slave"),
+        )
+    });
+    let lease = settled(Duration::from_secs(10), || lock.try_acquire(&key, TTL))
+        .await
+        .expect("the client follows the failover")
+        .expect("free");
+    let mut direct = redis::Client::open(format!("redis://127.0.0.1:{new}"))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let on_new: Option<String> = redis::cmd("GET")
+        .arg(lock.redis_key(&key))
+        .query_async(&mut direct)
+        .await
+        .unwrap();
+    assert!(on_new.is_some(), "the grant is on the new master");
+    assert!(lock.release(&lease).await.unwrap());
+}
