@@ -297,3 +297,20 @@ async fn the_guards_debug_shows_its_key_and_state() {
     assert!(debug.contains("lost: false"), "{debug}");
     assert!(guard.release().await.unwrap());
 }
+
+/// However many temporary failures in a row, a retry comes at most interval / 2 later.
+#[tokio::test(start_paused = true)]
+async fn retries_after_many_temporary_failures_stay_within_half_an_interval() {
+    let ttl = Duration::from_secs(30);
+    let every = Duration::from_secs(8);
+    let lock = Scripted::new(Duration::ZERO, (0..5).map(|_| unavailable()).collect());
+    let guard = scripted_guard(&lock, "mutation/many-temporary", ttl, every).await;
+    sleep(Duration::from_secs(28)).await;
+    assert!(!guard.is_lost(), "{:?}", guard.loss_reason());
+    let calls = lock.renewals();
+    assert!(calls.len() >= 6, "{calls:?}");
+    for gap in calls.windows(2).take(5).map(|w| w[1] - w[0]) {
+        assert!(gap <= every / 2, "a retry {gap:?} after the failure");
+    }
+    assert!(guard.release().await.unwrap());
+}
