@@ -1010,8 +1010,8 @@ impl Inner {
         let key = lease.key();
         let fence = lease_fence(lease, OP)?;
         let hex = lease.token().expose_hex();
-        let row = self
-            .fetch_idempotent(
+        let (rows, resent) = self
+            .fetch_all_idempotent(
                 || {
                     sqlx::query(sql.clone())
                         .bind(key.as_str())
@@ -1022,7 +1022,19 @@ impl Inner {
             )
             .await
             .map_err(|e| exec_error(OP, key, e))?;
-        Ok(row.is_some())
+        if rows.is_empty() && resent {
+            // The first send may have released it (its reply was lost): "not held" would claim
+            // the lease had been lost before this release, which nobody knows.
+            return Err(Error::Indeterminate {
+                backend: BACKEND,
+                op: OP,
+                key: key.to_string(),
+                message: "the reply to the release was lost and its re-send found the grant gone: \
+                          released by the first send, or expired or taken before it"
+                    .into(),
+            });
+        }
+        Ok(!rows.is_empty())
     }
 
     /// The operator override. Without `holder`, the current grant's fence is read first and
