@@ -181,7 +181,11 @@ async fn the_documented_metrics_are_recorded_with_their_labels() {
         "distlock_renew_seconds_count",
         &[("backend", "flaky")],
     );
-    assert_eq!(renews, Some(2.0), "one renew_seconds sample per renewal:\n{text}");
+    assert_eq!(
+        renews,
+        Some(2.0),
+        "one renew_seconds sample per renewal:\n{text}"
+    );
     assert_eq!(
         sample(
             &text,
@@ -225,7 +229,10 @@ async fn the_documented_metrics_are_recorded_with_their_labels() {
     ] {
         for s in series(&text, name) {
             if s.contains("backend=\"flaky\"") {
-                assert!(!s.contains("key="), "a key label without with_key_label: {s}");
+                assert!(
+                    !s.contains("key="),
+                    "a key label without with_key_label: {s}"
+                );
             }
         }
     }
