@@ -431,8 +431,11 @@ fn the_next_in_line_takes_over_without_reading_again() {
         assert!(a.release(&held).await.unwrap());
         let lease = timeout(SLACK, waiter).await.unwrap().unwrap().unwrap();
         let after = b.request_counts();
-        // The put, one read of the queue before watching, none after the predecessor went.
-        assert_eq!(after.txn - before.txn, 2, "{before:?} -> {after:?}");
+        // The put (which also reads who is ahead), at most one read of the queue when its
+        // watch started after the put (another client wrote in between), none after the
+        // predecessor went: a re-read then would make it three.
+        assert!(after.txn - before.txn <= 2, "{before:?} -> {after:?}");
+        assert_eq!(after.watch - before.watch, 1, "{before:?} -> {after:?}");
         assert_eq!(after.range, before.range, "{before:?} -> {after:?}");
         assert!(lease.fencing_token() > held.fencing_token());
         assert!(b.release(&lease).await.unwrap());
