@@ -406,81 +406,28 @@ impl DistributedLock for RedlockLock {
         }
     }
 
+    /// A refusal that is a split vote (clients racing for a free key each got some masters,
+    /// none a majority, and each gave its share back) is tried again after a random pause, up
+    /// to [`SPLIT_VOTE_ROUNDS`] rounds, as the Redlock algorithm prescribes; a key that a
+    /// majority of masters hold for one owner answers "held" at once.
+    ///
     /// # Cancellation safety
     /// Dropping the future mid-request deletes the attempt's token on every master in the
     /// background.
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
         self.capabilities().check_ttl(ttl)?;
-        let token = OwnershipToken::generate();
-        let value = self.value(&token);
-        let name = self.redis_key(key);
-        let ms = ttl_millis(ttl);
-        let undo = Undo {
-            inner: Some(self.inner.clone()),
-            key: name.clone(),
-            value: value.clone(),
-        };
-        let sent_at = Instant::now();
-        let answers = self
-            .all(|mut c| {
-                let (name, value) = (name.clone(), value.clone());
-                async move {
-                    redis::cmd("SET")
-                        .arg(&name)
-                        .arg(&value)
-                        .arg("NX")
-                        .arg("PX")
-                        .arg(ms)
-                        .query_async::<Option<String>>(&mut c)
-                        .await
-                }
-            })
-            .await;
-        let granted = answers
-            .iter()
-            .filter(|a| matches!(a, Answer::Ok(Some(_))))
-            .count();
-        let held = answers
-            .iter()
-            .filter(|a| matches!(a, Answer::Ok(None)))
-            .count();
-        let quorum = self.inner.config.quorum();
-        let lease = Lease::new(key.clone(), token, None, ttl, sent_at);
-        // The validity time (ttl - elapsed - drift) is what is left of the local deadline.
-        if granted >= quorum && lease.is_locally_valid() {
-            undo.disarm();
-            return Ok(Some(lease));
+        // Jittered, so racing clients do not split again in lockstep.
+        let mut pause = lock_core::Backoff::new(SPLIT_VOTE_PAUSE, SPLIT_VOTE_PAUSE * 8);
+        for round in 1..=SPLIT_VOTE_ROUNDS {
+            if let Some(lease) = self.attempt(key, ttl).await? {
+                return Ok(Some(lease));
+            }
+            if round == SPLIT_VOTE_ROUNDS || self.held_by_a_majority(key).await {
+                break;
+            }
+            tokio::time::sleep(pause.next_delay()).await;
         }
-        // Not ours: give back whatever was granted (on every master, also those without a
-        // reply, whose SET may still apply); wait for it within one request budget.
-        if let Some(done) = undo.run() {
-            let budget = self
-                .inner
-                .config
-                .nodes
-                .iter()
-                .map(RedisLockConfig::request_budget)
-                .max()
-                .unwrap_or_default();
-            let _ = timeout(budget, done).await;
-        }
-        let n = answers.len();
-        if granted >= quorum {
-            return Err(self.unavailable(
-                "try_acquire",
-                format!("a majority granted, but after the validity time ({ttl:?}) had passed"),
-            ));
-        }
-        if held > 0 && granted + held >= quorum {
-            return Ok(None);
-        }
-        Err(self.unavailable(
-            "try_acquire",
-            format!(
-                "{} of {n} masters answered (a majority of {quorum} is needed)",
-                granted + held
-            ),
-        ))
+        Ok(None)
     }
 
     async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
@@ -695,5 +642,113 @@ impl fmt::Debug for RedlockLock {
             .field("masters", &nodes)
             .field("quorum", &self.inner.config.quorum())
             .finish_non_exhaustive()
+    }
+}
+
+/// Rounds of [`RedlockLock`]'s `try_acquire` when the vote splits.
+const SPLIT_VOTE_ROUNDS: u32 = 4;
+/// The first pause after a split vote (jittered, doubling per round).
+const SPLIT_VOTE_PAUSE: Duration = Duration::from_millis(5);
+
+impl RedlockLock {
+    /// Whether one owner's value is on a majority of masters (a refusal that is no split
+    /// vote). A master that does not answer counts for nobody; any failure answers `true`, so
+    /// a refusal is then reported as it is, not retried.
+    async fn held_by_a_majority(&self, key: &LockKey) -> bool {
+        let name = self.redis_key(key);
+        let answers = self
+            .all(|mut c| {
+                let name = name.clone();
+                async move {
+                    redis::cmd("GET")
+                        .arg(&name)
+                        .query_async::<Option<String>>(&mut c)
+                        .await
+                }
+            })
+            .await;
+        let mut counts: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+        for answer in &answers {
+            if let Answer::Ok(Some(v)) = answer {
+                *counts.entry(v.as_str()).or_default() += 1;
+            }
+        }
+        let quorum = self.inner.config.quorum();
+        counts.values().any(|&n| n >= quorum) || answers.iter().all(|a| !matches!(a, Answer::Ok(_)))
+    }
+
+    /// One Redlock round: `SET NX PX` on every master; granted with a majority within the
+    /// validity time, else whatever was granted is given back.
+    async fn attempt(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
+        let token = OwnershipToken::generate();
+        let value = self.value(&token);
+        let name = self.redis_key(key);
+        let ms = ttl_millis(ttl);
+        let undo = Undo {
+            inner: Some(self.inner.clone()),
+            key: name.clone(),
+            value: value.clone(),
+        };
+        let sent_at = Instant::now();
+        let answers = self
+            .all(|mut c| {
+                let (name, value) = (name.clone(), value.clone());
+                async move {
+                    redis::cmd("SET")
+                        .arg(&name)
+                        .arg(&value)
+                        .arg("NX")
+                        .arg("PX")
+                        .arg(ms)
+                        .query_async::<Option<String>>(&mut c)
+                        .await
+                }
+            })
+            .await;
+        let granted = answers
+            .iter()
+            .filter(|a| matches!(a, Answer::Ok(Some(_))))
+            .count();
+        let held = answers
+            .iter()
+            .filter(|a| matches!(a, Answer::Ok(None)))
+            .count();
+        let quorum = self.inner.config.quorum();
+        let lease = Lease::new(key.clone(), token, None, ttl, sent_at);
+        // The validity time (ttl - elapsed - drift) is what is left of the local deadline.
+        if granted >= quorum && lease.is_locally_valid() {
+            undo.disarm();
+            return Ok(Some(lease));
+        }
+        // Not ours: give back whatever was granted (on every master, also those without a
+        // reply, whose SET may still apply); wait for it within one request budget.
+        if let Some(done) = undo.run() {
+            let budget = self
+                .inner
+                .config
+                .nodes
+                .iter()
+                .map(RedisLockConfig::request_budget)
+                .max()
+                .unwrap_or_default();
+            let _ = timeout(budget, done).await;
+        }
+        let n = answers.len();
+        if granted >= quorum {
+            return Err(self.unavailable(
+                "try_acquire",
+                format!("a majority granted, but after the validity time ({ttl:?}) had passed"),
+            ));
+        }
+        if held > 0 && granted + held >= quorum {
+            return Ok(None);
+        }
+        Err(self.unavailable(
+            "try_acquire",
+            format!(
+                "{} of {n} masters answered (a majority of {quorum} is needed)",
+                granted + held
+            ),
+        ))
     }
 }
