@@ -496,10 +496,10 @@ pub async fn run_exclusive_dropped_at_any_poll_leaves_nothing_behind(h: Harness)
 /// slow link, so that the drop lands while the coordinator has the request (or is about to get
 /// it), not between polls at server speed.
 ///
-/// A [`Delayed`] setup is a client behind a [`Link`] (the drill proxy for the network backends,
+/// A [`delayed::Delayed`] setup is a client behind a [`delayed::Link`] (the drill proxy for the network backends,
 /// a delaying wrapper for the in-memory one) and a second, direct client. Each operation is
 /// dropped at `(k + ½)·delay` after it starts, for k = 0, 1, … until it completes uncancelled
-/// (at most [`MAX_ROUNDS`]), once with the replies delayed (the request applied, its answer in
+/// (at most [`delayed::MAX_ROUNDS`]), once with the replies delayed (the request applied, its answer in
 /// flight: the k-th round trip's) and once with the requests delayed (the request still on its
 /// way; it reaches the coordinator after the drop). After each drop the link heals and the same
 /// checks as for the drops at every poll run.

@@ -408,7 +408,7 @@ impl DistributedLock for RedlockLock {
 
     /// A refusal that is a split vote (clients racing for a free key each got some masters,
     /// none a majority, and each gave its share back) is tried again after a random pause, up
-    /// to [`SPLIT_VOTE_ROUNDS`] rounds, as the Redlock algorithm prescribes; a key that a
+    /// to four rounds, as the Redlock algorithm prescribes; a key that a
     /// majority of masters hold for one owner answers "held" at once.
     ///
     /// # Cancellation safety
