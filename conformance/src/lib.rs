@@ -3,6 +3,7 @@
 
 pub mod drill;
 mod harness;
+pub mod logs;
 pub mod properties;
 pub mod security;
 pub mod suite;
