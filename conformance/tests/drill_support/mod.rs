@@ -281,10 +281,12 @@ impl Client {
                 Some(released)
             }
             Ok(Err(e)) => {
+                eprintln!("{}: release failed: {e}", self.rec.id());
                 op.error(&e);
                 None
             }
             Err(_) => {
+                eprintln!("{}: release timed out", self.rec.id());
                 op.unknown("release timed out");
                 None
             }
@@ -307,10 +309,12 @@ async fn finish_acquire(
     let guard = match acquired {
         Ok(Ok(guard)) => guard,
         Ok(Err(e)) => {
+            eprintln!("{}: acquire failed: {e}", rec.id());
             op.error(&e);
             return None;
         }
         Err(_) => {
+            eprintln!("{}: acquire did not return by its deadline", rec.id());
             op.unknown("acquire did not return by its deadline");
             return None;
         }
