@@ -1599,19 +1599,7 @@ impl DistributedLock for EtcdLock {
                 held.rev,
             )])
             .and_then([TxnOp::delete(held.key.clone(), None)]);
-        // A request that was never sent (e.g. routed to a member that just restarted) applied
-        // nothing, so it is retried on the client's other connections a few times.
-        let mut attempt = 0;
-        let deleted = loop {
-            attempt += 1;
-            match error::request(inner.timeout(), inner.client.kv_client().txn(txn.clone())).await {
-                Ok(resp) => break resp.succeeded(),
-                Err(e) if e.failure == Failure::NotSent && attempt < 3 => {
-                    tokio::time::sleep(Duration::from_millis(50 * attempt)).await;
-                }
-                Err(e) => return Err(e.into_error("release")),
-            }
-        };
+        let deleted = delete_if_created_at(inner, txn, "release", lease.key()).await?;
         if held.claim() {
             held.stop.cancel();
             inner.drop_user(&held.session, &held.name).await;
@@ -1697,11 +1685,78 @@ async fn force_release_if(
             owner.create_revision(),
         )])
         .and_then([TxnOp::delete(owner.key().to_vec(), None)]);
-    let resp = error::request(inner.timeout(), inner.client.kv_client().txn(txn))
-        .await
-        .map_err(|e| e.into_error("force_release"))?;
+    let deleted = delete_if_created_at(inner, txn, "force_release", key).await?;
     tracing::warn!(%key, fencing = owner.create_revision(), "lock force-released by an operator");
-    Ok(resp.succeeded())
+    Ok(deleted)
+}
+
+/// Runs `txn` — a delete of one entry compared on its create revision — and answers whether it
+/// deleted. The compare makes it idempotent (no entry is created twice at one revision), so a
+/// request whose reply did not come (a timeout, a leader change, a member gone mid-request) is
+/// sent again with a jittered pause, for up to two request timeouts, and one that was not
+/// sent (connection refused) twice more — a coordinator that is down fails the release fast
+/// (the lease then ends by its TTL). Classified by what may have applied: when an earlier send may have, a re-send
+/// that finds the entry gone, or a last attempt that fails, is [`Error::Indeterminate`] (the
+/// first send may have deleted it); when none can have, a failure is `Unavailable` — a
+/// timed-out request is never reported as one that applied nothing.
+async fn delete_if_created_at(
+    inner: &Inner,
+    txn: Txn,
+    op: &'static str,
+    key: &LockKey,
+) -> Result<bool> {
+    // request_timeout is at most an hour (config), so this cannot overflow the clock.
+    let until = Instant::now() + inner.timeout().saturating_mul(2);
+    let mut backoff = Backoff::new(Duration::from_millis(25), Duration::from_millis(400));
+    let mut maybe_applied = false;
+    let mut not_sent_left = 2;
+    let indeterminate = |message: String| Error::Indeterminate {
+        backend: BACKEND,
+        op,
+        key: key.to_string(),
+        message,
+    };
+    loop {
+        match error::request_until(
+            inner.timeout(),
+            until,
+            inner.client.kv_client().txn(txn.clone()),
+        )
+        .await
+        {
+            Ok(resp) if !resp.succeeded() && maybe_applied => {
+                return Err(indeterminate(
+                    "a send's reply was lost and its re-send found the entry gone: deleted by \
+                     that send, or expired or removed before it"
+                        .into(),
+                ));
+            }
+            Ok(resp) => return Ok(resp.succeeded()),
+            Err(e) => {
+                let transient = match e.failure {
+                    Failure::Unknown => true,
+                    Failure::NotSent if not_sent_left > 0 => {
+                        not_sent_left -= 1;
+                        true
+                    }
+                    _ => false,
+                };
+                maybe_applied |= e.failure == Failure::Unknown;
+                let pause = backoff.next_delay();
+                if !transient || Instant::now() + pause >= until {
+                    if maybe_applied {
+                        return Err(indeterminate(format!(
+                            "no send was answered, and one may have applied: {}",
+                            e.source
+                        )));
+                    }
+                    return Err(e.into_error(op));
+                }
+                tracing::debug!(%key, op, error = %e.source, "delete not answered; sending it again");
+                tokio::time::sleep(pause).await;
+            }
+        }
+    }
 }
 
 /// Completes when `held`'s entry is deleted (lease expired or revoked, key deleted).

@@ -495,3 +495,41 @@ fn keys_that_are_no_entries_never_block_a_lock() {
         assert!(inner.release(&x).await.unwrap());
     });
 }
+
+/// A release whose request applied but whose replies are lost is sent again, and the re-send
+/// (finding the entry gone) answers `Indeterminate`: not `Unavailable` — which promises that
+/// nothing applied — and not `Ok(false)`, which would say the lease had been lost before.
+/// Seen red before the re-send: `Unavailable` once the first request timed out (the failure
+/// the etcd partition drills hit when a loaded majority answered one release late).
+#[test]
+fn a_release_whose_reply_is_lost_is_sent_again_and_says_it_does_not_know() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let (proxy, lock) = env
+            .proxied(|c| c.request_timeout = Duration::from_secs(1))
+            .await;
+        let key = fresh("release-lost-reply");
+        let lease = lock
+            .try_acquire(&key, Duration::from_secs(20))
+            .await
+            .unwrap()
+            .expect("free");
+        proxy.drop_replies();
+        let release = tokio::spawn({
+            let lock = Arc::clone(&lock);
+            async move { lock.release(&lease).await }
+        });
+        // The delete applied (only its reply is lost): then let the re-send through.
+        let until = Instant::now() + SLACK;
+        while !env.entries(&key).await.is_empty() {
+            assert!(Instant::now() < until, "the release never reached etcd");
+            sleep(Duration::from_millis(10)).await;
+        }
+        proxy.pass();
+        let got = timeout(LONG, release)
+            .await
+            .expect("release returns")
+            .unwrap();
+        assert!(matches!(got, Err(Error::Indeterminate { .. })), "{got:?}");
+    });
+}
