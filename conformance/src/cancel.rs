@@ -165,9 +165,9 @@ const CLEANUP_LIMIT: Duration = Duration::from_secs(LONG_TTL.as_secs() + 3 * SLA
 async fn covered(op: &str, completed_at: Option<usize>) -> Outcome {
     let started = Instant::now();
     assert!(
-        lock_core::cleanup::finish(CLEANUP_LIMIT).await,
+        lock_core::raw::cleanup::finish(CLEANUP_LIMIT).await,
         "{op}: {} clean-ups still pending {CLEANUP_LIMIT:?} after the last drop",
-        lock_core::cleanup::pending()
+        lock_core::raw::cleanup::pending()
     );
     let waited = started.elapsed();
     match completed_at {
@@ -1129,10 +1129,10 @@ pub mod delayed {
         run_exclusive(d).await;
         guard_renewal(d).await;
         assert!(
-            lock_core::cleanup::finish(CLEANUP_LIMIT).await,
+            lock_core::raw::cleanup::finish(CLEANUP_LIMIT).await,
             "{}: {} clean-ups still pending {CLEANUP_LIMIT:?} after the last drop",
             d.name,
-            lock_core::cleanup::pending()
+            lock_core::raw::cleanup::pending()
         );
         eprintln!("{}: delayed drops done in {:?}", d.name, started.elapsed());
     }

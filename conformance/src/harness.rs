@@ -2,7 +2,8 @@
 
 use std::{fmt, future::Future, sync::Arc, time::Duration};
 
-use lock_core::{DynLock, Lease, LockKey, Result, async_trait};
+use lock_core::raw::async_trait;
+use lock_core::{DynLock, Lease, LockKey, Result};
 
 /// A backend under test: hands out fresh, independent clients and the fault hooks the properties
 /// need. Implemented once per driver in its `tests/conformance.rs`.

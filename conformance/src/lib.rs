@@ -13,7 +13,7 @@ pub use harness::{
     Harness, Outcome, TestBackend, backend_url, backends_required, check_declared_skip, fresh_key,
     run_declared_skip, run_property, run_property_strict, run_then_exit,
 };
-pub use lock_core::async_trait;
+pub use lock_core::raw::async_trait;
 pub use url_props::check_url_parser;
 
 /// Expands into one `#[test]` per conformance property, each running on its own multi-threaded

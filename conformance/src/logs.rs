@@ -181,7 +181,7 @@ where
         }
     }
     // The background clean-ups and watchdogs have finished what they log.
-    assert!(lock_core::cleanup::finish(Duration::from_secs(20)).await);
+    assert!(lock_core::raw::cleanup::finish(Duration::from_secs(20)).await);
     let logs = capture.text.lock().unwrap().clone();
     assert!(
         logs.contains("distlock.try_acquire") && logs.contains("distlock.release"),

@@ -25,8 +25,8 @@ use conformance::{
 use drill_support::{Backend, TTL};
 use futures::future::BoxFuture;
 use lock_core::{
-    Capabilities, DistributedLock, DynLock, FencingToken, HolderInfo, InMemoryLock, Lease, LockKey,
-    LossReason, Result,
+    Capabilities, DynLock, FencingToken, HolderInfo, InMemoryLock, Lease, LockKey, LossReason,
+    Result,
 };
 use tokio::time::{Instant, sleep};
 
@@ -121,7 +121,7 @@ impl Slow {
 }
 
 #[conformance::async_trait]
-impl DistributedLock for Slow {
+impl lock_core::raw::Driver for Slow {
     fn backend_name(&self) -> &'static str {
         self.inner.backend_name()
     }

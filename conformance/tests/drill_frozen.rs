@@ -172,7 +172,7 @@ async fn frozen(backend: Backend, port: u16) {
     assert!(next.release().await.unwrap());
     let _ = guard.release().await;
     assert!(
-        lock_core::cleanup::finish(SOON).await,
+        lock_core::raw::cleanup::finish(SOON).await,
         "{name}: background clean-ups did not finish"
     );
 }

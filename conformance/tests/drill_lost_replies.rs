@@ -463,7 +463,7 @@ async fn lost_replies(backend: Backend, url: String) {
     lost_force_release(backend, &url, &direct, &waiter, true, Loss::All).await;
     lost_inspect(backend, &url, &direct, Loss::All).await;
     assert!(
-        lock_core::cleanup::finish(SOON).await,
+        lock_core::raw::cleanup::finish(SOON).await,
         "the clean-ups did not finish"
     );
     println!("{} lost replies: {:?}", backend.name(), started.elapsed());
@@ -519,7 +519,7 @@ async fn nth_replies(backend: Backend, url: String, prepare: impl AsyncFn()) {
         }
     }
     assert!(
-        lock_core::cleanup::finish(SOON).await,
+        lock_core::raw::cleanup::finish(SOON).await,
         "the clean-ups did not finish"
     );
     println!(

@@ -805,7 +805,7 @@ impl SwitchLock {
 }
 
 #[conformance::async_trait]
-impl lock_core::DistributedLock for SwitchLock {
+impl lock_core::raw::Driver for SwitchLock {
     fn backend_name(&self) -> &'static str {
         self.inner.backend_name()
     }

@@ -12,7 +12,7 @@ use conformance::{
     Harness, TestBackend,
     suite::{self, Report, Verdict},
 };
-use distlock::{Backend, DynLock, Lease, async_trait};
+use distlock::{Backend, DynLock, Lease, raw::async_trait};
 
 use crate::{ConformanceArgs, exit};
 
@@ -252,7 +252,7 @@ pub async fn conformance(url: &str, args: &ConformanceArgs) -> u8 {
     }
     drop(harness);
     // Clean-ups the properties left to the background finish before the namespace goes.
-    distlock::cleanup::finish(Duration::from_secs(10)).await;
+    distlock::raw::cleanup::finish(Duration::from_secs(10)).await;
     let leftover = clean_up(&target).await;
     let passed = count(&reports, |v| matches!(v, Verdict::Passed));
     let skipped = count(&reports, |v| matches!(v, Verdict::Skipped(_)));

@@ -404,11 +404,11 @@ fn main() -> ExitCode {
         };
         let code = match run::Signals::new() {
             Ok(mut signals) => tokio::select! {
-                _ = distlock::cleanup::finish(budget) => code,
+                _ = distlock::raw::cleanup::finish(budget) => code,
                 signal = signals.recv() => exit::signalled(signal as i32),
             },
             Err(_) => {
-                distlock::cleanup::finish(budget).await;
+                distlock::raw::cleanup::finish(budget).await;
                 code
             }
         };

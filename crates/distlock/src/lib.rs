@@ -10,8 +10,19 @@ mod connect;
 pub struct RootReadme;
 
 pub use connect::{Backend, connect, connect_unobserved, supported_schemes};
-/// The core: the [`DistributedLock`] trait, its types, the guard and the in-memory backend.
-pub use lock_core::*;
+/// The driver interface ([`raw::Driver`] and the toolbox drivers share), for writing a driver
+/// of your own; see `examples/toy-driver`.
+pub use lock_core::raw;
+/// The user API, as an explicit list: the [`DistributedLock`] trait and its conveniences, the
+/// guard, the types a call names, errors, capabilities, the resource side of fencing, metrics
+/// and the in-memory backend. What only a driver author needs is in [`raw`].
+pub use lock_core::{
+    AuditReport, BoxError, BoxedFuture, Capabilities, DistributedLock, DistributedLockExt, DynLock,
+    Error, FencedRegister, FencingGuarantee, FencingToken, Finding, HolderIdentity, HolderInfo,
+    InMemoryLock, JobContext, Lease, LockBuilder, LockGuard, LockKey, LockOptions, LossReason,
+    Observed, OwnershipToken, Result, StaleFencingToken, TokenDigest, Verdict, Watchdog,
+    drift_margin, record_fencing_rejection,
+};
 
 #[cfg(feature = "etcd")]
 pub use lock_etcd::{self as etcd, EtcdLock, EtcdLockConfig};

@@ -14,8 +14,9 @@ use std::{
 };
 
 use distlock::{
-    Capabilities, DistributedLock, DynLock, Error, FencingToken, HolderInfo, InMemoryLock, Lease,
-    LockKey, LossReason, Observed, Result, async_trait, poll_acquire,
+    Capabilities, DynLock, Error, FencingToken, HolderInfo, InMemoryLock, Lease, LockKey,
+    LossReason, Observed, Result,
+    raw::{async_trait, poll_acquire},
 };
 use tokio::time::Instant;
 
@@ -28,13 +29,13 @@ struct Flaky {
 }
 
 #[async_trait]
-impl DistributedLock for Flaky {
+impl distlock::raw::Driver for Flaky {
     fn backend_name(&self) -> &'static str {
         "flaky"
     }
 
     fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
+        distlock::DistributedLock::capabilities(&self.inner)
     }
 
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
@@ -48,7 +49,7 @@ impl DistributedLock for Flaky {
                 source: None,
             });
         }
-        self.inner.try_acquire(key, ttl).await
+        distlock::DistributedLock::try_acquire(&self.inner, key, ttl).await
     }
 
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
@@ -56,30 +57,30 @@ impl DistributedLock for Flaky {
     }
 
     async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
-        self.inner.renew(lease, ttl).await
+        distlock::DistributedLock::renew(&self.inner, lease, ttl).await
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
-        self.inner.release(lease).await
+        distlock::DistributedLock::release(&self.inner, lease).await
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
-        self.inner.inspect(key).await
+        distlock::DistributedLock::inspect(&self.inner, key).await
     }
 
     async fn force_release(&self, key: &LockKey) -> Result<bool> {
-        self.inner.force_release(key).await
+        distlock::DistributedLock::force_release(&self.inner, key).await
     }
 
     async fn force_release_grant(&self, key: &LockKey, holder: FencingToken) -> Result<bool> {
-        self.inner.force_release_grant(key, holder).await
+        distlock::DistributedLock::force_release_grant(&self.inner, key, holder).await
     }
 
     fn watch_lost(
         &self,
         lease: &Lease,
     ) -> std::pin::Pin<Box<dyn Future<Output = LossReason> + Send + 'static>> {
-        self.inner.watch_lost(lease)
+        distlock::DistributedLock::watch_lost(&self.inner, lease)
     }
 }
 

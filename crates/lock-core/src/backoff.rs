@@ -54,7 +54,7 @@ impl Default for Backoff {
 /// coordinator, the next backoff delay, or the deadline, whichever comes first.
 ///
 /// ```
-/// # use lock_core::{AcquireWait, Backoff, LockKey};
+/// # use lock_core::{LockKey, raw::{AcquireWait, Backoff}};
 /// # use tokio::time::{Duration, Instant};
 /// # async fn demo() -> lock_core::Result<()> {
 /// let key = LockKey::new("jobs")?;

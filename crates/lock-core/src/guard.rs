@@ -14,7 +14,7 @@ use tokio::{
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::{
-    Backoff, DynLock, Error, FencingToken, Lease, LockKey, LossReason, Result, TokenDigest,
+    DynLock, Error, FencingToken, Lease, LockKey, LossReason, Result, TokenDigest, raw::Backoff,
 };
 
 /// A held lock. Created by [`crate::LockBuilder`]; keeps the lease alive with a watchdog and
@@ -253,7 +253,7 @@ impl Drop for LockGuard {
 
 /// A guard's release in progress: stopping the watchdog, then the compare-and-release of the
 /// lease it hands back. Dropped unfinished (the guard dropped, or `release()`'s future dropped
-/// at any await), it finishes in the background ([`crate::cleanup::spawn`]), so a lock is never
+/// at any await), it finishes in the background ([`crate::raw::cleanup::spawn`]), so a lock is never
 /// left held until its TTL — or, on ZooKeeper, for as long as the session lives — by a release
 /// that was cancelled.
 struct PendingRelease {
@@ -307,7 +307,7 @@ impl Drop for PendingRelease {
             background: true,
         };
         let key = self.key.clone();
-        let spawned = crate::cleanup::spawn(async move {
+        let spawned = crate::raw::cleanup::spawn(async move {
             if let Err(e) = rest.finish().await {
                 tracing::warn!(key = %rest.key, error = %e, "best-effort release in the background failed; the lease will expire by its ttl");
             }
@@ -445,7 +445,7 @@ impl Drop for DeathWatch<'_> {
         let (lock, lost) = (s.lock.clone(), s.lost.clone());
         // Queued before the loss wakes anyone, so that on a single-threaded runtime the key is
         // free by the time a waiter on `lost()` looks.
-        let spawned = crate::cleanup::spawn(async move {
+        let spawned = crate::raw::cleanup::spawn(async move {
             lost.cancelled().await;
             let _ = tx.send(lock.release(&latest).await);
         });

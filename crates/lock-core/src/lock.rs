@@ -6,16 +6,41 @@ use async_trait::async_trait;
 use futures::future::BoxFuture;
 use tokio::time::Instant;
 
-use crate::{AcquireWait, Backoff, Capabilities, FencingToken, HolderInfo, Lease, LockKey, Result};
+use crate::{
+    Capabilities, FencingToken, HolderInfo, Lease, LockKey, Result,
+    raw::{AcquireWait, Backoff},
+};
 
 /// A distributed lock service: one coordinator client that can lock any number of keys.
 ///
 /// The trait keeps the primitive operations; conveniences (builders, guards with a watchdog,
-/// `run_exclusive`) live in [`crate::DistributedLockExt`]. Implementations must check their
-/// input with [`Capabilities::check_ttl`] before any I/O, never panic on server errors or
-/// disconnects, and never delete or extend a lease that belongs to another token.
+/// `run_exclusive`) live in [`crate::DistributedLockExt`]. Nobody implements it by hand: a
+/// driver implements [`crate::raw::Driver`], and every driver gets this trait from the check
+/// layer, which refuses bad input and missing capabilities before the driver runs (sealed, so
+/// that no implementation can skip it). Drivers never panic on server errors or disconnects,
+/// and never delete or extend a lease that belongs to another token.
+///
+/// ```
+/// use std::time::Duration;
+/// use lock_core::{DistributedLock, InMemoryLock, LockKey};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> lock_core::Result<()> {
+/// let coordinator = InMemoryLock::new();
+/// let key = LockKey::new("refund/order-42")?;
+/// let lease = coordinator
+///     .try_acquire(&key, Duration::from_secs(10))
+///     .await?
+///     .expect("nobody else holds it");
+/// // A second attempt while held is refused, not queued.
+/// assert!(coordinator.try_acquire(&key, Duration::from_secs(10)).await?.is_none());
+/// // Bad input is refused before any I/O.
+/// assert!(coordinator.try_acquire(&key, Duration::ZERO).await.is_err());
+/// assert!(coordinator.release(&lease).await?);
+/// # Ok(()) }
+/// ```
 #[async_trait]
-pub trait DistributedLock: Send + Sync + fmt::Debug + 'static {
+pub trait DistributedLock: sealed::Sealed + Send + Sync + fmt::Debug + 'static {
     /// A short backend name for errors and metric labels (`"redis"`, `"memory"`, …).
     fn backend_name(&self) -> &'static str;
 
@@ -37,8 +62,9 @@ pub trait DistributedLock: Send + Sync + fmt::Debug + 'static {
     /// Waits until `key` is acquired or `deadline` passes.
     ///
     /// # Behavior
-    /// The default retries [`DistributedLock::try_acquire`] with bounded, jittered backoff and
-    /// retries temporary errors while the deadline allows. Backends that can be woken by the
+    /// Without a queue on the coordinator, [`poll_acquire`] retries
+    /// [`DistributedLock::try_acquire`] with bounded, jittered backoff and retries temporary
+    /// errors while the deadline allows. Backends that can be woken by the
     /// coordinator (`wait_notify`) override it; FIFO backends (`fair_queue`) grant in arrival
     /// order.
     ///
@@ -48,9 +74,7 @@ pub trait DistributedLock: Send + Sync + fmt::Debug + 'static {
     ///
     /// # Cancellation safety
     /// Dropping the future while it waits leaves nothing behind that blocks other clients.
-    async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
-        poll_acquire(self, key, ttl, deadline).await
-    }
+    async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease>;
 
     /// Extends a lease we still hold to `ttl` from now.
     ///
@@ -79,15 +103,8 @@ pub trait DistributedLock: Send + Sync + fmt::Debug + 'static {
     /// # Behavior
     /// The removed holder learns of it through its next renewal or the backend's loss report;
     /// its fencing token is stale from then on, but a paused holder may still write with it —
-    /// only resource-side fencing stops that. Requires `force_release`; the default returns
-    /// `Unsupported`.
-    async fn force_release(&self, key: &LockKey) -> Result<bool> {
-        let _ = key;
-        Err(crate::Error::unsupported(
-            self.backend_name(),
-            "force_release",
-        ))
-    }
+    /// only resource-side fencing stops that. Requires `force_release`: `Unsupported` without.
+    async fn force_release(&self, key: &LockKey) -> Result<bool>;
 
     /// [`DistributedLock::force_release`] of one grant: removes the holder of `key` only while
     /// it is the grant with fencing token `holder` (as [`DistributedLock::inspect`] showed it),
@@ -96,25 +113,22 @@ pub trait DistributedLock: Send + Sync + fmt::Debug + 'static {
     /// free or held by another grant.
     ///
     /// # Behavior
-    /// As `force_release`. Requires `force_release`; the default returns `Unsupported`.
-    async fn force_release_grant(&self, key: &LockKey, holder: FencingToken) -> Result<bool> {
-        let _ = (key, holder);
-        Err(crate::Error::unsupported(
-            self.backend_name(),
-            "force_release",
-        ))
-    }
+    /// As `force_release`. Requires `force_release`: `Unsupported` without.
+    async fn force_release_grant(&self, key: &LockKey, holder: FencingToken) -> Result<bool>;
 
     /// A future that completes when the coordinator itself reports that `lease` is gone
     /// (lease revoked, node deleted, session expired) without waiting for a renewal.
     ///
     /// # Behavior
-    /// Backends that claim `lost_notify` only through renewals keep the default, which never
+    /// Backends that learn of a loss only through renewals return a future that never
     /// completes; the guard's watchdog and local deadline still detect the loss.
-    fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, crate::LossReason> {
-        let _ = lease;
-        Box::pin(std::future::pending())
-    }
+    fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, crate::LossReason>;
+}
+
+/// Seals [`DistributedLock`]: only the check layer implements it.
+mod sealed {
+    pub trait Sealed {}
+    impl<T: crate::raw::Driver + ?Sized> Sealed for T {}
 }
 
 /// A shared, type-erased lock client.

@@ -19,8 +19,9 @@ use tokio::{
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    AcquireWait, Backoff, Capabilities, DistributedLock, Error, FencingGuarantee, FencingToken,
-    HolderIdentity, HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result,
+    Capabilities, Error, FencingGuarantee, FencingToken, HolderIdentity, HolderInfo, Lease,
+    LockKey, LossReason, OwnershipToken, Result,
+    raw::{AcquireWait, Backoff, Driver},
 };
 
 const BACKEND: &str = "memory";
@@ -304,7 +305,7 @@ fn lease_from(key: &LockKey, ttl: Duration, grant: Grant) -> Lease {
 }
 
 #[async_trait]
-impl DistributedLock for InMemoryLock {
+impl Driver for InMemoryLock {
     fn backend_name(&self) -> &'static str {
         BACKEND
     }
@@ -324,13 +325,11 @@ impl DistributedLock for InMemoryLock {
     }
 
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
-        self.capabilities().check_ttl(ttl)?;
         let mut state = self.request("try_acquire")?;
         Ok(state.grant_now(key, ttl, Instant::now(), self.identity.clone()))
     }
 
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
-        self.capabilities().check_ttl(ttl)?;
         let wait = AcquireWait::new(key, deadline, Backoff::default())?;
         let (mut waiter, mut expires_at) = {
             let mut state = self.request("acquire")?;
@@ -387,7 +386,6 @@ impl DistributedLock for InMemoryLock {
     }
 
     async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
-        self.capabilities().check_ttl(ttl)?;
         let mut state = self.request("renew")?;
         let now = Instant::now();
         let holder = state

@@ -1,6 +1,6 @@
 //! Metrics and tracing, written once as a wrapper around any backend.
 //!
-//! [`Observed`] implements [`DistributedLock`] around an inner lock and records, through the
+//! [`Observed`] implements [`crate::DistributedLock`] (as a [`crate::raw::Driver`]) around an inner lock and records, through the
 //! [`metrics`] facade (a no-op until the application installs a recorder such as a Prometheus
 //! exporter) and [`tracing`] spans:
 //!
@@ -14,7 +14,7 @@
 //! | `distlock_release_total` | counter | `backend`, `outcome` (`released`, `already_lost`, or an error kind) |
 //! | `distlock_force_release_total` | counter | `backend`, `outcome` |
 //! | `distlock_lost_total` | counter | `backend`, `reason` (recorded by [`crate::LockGuard`]) |
-//! | `distlock_acquire_retries_total` | counter | `outcome` (error kind; recorded by [`crate::AcquireWait`]) |
+//! | `distlock_acquire_retries_total` | counter | `outcome` (error kind; recorded by [`crate::raw::AcquireWait`]) |
 //! | `distlock_fencing_rejections_total` | counter | `resource` (recorded by the fenced-write helpers) |
 //!
 //! Keys are not metric labels unless [`Observed::with_key_label`] asks for it (unbounded
@@ -29,8 +29,7 @@ use tokio::time::Instant;
 use tracing::{Instrument, field};
 
 use crate::{
-    Capabilities, DistributedLock, DynLock, Error, FencingToken, HolderInfo, Lease, LockKey,
-    LossReason, Result,
+    Capabilities, DynLock, Error, FencingToken, HolderInfo, Lease, LockKey, LossReason, Result,
 };
 
 /// Wraps any lock with metrics and tracing. Cheap: a few atomic updates per operation.
@@ -112,7 +111,7 @@ fn elapsed(span: &tracing::Span, started: Instant) {
 }
 
 #[async_trait]
-impl DistributedLock for Observed {
+impl crate::raw::Driver for Observed {
     fn backend_name(&self) -> &'static str {
         self.inner.backend_name()
     }
@@ -122,7 +121,7 @@ impl DistributedLock for Observed {
     }
 
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
-        let span = tracing::debug_span!("distlock.try_acquire", backend = self.backend_name(), %key, ?ttl,
+        let span = tracing::debug_span!("distlock.try_acquire", backend = self.inner.backend_name(), %key, ?ttl,
             token = field::Empty, fencing = field::Empty, elapsed = field::Empty);
         let started = Instant::now();
         let result = self
@@ -145,7 +144,7 @@ impl DistributedLock for Observed {
     }
 
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
-        let span = tracing::debug_span!("distlock.acquire", backend = self.backend_name(), %key, ?ttl,
+        let span = tracing::debug_span!("distlock.acquire", backend = self.inner.backend_name(), %key, ?ttl,
             token = field::Empty, fencing = field::Empty, elapsed = field::Empty);
         let started = Instant::now();
         let result = self
@@ -167,7 +166,7 @@ impl DistributedLock for Observed {
     }
 
     async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
-        let span = tracing::trace_span!("distlock.renew", backend = self.backend_name(), key = %lease.key(),
+        let span = tracing::trace_span!("distlock.renew", backend = self.inner.backend_name(), key = %lease.key(),
             token = %lease.token().digest(), fencing = lease.fencing_token().map(|f| f.0), ?ttl, elapsed = field::Empty);
         let started = Instant::now();
         let result = self.inner.renew(lease, ttl).instrument(span.clone()).await;
@@ -185,7 +184,7 @@ impl DistributedLock for Observed {
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
-        let span = tracing::debug_span!("distlock.release", backend = self.backend_name(), key = %lease.key(),
+        let span = tracing::debug_span!("distlock.release", backend = self.inner.backend_name(), key = %lease.key(),
             token = %lease.token().digest(), fencing = lease.fencing_token().map(|f| f.0), elapsed = field::Empty);
         let started = Instant::now();
         let result = self.inner.release(lease).instrument(span.clone()).await;
@@ -209,13 +208,13 @@ impl DistributedLock for Observed {
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
-        let span = tracing::trace_span!("distlock.inspect", backend = self.backend_name(), %key);
+        let span =
+            tracing::trace_span!("distlock.inspect", backend = self.inner.backend_name(), %key);
         self.inner.inspect(key).instrument(span).await
     }
 
     async fn force_release(&self, key: &LockKey) -> Result<bool> {
-        let span =
-            tracing::info_span!("distlock.force_release", backend = self.backend_name(), %key);
+        let span = tracing::info_span!("distlock.force_release", backend = self.inner.backend_name(), %key);
         let result = self.inner.force_release(key).instrument(span.clone()).await;
         self.record_force_release(key, &span, result)
     }
@@ -223,7 +222,7 @@ impl DistributedLock for Observed {
     async fn force_release_grant(&self, key: &LockKey, holder: FencingToken) -> Result<bool> {
         let span = tracing::info_span!(
             "distlock.force_release",
-            backend = self.backend_name(),
+            backend = self.inner.backend_name(),
             %key,
             fencing = holder.get()
         );

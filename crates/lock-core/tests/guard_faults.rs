@@ -11,9 +11,10 @@ use std::{
     time::Duration,
 };
 
+use lock_core::raw::async_trait;
 use lock_core::{
     Capabilities, DistributedLock, DistributedLockExt, Error, HolderInfo, InMemoryLock, Lease,
-    LockKey, LockOptions, LossReason, Result, async_trait,
+    LockKey, LockOptions, LossReason, Result,
 };
 use tokio::time::{Instant, sleep, timeout};
 
@@ -53,16 +54,16 @@ impl Faulty {
 }
 
 #[async_trait]
-impl DistributedLock for Faulty {
+impl lock_core::raw::Driver for Faulty {
     fn backend_name(&self) -> &'static str {
         "faulty"
     }
     fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
+        lock_core::DistributedLock::capabilities(&self.inner)
     }
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
         let n = self.attempts.fetch_add(1, Ordering::SeqCst);
-        let lease = self.inner.try_acquire(key, ttl).await?;
+        let lease = lock_core::DistributedLock::try_acquire(&self.inner, key, ttl).await?;
         let delay = (self.reply_delay)(n, ttl);
         if !delay.is_zero() {
             sleep(delay).await;
@@ -74,17 +75,17 @@ impl DistributedLock for Faulty {
             !self.renew_panics,
             "a driver bug in renew (expected by this test)"
         );
-        self.inner.renew(lease, ttl).await
+        lock_core::DistributedLock::renew(&self.inner, lease, ttl).await
     }
     async fn release(&self, lease: &Lease) -> Result<bool> {
         self.releases.fetch_add(1, Ordering::SeqCst);
         if !self.release_delay.is_zero() {
             sleep(self.release_delay).await;
         }
-        self.inner.release(lease).await
+        lock_core::DistributedLock::release(&self.inner, lease).await
     }
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
-        self.inner.inspect(key).await
+        lock_core::DistributedLock::inspect(&self.inner, key).await
     }
 }
 
@@ -141,9 +142,10 @@ async fn the_default_acquire_gives_back_a_late_grant_and_tries_again() {
     };
     let key = LockKey::new("faults/poll-late").unwrap();
     let ttl = Duration::from_millis(200);
-    let lease = lock_core::poll_acquire(&lock, &key, ttl, Instant::now() + Duration::from_secs(5))
-        .await
-        .unwrap();
+    let lease =
+        lock_core::raw::poll_acquire(&lock, &key, ttl, Instant::now() + Duration::from_secs(5))
+            .await
+            .unwrap();
     assert!(
         lease.is_locally_valid(),
         "the lease handed over is still valid"

@@ -9,9 +9,10 @@ use std::{
     time::Duration,
 };
 
+use lock_core::raw::async_trait;
 use lock_core::{
-    Capabilities, DistributedLock, DistributedLockExt, DynLock, Error, HolderInfo, InMemoryLock,
-    Lease, LockGuard, LockKey, LossReason, Result, async_trait,
+    Capabilities, DistributedLockExt, DynLock, Error, HolderInfo, InMemoryLock, Lease, LockGuard,
+    LockKey, LossReason, Result,
 };
 use tokio::time::{Instant, sleep};
 
@@ -149,15 +150,16 @@ fn unavailable() -> Error {
 }
 
 #[async_trait]
-impl DistributedLock for Scripted {
+impl lock_core::raw::Driver for Scripted {
     fn backend_name(&self) -> &'static str {
         "scripted"
     }
     fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
+        lock_core::DistributedLock::capabilities(&self.inner)
     }
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
-        let Some(lease) = self.inner.try_acquire(key, ttl).await? else {
+        let Some(lease) = lock_core::DistributedLock::try_acquire(&self.inner, key, ttl).await?
+        else {
             return Ok(None);
         };
         Ok(Some(Lease::new(
@@ -173,14 +175,14 @@ impl DistributedLock for Scripted {
         let scripted = self.errors.lock().unwrap().pop_front();
         match scripted {
             Some(e) => Err(e),
-            None => self.inner.renew(lease, ttl).await,
+            None => lock_core::DistributedLock::renew(&self.inner, lease, ttl).await,
         }
     }
     async fn release(&self, lease: &Lease) -> Result<bool> {
-        self.inner.release(lease).await
+        lock_core::DistributedLock::release(&self.inner, lease).await
     }
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
-        self.inner.inspect(key).await
+        lock_core::DistributedLock::inspect(&self.inner, key).await
     }
 }
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 use etcd_client::{
     Certificate, Client, ConnectOptions, DeleteOptions, GetOptions, Identity, TlsOptions,
 };
-use lock_core::{AuditReport, Error, Result};
+use lock_core::raw::{AuditReport, Error, Result};
 use tokio::time::{Instant, timeout};
 
 use crate::{EtcdLockConfig, error::BACKEND};

@@ -2,7 +2,7 @@
 
 use std::{fmt, path::PathBuf, time::Duration};
 
-use lock_core::{Error, Result};
+use lock_core::raw::{Error, Result};
 
 /// Everything [`crate::EtcdLock::connect`] needs. Every field can be set from the URL
 /// ([`EtcdLockConfig::from_url`]).
@@ -33,7 +33,7 @@ pub struct EtcdLockConfig {
     pub min_ttl: Option<Duration>,
     /// An optional label added to this client's holder identity (host, pid, start time), which
     /// is stored next to every grant and shown by `inspect`: 1 to 64 ASCII letters, digits and
-    /// `-_.:/@` ([`lock_core::HolderIdentity::check_label`]). Not secret: anyone who can read
+    /// `-_.:/@` ([`lock_core::raw::HolderIdentity::check_label`]). Not secret: anyone who can read
     /// the lock's keys sees it.
     pub label: Option<String>,
 }
@@ -131,8 +131,10 @@ impl EtcdLockConfig {
             if user.is_empty() {
                 return Err(config("the URL has credentials but an empty user name"));
             }
-            cfg.user = Some(lock_core::decode_url_credential(user)?);
-            cfg.password = password.map(lock_core::decode_url_credential).transpose()?;
+            cfg.user = Some(lock_core::raw::decode_url_credential(user)?);
+            cfg.password = password
+                .map(lock_core::raw::decode_url_credential)
+                .transpose()?;
         }
         let mut tls_cfg = EtcdTlsConfig::default();
         let mut seen = Vec::new();
@@ -151,13 +153,14 @@ impl EtcdLockConfig {
             match &*name {
                 "prefix" => cfg.prefix = value.into_owned(),
                 "dial_timeout" => {
-                    cfg.dial_timeout = lock_core::parse_duration_option(&name, &value, None)?
+                    cfg.dial_timeout = lock_core::raw::parse_duration_option(&name, &value, None)?
                 }
                 "request_timeout" => {
-                    cfg.request_timeout = lock_core::parse_duration_option(&name, &value, None)?
+                    cfg.request_timeout =
+                        lock_core::raw::parse_duration_option(&name, &value, None)?
                 }
                 "min_ttl" => {
-                    cfg.min_ttl = Some(lock_core::parse_duration_option(&name, &value, None)?)
+                    cfg.min_ttl = Some(lock_core::raw::parse_duration_option(&name, &value, None)?)
                 }
                 "label" => cfg.label = Some(value.into_owned()),
                 "ca_file" | "ca" => {
@@ -267,7 +270,7 @@ impl EtcdLockConfig {
             return Err(config("the user name is empty"));
         }
         if let Some(label) = &self.label {
-            lock_core::HolderIdentity::check_label(label).map_err(|e| match e {
+            lock_core::raw::HolderIdentity::check_label(label).map_err(|e| match e {
                 Error::Config(why) => config(why),
                 other => other,
             })?;
@@ -366,7 +369,7 @@ mod tests {
     /// Review L12: `prefix=locks` + `a` and `prefix=lock` + `sa` must not be the same lock.
     #[test]
     fn prefixes_never_collide_after_normalising() {
-        let key = |s: &str| lock_core::LockKey::new(s).unwrap();
+        let key = |s: &str| lock_core::raw::LockKey::new(s).unwrap();
         let range = |prefix: &str, name: &str| {
             let c = EtcdLockConfig::from_url(&format!("etcd://h:1?prefix={prefix}")).unwrap();
             crate::keys::name_prefix(&c.prefix, &key(name))
@@ -504,8 +507,9 @@ mod config_proptests {
         rt.block_on(async {
             let attempt = async {
                 let lock = crate::EtcdLock::connect(c).await?;
-                let key = lock_core::LockKey::new("config-prop").unwrap();
-                lock_core::DistributedLock::try_acquire(&lock, &key, Duration::from_secs(5)).await
+                let key = lock_core::raw::LockKey::new("config-prop").unwrap();
+                lock_core::raw::DistributedLock::try_acquire(&lock, &key, Duration::from_secs(5))
+                    .await
             };
             let _ = tokio::time::timeout(Duration::from_secs(10), attempt).await;
         });
@@ -567,7 +571,7 @@ mod config_proptests {
                 Ok(mut c) => {
                     usable(&c);
                     prop_assert!(c.prefix.is_empty() || c.prefix.ends_with('/'));
-                    prop_assert!(c.label.as_deref().is_some_and(|l| lock_core::HolderIdentity::check_label(l).is_ok()));
+                    prop_assert!(c.label.as_deref().is_some_and(|l| lock_core::raw::HolderIdentity::check_label(l).is_ok()));
                     c.dial_timeout = c.dial_timeout.min(Duration::from_secs(1));
                     connects(c);
                 }

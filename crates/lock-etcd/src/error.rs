@@ -1,8 +1,8 @@
-//! Mapping etcd-client errors onto `lock_core::Error`.
+//! Mapping etcd-client errors onto `lock_core::raw::Error`.
 
 use std::{future::Future, time::Duration};
 
-use lock_core::Error;
+use lock_core::raw::Error;
 
 pub(crate) const BACKEND: &str = "etcd";
 
@@ -23,11 +23,11 @@ pub(crate) enum Failure {
 #[derive(Debug)]
 pub(crate) struct RequestError {
     pub(crate) failure: Failure,
-    pub(crate) source: lock_core::BoxError,
+    pub(crate) source: lock_core::raw::BoxError,
 }
 
 impl RequestError {
-    /// As a `lock_core::Error` for an operation whose outcome does not matter (reads, idempotent
+    /// As a `lock_core::raw::Error` for an operation whose outcome does not matter (reads, idempotent
     /// writes): unreachable → `Unavailable`, anything else → `Backend`.
     pub(crate) fn into_error(self, op: &'static str) -> Error {
         match self.failure {

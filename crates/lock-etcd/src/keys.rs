@@ -1,6 +1,6 @@
 //! The etcd key layout of Go's `concurrency.Mutex`: `<prefix><name>/<lease id hex>`.
 
-use lock_core::{HolderIdentity, LockKey, OwnershipToken};
+use lock_core::raw::{HolderIdentity, LockKey, OwnershipToken};
 
 /// The range every contender of `key` writes under: `<prefix><escaped key>/`.
 ///

@@ -14,9 +14,9 @@ use etcd_client::{
     TxnResponse, WatchFilterType, WatchOptions, WatchStream,
 };
 use futures::future::BoxFuture;
-use lock_core::{
-    AcquireWait, Backoff, Batcher, Capabilities, DistributedLock, Error, FencingGuarantee,
-    FencingToken, HolderIdentity, HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result,
+use lock_core::raw::{
+    AcquireWait, Backoff, Batcher, Capabilities, Driver, Error, FencingGuarantee, FencingToken,
+    HolderIdentity, HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result,
 };
 use tokio::time::{Instant, sleep, sleep_until};
 use tokio_util::sync::CancellationToken;
@@ -304,7 +304,7 @@ impl Target {
 }
 
 fn spawn_cleanup(inner: Weak<Inner>, target: Target) {
-    let spawned = lock_core::cleanup::spawn(async move {
+    let spawned = lock_core::raw::cleanup::spawn(async move {
         let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
         loop {
             if target.session.gone.is_cancelled() {
@@ -1470,7 +1470,7 @@ async fn reap(inner: Weak<Inner>, held: Arc<Held>) {
 }
 
 #[async_trait]
-impl DistributedLock for EtcdLock {
+impl Driver for EtcdLock {
     fn backend_name(&self) -> &'static str {
         BACKEND
     }
@@ -1480,7 +1480,6 @@ impl DistributedLock for EtcdLock {
     }
 
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
-        self.inner.caps.check_ttl(ttl)?;
         // One attempt is bounded as a whole by one request timeout (review L3); a clean-up that
         // needs longer goes on in the background.
         let until = Instant::now() + self.inner.timeout();
@@ -1501,7 +1500,6 @@ impl DistributedLock for EtcdLock {
     }
 
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
-        self.inner.caps.check_ttl(ttl)?;
         let mut wait = AcquireWait::new(key, deadline, Backoff::default())?;
         loop {
             let err = match self.acquire_once(key, ttl, &wait).await {
@@ -1522,7 +1520,6 @@ impl DistributedLock for EtcdLock {
     }
 
     async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
-        self.inner.caps.check_ttl(ttl)?;
         let Some(held) = lease.backend_state::<Arc<Held>>().cloned() else {
             return Err(Error::not_held(lease.key()));
         };

@@ -203,7 +203,7 @@ async fn a_clean_up_refused_for_good_stops() {
     task.abort();
     let _ = task.await;
     assert!(
-        lock_core::cleanup::finish(Duration::from_secs(10)).await,
+        lock_core::raw::cleanup::finish(Duration::from_secs(10)).await,
         "a clean-up refused for good is still retrying"
     );
     assert_eq!(

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use lock_core::{AuditReport, Error, Result};
+use lock_core::raw::{AuditReport, Error, Result};
 use sqlx::{
     Connection, PgConnection,
     postgres::{PgListener, PgPoolOptions},

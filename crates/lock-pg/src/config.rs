@@ -2,7 +2,7 @@
 
 use std::{fmt, str::FromStr, time::Duration};
 
-use lock_core::{Error, Result};
+use lock_core::raw::{Error, Result};
 use sqlx::postgres::PgConnectOptions;
 use url::Url;
 
@@ -194,7 +194,7 @@ pub struct PgLockConfig {
     pub create_table: bool,
     /// A short label added to this client's holder identity (`label=`, default none), shown
     /// by `inspect` next to host, pid and start time: 1 to 64 ASCII letters, digits and
-    /// `-_.:/@` ([`lock_core::HolderIdentity::check_label`]). Not a secret: anyone who can
+    /// `-_.:/@` ([`lock_core::raw::HolderIdentity::check_label`]). Not a secret: anyone who can
     /// read the lease table sees it.
     pub label: Option<String>,
 }
@@ -292,11 +292,13 @@ impl PgLockConfig {
                 }
                 "connect_timeout" => {
                     config.connect_timeout =
-                        lock_core::parse_duration_option(&k, &v, Some(Duration::from_secs(1)))?
+                        lock_core::raw::parse_duration_option(&k, &v, Some(Duration::from_secs(1)))?
                 }
-                "op_timeout" => config.op_timeout = lock_core::parse_duration_option(&k, &v, None)?,
+                "op_timeout" => {
+                    config.op_timeout = lock_core::raw::parse_duration_option(&k, &v, None)?
+                }
                 "poll_interval" => {
-                    config.poll_interval = lock_core::parse_duration_option(&k, &v, None)?
+                    config.poll_interval = lock_core::raw::parse_duration_option(&k, &v, None)?
                 }
                 "listen" => config.listen = parse_bool(&k, &v)?,
                 "async_release" => config.async_release = parse_bool(&k, &v)?,
@@ -313,7 +315,7 @@ impl PgLockConfig {
     /// to [`MAX_POOL_SIZE`](Self::MAX_POOL_SIZE) connections, and `connect_timeout`,
     /// `op_timeout` and `poll_interval` between 1 ms and [`MAX_DURATION`](Self::MAX_DURATION),
     /// so that no deadline computed from them can overflow the clock; and the `label`
-    /// ([`lock_core::HolderIdentity::check_label`]).
+    /// ([`lock_core::raw::HolderIdentity::check_label`]).
     /// [`crate::PgLock::connect`] and [`crate::PgLock::connect_lazy`] call it before any I/O.
     ///
     /// # Errors
@@ -339,7 +341,7 @@ impl PgLockConfig {
             }
         }
         if let Some(label) = &self.label {
-            lock_core::HolderIdentity::check_label(label)?;
+            lock_core::raw::HolderIdentity::check_label(label)?;
         }
         Ok(())
     }
@@ -556,7 +558,7 @@ mod label_proptests {
             let mut url = Url::parse("postgres://u@h/db").unwrap();
             url.query_pairs_mut().append_pair("label", &label);
             let parsed = PgLockConfig::from_url(url.as_str());
-            match lock_core::HolderIdentity::check_label(&label) {
+            match lock_core::raw::HolderIdentity::check_label(&label) {
                 Ok(()) => prop_assert_eq!(parsed.unwrap().label, Some(label)),
                 Err(_) => prop_assert!(matches!(parsed, Err(Error::Config(_)))),
             }

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use lock_core::{Error, FencingToken, Result, StaleFencingToken};
+use lock_core::raw::{Error, FencingToken, Result, StaleFencingToken};
 use sqlx::{AssertSqlSafe, Encode, PgConnection, Postgres, Row, SqlSafeStr, SqlStr, Type};
 
 use crate::TableName;
@@ -27,7 +27,7 @@ use crate::config::check_identifier;
 /// ([`FenceError::Database`], SQLSTATE 40001): retry its transaction.
 ///
 /// ```no_run
-/// # async fn demo(pool: sqlx::PgPool, token: lock_core::FencingToken) -> Result<(), Box<dyn std::error::Error>> {
+/// # async fn demo(pool: sqlx::PgPool, token: lock_core::raw::FencingToken) -> Result<(), Box<dyn std::error::Error>> {
 /// use lock_pg::FencedTable;
 /// let jobs = FencedTable::new("scheduled_jobs", "id", "last_fencing_token")?;
 /// let mut tx = pool.begin().await?;

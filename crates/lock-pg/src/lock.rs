@@ -10,9 +10,9 @@ use std::{
     time::Duration,
 };
 
-use lock_core::{
-    AcquireWait, Backoff, Batcher, Capabilities, DistributedLock, Error, FencingGuarantee,
-    FencingToken, HolderIdentity, HolderInfo, Lease, LockKey, OwnershipToken, Result, async_trait,
+use lock_core::raw::{
+    AcquireWait, Backoff, Batcher, Capabilities, Driver, Error, FencingGuarantee, FencingToken,
+    HolderIdentity, HolderInfo, Lease, LockKey, OwnershipToken, Result, async_trait,
     handoff::Registered,
 };
 use sqlx::{
@@ -834,7 +834,7 @@ impl Inner {
         if released.is_err() {
             let (inner, lease) = (self.clone(), lease.clone());
             let until = later(Instant::now(), lease.ttl());
-            lock_core::cleanup::spawn(async move {
+            lock_core::raw::cleanup::spawn(async move {
                 let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
                 while Instant::now() < until {
                     let limit = inner.request_deadline().min(until);
@@ -873,7 +873,7 @@ impl Inner {
     /// not the end: the statement of unknown outcome may still commit later (it may be queued
     /// on the server behind a row lock, or still in flight on a dead connection).
     fn undo_in_background(self: Arc<Self>, key: LockKey, token: OwnershipToken, until: Instant) {
-        lock_core::cleanup::spawn(async move {
+        lock_core::raw::cleanup::spawn(async move {
             let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
             while Instant::now() < until {
                 let limit = self.request_deadline().min(until);
@@ -1165,7 +1165,7 @@ impl Queued {
 
     /// Marks every notification so far as seen (before each attempt) and returns the lease of
     /// a grant announced for `by`, the attempt whose reply confirmed the entry (see
-    /// [`lock_core::handoff`]).
+    /// [`lock_core::raw::handoff`]).
     fn granted(&mut self, by: Option<Registered>, key: &LockKey, ttl: Duration) -> Option<Lease> {
         let grant = self.subscription.mark_seen()?;
         // A lease already past its local deadline is not taken: the next attempt confirms
@@ -1221,7 +1221,7 @@ impl Drop for Queued {
             u64::try_from(inner.queue_entry_lifetime_ms()).unwrap_or(u64::MAX),
         );
         let until = later(later(inner.op_deadline(), lifetime), self.ttl);
-        lock_core::cleanup::spawn(async move {
+        lock_core::raw::cleanup::spawn(async move {
             let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
             loop {
                 let limit = inner.request_deadline().min(until);
@@ -1326,7 +1326,7 @@ impl Drop for UndoOnDrop {
 }
 
 #[async_trait]
-impl DistributedLock for PgLock {
+impl Driver for PgLock {
     fn backend_name(&self) -> &'static str {
         BACKEND
     }
@@ -1351,7 +1351,6 @@ impl DistributedLock for PgLock {
     /// waits on the row for its outcome rather than answer `None` while the lock may turn out
     /// free.
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
-        self.capabilities().check_ttl(ttl)?;
         let limit = self.inner.request_deadline();
         match self.inner.attempt(key, ttl, Mode::Try, limit).await? {
             Attempt::Granted(lease) => Ok(Some(lease)),
@@ -1387,7 +1386,6 @@ impl DistributedLock for PgLock {
     /// Dropping the future leaves the queue in the background (freeing a grant made to this
     /// waiter, if any); a grant in flight at that moment is undone in the background.
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
-        self.capabilities().check_ttl(ttl)?;
         let config = &self.inner.config;
         let mut wait = AcquireWait::new(
             key,
@@ -1515,7 +1513,6 @@ impl DistributedLock for PgLock {
     }
 
     async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
-        self.capabilities().check_ttl(ttl)?;
         self.inner.renew(lease, ttl).await
     }
 
@@ -1532,7 +1529,7 @@ impl DistributedLock for PgLock {
     /// renewal fails with `NotHeld`.
     ///
     /// Two statements: the current grant's fence is read, then only that grant is removed (as
-    /// [`DistributedLock::force_release_grant`]), so re-sending the second after a lost reply
+    /// [`Driver::force_release_grant`]), so re-sending the second after a lost reply
     /// can never remove the grant the first run handed to the next waiter. A grant made
     /// between the two is left alone (`Ok(false)`).
     async fn force_release(&self, key: &LockKey) -> Result<bool> {

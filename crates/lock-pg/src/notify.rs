@@ -3,7 +3,7 @@
 //! Each waiting `acquire` of a client gets a number and queues `<channel>:<number>` in the lock
 //! row (see [`crate::sql`]); a release notifies the first live entry's channel only, so one
 //! release reaches one waiter rather than every waiter of every client. The payload is a
-//! [`lock_core::handoff::Message`]: `<number>:<seq>:<fence>` when the release granted the lock
+//! [`lock_core::raw::handoff::Message`]: `<number>:<seq>:<fence>` when the release granted the lock
 //! to that waiter (the attempt `seq` wrote the entry it was granted from), or `<number>` for a
 //! wake-up only (the entry of an older client, or a release by one). A background task owns a
 //! [`PgListener`] on its own one-connection pool and routes each payload to its waiter,
@@ -21,7 +21,7 @@ use std::{
     time::Duration,
 };
 
-use lock_core::{
+use lock_core::raw::{
     Backoff,
     handoff::{Grant, Message},
 };

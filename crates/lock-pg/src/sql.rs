@@ -19,7 +19,7 @@
 //!
 //! # The holder identity
 //!
-//! `holder` is the current grant's [`lock_core::HolderIdentity`] and `holder_fence` the fence
+//! `holder` is the current grant's [`lock_core::raw::HolderIdentity`] and `holder_fence` the fence
 //! of the grant that wrote it: every grant of this version writes both in the statement that
 //! grants (an attempt its own identity, a direct grant the one in the granted entry); a release
 //! clears them. `inspect` shows `holder` only while `holder_fence` is the row's `fence`, so a

@@ -6,7 +6,7 @@ use std::{
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use lock_core::{AuditReport, Error, Result};
+use lock_core::raw::{AuditReport, Error, Result};
 use redis::{
     AsyncConnectionConfig, ConnectionAddr, InfoDict, IntoConnectionInfo, ProtocolVersion,
     RedisConnectionInfo, aio::MultiplexedConnection,
@@ -49,9 +49,9 @@ pub async fn audit(config: &RedisLockConfig) -> Result<AuditReport> {
             let mut report = merge(reports);
             report.findings.insert(
                 0,
-                lock_core::Finding {
+                lock_core::raw::Finding {
                     check: "topology".to_owned(),
-                    verdict: lock_core::Verdict::Pass,
+                    verdict: lock_core::raw::Verdict::Pass,
                     observed: format!("cluster, {} masters", masters.len()),
                     why: "every master audited; a check shows the worst of them".to_owned(),
                     fix: None,
@@ -74,9 +74,9 @@ pub async fn audit(config: &RedisLockConfig) -> Result<AuditReport> {
             let mut report = audit_server(config, &host, port).await?;
             report.findings.insert(
                 0,
-                lock_core::Finding {
+                lock_core::raw::Finding {
                     check: "topology".to_owned(),
-                    verdict: lock_core::Verdict::Pass,
+                    verdict: lock_core::raw::Verdict::Pass,
                     observed: format!("sentinel master {master_name:?} at {host}:{port}"),
                     why: "the master the sentinels name is audited (a failover promotes a replica: see replicas)".to_owned(),
                     fix: None,
@@ -193,7 +193,7 @@ fn merge(reports: Vec<(String, AuditReport)>) -> AuditReport {
         return merged;
     };
     for check in first.findings.iter().map(|f| f.check.clone()) {
-        let all: Vec<(&String, &lock_core::Finding)> = reports
+        let all: Vec<(&String, &lock_core::raw::Finding)> = reports
             .iter()
             .filter_map(|(addr, r)| r.finding(&check).map(|f| (addr, f)))
             .collect();

@@ -2,7 +2,7 @@
 
 use std::{fmt, path::PathBuf, time::Duration};
 
-use lock_core::{Error, Result};
+use lock_core::raw::{Error, Result};
 
 /// How to reach Redis and how the driver behaves.
 ///
@@ -65,7 +65,7 @@ pub struct RedisLockConfig {
     /// The longest delay between two attempts of a waiting `acquire` that was not woken.
     pub max_poll_interval: Duration,
     /// A label (1 to 64 ASCII letters, digits and `-_.:/@`, checked by
-    /// [`lock_core::HolderIdentity::check_label`]) added to the holder identity (host, pid,
+    /// [`lock_core::raw::HolderIdentity::check_label`]) added to the holder identity (host, pid,
     /// start time) this client records next to each of its grants, which `inspect` shows.
     /// Not secret: any client that can read the lock can see it.
     pub label: Option<String>,
@@ -266,7 +266,7 @@ impl RedisLockConfig {
                     })?;
             }
             "replica_timeout" => {
-                self.replica_timeout = lock_core::parse_duration_option(name, value, None)?
+                self.replica_timeout = lock_core::raw::parse_duration_option(name, value, None)?
             }
             "namespace" => {
                 if value.chars().any(char::is_control) {
@@ -277,13 +277,13 @@ impl RedisLockConfig {
                 self.namespace = value.to_owned();
             }
             "connect_timeout" => {
-                self.connect_timeout = lock_core::parse_duration_option(name, value, None)?
+                self.connect_timeout = lock_core::raw::parse_duration_option(name, value, None)?
             }
             "response_timeout" => {
-                self.response_timeout = lock_core::parse_duration_option(name, value, None)?
+                self.response_timeout = lock_core::raw::parse_duration_option(name, value, None)?
             }
             "max_poll_interval" => {
-                self.max_poll_interval = lock_core::parse_duration_option(name, value, None)?
+                self.max_poll_interval = lock_core::raw::parse_duration_option(name, value, None)?
             }
             "ca" | "ca_file" => {
                 if !self.tls {
@@ -297,7 +297,7 @@ impl RedisLockConfig {
                 self.ca_file = Some(PathBuf::from(value));
             }
             "label" => {
-                lock_core::HolderIdentity::check_label(value)?;
+                lock_core::raw::HolderIdentity::check_label(value)?;
                 self.label = Some(value.to_owned());
             }
             "reconnect_retries" => {
@@ -374,7 +374,7 @@ impl RedisLockConfig {
             return Err(config_err("ca_file needs tls (rediss://)"));
         }
         if let Some(label) = &self.label {
-            lock_core::HolderIdentity::check_label(label)?;
+            lock_core::raw::HolderIdentity::check_label(label)?;
         }
         if self.replicas > Self::MAX_REPLICAS {
             return Err(config_err(format!(

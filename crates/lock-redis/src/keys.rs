@@ -19,7 +19,7 @@
 
 use std::sync::OnceLock;
 
-use lock_core::LockKey;
+use lock_core::raw::LockKey;
 
 const SEP: u8 = 0x1f;
 

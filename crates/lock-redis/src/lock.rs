@@ -2,10 +2,10 @@
 
 use std::{fmt, future::Future, sync::Arc, time::Duration};
 
-use lock_core::{
-    AcquireWait, Backoff, Batcher, Capabilities, DistributedLock, Error, FencingGuarantee,
-    FencingToken, HolderIdentity, HolderInfo, Lease, LockKey, OwnershipToken, Result, TokenDigest,
-    async_trait, handoff::Registered,
+use lock_core::raw::{
+    AcquireWait, Backoff, Batcher, Capabilities, Driver, Error, FencingGuarantee, FencingToken,
+    HolderIdentity, HolderInfo, Lease, LockKey, OwnershipToken, Result, TokenDigest, async_trait,
+    handoff::Registered,
 };
 use redis::{
     ConnectionAddr, ErrorKind, IntoConnectionInfo, ProtocolVersion, RedisConnectionInfo,
@@ -29,7 +29,7 @@ const BACKEND: &str = "redis";
 ///
 /// One client holds one reconnecting, multiplexed RESP3 connection that serves every lock it
 /// takes, its renewals and the release notifications its waiters subscribe to. Clone it
-/// cheaply (an `Arc` inside) or share it as a [`lock_core::DynLock`].
+/// cheaply (an `Arc` inside) or share it as a [`lock_core::raw::DynLock`].
 ///
 /// See the crate documentation for the algorithm, the key layout and what weakens fencing.
 #[derive(Clone)]
@@ -728,11 +728,11 @@ struct Undo {
 /// Runs `undo` in the background until it is answered or `until` passes; the receiver hears
 /// when it was answered. One answer is final, on whichever connection it came: the request it
 /// undoes either ran before it (and was undone) or finds the marker. Independent of the caller,
-/// so it survives the caller's future being dropped (and [`lock_core::cleanup::finish`] waits
+/// so it survives the caller's future being dropped (and [`lock_core::raw::cleanup::finish`] waits
 /// for it).
 fn spawn_undo(inner: Arc<Inner>, undo: Undo, until: Instant) -> tokio::sync::oneshot::Receiver<()> {
     let (answered, rx) = tokio::sync::oneshot::channel();
-    lock_core::cleanup::spawn(async move {
+    lock_core::raw::cleanup::spawn(async move {
         let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(1));
         loop {
             let outcome = release_by_prefix(
@@ -833,7 +833,7 @@ struct Registration {
     /// the same step as it registers its own.
     earlier: Vec<String>,
     /// The attempt whose reply confirmed the current registration: a grant message naming it
-    /// is this waiter's lock (see [`lock_core::handoff`]).
+    /// is this waiter's lock (see [`lock_core::raw::handoff`]).
     registered: Option<Registered>,
     /// Cleared when a grant removed the entries already, or the leaving was handed to the
     /// background.
@@ -1092,7 +1092,7 @@ fn holder_of(value: &[u8], holder: &[u8]) -> Option<HolderIdentity> {
 }
 
 #[async_trait]
-impl DistributedLock for RedisLock {
+impl Driver for RedisLock {
     fn backend_name(&self) -> &'static str {
         BACKEND
     }
@@ -1116,7 +1116,6 @@ impl DistributedLock for RedisLock {
     /// # Cancellation safety
     /// Dropping the future mid-request removes a possible grant in the background.
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
-        self.capabilities().check_ttl(ttl)?;
         match self.attempt(key, ttl, None, None).await? {
             Attempt::Granted(lease) => Ok(Some(lease)),
             Attempt::Held(_) => Ok(None),
@@ -1139,9 +1138,8 @@ impl DistributedLock for RedisLock {
     ///
     /// # Cancellation safety
     /// Dropping the future leaves the queue and undoes an attempt in flight, in the background
-    /// (`lock_core::cleanup::finish` waits for both).
+    /// (`lock_core::raw::cleanup::finish` waits for both).
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
-        self.capabilities().check_ttl(ttl)?;
         let backoff = Backoff::new(
             Duration::from_millis(25),
             self.inner.config.max_poll_interval,
@@ -1260,7 +1258,6 @@ impl DistributedLock for RedisLock {
     /// Renewals are batched: while one batch is in flight, the renewals that arrive are queued
     /// and go out together in the next (a lone renewal is sent at once).
     async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
-        self.capabilities().check_ttl(ttl)?;
         let names = self.names(lease.key());
         let item = RenewItem {
             holder: names.holder(),

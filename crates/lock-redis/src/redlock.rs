@@ -4,9 +4,9 @@
 
 use std::{fmt, sync::Arc, time::Duration};
 
-use lock_core::{
-    Capabilities, DistributedLock, Error, FencingGuarantee, HolderIdentity, HolderInfo, Lease,
-    LockKey, OwnershipToken, Result, TokenDigest, async_trait,
+use lock_core::raw::{
+    Capabilities, Driver, Error, FencingGuarantee, HolderIdentity, HolderInfo, Lease, LockKey,
+    OwnershipToken, Result, TokenDigest, async_trait,
 };
 use redis::{
     ConnectionAddr, IntoConnectionInfo, RedisConnectionInfo, RedisError, Script,
@@ -330,7 +330,7 @@ fn spawn_unlock(
     value: String,
 ) -> tokio::sync::oneshot::Receiver<()> {
     let (done, rx) = tokio::sync::oneshot::channel();
-    lock_core::cleanup::spawn(async move {
+    lock_core::raw::cleanup::spawn(async move {
         let release = inner.release.clone();
         let _ = all(&inner, |mut c| {
             let (release, key, value) = (release.clone(), key.clone(), value.clone());
@@ -387,7 +387,7 @@ fn ttl_millis(ttl: Duration) -> u64 {
 }
 
 #[async_trait]
-impl DistributedLock for RedlockLock {
+impl Driver for RedlockLock {
     fn backend_name(&self) -> &'static str {
         BACKEND
     }
@@ -415,9 +415,8 @@ impl DistributedLock for RedlockLock {
     /// Dropping the future mid-request deletes the attempt's token on every master in the
     /// background.
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
-        self.capabilities().check_ttl(ttl)?;
         // Jittered, so racing clients do not split again in lockstep.
-        let mut pause = lock_core::Backoff::new(SPLIT_VOTE_PAUSE, SPLIT_VOTE_PAUSE * 8);
+        let mut pause = lock_core::raw::Backoff::new(SPLIT_VOTE_PAUSE, SPLIT_VOTE_PAUSE * 8);
         for round in 1..=SPLIT_VOTE_ROUNDS {
             if let Some(lease) = self.attempt(key, ttl).await? {
                 return Ok(Some(lease));
@@ -431,7 +430,6 @@ impl DistributedLock for RedlockLock {
     }
 
     async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
-        self.capabilities().check_ttl(ttl)?;
         let name = self.redis_key(lease.key());
         let value = self.value(lease.token());
         let ms = ttl_millis(ttl);

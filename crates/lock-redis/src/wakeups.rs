@@ -17,7 +17,7 @@ use std::{
     },
 };
 
-use lock_core::handoff::{Grant, Message};
+use lock_core::raw::handoff::{Grant, Message};
 use redis::{PushInfo, PushKind, Value};
 use tokio::sync::Notify;
 
@@ -40,7 +40,7 @@ pub(crate) struct Registry {
 
 impl Default for Registry {
     fn default() -> Self {
-        let client_id = lock_core::OwnershipToken::generate().expose_hex()[..16].to_owned();
+        let client_id = lock_core::raw::OwnershipToken::generate().expose_hex()[..16].to_owned();
         let mut channel = WAKE_CHANNEL_PREFIX.to_vec();
         channel.extend_from_slice(client_id.as_bytes());
         Self {
@@ -153,7 +153,7 @@ impl Watch {
         seq: u64,
         ttl_ms: u64,
         grant_hex: &str,
-        identity: &lock_core::HolderIdentity,
+        identity: &lock_core::raw::HolderIdentity,
     ) -> String {
         format!(
             "{}:{}:{seq}:{ttl_ms}:{grant_hex}:{}",

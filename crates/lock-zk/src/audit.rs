@@ -7,7 +7,7 @@ use std::{
     time::Duration,
 };
 
-use lock_core::{AuditReport, Error, Result};
+use lock_core::raw::{AuditReport, Error, Result};
 use tokio::time::{Instant, timeout};
 use zookeeper_client as zk;
 

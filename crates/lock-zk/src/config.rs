@@ -2,7 +2,7 @@
 
 use std::{fmt, time::Duration};
 
-use lock_core::{Error, HolderIdentity, Result};
+use lock_core::raw::{Error, HolderIdentity, Result};
 
 /// Who may touch the lock nodes this client creates.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -52,7 +52,7 @@ pub struct ZkLockConfig {
     /// ACL of the lock nodes.
     pub acl: ZkAcl,
     /// A label added to the holder identity this client stores next to its grants (see
-    /// [`lock_core::HolderIdentity::check_label`] for what it may contain).
+    /// [`lock_core::raw::HolderIdentity::check_label`] for what it may contain).
     pub label: Option<String>,
 }
 
@@ -112,8 +112,8 @@ impl ZkLockConfig {
                 .split_once(':')
                 .ok_or_else(|| config("credentials must be user:password"))?;
             cfg.auth = Some((
-                lock_core::decode_url_credential(user)?,
-                lock_core::decode_url_credential(password)?,
+                lock_core::raw::decode_url_credential(user)?,
+                lock_core::raw::decode_url_credential(password)?,
             ));
         }
         cfg.chroot = match chroot {
@@ -123,13 +123,15 @@ impl ZkLockConfig {
         for (name, value) in url::form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
             match &*name {
                 "session_timeout" => {
-                    cfg.session_timeout = lock_core::parse_duration_option(&name, &value, None)?
+                    cfg.session_timeout =
+                        lock_core::raw::parse_duration_option(&name, &value, None)?
                 }
                 "connect_timeout" => {
-                    cfg.connect_timeout = lock_core::parse_duration_option(&name, &value, None)?
+                    cfg.connect_timeout =
+                        lock_core::raw::parse_duration_option(&name, &value, None)?
                 }
                 "op_timeout" => {
-                    cfg.op_timeout = lock_core::parse_duration_option(&name, &value, None)?
+                    cfg.op_timeout = lock_core::raw::parse_duration_option(&name, &value, None)?
                 }
                 "root" => cfg.root = value.into_owned(),
                 "acl" => {

@@ -9,8 +9,8 @@ use std::{
 };
 
 use futures::{StreamExt, future::BoxFuture, stream::FuturesUnordered};
-use lock_core::{
-    AcquireWait, Backoff, Capabilities, DistributedLock, Error, FencingGuarantee, FencingToken,
+use lock_core::raw::{
+    AcquireWait, Backoff, Capabilities, Driver, Error, FencingGuarantee, FencingToken,
     HolderIdentity, HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result, async_trait,
 };
 use tokio::time::{Instant, sleep, timeout, timeout_at};
@@ -190,16 +190,6 @@ impl ZkLock {
             watch: Arc::new(NodeWatch::new()),
             deadline,
             done: false,
-        }
-    }
-
-    /// What `renew` may be asked for: any TTL the capabilities accept, or one at least as long
-    /// as the session timeout actually negotiated (a lease's TTL is capped at that, see
-    /// [`lease_ttl`], and may be below the configured minimum when the server lowered it).
-    fn check_renew_ttl(&self, ttl: Duration, session: &Session) -> Result<()> {
-        match self.capabilities().check_ttl(ttl) {
-            Err(_) if ttl >= session.timeout && ttl <= Capabilities::MAX_TTL => Ok(()),
-            other => other,
         }
     }
 }
@@ -667,7 +657,7 @@ async fn delete_node(session: &Session, path: &str, limit: Duration) -> ZkResult
 /// partition), its node would otherwise keep the lock held by nobody for as long as the process
 /// lives.
 fn spawn_removal(session: Arc<Session>, path: String, czxid: i64, limit: Duration) {
-    lock_core::cleanup::spawn(async move {
+    lock_core::raw::cleanup::spawn(async move {
         let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
         while session.wait_vouched().await {
             match call(limit, session.client.check_stat(&path)).await {
@@ -696,7 +686,7 @@ impl Drop for Contender {
         let marker = protected_marker(&self.token);
         let node = self.node.as_ref().map(|(n, _)| n.clone());
         let limit = self.lock.inner.config.op_timeout;
-        lock_core::cleanup::spawn(async move {
+        lock_core::raw::cleanup::spawn(async move {
             // Until the session ends (which deletes the node anyway) or the node is gone.
             let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
             while !session.is_ended() {
@@ -826,14 +816,14 @@ impl ZkLock {
 /// What [`ZkLock::holder_node`] found.
 struct HolderNode {
     path: String,
-    digest: Option<lock_core::TokenDigest>,
+    digest: Option<lock_core::raw::TokenDigest>,
     fence: Option<FencingToken>,
     queued: usize,
     identity: Option<HolderIdentity>,
 }
 
 #[async_trait]
-impl DistributedLock for ZkLock {
+impl Driver for ZkLock {
     fn backend_name(&self) -> &'static str {
         BACKEND
     }
@@ -858,7 +848,6 @@ impl DistributedLock for ZkLock {
     // Bounded as a whole: twice `op_timeout` (a create and a listing) for everything after the
     // session, however many times the create is retried or looked for.
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
-        self.capabilities().check_ttl(ttl)?;
         let session = self.session().await?;
         let now = Instant::now();
         let budget = self.inner.config.op_timeout.saturating_mul(2);
@@ -887,7 +876,6 @@ impl DistributedLock for ZkLock {
     // Every request gets at most what is left of the deadline; a waiter that gives up deletes
     // its node within `REMOVE_GRACE` or leaves that to the background clean-up.
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
-        self.capabilities().check_ttl(ttl)?;
         // The watch on the predecessor wakes us; the backoff is only a slow safety re-check.
         let backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(5));
         let mut wait = AcquireWait::new(key, deadline, backoff)?;
@@ -972,10 +960,8 @@ impl DistributedLock for ZkLock {
         let session = lease
             .backend_state::<ZkLease>()
             .and_then(|state| self.session_of(state));
-        match &session {
-            Some(session) => self.check_renew_ttl(ttl, session)?,
-            None => self.capabilities().check_ttl(ttl)?,
-        }
+        // The check layer accepted `ttl`: within the capabilities, or at least this lease's
+        // own TTL — the negotiated session timeout when the server lowered it (`lease_ttl`).
         let (Some(state), Some(session)) = (lease.backend_state::<ZkLease>(), session) else {
             return Err(not_held());
         };

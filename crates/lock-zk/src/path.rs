@@ -8,7 +8,7 @@
 //! distlock client locking the key `orders` contend for the same lock. Because `%` is always
 //! encoded, the mapping is injective: distinct keys never share a directory.
 
-use lock_core::{LockKey, OwnershipToken, TokenDigest};
+use lock_core::raw::{LockKey, OwnershipToken, TokenDigest};
 
 /// Curator's protected-mode prefix.
 const PROTECTED_PREFIX: &str = "_c_";

@@ -9,7 +9,7 @@ use std::{
 
 use futures::FutureExt;
 
-use lock_core::{Batcher, Error, Result, drift_margin};
+use lock_core::raw::{Batcher, Error, Result, drift_margin};
 use tokio::{
     sync::watch,
     time::{Instant, sleep, sleep_until, timeout},

@@ -34,7 +34,7 @@ use futures::{
     FutureExt,
     task::{ArcWake, waker_ref},
 };
-use lock_core::LossReason;
+use lock_core::raw::LossReason;
 use zookeeper_client as zk;
 
 type EventFuture = Pin<Box<dyn Future<Output = zk::WatchedEvent> + Send>>;

@@ -76,8 +76,8 @@ mod without_renew {
     use conformance::{Harness, TestBackend};
     use futures::future::BoxFuture;
     use lock_core::{
-        Capabilities, DistributedLock, DynLock, Error, FencingToken, HolderInfo, InMemoryLock,
-        Lease, LockKey, LossReason, Result,
+        Capabilities, DynLock, Error, FencingToken, HolderInfo, InMemoryLock, Lease, LockKey,
+        LossReason, Result,
     };
     use tokio::time::Instant;
 
@@ -85,7 +85,7 @@ mod without_renew {
     struct NoRenew(DynLock);
 
     #[conformance::async_trait]
-    impl DistributedLock for NoRenew {
+    impl lock_core::raw::Driver for NoRenew {
         fn backend_name(&self) -> &'static str {
             self.0.backend_name()
         }
@@ -106,7 +106,7 @@ mod without_renew {
         }
 
         async fn renew(&self, _lease: &mut Lease, _ttl: Duration) -> Result<()> {
-            Err(Error::unsupported(self.backend_name(), "renew"))
+            Err(Error::unsupported(self.0.backend_name(), "renew"))
         }
 
         async fn release(&self, lease: &Lease) -> Result<bool> {

@@ -10,9 +10,9 @@ use std::{
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use lock_core::{
-    Capabilities, DistributedLock, Error, FencingGuarantee, FencingToken, HolderIdentity,
-    HolderInfo, Lease, LockKey, OwnershipToken, Result, async_trait,
+use lock_core::raw::{
+    Capabilities, Driver, Error, FencingGuarantee, FencingToken, HolderIdentity, HolderInfo, Lease,
+    LockKey, OwnershipToken, Result, async_trait,
 };
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
@@ -159,7 +159,7 @@ impl ToyLock {
 }
 
 #[async_trait]
-impl DistributedLock for ToyLock {
+impl Driver for ToyLock {
     fn backend_name(&self) -> &'static str {
         BACKEND
     }
@@ -178,7 +178,6 @@ impl DistributedLock for ToyLock {
     }
 
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
-        self.capabilities().check_ttl(ttl)?;
         // The lease counts from before the store's clock is read, so its local deadline is
         // never later than the store's expiry.
         let sent_at = Instant::now();
@@ -214,7 +213,6 @@ impl DistributedLock for ToyLock {
     }
 
     async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
-        self.capabilities().check_ttl(ttl)?;
         let sent_at = Instant::now();
         let owner = lease.token().expose_hex();
         let key = lease.key().clone();

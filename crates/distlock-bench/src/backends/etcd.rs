@@ -6,7 +6,8 @@ use etcd_client::{
     Client, Compare, CompareOp, GetOptions, LockOptions, PutOptions, SortOrder, SortTarget, Txn,
     TxnOp,
 };
-use lock_core::{DynLock, LockKey, async_trait};
+use lock_core::raw::async_trait;
+use lock_core::{DynLock, LockKey};
 use lock_etcd::{EtcdLock, EtcdLockConfig};
 
 use super::{AfterIdle, Backend, Counts, Cycle, DistlockCycle, RequestCounter, Res};

@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-use lock_core::{BoxError, DynLock, LockKey, async_trait};
+use lock_core::raw::async_trait;
+use lock_core::{BoxError, DynLock, LockKey};
 
 use crate::report::Kind;
 

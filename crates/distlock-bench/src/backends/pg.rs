@@ -5,7 +5,8 @@
 
 use std::{sync::Arc, time::Duration};
 
-use lock_core::{DynLock, LockKey, OwnershipToken, async_trait};
+use lock_core::raw::async_trait;
+use lock_core::{DynLock, LockKey, OwnershipToken};
 use lock_pg::{
     PgLock, PgLockConfig,
     sqlx::{self, Connection, Either, PgConnection, postgres::PgAdvisoryLock},

@@ -4,7 +4,8 @@
 
 use std::{sync::Arc, time::Duration};
 
-use lock_core::{DynLock, LockKey, OwnershipToken, async_trait};
+use lock_core::raw::async_trait;
+use lock_core::{DynLock, LockKey, OwnershipToken};
 use lock_redis::{RedisLock, RedisLockConfig};
 use redis::aio::MultiplexedConnection;
 

@@ -3,7 +3,8 @@
 
 use std::{sync::Arc, time::Duration};
 
-use lock_core::{DynLock, LockKey, async_trait};
+use lock_core::raw::async_trait;
+use lock_core::{DynLock, LockKey};
 use lock_zk::{ZkLock, ZkLockConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use zookeeper_client as zk;

@@ -1,0 +1,176 @@
+//! The driver interface: what a coordinator driver implements and builds on, and a user does not
+//! need (the way OpenDAL's `raw` module sits under its `Operator`).
+//!
+//! A driver implements [`Driver`]. Every type that does gets [`DistributedLock`] — the user
+//! trait — from one blanket implementation, the **check layer**: it refuses bad input and
+//! missing capabilities before the driver is called, so no driver checks a TTL, a renew without
+//! `renew`, or a `force_release` without `force_release` itself.
+//!
+//! | the layer refuses, before any I/O | with |
+//! |---|---|
+//! | a TTL `try_acquire` / `acquire` ask for that [`Capabilities::check_ttl`] refuses | [`Error::InvalidTtl`] |
+//! | a renew TTL outside the generic bounds, or below `min_ttl` and below the lease's own TTL (a lease can be shorter than `min_ttl` when the server lowered it, e.g. ZooKeeper's negotiated session timeout) | [`Error::InvalidTtl`] |
+//! | `renew` without [`Capabilities::renew`] | [`Error::Unsupported`] |
+//! | `force_release` / `force_release_grant` without [`Capabilities::force_release`] | [`Error::Unsupported`] |
+//!
+//! The rest of this module is the toolbox drivers share: [`AcquireWait`] and [`Backoff`] (a
+//! wait's deadline and its jittered retries), [`poll_acquire`] (the default queue-less
+//! `acquire`), [`Batcher`] (requests that arrive together sent as one), [`handoff`] (a direct
+//! grant's age), [`cleanup`] (background clean-up the tests can wait for), the URL helpers
+//! [`parse_duration_option`] and [`decode_url_credential`], and the user types a driver's
+//! signatures name, re-exported so that a driver's `use` lines reach core through this module
+//! alone.
+
+use std::{fmt, time::Duration};
+
+use futures::future::BoxFuture;
+use tokio::time::Instant;
+
+#[path = "batch.rs"]
+pub mod batch;
+#[path = "cleanup.rs"]
+pub mod cleanup;
+#[path = "handoff.rs"]
+pub mod handoff;
+
+pub use batch::Batcher;
+
+pub use crate::{
+    AuditReport, BoxError, Capabilities, Error, FencingGuarantee, FencingToken, Finding,
+    HolderIdentity, HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result,
+    StaleFencingToken, TokenDigest, Verdict, audit,
+    backoff::{AcquireWait, Backoff},
+    drift_margin,
+    lock::{DistributedLock, DynLock, poll_acquire},
+    options::{decode_url_credential, parse_duration_option},
+};
+/// Re-exported so drivers implement [`Driver`] with the same macro version.
+pub use async_trait::async_trait;
+
+/// What a coordinator driver implements. Its methods are [`DistributedLock`]'s, called by the
+/// check layer (see the [module docs](self)) with input it has already checked; their
+/// contracts are the ones documented on [`DistributedLock`].
+#[async_trait]
+pub trait Driver: Send + Sync + fmt::Debug + 'static {
+    /// See [`DistributedLock::backend_name`].
+    fn backend_name(&self) -> &'static str;
+
+    /// See [`DistributedLock::capabilities`].
+    fn capabilities(&self) -> Capabilities;
+
+    /// See [`DistributedLock::try_acquire`]; `ttl` passed [`Capabilities::check_ttl`].
+    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>>;
+
+    /// See [`DistributedLock::acquire`]; `ttl` passed [`Capabilities::check_ttl`]. The default
+    /// is [`poll_acquire`].
+    async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
+        poll_acquire(self, key, ttl, deadline).await
+    }
+
+    /// See [`DistributedLock::renew`]; only called with `renew` claimed and a `ttl` the layer
+    /// accepted.
+    async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()>;
+
+    /// See [`DistributedLock::release`].
+    async fn release(&self, lease: &Lease) -> Result<bool>;
+
+    /// See [`DistributedLock::inspect`].
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>>;
+
+    /// See [`DistributedLock::force_release`]; only called with `force_release` claimed.
+    async fn force_release(&self, key: &LockKey) -> Result<bool> {
+        let _ = key;
+        Err(Error::unsupported(self.backend_name(), "force_release"))
+    }
+
+    /// See [`DistributedLock::force_release_grant`]; only called with `force_release` claimed.
+    async fn force_release_grant(&self, key: &LockKey, holder: FencingToken) -> Result<bool> {
+        let _ = (key, holder);
+        Err(Error::unsupported(self.backend_name(), "force_release"))
+    }
+
+    /// See [`DistributedLock::watch_lost`]. The default never completes.
+    fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
+        let _ = lease;
+        Box::pin(std::future::pending())
+    }
+}
+
+/// The check layer's rule for a renew's TTL: what [`Capabilities::check_ttl`] accepts, or —
+/// within its generic bounds — at least the lease's own TTL (which the driver granted, and may
+/// be below `min_ttl` when the server lowered it).
+pub(crate) fn check_renew_ttl(caps: &Capabilities, lease: &Lease, ttl: Duration) -> Result<()> {
+    match caps.check_ttl(ttl) {
+        Err(_) if ttl >= lease.ttl() && within_generic_bounds(caps, ttl) => Ok(()),
+        other => other,
+    }
+}
+
+fn within_generic_bounds(caps: &Capabilities, ttl: Duration) -> bool {
+    ttl >= Duration::from_millis(1)
+        && ttl <= Capabilities::MAX_TTL
+        && (caps.max_ttl.is_zero() || ttl <= caps.max_ttl)
+}
+
+/// The check layer: every [`Driver`] is a [`DistributedLock`], with its input checked first.
+#[async_trait]
+impl<T: Driver + ?Sized> DistributedLock for T {
+    fn backend_name(&self) -> &'static str {
+        Driver::backend_name(self)
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Driver::capabilities(self)
+    }
+
+    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
+        Driver::capabilities(self).check_ttl(ttl)?;
+        Driver::try_acquire(self, key, ttl).await
+    }
+
+    async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
+        Driver::capabilities(self).check_ttl(ttl)?;
+        Driver::acquire(self, key, ttl, deadline).await
+    }
+
+    async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
+        let caps = Driver::capabilities(self);
+        if !caps.renew {
+            return Err(Error::unsupported(Driver::backend_name(self), "renew"));
+        }
+        check_renew_ttl(&caps, lease, ttl)?;
+        Driver::renew(self, lease, ttl).await
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<bool> {
+        Driver::release(self, lease).await
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        Driver::inspect(self, key).await
+    }
+
+    async fn force_release(&self, key: &LockKey) -> Result<bool> {
+        if !Driver::capabilities(self).force_release {
+            return Err(Error::unsupported(
+                Driver::backend_name(self),
+                "force_release",
+            ));
+        }
+        Driver::force_release(self, key).await
+    }
+
+    async fn force_release_grant(&self, key: &LockKey, holder: FencingToken) -> Result<bool> {
+        if !Driver::capabilities(self).force_release {
+            return Err(Error::unsupported(
+                Driver::backend_name(self),
+                "force_release",
+            ));
+        }
+        Driver::force_release_grant(self, key, holder).await
+    }
+
+    fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
+        Driver::watch_lost(self, lease)
+    }
+}
