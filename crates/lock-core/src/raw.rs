@@ -13,8 +13,10 @@
 //! | `renew` without [`Capabilities::renew`] | [`Error::Unsupported`] |
 //! | `force_release` / `force_release_grant` without [`Capabilities::force_release`] | [`Error::Unsupported`] |
 //!
-//! The rest of this module is the toolbox drivers share: [`AcquireWait`] and [`Backoff`] (a
-//! wait's deadline and its jittered retries), [`poll_acquire`] (the default queue-less
+//! The rest of this module is the toolbox drivers share: [`failure`] (one request's failure
+//! classified by what it may have applied — [`Failure::NotSent`], [`Failure::Unknown`],
+//! [`Failure::Refused`] — mapped to the one error enum, and [`within`], the request budget),
+//! [`AcquireWait`] and [`Backoff`] (a wait's deadline and its jittered retries), [`poll_acquire`] (the default queue-less
 //! `acquire`), [`Batcher`] (requests that arrive together sent as one), [`handoff`] (a direct
 //! grant's age), [`cleanup`] (background clean-up the tests can wait for), the URL helpers
 //! [`parse_duration_option`] and [`decode_url_credential`], and the user types a driver's
@@ -30,10 +32,13 @@ use tokio::time::Instant;
 pub mod batch;
 #[path = "cleanup.rs"]
 pub mod cleanup;
+#[path = "failure.rs"]
+pub mod failure;
 #[path = "handoff.rs"]
 pub mod handoff;
 
 pub use batch::Batcher;
+pub use failure::{Effect, Failure, RequestFailure, within};
 
 pub use crate::{
     AuditReport, BoxError, Capabilities, Error, FencingGuarantee, FencingToken, Finding,
