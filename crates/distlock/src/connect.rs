@@ -211,6 +211,26 @@ fn schemes_sentence(enabled: impl Fn(Backend) -> bool + Copy) -> String {
 ///
 /// The client is wrapped in [`Observed`], so it reports distlock's metrics (through the
 /// `metrics` facade, a no-op until the application installs a recorder) and tracing spans.
+///
+/// ```
+/// use std::time::Duration;
+/// use distlock::{DistributedLockExt, LockOptions};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> distlock::Result<()> {
+/// // The same code runs on every coordinator: only the URL changes
+/// // ("redis://127.0.0.1:6379", "etcd://127.0.0.1:2379", "zk://…", "postgres://…").
+/// let lock = distlock::connect("memory://orders").await?;
+/// let ran = lock
+///     .run_exclusive("close-timed-out-orders", LockOptions::with_ttl(Duration::from_secs(10)), |ctx| async move {
+///         ctx.fencing_token().is_some()
+///     })
+///     .await?;
+/// assert_eq!(ran, Some(true));
+/// // Bad input is a typed error before any I/O.
+/// assert!(distlock::connect("nosuch://x").await.is_err());
+/// # Ok(()) }
+/// ```
 pub async fn connect(url: &str) -> Result<DynLock> {
     let inner = connect_unobserved(url).await?;
     Ok(Arc::new(Observed::new(inner)))

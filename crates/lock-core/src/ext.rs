@@ -94,6 +94,28 @@ impl Default for LockOptions {
 }
 
 /// Builds one acquisition: `lock.lock("orders").ttl(..).wait(..).acquire().await`.
+///
+/// ```
+/// use std::{sync::Arc, time::Duration};
+/// use lock_core::{DistributedLockExt, InMemoryLock};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> lock_core::Result<()> {
+/// let coordinator = Arc::new(InMemoryLock::new());
+/// // Wait up to 5 s for the lock; hold it with a 10 s lease that a watchdog keeps renewing.
+/// let guard = coordinator
+///     .lock("refund/order-42")
+///     .ttl(Duration::from_secs(10))
+///     .wait(Duration::from_secs(5))
+///     .acquire()
+///     .await?;
+/// // Skip instead of waiting: `try_acquire` answers `None` while someone holds it.
+/// assert!(coordinator.lock("refund/order-42").try_acquire().await?.is_none());
+/// // A bad key is refused before any I/O.
+/// assert!(coordinator.lock("").try_acquire().await.is_err());
+/// assert!(guard.release().await?);
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 #[must_use = "a lock builder does nothing until try_acquire or acquire is awaited"]
 pub struct LockBuilder {
@@ -353,6 +375,34 @@ pub trait DistributedLockExt {
     /// Returns `Ok(None)` when the lock was held elsewhere (skipped) and `Ok(Some(output))`
     /// when the job completed. When ownership is lost mid-job the job's future is dropped (its
     /// work cancelled) and [`Error::NotHeld`] is returned.
+    ///
+    /// ```
+    /// use std::{sync::Arc, time::Duration};
+    /// use lock_core::{DistributedLockExt, FencedRegister, InMemoryLock, LockOptions};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> lock_core::Result<()> {
+    /// let coordinator = Arc::new(InMemoryLock::new());
+    /// let ledger = FencedRegister::new();
+    /// let opts = LockOptions::with_ttl(Duration::from_secs(10));
+    /// let done = coordinator
+    ///     .run_exclusive("close-timed-out-orders", opts.clone(), |ctx| async move {
+    ///         // The resource checks the fencing token: a stale holder's write is refused.
+    ///         let token = ctx.fencing_token().expect("memory mints fencing tokens");
+    ///         ledger.write(token, "closed 17 orders").is_ok()
+    ///     })
+    ///     .await?;
+    /// assert_eq!(done, Some(true));
+    ///
+    /// // While another instance holds the lock, the job is skipped.
+    /// let held = coordinator.lock("close-timed-out-orders").acquire().await?;
+    /// let skipped = coordinator
+    ///     .run_exclusive("close-timed-out-orders", opts, |_| async { unreachable!() })
+    ///     .await?;
+    /// assert_eq!(skipped, None::<()>);
+    /// held.release().await?;
+    /// # Ok(()) }
+    /// ```
     ///
     /// # Errors
     /// Input and capability errors before any I/O; backend errors; `NotHeld` on loss.

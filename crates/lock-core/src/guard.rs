@@ -25,6 +25,31 @@ use crate::{
 /// when the backend reports the lease gone. Call [`LockGuard::release`] to release explicitly;
 /// dropping the guard stops the watchdog and releases best-effort in the background (the TTL is
 /// the last resort).
+///
+/// ```
+/// use std::{sync::Arc, time::Duration};
+/// use lock_core::{DistributedLockExt, InMemoryLock};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> lock_core::Result<()> {
+/// let coordinator = Arc::new(InMemoryLock::new());
+/// let guard = coordinator
+///     .lock("nightly-export")
+///     .ttl(Duration::from_secs(10))
+///     .acquire()
+///     .await?;
+/// let fence = guard.fencing_token(); // hand this to the resource with every write
+/// assert!(fence.is_some());
+/// tokio::select! {
+///     // Stop the work the moment ownership can no longer be trusted.
+///     () = guard.lost() => eprintln!("lost the lock: {:?}", guard.loss_reason()),
+///     () = async { /* the protected work */ } => {}
+/// }
+/// if !guard.is_lost() {
+///     assert!(guard.release().await?);
+/// }
+/// # Ok(()) }
+/// ```
 pub struct LockGuard {
     lock: DynLock,
     granted: Lease,
