@@ -459,7 +459,7 @@ mod tests {
             "postgres://h/db?tabel=x",
             "postgres://h/db?pool_size=0",
             "postgres://h/db?pool_size=many",
-            "postgres://h/db?op_timeout=5h",
+            "postgres://h/db?op_timeout=5x",
             "postgres://h/db?op_timeout=0",
             // Only connect_timeout takes libpq's bare seconds; distlock's own options need a unit.
             "postgres://h/db?op_timeout=2",

@@ -2,13 +2,13 @@
 #![deny(missing_docs)]
 
 mod audit;
+mod client;
 mod config;
-mod conn;
 mod fenced;
 mod lock;
 mod message;
-mod notify;
 mod sql;
+mod wake;
 
 pub use audit::{audit, namespace_size, purge_namespace};
 pub use config::{PgLockConfig, TableName};

@@ -26,10 +26,10 @@ use tokio::{
 
 use crate::{
     PgLockConfig,
-    conn::ConnPool,
+    client::ConnPool,
     message::{PgError, one_line},
-    notify::{Notifier, Subscription},
     sql::Statements,
+    wake::{Notifier, Subscription},
 };
 
 pub(crate) const BACKEND: &str = "postgres";
