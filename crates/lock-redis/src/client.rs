@@ -1,8 +1,11 @@
-//! The connection to whichever servers the topology names: one server, the master a Sentinel
-//! set names (followed across failovers), or a Redis Cluster. Every variant is a
-//! [`ConnectionLike`], so the scripts run on it unchanged.
+//! Connecting and classifying: the connection to whichever servers the topology names (one
+//! server, the master a Sentinel set names, followed across failovers, or a Redis Cluster; TLS
+//! and credentials), the request budget, and the sorting of the redis crate's errors into what
+//! a failed request may have done ([`Failure`]) and the caller's [`Error`]. Every connection
+//! variant is a [`ConnectionLike`], so the scripts run on it unchanged.
 
 use std::{
+    future::Future,
     io,
     sync::{
         Arc, Mutex, PoisonError,
@@ -11,15 +14,154 @@ use std::{
     time::Duration,
 };
 
+use lock_core::raw::{Error, LockKey, Result};
 use redis::{
-    Cmd, ConnectionAddr, ErrorKind, IntoConnectionInfo, Pipeline, RedisConnectionInfo, RedisError,
-    RedisFuture, RedisResult, ServerErrorKind, Value,
+    Cmd, ConnectionAddr, ErrorKind, IntoConnectionInfo, Pipeline, ProtocolVersion,
+    RedisConnectionInfo, RedisError, RedisFuture, RedisResult, ServerErrorKind, Value,
     aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig},
     cluster_async::ClusterConnection,
 };
-use tokio::time::timeout;
+use tokio::time::{Instant, timeout, timeout_at};
 
-use crate::wakeups::Registry;
+use crate::{RedisLockConfig, RedisTopology, wake::Registry};
+
+/// The backend name in every error of [`crate::RedisLock`].
+pub(crate) const BACKEND: &str = "redis";
+
+/// How many times the cluster client retries a request (redirects, reconnects after a
+/// failover), within the request budget.
+const CLUSTER_RETRIES: u32 = 16;
+
+/// Builds the connection `config` names, without any I/O (it connects on first use and
+/// reconnects by itself); RESP3 push messages go to `wakeups`.
+pub(crate) fn connect_lazy(config: &RedisLockConfig, wakeups: &Arc<Registry>) -> Result<Conn> {
+    let mut redis_info = RedisConnectionInfo::default()
+        .set_db(config.db)
+        .set_protocol(ProtocolVersion::RESP3);
+    if let Some(user) = &config.username {
+        redis_info = redis_info.set_username(user);
+    }
+    if let Some(password) = &config.password {
+        redis_info = redis_info.set_password(password);
+    }
+    let addr = if config.tls {
+        // Verified TLS only: `insecure: false`, no plaintext fallback.
+        ConnectionAddr::TcpTls {
+            host: config.host.clone(),
+            port: config.port,
+            insecure: false,
+            tls_params: None,
+        }
+    } else {
+        ConnectionAddr::Tcp(config.host.clone(), config.port)
+    };
+    let info = addr
+        .into_connection_info()
+        .map_err(|e| Error::Config(e.to_string()))?
+        .set_redis_settings(redis_info);
+    let client = if config.tls {
+        install_crypto_provider();
+        let root_cert = match &config.ca_file {
+            Some(path) => Some(std::fs::read(path).map_err(|e| {
+                Error::Config(format!("cannot read the CA file {}: {e}", path.display()))
+            })?),
+            None => None,
+        };
+        redis::Client::build_with_tls(
+            info,
+            redis::TlsCertificates {
+                client_tls: None,
+                root_cert,
+            },
+        )
+        .map_err(|e| Error::Config(format!("TLS settings: {e}")))?
+    } else {
+        redis::Client::open(info).map_err(|e| Error::Config(e.to_string()))?
+    };
+    // A script's reply may also wait for its `WAIT` (replica acknowledgement).
+    let response_timeout = config
+        .response_timeout
+        .saturating_add(config.wait_allowance());
+    let manager_config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(config.connect_timeout))
+        .set_response_timeout(Some(response_timeout))
+        .set_number_of_retries(config.reconnect_retries)
+        .set_min_delay(Duration::from_millis(50))
+        .set_max_delay(Duration::from_secs(1))
+        .set_push_sender(wakeups.clone())
+        .set_automatic_resubscription();
+    let conn = match &config.topology {
+        RedisTopology::Single => Conn::Single(
+            ConnectionManager::new_lazy_with_config(client, manager_config)
+                .map_err(|e| Error::Config(e.to_string()))?,
+        ),
+        RedisTopology::Sentinel {
+            sentinels,
+            master_name,
+        } => Conn::Sentinel(Arc::new(SentinelConn::new(SentinelSettings {
+            sentinels: sentinels.clone(),
+            master_name: master_name.clone(),
+            redis_info: client.get_connection_info().redis_settings().clone(),
+            manager_config,
+            connect_timeout: config.connect_timeout,
+            response_timeout: config.response_timeout,
+            wakeups: wakeups.clone(),
+        }))),
+        RedisTopology::Cluster { nodes } => {
+            let mut builder = redis::cluster::ClusterClientBuilder::new(
+                nodes
+                    .iter()
+                    .map(|(h, p)| ConnectionAddr::Tcp(h.clone(), *p))
+                    .collect::<Vec<_>>(),
+            )
+            .use_protocol(ProtocolVersion::RESP3)
+            .connection_timeout(config.connect_timeout)
+            .response_timeout(response_timeout)
+            // Redirects (MOVED/ASK) and a failover's reconnects use these retries too; a re-sent
+            // request is harmless (see the scripts: an attempt finds its own grant, the rest
+            // compare tokens or fences). Our own deadline still bounds each request.
+            .retries(CLUSTER_RETRIES)
+            .push_sender(wakeups.clone());
+            if let Some(user) = &config.username {
+                builder = builder.username(user);
+            }
+            if let Some(password) = &config.password {
+                builder = builder.password(password);
+            }
+            let cluster = builder
+                .build()
+                .map_err(|e| Error::Config(format!("cluster settings: {e}")))?;
+            let cluster_config = redis::cluster::ClusterConfig::new()
+                .set_connection_timeout(config.connect_timeout)
+                .set_response_timeout(response_timeout);
+            Conn::Cluster(cluster.get_pending_async_connection_with_config(cluster_config))
+        }
+    };
+    Ok(conn)
+}
+
+/// Checks that a new client's server answers (`PING`), classifying a refusal.
+pub(crate) async fn ping(conn: &Conn, config: &RedisLockConfig) -> Result<()> {
+    let mut conn = conn.clone();
+    let budget = config.request_budget();
+    match timeout(budget, redis::cmd("PING").query_async::<()>(&mut conn)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) if e.kind() == ErrorKind::RESP3NotSupported => Err(Error::unsupported(
+            BACKEND,
+            "servers without RESP3 (Redis 6 or newer is required; 7.0 is supported)",
+        )),
+        // Rejected credentials or an untrusted server certificate: retrying cannot help.
+        Ok(Err(e)) if is_refused_security(&e) => Err(Error::backend(BACKEND, "connect", e)),
+        Ok(Err(e)) => Err(refused_database(config, &e)
+            .unwrap_or_else(|| Error::unavailable(BACKEND, "connect", e))),
+        Err(_) => Err(Error::Unavailable {
+            backend: BACKEND,
+            op: "connect",
+            message: format!("no answer within {budget:?}"),
+            source: None,
+        }),
+    }
+}
 
 /// One client's connection.
 #[derive(Clone)]
@@ -354,6 +496,15 @@ pub(crate) struct Acked {
 }
 
 impl Acked {
+    /// A connection of `conn` that sends each script with its `WAIT`, as `config` asks.
+    pub(crate) fn new(conn: &Conn, config: &RedisLockConfig) -> Self {
+        Self {
+            conn: conn.clone(),
+            replicas: config.replicas,
+            timeout: config.replica_timeout,
+            acked: None,
+        }
+    }
     /// Whether the latest `WAIT` counted the replicas asked for; otherwise why not.
     pub(crate) fn confirmed(&self) -> Result<(), String> {
         match &self.acked {
@@ -416,5 +567,136 @@ impl ConnectionLike for Acked {
 
     fn get_db(&self) -> i64 {
         self.conn.get_db()
+    }
+}
+
+/// How a failed request ended, as far as the lock is concerned.
+#[derive(Clone)]
+pub(crate) enum Failure {
+    /// Nothing reached the server (connection refused, server loading, …).
+    NotSent(RedisError),
+    /// The request may have been applied: sent, but no reply (timeout, dropped connection).
+    Unknown(String),
+    /// The server answered with an error (a script may have run partly: Lua does not roll back).
+    Server(RedisError),
+}
+
+/// The end of one request's budget, or `by` when that comes first.
+pub(crate) fn request_until(config: &RedisLockConfig, by: Option<Instant>) -> Instant {
+    let budget = after(config.request_budget());
+    by.map_or(budget, |by| by.min(budget))
+}
+
+/// `now + d`, saturating far in the future instead of overflowing.
+pub(crate) fn after(d: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(d)
+        .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365))
+}
+
+/// Runs one request until `until` and classifies its failure (no reply by then: unknown).
+pub(crate) async fn run_until<T>(
+    request: impl Future<Output = redis::RedisResult<T>>,
+    until: Instant,
+) -> Result<T, Failure> {
+    let started = Instant::now();
+    match timeout_at(until, request).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(classify(e)),
+        Err(_) => Err(Failure::Unknown(format!(
+            "no reply within {:?}",
+            until.saturating_duration_since(started)
+        ))),
+    }
+}
+
+/// The caller's error for a failed `op` on `key`: a refused database is a configuration error,
+/// an unknown outcome `Indeterminate`, nothing sent `Unavailable`, a server's refusal `Backend`.
+pub(crate) fn map_failure(
+    config: &RedisLockConfig,
+    op: &'static str,
+    key: &LockKey,
+    failure: Failure,
+) -> Error {
+    if let Failure::NotSent(e) | Failure::Server(e) = &failure
+        && let Some(config) = refused_database(config, e)
+    {
+        return config;
+    }
+    match failure {
+        Failure::NotSent(e) => Error::unavailable(BACKEND, op, e),
+        Failure::Unknown(message) => Error::Indeterminate {
+            backend: BACKEND,
+            op,
+            key: key.as_str().to_owned(),
+            message,
+        },
+        Failure::Server(e) => Error::backend(BACKEND, op, e),
+    }
+}
+
+/// A connect failure that retrying cannot fix: the server refused the credentials or the
+/// permissions, or TLS did not trust the server's certificate.
+pub(crate) fn is_refused_security(e: &RedisError) -> bool {
+    if e.kind() == ErrorKind::AuthenticationFailed
+        || matches!(e.code(), Some("WRONGPASS" | "NOAUTH" | "NOPERM"))
+    {
+        return true;
+    }
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        let tls = err.downcast_ref::<rustls::Error>().or_else(|| {
+            err.downcast_ref::<std::io::Error>()
+                .and_then(|io| io.get_ref())
+                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        });
+        if let Some(rustls::Error::InvalidCertificate(_)) = tls {
+            return true;
+        }
+        source = err.source();
+    }
+    e.to_string().contains("invalid peer certificate")
+}
+
+/// The server refused the `SELECT` of the configured database (a number beyond its
+/// `databases`): a permanent misconfiguration, so [`Error::Config`], never `Unavailable`.
+pub(crate) fn refused_database(config: &RedisLockConfig, e: &RedisError) -> Option<Error> {
+    (e.to_string().contains("refused to switch database")).then(|| {
+        Error::Config(format!(
+            "the redis server refused database {} (SELECT): {e}",
+            config.db
+        ))
+    })
+}
+
+/// rustls needs a process-wide crypto provider; install ring's unless the application already
+/// chose one (losing a race to another installer is fine).
+fn install_crypto_provider() {
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+}
+
+pub(crate) fn classify(e: RedisError) -> Failure {
+    if e.is_connection_refusal() || is_read_only(&e) {
+        return Failure::NotSent(e);
+    }
+    match e.kind() {
+        ErrorKind::Server(
+            ServerErrorKind::BusyLoading
+            | ServerErrorKind::TryAgain
+            | ServerErrorKind::ClusterDown
+            | ServerErrorKind::MasterDown
+            | ServerErrorKind::ReadOnly
+            // A redirect the cluster client ran out of retries to follow: that node ran nothing.
+            | ServerErrorKind::Moved
+            | ServerErrorKind::Ask,
+        ) => Failure::NotSent(e),
+        ErrorKind::Server(_) if e.code() == Some("BUSY") => Failure::NotSent(e),
+        // The cluster client had no connection to send it on.
+        ErrorKind::ClusterConnectionNotFound => Failure::NotSent(e),
+        ErrorKind::Io => Failure::Unknown(e.to_string()),
+        _ if e.is_timeout() || e.is_connection_dropped() => Failure::Unknown(e.to_string()),
+        _ => Failure::Server(e),
     }
 }

@@ -1,4 +1,5 @@
-//! Connection and driver options, all settable from the URL.
+//! The config: [`RedisLockConfig`] and [`RedisTopology`] (connection and driver options) and
+//! the parsing of `redis://`, `rediss://`, `redis+sentinel://` and `redis+cluster://` URLs.
 
 use std::{fmt, path::PathBuf, time::Duration};
 

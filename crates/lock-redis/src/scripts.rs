@@ -1,6 +1,7 @@
-//! The Lua scripts: each step is atomic on the server. Sent with EVALSHA; the `redis` crate
-//! reloads a script (SCRIPT LOAD) when the server answers NOSCRIPT (after a restart or
-//! SCRIPT FLUSH).
+//! The wire: the Lua scripts (each step is atomic on the server) and the values they store,
+//! take and answer (owner prefixes, TTLs in ms, fences, holder keys). Sent with EVALSHA; the
+//! `redis` crate reloads a script (SCRIPT LOAD) when the server answers NOSCRIPT (after a
+//! restart or SCRIPT FLUSH).
 //!
 //! # Waiter queue members
 //!
@@ -22,6 +23,9 @@
 //! `:w` mark), so a grant by a client that writes no holder key (an older version, another
 //! library) never shows a previous holder's identity.
 
+use std::time::Duration;
+
+use lock_core::raw::{FencingToken, HolderIdentity, OwnershipToken};
 use redis::Script;
 
 /// KEYS: lock, fence counter, the attempt's undo marker, the holder key, and when the caller
@@ -300,5 +304,97 @@ impl Scripts {
             inspect: Script::new(INSPECT),
             force_release: Script::new(FORCE_RELEASE),
         }
+    }
+}
+
+/// The value we store is `<token hex>:<fence>`; every compare matches the `<token hex>:` prefix
+/// (128 random bits), which is also all an unknown-outcome cleanup knows.
+pub(crate) fn owner_prefix(token: &OwnershipToken) -> String {
+    let mut s = token.expose_hex();
+    s.push(':');
+    s
+}
+
+/// A TTL in whole milliseconds as the scripts take it (`PX`, `PEXPIRE`): rounded up, so a
+/// key never expires before the TTL asked for.
+pub(crate) fn ttl_millis(ttl: Duration) -> u64 {
+    u64::try_from(ttl.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
+}
+
+/// A fence as the scripts send it: the counter's decimal digits (never a Lua number, which is
+/// exact only up to 2^53).
+pub(crate) fn parse_fence(digits: &[u8]) -> Option<u64> {
+    std::str::from_utf8(digits).ok()?.parse().ok()
+}
+
+/// Parses a stored value `<32 hex>:<fence>` written by this driver (with the suffix `:w` once
+/// a waiter marked it).
+pub(crate) fn parse_owner(value: &[u8]) -> Option<(OwnershipToken, FencingToken)> {
+    let value = std::str::from_utf8(value).ok()?;
+    let value = value.strip_suffix(":w").unwrap_or(value);
+    let (hex, fence) = value.split_once(':')?;
+    let token = OwnershipToken::from_hex(hex).ok()?;
+    if hex.bytes().any(|b| b.is_ascii_uppercase()) {
+        return None;
+    }
+    Some((token, FencingToken(fence.parse().ok()?)))
+}
+
+/// The identity in a holder key `<token hex>:<fence> <identity>`, when that grant is the lock's
+/// current value `value` (less its `:w` mark): never a previous holder's, nor one next to a
+/// grant by a client that writes no holder key.
+pub(crate) fn holder_of(value: &[u8], holder: &[u8]) -> Option<HolderIdentity> {
+    let grant = value.strip_suffix(b":w").unwrap_or(value);
+    let identity = holder.strip_prefix(grant)?.strip_prefix(b" ")?;
+    // Only our format: a foreign value is never matched (not even by a prefix of it).
+    parse_owner(grant)?;
+    HolderIdentity::from_stored(identity)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ttl_is_rounded_up_to_whole_milliseconds() {
+        assert_eq!(ttl_millis(Duration::from_millis(300)), 300);
+        assert_eq!(ttl_millis(Duration::from_micros(1500)), 2);
+        assert_eq!(ttl_millis(Duration::from_nanos(1)), 1);
+    }
+
+    #[test]
+    fn the_identity_shows_only_next_to_its_own_grant() {
+        let t = OwnershipToken::generate();
+        let grant = format!("{}7", owner_prefix(&t));
+        let holder = format!("{grant} host=a pid=1 since=2 label=x:w");
+        let shown = |value: &str| holder_of(value.as_bytes(), holder.as_bytes());
+        let id = shown(&grant).unwrap();
+        assert_eq!(id.as_str(), "host=a pid=1 since=2 label=x:w");
+        assert_eq!(shown(&format!("{grant}:w")), Some(id));
+        // A later grant (another fence, another token), a foreign value, an empty value.
+        assert_eq!(shown(&format!("{}8", owner_prefix(&t))), None);
+        assert_eq!(shown(&format!("{}70", owner_prefix(&t))), None);
+        let other = OwnershipToken::generate();
+        assert_eq!(shown(&format!("{}7", owner_prefix(&other))), None);
+        assert_eq!(shown("foreign"), None);
+        assert_eq!(shown(""), None);
+        assert_eq!(holder_of(b"foreign", b"foreign x"), None);
+        assert_eq!(holder_of(grant.as_bytes(), grant.as_bytes()), None);
+        assert_eq!(holder_of(grant.as_bytes(), b""), None);
+    }
+
+    #[test]
+    fn owner_values_parse_only_in_our_format() {
+        let t = OwnershipToken::generate();
+        let value = format!("{}7", owner_prefix(&t));
+        assert_eq!(parse_owner(value.as_bytes()), Some((t, FencingToken(7))));
+        let marked = format!("{}7:w", owner_prefix(&t));
+        assert_eq!(parse_owner(marked.as_bytes()), Some((t, FencingToken(7))));
+        assert_eq!(parse_owner(t.expose_hex().as_bytes()), None);
+        assert_eq!(parse_owner(b"some-other-client"), None);
+        assert_eq!(
+            parse_owner(format!("{}x", owner_prefix(&t)).as_bytes()),
+            None
+        );
     }
 }

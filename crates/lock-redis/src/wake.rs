@@ -1,4 +1,5 @@
-//! Grants and wake-ups for waiting `acquire`s: one waiter per release, not a herd.
+//! The coordinator's push channel: grant messages and wake-ups for waiting `acquire`s, one
+//! waiter per release, not a herd.
 //!
 //! Each client has a random id and subscribes (once, on its first wait) to its own wake channel
 //! `distlock\x1fwake:<client id>` on its one RESP3 connection (push messages, no extra
@@ -21,7 +22,7 @@ use lock_core::raw::handoff::{Grant, Message};
 use redis::{PushInfo, PushKind, Value};
 use tokio::sync::Notify;
 
-use crate::conn::Conn;
+use crate::client::Conn;
 
 /// The prefix of every client's wake channel (the release script builds the same name).
 pub(crate) const WAKE_CHANNEL_PREFIX: &[u8] = b"distlock\x1fwake:";
@@ -125,7 +126,7 @@ impl Slot {
 }
 
 /// One waiting `acquire`; dropping it stops its wake-ups (its queue registration is removed by
-/// the caller, see `lock.rs`).
+/// the caller, see `queue.rs`).
 #[derive(Debug)]
 pub(crate) struct Watch {
     registry: Arc<Registry>,
