@@ -1,55 +1,16 @@
-//! Human durations on the command line: `30s`, `500ms`, `2m`, `1h`, `1d`, `1m30s`, `1.5s`; a bare
-//! number is seconds (as `flock -w` takes them).
+//! Human durations on the command line: `30s`, `500ms`, `2m`, `1h`, `1d`, `1m30s`, `1.5s` — the
+//! grammar of URL options too — and a bare number is seconds (as `flock -w` takes them).
 
 use std::time::Duration;
 
-/// Parses a duration such as `30s`, `500ms`, `2m`, `1h30m` or `2.5` (seconds).
+/// Parses a duration such as `30s`, `500ms`, `2m`, `1h30m` or `2.5` (seconds): distlock's one
+/// duration grammar ([`distlock::raw::parse_duration`], humantime's), the same as in URL options,
+/// with a bare number read as seconds.
 ///
 /// # Errors
 /// A message for clap when the text is not such a duration.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let bad = || {
-        format!(
-            "invalid duration `{text}`: use e.g. 30s, 500ms, 2m, 1h, 1d, 1m30s or a number of seconds"
-        )
-    };
-    let text_trimmed = text.trim();
-    if text_trimmed.is_empty() {
-        return Err(bad());
-    }
-    if let Ok(secs) = text_trimmed.parse::<f64>() {
-        return seconds(secs).ok_or_else(bad);
-    }
-    let mut total = Duration::ZERO;
-    let mut rest = text_trimmed;
-    while !rest.is_empty() {
-        let number_len = rest
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .ok_or_else(bad)?;
-        let (number, tail) = rest.split_at(number_len);
-        let unit_len = tail
-            .find(|c: char| !c.is_ascii_alphabetic())
-            .unwrap_or(tail.len());
-        let (unit, tail) = tail.split_at(unit_len);
-        let value: f64 = number.parse().map_err(|_| bad())?;
-        let scale = match unit {
-            "ms" => 0.001,
-            "s" | "sec" | "secs" => 1.0,
-            "m" | "min" | "mins" => 60.0,
-            "h" | "hr" | "hrs" => 3600.0,
-            "d" | "day" | "days" => 86400.0,
-            _ => return Err(bad()),
-        };
-        total = total
-            .checked_add(seconds(value * scale).ok_or_else(bad)?)
-            .ok_or_else(bad)?;
-        rest = tail;
-    }
-    Ok(total)
-}
-
-fn seconds(value: f64) -> Option<Duration> {
-    Duration::try_from_secs_f64(value).ok()
+    distlock::raw::parse_duration(text, Some(Duration::from_secs(1)))
 }
 
 /// `1.5s`, `250ms`, `2m05s`: short and readable.

@@ -4,9 +4,40 @@ use std::time::Duration;
 
 use crate::{Error, Result};
 
-/// Parses the duration option `name=value`: a whole number with a unit `ms`, `s` or `m`
-/// (`500ms`, `3s`, `1m`), positive. A bare number is read in `bare_unit` when the driver follows a
-/// convention that has one (libpq's `connect_timeout` is in seconds), and refused when it is `None`.
+/// The one duration grammar of distlock, for URL options and the command line alike:
+/// [`humantime`]'s — a number and a unit, possibly several (`500ms`, `30s`, `2m`, `1h`, `1d`,
+/// `1m30s`, `1h 30m`, `1.5s`) — and, where the caller has one, a bare number in `bare_unit` (whole or
+/// decimal: the CLI reads `2.5` as seconds, as `flock -w` does; libpq's `connect_timeout` is
+/// whole seconds). Decimals with a unit (`1.5s`) are humantime's too. Surrounding whitespace is
+/// ignored.
+///
+/// # Errors
+/// A message naming the accepted forms, when `text` is none of them or does not fit a
+/// [`Duration`].
+pub fn parse_duration(
+    text: &str,
+    bare_unit: Option<Duration>,
+) -> std::result::Result<Duration, String> {
+    let text = text.trim();
+    let bad = || {
+        let bare = if bare_unit.is_some() {
+            " or a bare number"
+        } else {
+            ""
+        };
+        format!("invalid duration {text:?}: use e.g. 500ms, 30s, 2m, 1h, 1d or 1m30s{bare}")
+    };
+    if let Some(unit) = bare_unit
+        && !text.is_empty()
+        && text.bytes().all(|b| b.is_ascii_digit() || b == b'.')
+    {
+        let n: f64 = text.parse().map_err(|_| bad())?;
+        return Duration::try_from_secs_f64(n * unit.as_secs_f64()).map_err(|_| bad());
+    }
+    humantime::parse_duration(text).map_err(|_| bad())
+}
+
+/// Parses the URL option `name=value` with [`parse_duration`]; it must be positive.
 ///
 /// # Errors
 /// [`Error::Config`] naming the option, for anything else (before any I/O).
@@ -15,27 +46,12 @@ pub fn parse_duration_option(
     value: &str,
     bare_unit: Option<Duration>,
 ) -> Result<Duration> {
-    let bad = || {
-        Error::Config(format!(
-            "the option {name}={value:?} must be a positive duration like 500ms, 3s or 1m"
-        ))
-    };
-    let (digits, unit) = match value.find(|c: char| !c.is_ascii_digit()) {
-        Some(at) => value.split_at(at),
-        None => (value, ""),
-    };
-    let n: u32 = digits.parse().map_err(|_| bad())?;
-    let d = match (unit, bare_unit) {
-        ("ms", _) => Duration::from_millis(n.into()),
-        ("s", _) => Duration::from_secs(n.into()),
-        ("m", _) => Duration::from_secs(u64::from(n) * 60),
-        ("", Some(bare)) => bare * n,
-        _ => return Err(bad()),
-    };
-    if d.is_zero() {
-        return Err(bad());
+    match parse_duration(value, bare_unit) {
+        Ok(d) if !d.is_zero() => Ok(d),
+        _ => Err(Error::Config(format!(
+            "the option {name}={value:?} must be a positive duration like 500ms, 3s, 1m or 1m30s"
+        ))),
     }
-    Ok(d)
 }
 
 /// Decodes a percent-encoded user name or password taken from a URL (`Url::username()` and
@@ -94,21 +110,53 @@ mod tests {
             parse_duration_option("t", "2", Some(Duration::from_secs(1))).unwrap(),
             Duration::from_secs(2)
         );
+        assert_eq!(
+            parse_duration_option("t", "1h", None).unwrap(),
+            Duration::from_secs(3600)
+        );
+        assert_eq!(
+            parse_duration_option("t", "1m30s", None).unwrap(),
+            Duration::from_secs(90)
+        );
         for bad in [
             "",
             "0",
             "0s",
             "3",
             "s",
-            "1h",
             "-1s",
-            "1.5s",
-            "99999999999s",
-            " 1s",
+            "99999999999999999999999s",
+            "1s2",
+            "ten",
         ] {
             let err = parse_duration_option("t", bad, if bad == "3" { None } else { ms });
             assert!(matches!(err, Err(Error::Config(_))), "{bad:?} was accepted");
         }
+    }
+
+    #[test]
+    fn one_grammar_for_urls_and_the_command_line() {
+        let secs = Some(Duration::from_secs(1));
+        for (text, want) in [
+            ("30s", Duration::from_secs(30)),
+            ("500ms", Duration::from_millis(500)),
+            ("1d12h", Duration::from_secs(129_600)),
+            ("1h 30m", Duration::from_secs(5400)),
+            ("2", Duration::from_secs(2)),
+            ("0.25", Duration::from_millis(250)),
+            ("1.5s", Duration::from_millis(1500)),
+            ("0s", Duration::ZERO),
+            (" 10s ", Duration::from_secs(10)),
+        ] {
+            assert_eq!(parse_duration(text, secs), Ok(want), "{text}");
+        }
+        for bad in [
+            "", "s", "10x", "-1s", "-1", "1s2", "ten", "1e400", "1..2", "NaN", "inf",
+        ] {
+            assert!(parse_duration(bad, secs).is_err(), "{bad:?} was accepted");
+        }
+        // Without a bare unit a bare number is refused.
+        assert!(parse_duration("2", None).is_err());
     }
 
     #[test]

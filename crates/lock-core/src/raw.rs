@@ -47,7 +47,7 @@ pub use crate::{
     backoff::{AcquireWait, Backoff},
     drift_margin,
     lock::{DistributedLock, DynLock, poll_acquire},
-    options::{decode_url_credential, parse_duration_option},
+    options::{decode_url_credential, parse_duration, parse_duration_option},
 };
 /// Re-exported so drivers implement [`Driver`] with the same macro version.
 pub use async_trait::async_trait;
