@@ -9,7 +9,7 @@ use etcd_client::{
 use lock_core::raw::{AuditReport, Error, Result};
 use tokio::time::{Instant, timeout};
 
-use crate::{EtcdLockConfig, error::BACKEND};
+use crate::{EtcdLockConfig, client::BACKEND};
 
 /// What one member answered.
 #[derive(Debug)]

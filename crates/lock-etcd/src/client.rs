@@ -1,8 +1,23 @@
-//! Mapping etcd-client errors onto `lock_core::raw::Error`.
+//! The etcd client: connecting (endpoints, TLS, authentication, the server's smallest lease),
+//! counting the requests sent, and classifying etcd-client's errors by what a failed request may
+//! have applied.
 
-use std::{future::Future, time::Duration};
+use std::{
+    future::Future,
+    sync::{
+        Mutex, PoisonError,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
 
-use lock_core::raw::Error;
+use etcd_client::{
+    Certificate, Client, ConnectOptions, GetOptions, Identity, SortOrder, SortTarget, TlsOptions,
+    TxnOpResponse, TxnResponse,
+};
+use lock_core::raw::{Error, Result};
+
+use crate::EtcdLockConfig;
 
 pub(crate) const BACKEND: &str = "etcd";
 
@@ -162,6 +177,148 @@ pub(crate) fn protocol(op: &'static str, message: impl Into<String>) -> Error {
         message: message.into(),
         source: None,
     }
+}
+
+/// Requests sent to etcd by one client, by kind.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) lease_grant: AtomicU64,
+    pub(crate) lease_keepalive: AtomicU64,
+    pub(crate) lease_revoke: AtomicU64,
+    pub(crate) txn: AtomicU64,
+    pub(crate) range: AtomicU64,
+    pub(crate) watch: AtomicU64,
+}
+
+impl Counters {
+    pub(crate) fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Builds the client of `config` (TLS, authentication, leader required), bounded by the dial
+/// timeout plus one request timeout.
+pub(crate) async fn connect(config: &EtcdLockConfig) -> Result<Client> {
+    let mut options = ConnectOptions::new()
+        .with_connect_timeout(config.dial_timeout)
+        .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
+        // A member that has lost its leader refuses at once instead of serving stale
+        // watches or stalling requests (review L4).
+        .with_require_leader(true);
+    if let Some(user) = &config.user {
+        // Re-authenticates when the token expired (etcd's simple tokens live 5 min by
+        // default), instead of failing every later request for good (review L5).
+        options = options
+            .with_user(user.clone(), config.password.clone().unwrap_or_default())
+            .with_auto_token_refresh(true);
+    }
+    let scheme = if let Some(tls) = &config.tls {
+        let mut t = TlsOptions::new();
+        if let Some(ca) = &tls.ca_file {
+            t = t.ca_certificate(Certificate::from_pem(read_file(ca, "ca_file")?));
+        }
+        if let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) {
+            t = t.identity(Identity::from_pem(
+                read_file(cert, "cert_file")?,
+                read_file(key, "key_file")?,
+            ));
+        }
+        if let Some(domain) = &tls.domain {
+            t = t.domain_name(domain.clone());
+        }
+        options = options.with_tls(t);
+        "https"
+    } else {
+        "http"
+    };
+    let endpoints: Vec<String> = config
+        .endpoints
+        .iter()
+        .map(|e| format!("{scheme}://{e}"))
+        .collect();
+    request(
+        config.dial_timeout.saturating_add(config.request_timeout),
+        Client::connect(endpoints, Some(options)),
+    )
+    .await
+    .map_err(|e| e.into_error("connect"))
+}
+
+/// How many requests one [`EtcdLock`] client has sent to etcd, by kind (for measuring overhead).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EtcdRequestCounts {
+    /// `LeaseGrant` calls.
+    pub lease_grant: u64,
+    /// `LeaseKeepAlive` requests (messages on keepalive streams, including each stream's first).
+    pub lease_keepalive: u64,
+    /// `LeaseRevoke` calls.
+    pub lease_revoke: u64,
+    /// `Txn` calls.
+    pub txn: u64,
+    /// `Range` calls.
+    pub range: u64,
+    /// Watches created.
+    pub watch: u64,
+}
+
+impl EtcdRequestCounts {
+    /// All requests.
+    pub fn total(&self) -> u64 {
+        self.lease_grant
+            + self.lease_keepalive
+            + self.lease_revoke
+            + self.txn
+            + self.range
+            + self.watch
+    }
+}
+
+pub(crate) fn first_create() -> GetOptions {
+    GetOptions::new()
+        .with_prefix()
+        .with_sort(SortTarget::Create, SortOrder::Ascend)
+        .with_limit(1)
+}
+
+pub(crate) fn txn_get(resp: &TxnResponse, index: usize) -> Option<etcd_client::GetResponse> {
+    match resp.op_responses().into_iter().nth(index)? {
+        TxnOpResponse::Get(get) => Some(get),
+        _ => None,
+    }
+}
+
+fn read_file(path: &std::path::Path, what: &str) -> Result<Vec<u8>> {
+    std::fs::read(path)
+        .map_err(|e| Error::Config(format!("etcd: cannot read {what} {}: {e}", path.display())))
+}
+
+/// Asks the server which TTL it grants for a 1 s lease (etcd raises short leases to its
+/// minimum, about 1.5 election timeouts).
+pub(crate) async fn probe_min_ttl(
+    client: &Client,
+    config: &EtcdLockConfig,
+    counters: &Counters,
+) -> Result<Duration> {
+    Counters::bump(&counters.lease_grant);
+    let resp = request(config.request_timeout, client.lease_client().grant(1, None))
+        .await
+        .map_err(|e| e.into_error("connect"))?;
+    Counters::bump(&counters.lease_revoke);
+    if let Err(e) = request(
+        config.request_timeout,
+        client.lease_client().revoke(resp.id()),
+    )
+    .await
+    {
+        tracing::debug!(error = %e.source, "revoking the probe lease failed; it expires by itself");
+    }
+    let secs = u64::try_from(resp.ttl()).unwrap_or(0).max(1);
+    Ok(Duration::from_secs(secs))
 }
 
 #[cfg(test)]

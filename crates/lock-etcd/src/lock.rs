@@ -1,7 +1,7 @@
-//! `EtcdLock`: a client-side mutex on etcd with Go `concurrency.Mutex`'s key layout.
+//! `EtcdLock` and its `Driver` impl: the coordinator's algorithm — acquire (put the entry, wait
+//! for one's turn, hold), try_acquire, release, inspect and force_release.
 
 use std::{
-    collections::HashSet,
     fmt,
     sync::{Arc, Mutex, Weak},
     time::Duration,
@@ -9,24 +9,25 @@ use std::{
 
 use async_trait::async_trait;
 use etcd_client::{
-    Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, Identity,
-    KeyValue, PutOptions, SortOrder, SortTarget, TlsOptions, Txn, TxnOp, TxnOpResponse,
-    TxnResponse, WatchFilterType, WatchOptions, WatchStream,
+    Client, Compare, CompareOp, GetOptions, KeyValue, SortOrder, SortTarget, Txn, TxnOp,
 };
 use futures::future::BoxFuture;
 use lock_core::raw::{
     AcquireWait, Backoff, Batcher, Capabilities, Driver, Error, FencingGuarantee, FencingToken,
     HolderIdentity, HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result,
 };
-use tokio::time::{Instant, sleep, sleep_until};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    EtcdLockConfig,
-    error::{self, BACKEND, Failure, RequestError, protocol},
+    EtcdLockConfig, EtcdRequestCounts,
+    client::{
+        self, BACKEND, Counters, Failure, RequestError, first_create, lock, protocol, txn_get,
+    },
     keys,
-    session::{Counters, Grant, KeepAliveError, Session, lock},
-    watch::{Outcome, WatchMux},
+    queue::{Entry, LEAVE_GRACE, Target, ahead_of, queue_entry_lost, spawn_cleanup},
+    renew::{self, Held, KeepAliveError, MAX_TXN_OPS, Phase, Session},
+    wake::{self, WatchMux},
 };
 
 /// The longest lease TTL etcd accepts (`MaxLeaseTTL`, 9,000,000,000 s).
@@ -51,331 +52,26 @@ const MAX_LEASE_TTL_SECS: u64 = 9_000_000_000;
 /// Clones share the connection and the sessions.
 #[derive(Clone)]
 pub struct EtcdLock {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
-struct Inner {
+pub(crate) struct Inner {
     /// This client itself, for the idle-lease reapers it spawns.
-    me: Weak<Inner>,
-    client: Client,
-    config: EtcdLockConfig,
-    caps: Capabilities,
-    sessions: Mutex<Vec<Arc<Session>>>,
+    pub(crate) me: Weak<Inner>,
+    pub(crate) client: Client,
+    pub(crate) config: EtcdLockConfig,
+    pub(crate) caps: Capabilities,
+    pub(crate) sessions: Mutex<Vec<Arc<Session>>>,
     /// Serializes lease grants (see `session_for`).
-    granting: tokio::sync::Mutex<()>,
+    pub(crate) granting: tokio::sync::Mutex<()>,
     /// The deletion watches of held locks, on one stream.
-    watches: WatchMux,
+    pub(crate) watches: WatchMux,
     /// Renewals' proofs that their entries still exist, batched into one read-only txn.
-    checks: Batcher<Check, CheckAnswer>,
-    counters: Arc<Counters>,
+    pub(crate) checks: Batcher<renew::Check, renew::CheckAnswer>,
+    pub(crate) counters: Arc<Counters>,
     /// Who this client is, written next to each of its entries' tokens (see
     /// [`keys::entry_value`]).
-    identity: HolderIdentity,
-}
-
-/// An entry a renewal must find: key, create revision, lease.
-type Check = (Vec<u8>, i64, i64);
-/// Whether it was found as it should be, or why the read failed.
-type CheckAnswer = std::result::Result<bool, (Failure, Arc<str>)>;
-
-/// How long past its deadline an `acquire` may spend leaving the queue in the foreground.
-const LEAVE_GRACE: Duration = Duration::from_millis(150);
-
-/// The most operations etcd accepts in one txn by default (`--max-txn-ops`).
-const MAX_TXN_OPS: usize = 128;
-
-/// A waiter behind at most this many entries watches the whole queue and needs no read when
-/// its turn comes ([`Inner::wait_turn`]); behind more it watches its predecessor only, so a
-/// release wakes at most this many waiters.
-const QUEUE_WATCH_MAX: usize = 32;
-
-/// Who a waiter waits for, from one read of the queue.
-enum Ahead {
-    /// Every earlier entry (newest first), watched through the queue prefix from `from`.
-    All { keys: Vec<Vec<u8>>, from: i64 },
-    /// Only the newest earlier entry, watched from `from`; the queue is read again when it goes.
-    Predecessor { key: Vec<u8>, from: i64 },
-}
-
-/// How many requests one [`EtcdLock`] client has sent to etcd, by kind (for measuring overhead).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct EtcdRequestCounts {
-    /// `LeaseGrant` calls.
-    pub lease_grant: u64,
-    /// `LeaseKeepAlive` requests (messages on keepalive streams, including each stream's first).
-    pub lease_keepalive: u64,
-    /// `LeaseRevoke` calls.
-    pub lease_revoke: u64,
-    /// `Txn` calls.
-    pub txn: u64,
-    /// `Range` calls.
-    pub range: u64,
-    /// Watches created.
-    pub watch: u64,
-}
-
-impl EtcdRequestCounts {
-    /// All requests.
-    pub fn total(&self) -> u64 {
-        self.lease_grant
-            + self.lease_keepalive
-            + self.lease_revoke
-            + self.txn
-            + self.range
-            + self.watch
-    }
-}
-
-/// Driver state carried by each lease.
-struct Held {
-    session: Arc<Session>,
-    name: Vec<u8>,
-    key: Vec<u8>,
-    rev: i64,
-    phase: Mutex<Phase>,
-    /// Cancelled when the entry is known to be gone (lease dead, key deleted).
-    gone: CancellationToken,
-    /// Cancelled when the lease was released through this client.
-    stop: CancellationToken,
-}
-
-struct Phase {
-    /// When the keepalive (or grant) behind the current local deadline was sent.
-    base: Instant,
-    deadline: Instant,
-    /// Released, reaped or gone: the session user was (or is being) removed.
-    finished: bool,
-}
-
-impl Held {
-    fn is_finished(&self) -> bool {
-        lock(&self.phase).finished
-    }
-
-    /// Marks the entry finished; `true` for the one caller that did it.
-    fn claim(&self) -> bool {
-        let mut phase = lock(&self.phase);
-        !std::mem::replace(&mut phase.finished, true)
-    }
-
-    fn claim_if_expired(&self) -> bool {
-        let mut phase = lock(&self.phase);
-        if phase.finished || phase.deadline > Instant::now() {
-            return false;
-        }
-        phase.finished = true;
-        true
-    }
-}
-
-/// A contender's key in the queue, owned until it becomes a held lease or is discarded. Dropped
-/// while armed (a cancelled acquire, an error), it deletes itself in the background.
-struct Entry {
-    inner: Arc<Inner>,
-    session: Arc<Session>,
-    name: Vec<u8>,
-    key: Vec<u8>,
-    token: OwnershipToken,
-    /// Create revision; 0 while unknown (then the key is matched by its value).
-    rev: i64,
-    /// This attempt's abandonment marker (see [`keys::attempt_marker`]).
-    marker: Vec<u8>,
-    armed: bool,
-    /// Who was ahead in the queue when the put applied (read by the put itself), so a waiter
-    /// starts watching without reading the queue first.
-    ahead: Option<Ahead>,
-}
-
-impl Entry {
-    /// The entry's value: token and this client's holder identity ([`keys::entry_value`]). The
-    /// identity rides in the put that creates the entry: no extra request, and it is deleted
-    /// with the entry (lease expiry, release, force-release).
-    fn value(&self) -> String {
-        keys::entry_value(&self.token, &self.inner.identity)
-    }
-
-    /// The attempt's put (Go's `tryAcquire` txn): put our key if it does not exist and read the
-    /// oldest key of the range and the newest [`QUEUE_WATCH_MAX`] + 1 (ours and who is ahead of
-    /// it), else read our key. Conditional on the attempt's marker too: once a withdrawal wrote
-    /// it, this put can never apply, however late it arrives (review L1).
-    fn put_txn(&self) -> Txn {
-        Txn::new()
-            .when([
-                Compare::create_revision(self.key.clone(), CompareOp::Equal, 0),
-                Compare::create_revision(self.marker.clone(), CompareOp::Equal, 0),
-            ])
-            .and_then([
-                TxnOp::put(
-                    self.key.clone(),
-                    self.value(),
-                    Some(PutOptions::new().with_lease(self.session.id)),
-                ),
-                TxnOp::get(self.name.clone(), Some(first_create())),
-                TxnOp::get(
-                    self.name.clone(),
-                    Some(
-                        GetOptions::new()
-                            .with_prefix()
-                            .with_sort(SortTarget::Create, SortOrder::Descend)
-                            .with_limit(QUEUE_WATCH_MAX as i64 + 1),
-                    ),
-                ),
-            ])
-            .or_else([TxnOp::get(self.key.clone(), None)])
-    }
-
-    /// Deletes the entry now, bounded by `until` (falling back to background retries when that
-    /// fails).
-    async fn discard(mut self, until: Instant) {
-        self.armed = false;
-        let target = Target::of(&self);
-        if let Err(e) = self.inner.remove_entry(&target, until).await {
-            tracing::debug!(error = %e.source, "deleting a queue entry failed; retrying in the background");
-            spawn_cleanup(Arc::downgrade(&self.inner), target);
-        }
-    }
-}
-
-impl Drop for Entry {
-    fn drop(&mut self) {
-        if self.armed {
-            spawn_cleanup(Arc::downgrade(&self.inner), Target::of(self));
-        }
-    }
-}
-
-/// What identifies an entry for a compare-and-delete.
-#[derive(Clone)]
-struct Target {
-    session: Arc<Session>,
-    name: Vec<u8>,
-    key: Vec<u8>,
-    rev: i64,
-    /// The entry's value (token and identity), matched when the create revision is unknown.
-    value: String,
-    /// Set when the create revision is unknown (a put whose outcome is unknown may still be
-    /// applied later): removing it also puts this marker, which the put requires absent.
-    marker: Option<Vec<u8>>,
-}
-
-impl Target {
-    fn of(e: &Entry) -> Self {
-        Self {
-            session: e.session.clone(),
-            name: e.name.clone(),
-            key: e.key.clone(),
-            rev: e.rev,
-            value: e.value(),
-            marker: (e.rev <= 0).then(|| e.marker.clone()),
-        }
-    }
-
-    /// The compare-and-delete of this entry. With an unknown create revision it matches the
-    /// token, and also puts the attempt's marker in the same txn whatever the compare says:
-    /// from then on the original put (conditional on the marker's absence) can never apply, so
-    /// a put still in flight cannot leave a ghost entry behind (review L1).
-    fn removal(&self) -> Txn {
-        match &self.marker {
-            None => Txn::new()
-                .when([Compare::create_revision(
-                    self.key.clone(),
-                    CompareOp::Equal,
-                    self.rev,
-                )])
-                .and_then([TxnOp::delete(self.key.clone(), None)]),
-            Some(marker) => {
-                let put_marker = TxnOp::put(
-                    marker.clone(),
-                    "",
-                    Some(PutOptions::new().with_lease(self.session.id)),
-                );
-                Txn::new()
-                    .when([Compare::value(
-                        self.key.clone(),
-                        CompareOp::Equal,
-                        self.value.clone(),
-                    )])
-                    .and_then([TxnOp::delete(self.key.clone(), None), put_marker.clone()])
-                    .or_else([put_marker])
-            }
-        }
-    }
-}
-
-fn spawn_cleanup(inner: Weak<Inner>, target: Target) {
-    let spawned = lock_core::raw::cleanup::spawn(async move {
-        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
-        loop {
-            if target.session.gone.is_cancelled() {
-                if let Some(inner) = inner.upgrade() {
-                    inner.drop_user(&target.session, &target.name).await;
-                }
-                return;
-            }
-            let Some(inner) = inner.upgrade() else {
-                return; // The client is gone: the entry expires with its lease.
-            };
-            let until = Instant::now() + inner.timeout();
-            match inner.remove_entry(&target, until).await {
-                Ok(()) => return,
-                Err(e) if e.is_permanent() => {
-                    // Retrying cannot help (permission denied, credentials refused): stop, say
-                    // so once, and let the entry go with its lease — no longer registered, the
-                    // session is revoked or expires once its other locks are released.
-                    tracing::warn!(
-                        lock = %String::from_utf8_lossy(&target.name),
-                        error = %e.source,
-                        "etcd refuses to delete a lock entry for good; giving up: it goes when its lease ends"
-                    );
-                    inner.drop_user(&target.session, &target.name).await;
-                    return;
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e.source, "deleting a lock entry failed; retrying")
-                }
-            }
-            drop(inner);
-            tokio::select! {
-                () = sleep(backoff.next_delay()) => {}
-                () = target.session.gone.cancelled() => {}
-            }
-        }
-    });
-    if !spawned {
-        tracing::warn!("lock entry abandoned outside a runtime; it expires with its lease");
-    }
-}
-
-fn ttl_secs(ttl: Duration) -> i64 {
-    let secs = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
-    i64::try_from(secs).unwrap_or(i64::MAX)
-}
-
-fn first_create() -> GetOptions {
-    GetOptions::new()
-        .with_prefix()
-        .with_sort(SortTarget::Create, SortOrder::Ascend)
-        .with_limit(1)
-}
-
-fn txn_get(resp: &TxnResponse, index: usize) -> Option<etcd_client::GetResponse> {
-    match resp.op_responses().into_iter().nth(index)? {
-        TxnOpResponse::Get(get) => Some(get),
-        _ => None,
-    }
-}
-
-fn queue_entry_lost(key: &LockKey) -> Error {
-    Error::Backend {
-        backend: BACKEND,
-        op: "acquire",
-        message: format!(
-            "the queue entry for lock {:?} was deleted while waiting (its lease expired or was revoked)",
-            key.as_str()
-        ),
-        source: None,
-    }
+    pub(crate) identity: HolderIdentity,
 }
 
 impl EtcdLock {
@@ -391,53 +87,11 @@ impl EtcdLock {
         config.validate()?;
         let identity = HolderIdentity::process(config.label.as_deref())?;
         config.prefix = config.normalized_prefix();
-        let mut options = ConnectOptions::new()
-            .with_connect_timeout(config.dial_timeout)
-            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
-            // A member that has lost its leader refuses at once instead of serving stale
-            // watches or stalling requests (review L4).
-            .with_require_leader(true);
-        if let Some(user) = &config.user {
-            // Re-authenticates when the token expired (etcd's simple tokens live 5 min by
-            // default), instead of failing every later request for good (review L5).
-            options = options
-                .with_user(user.clone(), config.password.clone().unwrap_or_default())
-                .with_auto_token_refresh(true);
-        }
-        let scheme = if let Some(tls) = &config.tls {
-            let mut t = TlsOptions::new();
-            if let Some(ca) = &tls.ca_file {
-                t = t.ca_certificate(Certificate::from_pem(read_file(ca, "ca_file")?));
-            }
-            if let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) {
-                t = t.identity(Identity::from_pem(
-                    read_file(cert, "cert_file")?,
-                    read_file(key, "key_file")?,
-                ));
-            }
-            if let Some(domain) = &tls.domain {
-                t = t.domain_name(domain.clone());
-            }
-            options = options.with_tls(t);
-            "https"
-        } else {
-            "http"
-        };
-        let endpoints: Vec<String> = config
-            .endpoints
-            .iter()
-            .map(|e| format!("{scheme}://{e}"))
-            .collect();
-        let client = error::request(
-            config.dial_timeout.saturating_add(config.request_timeout),
-            Client::connect(endpoints, Some(options)),
-        )
-        .await
-        .map_err(|e| e.into_error("connect"))?;
+        let client = client::connect(&config).await?;
         let counters = Arc::new(Counters::default());
         let min_ttl = match config.min_ttl {
             Some(t) => t,
-            None => probe_min_ttl(&client, &config, &counters).await?,
+            None => client::probe_min_ttl(&client, &config, &counters).await?,
         };
         let caps = Capabilities {
             lease_ttl: true,
@@ -563,29 +217,6 @@ impl EtcdLock {
     }
 }
 
-/// Whom to wait for, from a read of the queue at `revision` (`from` − 1) holding the newest
-/// keys of `name` (newest first; keys created at or after `own_rev` are skipped), `more` when
-/// the read was cut by its limit. `None`: nobody contends ahead of us, or the read says too
-/// little (the waiter then reads the queue itself).
-fn ahead_of(
-    name: &[u8],
-    own_rev: i64,
-    newest: &[KeyValue],
-    more: bool,
-    from: i64,
-) -> Option<Ahead> {
-    let mut earlier = newest
-        .iter()
-        .filter(|kv| kv.create_revision() < own_rev && keys::is_entry(name, kv.key(), kv.lease()))
-        .map(|kv| kv.key().to_vec());
-    if more {
-        let key = earlier.next()?;
-        return Some(Ahead::Predecessor { key, from });
-    }
-    let keys: Vec<Vec<u8>> = earlier.collect();
-    (!keys.is_empty()).then_some(Ahead::All { keys, from })
-}
-
 /// A grant whose local deadline had passed by the time it was confirmed.
 fn expired_on_arrival(op: &'static str) -> Error {
     Error::Unavailable {
@@ -596,37 +227,8 @@ fn expired_on_arrival(op: &'static str) -> Error {
     }
 }
 
-fn read_file(path: &std::path::Path, what: &str) -> Result<Vec<u8>> {
-    std::fs::read(path)
-        .map_err(|e| Error::Config(format!("etcd: cannot read {what} {}: {e}", path.display())))
-}
-
-/// Asks the server which TTL it grants for a 1 s lease (etcd raises short leases to its
-/// minimum, about 1.5 election timeouts).
-async fn probe_min_ttl(
-    client: &Client,
-    config: &EtcdLockConfig,
-    counters: &Counters,
-) -> Result<Duration> {
-    Counters::bump(&counters.lease_grant);
-    let resp = error::request(config.request_timeout, client.lease_client().grant(1, None))
-        .await
-        .map_err(|e| e.into_error("connect"))?;
-    Counters::bump(&counters.lease_revoke);
-    if let Err(e) = error::request(
-        config.request_timeout,
-        client.lease_client().revoke(resp.id()),
-    )
-    .await
-    {
-        tracing::debug!(error = %e.source, "revoking the probe lease failed; it expires by itself");
-    }
-    let secs = u64::try_from(resp.ttl()).unwrap_or(0).max(1);
-    Ok(Duration::from_secs(secs))
-}
-
 impl Inner {
-    fn timeout(&self) -> Duration {
+    pub(crate) fn timeout(&self) -> Duration {
         self.config.request_timeout
     }
 
@@ -640,7 +242,7 @@ impl Inner {
         let name = keys::name_prefix(&self.config.prefix, key);
         let until = Instant::now() + self.timeout();
         Counters::bump(&self.counters.range);
-        let resp = error::request(
+        let resp = client::request(
             self.timeout(),
             self.client
                 .kv_client()
@@ -663,231 +265,6 @@ impl Inner {
                 Ok(entries.into_iter().next().map(|kv| (kv, waiters)))
             }
         }
-    }
-
-    fn forget(&self, session: &Arc<Session>) {
-        lock(&self.sessions).retain(|s| !Arc::ptr_eq(s, session));
-    }
-
-    /// Revokes a retired session's lease, bounded by `until`. On failure the lease expires by
-    /// its TTL: nothing keeps a retired session alive.
-    async fn revoke(&self, session: &Session, until: Instant) -> Result<(), RequestError> {
-        Counters::bump(&self.counters.lease_revoke);
-        match error::request_until(
-            self.timeout(),
-            until,
-            self.client.lease_client().revoke(session.id),
-        )
-        .await
-        {
-            Ok(_)
-            | Err(RequestError {
-                failure: Failure::LeaseNotFound,
-                ..
-            }) => {
-                session.mark_gone();
-                Ok(())
-            }
-            Err(e) => {
-                tracing::debug!(error = %e.source, "revoking an unused lease failed; it expires by its ttl");
-                Err(e)
-            }
-        }
-    }
-
-    /// Unregisters `name` from `session`. A lease that nothing uses any more stays in the pool
-    /// for a short grace period (a quarter of its TTL, at most 1 s), so the next acquisition
-    /// with that TTL reuses it instead of granting a new one — a lock taken and released in a
-    /// loop then costs two requests, not four. It is revoked when the grace period ends unused;
-    /// an idle lease has no keys, so leaving it to expire (client gone) is harmless.
-    async fn drop_user(&self, session: &Arc<Session>, name: &[u8]) {
-        let Some(idle_since) = session.remove_user(name) else {
-            return;
-        };
-        if session.gone.is_cancelled() {
-            self.forget(session);
-            return;
-        }
-        let grace = (session.granted / 4).min(Duration::from_secs(1));
-        let (me, session) = (self.me.clone(), session.clone());
-        tokio::spawn(async move {
-            sleep(grace).await;
-            if session.retire_if_idle(idle_since)
-                && let Some(inner) = me.upgrade()
-            {
-                // An idle lease has no keys: if this fails it just expires by its TTL.
-                let _ = inner
-                    .revoke(&session, Instant::now() + inner.timeout())
-                    .await;
-                inner.forget(&session);
-            }
-        });
-    }
-
-    /// Compare-and-delete of one entry; revokes the session instead when it was its last user.
-    async fn remove_entry(&self, t: &Target, until: Instant) -> Result<(), RequestError> {
-        if t.session.gone.is_cancelled() {
-            self.drop_user(&t.session, &t.name).await;
-            return Ok(());
-        }
-        if t.session.take_last_user(&t.name) {
-            // Revoking the lease deletes the entry with it. Should that fail, the session is
-            // retired all the same (nothing keeps its lease alive) and the caller's retries
-            // delete the entry itself, so it does not block the lock until the lease expires.
-            self.forget(&t.session);
-            return self.revoke(&t.session, until).await;
-        }
-        Counters::bump(&self.counters.txn);
-        match error::request_until(
-            self.timeout(),
-            until,
-            self.client.kv_client().txn(t.removal()),
-        )
-        .await
-        {
-            Ok(_) => {}
-            Err(RequestError {
-                failure: Failure::LeaseNotFound,
-                ..
-            }) => {
-                // The lease is gone, and every key on it; a late put on it fails.
-                t.session.mark_gone();
-                self.forget(&t.session);
-            }
-            Err(e) => return Err(e),
-        }
-        self.drop_user(&t.session, &t.name).await;
-        Ok(())
-    }
-
-    /// Proves that each entry still exists with its create revision on its lease: one
-    /// linearizable read-only txn for every renewal that asks while another batch is out.
-    async fn check_entries(&self, check: Check, until: Instant) -> CheckAnswer {
-        let (client, counters, timeout) =
-            (self.client.clone(), self.counters.clone(), self.timeout());
-        let run = move |items: Vec<Check>| {
-            let (client, counters) = (client.clone(), counters.clone());
-            async move {
-                Counters::bump(&counters.txn);
-                let reads = items.iter().map(|(key, _, _)| {
-                    TxnOp::get(key.clone(), Some(GetOptions::new().with_keys_only()))
-                });
-                let txn = Txn::new().and_then(reads.collect::<Vec<_>>());
-                match error::request(timeout, client.kv_client().txn(txn)).await {
-                    Ok(resp) => items
-                        .iter()
-                        .enumerate()
-                        .map(|(i, (_, rev, lease))| match txn_get(&resp, i) {
-                            Some(get) => Ok(get.kvs().first().is_some_and(|kv| {
-                                kv.create_revision() == *rev && kv.lease() == *lease
-                            })),
-                            None => {
-                                Err((Failure::Rejected, "etcd's txn reply lacks a read".into()))
-                            }
-                        })
-                        .collect(),
-                    Err(e) => {
-                        let why: Arc<str> = e.source.to_string().into();
-                        items
-                            .iter()
-                            .map(|_| Err((e.failure, why.clone())))
-                            .collect()
-                    }
-                }
-            }
-        };
-        match tokio::time::timeout_at(until, self.checks.submit(check, run)).await {
-            Ok(Some(answer)) => answer,
-            Ok(None) => Err((
-                Failure::Unknown,
-                "the entry check ended without an answer".into(),
-            )),
-            Err(_) => Err((
-                Failure::Unknown,
-                "no answer to the entry check within the caller's deadline".into(),
-            )),
-        }
-    }
-
-    /// A live session for `ttl` with `name` registered on it, and when its lease was last
-    /// confirmed alive (the lease lives at least until then plus its TTL).
-    async fn session_for(
-        &self,
-        name: &[u8],
-        ttl: Duration,
-        until: Instant,
-    ) -> Result<(Arc<Session>, Instant)> {
-        let secs = ttl_secs(ttl);
-        // Held while granting, so acquisitions that start together share one new lease
-        // instead of granting one each.
-        let mut granting = None;
-        loop {
-            let existing = lock(&self.sessions)
-                .iter()
-                .find(|s| s.requested_secs == secs && s.try_add_user(name))
-                .cloned();
-            let Some(session) = existing else {
-                if granting.is_none() {
-                    granting = Some(
-                        tokio::time::timeout_at(until, self.granting.lock())
-                            .await
-                            .map_err(|_| {
-                                Error::unavailable(
-                                    BACKEND,
-                                    "acquire",
-                                    "waiting for another acquisition's lease grant took the whole deadline",
-                                )
-                            })?,
-                    );
-                    // Someone may have granted while we waited: look again.
-                    continue;
-                }
-                break;
-            };
-            drop(granting.take());
-            match session.keep_alive(ttl / 8, None, until).await {
-                Ok(base) => return Ok((session, base)),
-                Err(KeepAliveError::Gone) => {
-                    self.forget(&session);
-                }
-                Err(KeepAliveError::Failed(e)) => {
-                    self.drop_user(&session, name).await;
-                    return Err(e.into_error("acquire"));
-                }
-            }
-        }
-        let sent = Instant::now();
-        Counters::bump(&self.counters.lease_grant);
-        let resp = error::request_until(
-            self.timeout(),
-            until,
-            self.client.lease_client().grant(secs, None),
-        )
-        .await
-        .map_err(|e| e.into_error("acquire"))?;
-        let granted = Duration::from_secs(u64::try_from(resp.ttl()).unwrap_or(0));
-        let session = Arc::new(Session::new(
-            Grant {
-                id: resp.id(),
-                requested_secs: secs,
-                granted,
-                sent_at: sent,
-            },
-            name.to_vec(),
-            self.client.lease_client(),
-            self.timeout(),
-            self.counters.clone(),
-        ));
-        if granted < ttl {
-            // Never happens with etcd (it only raises short TTLs), but never trust a shorter lease.
-            let _ = self.revoke(&session, until).await;
-            return Err(protocol(
-                "acquire",
-                format!("etcd granted a {granted:?} lease for a {ttl:?} ttl"),
-            ));
-        }
-        lock(&self.sessions).push(session.clone());
-        Ok((session, sent))
     }
 
     /// Puts this contender's entry for `key` (Go's `tryAcquire`): returns it, whether it is the
@@ -917,7 +294,7 @@ impl Inner {
             };
             let txn = entry.put_txn();
             Counters::bump(&self.counters.txn);
-            match error::request_until(self.timeout(), until, self.client.kv_client().txn(txn))
+            match client::request_until(self.timeout(), until, self.client.kv_client().txn(txn))
                 .await
             {
                 Ok(resp) if resp.succeeded() => {
@@ -1009,7 +386,7 @@ impl Inner {
     }
 
     /// Every contender entry under `name` (created at or before `max_rev`), oldest first.
-    async fn entries_of(
+    pub(crate) async fn entries_of(
         &self,
         name: &[u8],
         max_rev: Option<i64>,
@@ -1022,7 +399,7 @@ impl Inner {
             opts = opts.with_max_create_revision(rev);
         }
         Counters::bump(&self.counters.range);
-        let resp = error::request_until(
+        let resp = client::request_until(
             self.timeout(),
             until,
             self.client.kv_client().get(name.to_vec(), Some(opts)),
@@ -1050,7 +427,7 @@ impl Inner {
         until: Instant,
     ) -> Result<(Entry, bool, Instant)> {
         Counters::bump(&self.counters.range);
-        let found = error::request_until(
+        let found = client::request_until(
             self.timeout(),
             until,
             self.client.kv_client().get(entry.key.clone(), None),
@@ -1121,351 +498,8 @@ impl Inner {
         });
         let lease = lease.with_backend_state(held.clone());
         lock(&held.phase).deadline = lease.local_deadline();
-        tokio::spawn(reap(Arc::downgrade(self), held));
+        tokio::spawn(renew::reap(Arc::downgrade(self), held));
         Ok(lease)
-    }
-
-    /// Waits until every entry created before ours is gone (Go's `waitDeletes`), keeping our
-    /// lease alive meanwhile, and makes sure our own entry still exists (the check etcd#11456 is
-    /// about).
-    ///
-    /// Each look at the queue is one read-only transaction that also reads our own entry (gone →
-    /// error, never `Ok`). It reads up to [`QUEUE_WATCH_MAX`] entries older than ours. When that
-    /// is all of them, the waiter watches the whole queue prefix (deletions only) from just
-    /// after the read and crosses each earlier entry off as its deletion arrives: events arrive
-    /// in revision order, so when the last earlier entry's deletion arrives with no deletion of
-    /// our own key before it, at that revision no earlier entry existed (create revisions only
-    /// grow, so none can appear) and ours did — the lock is ours without another read. A
-    /// hand-off then costs the holder's delete and one watch event, wherever the waiter stood
-    /// in the queue (with only the next in line watching the prefix, every other waiter read
-    /// the queue again when its predecessor went: one more round trip on the contended path).
-    /// Behind more entries than that, a waiter watches only its immediate predecessor (no herd
-    /// of events) and looks again when that one goes.
-    async fn wait_turn(
-        &self,
-        entry: &Entry,
-        mut first: Option<Ahead>,
-        key: &LockKey,
-        ttl: Duration,
-        wait: &AcquireWait,
-    ) -> Result<()> {
-        let until = wait.deadline();
-        let keepalive_every = ttl / 3;
-        let mut next_keepalive = Instant::now() + keepalive_every;
-        let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(1));
-        // Even with a watch open, look at the queue again on this period: a watch served by a
-        // member cut off from the cluster, or an event lost, must not leave the waiter asleep
-        // until its deadline (review L4).
-        let reread_every = (ttl / 2).clamp(Duration::from_secs(1), Duration::from_secs(5));
-        let session = &entry.session;
-        // Cleared when a queue watch was refused (compacted).
-        let mut queue_watch_ok = true;
-        // A queue watch kept across a read of the queue: it reports every deletion after the
-        // revision it started at, so a read at that revision or later can go on with it.
-        let mut carried: Option<(WatchStream, i64)> = None;
-        'queue: loop {
-            if Instant::now() >= until {
-                return Err(wait.timeout());
-            }
-            // The put's own read says who is ahead the first time; later looks read the queue.
-            let pred = if let Some(ahead) = first.take() {
-                Some(ahead)
-            } else {
-                // One read-only transaction: the newest entries older than ours, and our own entry.
-                Counters::bump(&self.counters.txn);
-                let opts = GetOptions::new()
-                    .with_prefix()
-                    .with_sort(SortTarget::Create, SortOrder::Descend)
-                    .with_max_create_revision(entry.rev - 1)
-                    .with_limit(QUEUE_WATCH_MAX as i64);
-                let read = Txn::new().and_then([
-                    TxnOp::get(entry.name.clone(), Some(opts)),
-                    TxnOp::get(entry.key.clone(), None),
-                ]);
-                let read =
-                    error::request_until(self.timeout(), until, self.client.kv_client().txn(read))
-                        .await;
-                match read {
-                    Ok(resp) => {
-                        let (Some(queue), Some(own)) = (txn_get(&resp, 0), txn_get(&resp, 1))
-                        else {
-                            return Err(protocol("acquire", "etcd's txn reply lacks a read"));
-                        };
-                        match own.kvs().first() {
-                            Some(kv) if kv.create_revision() == entry.rev => {}
-                            _ => return Err(queue_entry_lost(key)),
-                        }
-                        let earlier: Vec<&KeyValue> = queue
-                            .kvs()
-                            .iter()
-                            .filter(|kv| keys::is_entry(&entry.name, kv.key(), kv.lease()))
-                            .collect();
-                        match (queue.kvs().first(), resp.header()) {
-                            // No earlier entry and ours exists, at one revision: the lock is ours.
-                            (None, _) => return Ok(()),
-                            // `more` is computed after the create-revision filter: false means
-                            // these are all the keys older than ours.
-                            (Some(_), Some(h)) if !queue.more() => {
-                                if earlier.is_empty() {
-                                    // Only keys that are no contender: nobody is ahead of us.
-                                    return Ok(());
-                                }
-                                Some(Ahead::All {
-                                    keys: earlier.iter().map(|kv| kv.key().to_vec()).collect(),
-                                    from: h.revision() + 1,
-                                })
-                            }
-                            (Some(_), Some(h)) if !earlier.is_empty() => Some(Ahead::Predecessor {
-                                key: earlier[0].key().to_vec(),
-                                from: h.revision() + 1,
-                            }),
-                            (Some(_), Some(_)) => {
-                                // A key under our range that is no contender: look at the entries
-                                // only (rare). No shortcut: the watch is then on the predecessor.
-                                match self
-                                    .entries_of(&entry.name, Some(entry.rev - 1), until)
-                                    .await
-                                {
-                                    Ok(earlier) => match earlier.last() {
-                                        None => {
-                                            // Ours must still exist: read again, it costs one txn.
-                                            if self.own_entry_exists(entry, until).await? {
-                                                return Ok(());
-                                            }
-                                            return Err(queue_entry_lost(key));
-                                        }
-                                        Some(kv) => Some(Ahead::Predecessor {
-                                            key: kv.key().to_vec(),
-                                            from: kv.mod_revision().max(kv.create_revision()) + 1,
-                                        }),
-                                    },
-                                    Err(e) => {
-                                        tracing::debug!(%key, error = %e.source, "reading the lock queue failed; retrying");
-                                        None
-                                    }
-                                }
-                            }
-                            (Some(_), None) => None,
-                        }
-                    }
-                    Err(e) => {
-                        tracing::debug!(%key, error = %e.source, "reading the lock queue failed; retrying");
-                        None
-                    }
-                }
-            };
-            // The earlier entries not yet seen deleted, while watching the whole queue, and the
-            // first revision whose deletions count (older ones happened before the read).
-            let mut ahead: Option<HashSet<Vec<u8>>> = None;
-            let mut min_rev = 0;
-            let carried_watch = carried.take();
-            let pred = match pred {
-                // A refused queue watch (compacted): watch the newest earlier entry instead.
-                Some(Ahead::All { keys, from }) if !queue_watch_ok => {
-                    let newest = keys.into_iter().next();
-                    newest.map(|key| Ahead::Predecessor { key, from })
-                }
-                other => other,
-            };
-            let mut stream = match pred {
-                Some(Ahead::All { keys, from }) => {
-                    let watch = match carried_watch {
-                        Some((stream, start)) if start < from => Some((stream, start)),
-                        _ => self.queue_watch(&entry.name, until).await,
-                    };
-                    match watch {
-                        // It reports everything after the read: go on with it.
-                        Some((stream, start)) if start < from => {
-                            ahead = Some(keys.into_iter().collect());
-                            min_rev = from;
-                            Some(stream)
-                        }
-                        // Deletions between the read and the watch's start were not seen:
-                        // read the queue again (at or after the start) and keep this watch.
-                        Some(started) => {
-                            carried = Some(started);
-                            continue 'queue;
-                        }
-                        None => None,
-                    }
-                }
-                Some(Ahead::Predecessor {
-                    key: pred_key,
-                    from,
-                }) => {
-                    Counters::bump(&self.counters.watch);
-                    let opts = WatchOptions::new()
-                        .with_start_revision(from)
-                        .with_filters([WatchFilterType::NoPut]);
-                    error::request_until(
-                        self.timeout(),
-                        until,
-                        self.client.watch_client().watch(pred_key, Some(opts)),
-                    )
-                    .await
-                    .ok()
-                }
-                None => None,
-            };
-            let mut retry_at = if stream.is_some() {
-                Instant::now() + reread_every
-            } else {
-                Instant::now() + backoff.next_delay()
-            };
-            loop {
-                tokio::select! {
-                    biased;
-                    () = session.gone.cancelled() => return Err(queue_entry_lost(key)),
-                    () = sleep_until(until) => return Err(wait.timeout()),
-                    () = sleep_until(next_keepalive) => {
-                        // Bounded by the deadline: a stalled keepalive never holds the waiter
-                        // past it (review L3).
-                        next_keepalive = match session.keep_alive(ttl / 8, None, until).await {
-                            Ok(_) => Instant::now() + keepalive_every,
-                            Err(KeepAliveError::Gone) => return Err(queue_entry_lost(key)),
-                            Err(KeepAliveError::Failed(e)) => {
-                                tracing::debug!(%key, error = %e.source, "waiter keepalive failed; retrying");
-                                Instant::now() + (keepalive_every / 4)
-                            }
-                        };
-                    }
-                    () = sleep_until(retry_at) => {
-                        // A queue watch stays valid across the look at the queue.
-                        if let (Some(s), Some(_)) = (stream.take(), ahead.as_ref()) {
-                            carried = Some((s, min_rev - 1));
-                        }
-                        continue 'queue;
-                    }
-                    msg = async { match stream.as_mut() { Some(s) => s.message().await, None => std::future::pending().await } } => {
-                        match msg {
-                            Ok(Some(resp)) if resp.events().is_empty() && !resp.canceled() => {}
-                            Ok(Some(resp)) => {
-                                let Some(waiting_for) = ahead.as_mut() else {
-                                    backoff.reset();
-                                    continue 'queue;
-                                };
-                                if resp.canceled() {
-                                    // Most likely compacted past our creation: fall back to
-                                    // watching the predecessor and reading again.
-                                    queue_watch_ok = false;
-                                    continue 'queue;
-                                }
-                                for event in resp.events() {
-                                    let Some(kv) = event.kv() else { continue };
-                                    // A deletion before the read is already in `waiting_for`
-                                    // (and may be an earlier entry of the same key name).
-                                    if event.event_type() != EventType::Delete
-                                        || kv.mod_revision() < min_rev
-                                    {
-                                        continue;
-                                    }
-                                    if kv.key() == entry.key.as_slice() {
-                                        return Err(queue_entry_lost(key));
-                                    }
-                                    if waiting_for.remove(kv.key()) && waiting_for.is_empty() {
-                                        return Ok(());
-                                    }
-                                }
-                            }
-                            Ok(None) | Err(_) => {
-                                stream = None;
-                                retry_at = retry_at.min(Instant::now() + backoff.next_delay());
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// Watches the deletions under the queue prefix `name` from now on, and returns the stream
-    /// with the revision the watch started after (from its creation reply). No start revision
-    /// on purpose: etcd registers a watch that asks for a past revision as "unsynced" and
-    /// catches those up only every 100 ms (`syncWatchersLoop`), which under contention — the
-    /// queue changes between a read and the watch — put a 100 ms stall on most hand-offs.
-    async fn queue_watch(&self, name: &[u8], until: Instant) -> Option<(WatchStream, i64)> {
-        Counters::bump(&self.counters.watch);
-        let opts = WatchOptions::new()
-            .with_prefix()
-            .with_filters([WatchFilterType::NoPut]);
-        let mut stream = error::request_until(
-            self.timeout(),
-            until,
-            self.client.watch_client().watch(name.to_vec(), Some(opts)),
-        )
-        .await
-        .ok()?;
-        let by = until.min(Instant::now() + self.timeout());
-        match tokio::time::timeout_at(by, stream.message()).await {
-            Ok(Ok(Some(created))) if created.created() && !created.canceled() => {
-                let start = created.header()?.revision();
-                Some((stream, start))
-            }
-            _ => None,
-        }
-    }
-
-    /// Whether `entry`'s own key still exists with its create revision.
-    async fn own_entry_exists(&self, entry: &Entry, until: Instant) -> Result<bool> {
-        Counters::bump(&self.counters.range);
-        let resp = error::request_until(
-            self.timeout(),
-            until,
-            self.client.kv_client().get(entry.key.clone(), None),
-        )
-        .await
-        .map_err(|e| e.into_error("acquire"))?;
-        Ok(resp
-            .kvs()
-            .first()
-            .is_some_and(|kv| kv.create_revision() == entry.rev))
-    }
-}
-
-/// Deletes a held entry at its local deadline unless it was renewed or released first: on a
-/// shared lease the neighbours' renewals would otherwise keep it alive past its TTL.
-async fn reap(inner: Weak<Inner>, held: Arc<Held>) {
-    loop {
-        // A little after the local deadline: the holder's `lost()` fires at the deadline, and
-        // the next contender is only granted once this delete lands, so the two never meet
-        // within a round trip (safe either way: deleting later only delays the next grant).
-        let deadline = {
-            let phase = lock(&held.phase);
-            let ttl = phase.deadline.saturating_duration_since(phase.base);
-            phase.deadline + (ttl / 20).clamp(Duration::from_millis(5), Duration::from_millis(250))
-        };
-        tokio::select! {
-            () = held.stop.cancelled() => return,
-            () = held.gone.cancelled() => {
-                if held.claim()
-                    && let Some(inner) = inner.upgrade()
-                {
-                    inner.drop_user(&held.session, &held.name).await;
-                }
-                return;
-            }
-            () = sleep_until(deadline) => {}
-        }
-        if held.claim_if_expired() {
-            tracing::debug!(lease = %format_args!("{:x}", held.session.id), "lock not renewed before its local deadline; deleting its entry");
-            let target = Target {
-                session: held.session.clone(),
-                name: held.name.clone(),
-                key: held.key.clone(),
-                rev: held.rev,
-                value: String::new(),
-                marker: None,
-            };
-            if let Some(inner) = inner.upgrade()
-                && inner
-                    .remove_entry(&target, Instant::now() + inner.timeout())
-                    .await
-                    .is_err()
-            {
-                spawn_cleanup(Arc::downgrade(&inner), target);
-            }
-            return;
-        }
     }
 }
 
@@ -1520,64 +554,7 @@ impl Driver for EtcdLock {
     }
 
     async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
-        let Some(held) = lease.backend_state::<Arc<Held>>().cloned() else {
-            return Err(Error::not_held(lease.key()));
-        };
-        if ttl > held.session.granted {
-            return Err(Error::InvalidTtl {
-                ttl,
-                reason: format!(
-                    "this lock's etcd lease has a ttl of {:?}; renew with at most that, or acquire again with the longer ttl",
-                    held.session.granted
-                ),
-            });
-        }
-        let previous = {
-            let phase = lock(&held.phase);
-            if phase.finished || held.gone.is_cancelled() {
-                return Err(Error::not_held(lease.key()));
-            }
-            phase.base
-        };
-        let until = Instant::now() + self.inner.timeout();
-        let base = match held
-            .session
-            .keep_alive(ttl / 4, Some(previous), until)
-            .await
-        {
-            Ok(base) => base,
-            Err(KeepAliveError::Gone) => {
-                held.gone.cancel();
-                return Err(Error::not_held(lease.key()));
-            }
-            Err(KeepAliveError::Failed(e)) => return Err(e.into_error("renew")),
-        };
-        // The keepalive proves the lease; a read after it proves our entry is still on it
-        // (deleted by an operator, `release --force`: `NotHeld`, review S8). Batched: one txn
-        // answers every renewal that asks while another check is out.
-        let check = (held.key.clone(), held.rev, held.session.id);
-        match self.inner.check_entries(check, until).await {
-            Ok(true) => {}
-            Ok(false) => {
-                held.gone.cancel();
-                return Err(Error::not_held(lease.key()));
-            }
-            Err((failure, why)) => {
-                return Err(RequestError {
-                    failure,
-                    source: why.to_string().into(),
-                }
-                .into_error("renew"));
-            }
-        }
-        let mut phase = lock(&held.phase);
-        if phase.finished || held.gone.is_cancelled() {
-            return Err(Error::not_held(lease.key()));
-        }
-        lease.renewed(ttl, base);
-        phase.base = phase.base.max(base);
-        phase.deadline = lease.local_deadline();
-        Ok(())
+        renew::renew(&self.inner, lease, ttl).await
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
@@ -1615,7 +592,7 @@ impl Driver for EtcdLock {
         let token_digest = token.map(|t| t.digest());
         let ttl_remaining = if kv.lease() != 0 {
             Counters::bump(&inner.counters.range);
-            error::request(
+            client::request(
                 inner.timeout(),
                 inner.client.lease_client().time_to_live(kv.lease(), None),
             )
@@ -1652,7 +629,7 @@ impl Driver for EtcdLock {
             tokio::select! {
                 biased;
                 () = held.stop.cancelled() => std::future::pending().await,
-                reason = watch_entry(&inner, &held) => reason,
+                reason = wake::watch_entry(&inner, &held) => reason,
             }
         })
     }
@@ -1714,7 +691,7 @@ async fn delete_if_created_at(
         message,
     };
     loop {
-        match error::request_until(
+        match client::request_until(
             inner.timeout(),
             until,
             inner.client.kv_client().txn(txn.clone()),
@@ -1756,55 +733,6 @@ async fn delete_if_created_at(
     }
 }
 
-/// Completes when `held`'s entry is deleted (lease expired or revoked, key deleted).
-async fn watch_entry(inner: &Inner, held: &Held) -> LossReason {
-    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
-    let mut from = held.rev + 1;
-    loop {
-        let lost = async {
-            let mut watch = inner.watches.watch_delete(held.key.clone(), from);
-            match watch.ended().await {
-                Outcome::Deleted => true,
-                Outcome::Broken => false,
-                Outcome::Canceled => {
-                    // Compacted past our revision: look at the key itself.
-                    Counters::bump(&inner.counters.range);
-                    let Ok(now) = error::request(
-                        inner.timeout(),
-                        inner.client.kv_client().get(held.key.clone(), None),
-                    )
-                    .await
-                    else {
-                        return false;
-                    };
-                    if now
-                        .kvs()
-                        .first()
-                        .is_none_or(|kv| kv.create_revision() != held.rev)
-                    {
-                        return true;
-                    }
-                    from = now.header().map_or(from, |h| h.revision() + 1);
-                    false
-                }
-            }
-        };
-        let deleted = tokio::select! {
-            biased;
-            () = held.gone.cancelled() => return LossReason::Revoked,
-            deleted = lost => deleted,
-        };
-        if deleted {
-            held.gone.cancel();
-            return LossReason::Revoked;
-        }
-        tokio::select! {
-            () = held.gone.cancelled() => return LossReason::Revoked,
-            () = sleep(backoff.next_delay()) => {}
-        }
-    }
-}
-
 impl fmt::Debug for EtcdLock {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("EtcdLock")
@@ -1812,75 +740,5 @@ impl fmt::Debug for EtcdLock {
             .field("prefix", &self.inner.config.prefix)
             .field("sessions", &self.session_count())
             .finish_non_exhaustive()
-    }
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used)]
-mod tests {
-    use super::*;
-
-    /// Review L1 at the level of the requests: a withdrawal of an attempt whose put is still on
-    /// its way makes that put harmless whenever it lands (after: it fails; before: the
-    /// withdrawal deleted it), so no ghost entry can be left on the shared lease.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_withdrawn_put_never_applies_late() {
-        let Some(url) = conformance::backend_url("DISTLOCK_TEST_ETCD_URL") else {
-            return;
-        };
-        let lock = EtcdLock::connect_url(&url).await.unwrap();
-        let ttl = Duration::from_secs(20);
-        let anchor = lock
-            .try_acquire(
-                &LockKey::new(format!("l1-anchor-{:x}", rand::random::<u64>())).unwrap(),
-                ttl,
-            )
-            .await
-            .unwrap()
-            .unwrap();
-        let inner = &lock.inner;
-        let session = anchor.backend_state::<Arc<Held>>().unwrap().session.clone();
-        let kv = inner.client.kv_client();
-        for late in [true, false] {
-            let key = LockKey::new(format!("l1-late-{:x}", rand::random::<u64>())).unwrap();
-            let name = keys::name_prefix(&inner.config.prefix, &key);
-            let token = OwnershipToken::generate();
-            assert!(session.try_add_user(&name));
-            let mut entry = Entry {
-                inner: inner.clone(),
-                session: session.clone(),
-                key: keys::entry_key(&name, session.id),
-                name: name.clone(),
-                token,
-                rev: 0,
-                marker: keys::attempt_marker(&inner.config.prefix, rand::random()),
-                armed: false,
-                ahead: None,
-            };
-            let put = entry.put_txn();
-            if !late {
-                // The put lands first, then the withdrawal runs.
-                assert!(kv.clone().txn(put.clone()).await.unwrap().succeeded());
-            }
-            let target = Target::of(&entry);
-            inner
-                .remove_entry(&target, Instant::now() + Duration::from_secs(5))
-                .await
-                .unwrap();
-            if late {
-                // The put lands after the withdrawal.
-                assert!(
-                    !kv.clone().txn(put).await.unwrap().succeeded(),
-                    "a put that arrived after its withdrawal applied"
-                );
-            }
-            let left = kv.clone().get(entry.key.clone(), None).await.unwrap();
-            assert!(
-                left.kvs().is_empty(),
-                "late = {late}: a ghost entry is left"
-            );
-            entry.armed = false;
-        }
-        assert!(lock.release(&anchor).await.unwrap());
     }
 }

@@ -1,45 +1,33 @@
-//! One etcd lease shared by every lock entry a client holds with the same TTL.
+//! Renewal: the etcd leases (sessions) a client's locks share — granted, kept alive on demand
+//! by one shared keepalive, revoked once idle — the batched proof that a renewed entry is still
+//! on its lease, and each held lock's local deadline (and the reaper that deletes an entry
+//! nobody renewed by it).
 //!
-//! A session's lease is kept alive only on demand — by `renew` of any lock on it, by waiters,
-//! and by acquisitions — and concurrent demands share one keepalive round trip: a keepalive
+//! One etcd lease is shared by every lock entry a client holds with the same TTL. A session's
+//! lease is kept alive only on demand — by `renew` of any lock on it, by waiters, and by
+//! acquisitions — and concurrent demands share one keepalive round trip: a keepalive
 //! acknowledged recently enough answers every caller. Renewing N locks therefore costs about
 //! one keepalive per freshness window, not N.
 
 use std::{
     collections::HashSet,
-    sync::{
-        Arc, Mutex, PoisonError,
-        atomic::{AtomicU64, Ordering},
-    },
+    sync::{Arc, Mutex, Weak},
     time::Duration,
 };
 
-use etcd_client::{LeaseClient, LeaseKeepAliveStream, LeaseKeeper};
-use tokio::{sync::watch, time::Instant};
+use etcd_client::{GetOptions, LeaseClient, LeaseKeepAliveStream, LeaseKeeper, Txn, TxnOp};
+use lock_core::raw::{Error, Lease, Result};
+use tokio::{
+    sync::watch,
+    time::{Instant, sleep, sleep_until},
+};
 use tokio_util::sync::CancellationToken;
 
-use crate::error::{self, Failure, RequestError};
-
-/// Requests sent to etcd by one client, by kind.
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    pub(crate) lease_grant: AtomicU64,
-    pub(crate) lease_keepalive: AtomicU64,
-    pub(crate) lease_revoke: AtomicU64,
-    pub(crate) txn: AtomicU64,
-    pub(crate) range: AtomicU64,
-    pub(crate) watch: AtomicU64,
-}
-
-impl Counters {
-    pub(crate) fn bump(counter: &AtomicU64) {
-        counter.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
+use crate::{
+    client::{self, BACKEND, Counters, Failure, RequestError, lock, protocol, txn_get},
+    lock::Inner,
+    queue::{Target, spawn_cleanup},
+};
 
 /// Why a keepalive failed.
 #[derive(Debug)]
@@ -276,7 +264,7 @@ impl Session {
         let taken = lock(&self.stream).take();
         let lease = self.lease.clone();
         let id = self.id;
-        let outcome = error::request(self.request_timeout, async move {
+        let outcome = client::request(self.request_timeout, async move {
             match taken {
                 None => {
                     // Opening the stream sends the first keepalive and waits for its answer
@@ -339,6 +327,368 @@ fn out_of_budget() -> RequestError {
         failure: Failure::Unknown,
         source: "no keepalive answer within the caller's deadline".into(),
     }
+}
+
+/// An entry a renewal must find: key, create revision, lease.
+pub(crate) type Check = (Vec<u8>, i64, i64);
+
+/// Whether it was found as it should be, or why the read failed.
+pub(crate) type CheckAnswer = std::result::Result<bool, (Failure, Arc<str>)>;
+
+/// The most operations etcd accepts in one txn by default (`--max-txn-ops`).
+pub(crate) const MAX_TXN_OPS: usize = 128;
+
+/// Driver state carried by each lease.
+pub(crate) struct Held {
+    pub(crate) session: Arc<Session>,
+    pub(crate) name: Vec<u8>,
+    pub(crate) key: Vec<u8>,
+    pub(crate) rev: i64,
+    pub(crate) phase: Mutex<Phase>,
+    /// Cancelled when the entry is known to be gone (lease dead, key deleted).
+    pub(crate) gone: CancellationToken,
+    /// Cancelled when the lease was released through this client.
+    pub(crate) stop: CancellationToken,
+}
+
+pub(crate) struct Phase {
+    /// When the keepalive (or grant) behind the current local deadline was sent.
+    pub(crate) base: Instant,
+    pub(crate) deadline: Instant,
+    /// Released, reaped or gone: the session user was (or is being) removed.
+    pub(crate) finished: bool,
+}
+
+impl Held {
+    pub(crate) fn is_finished(&self) -> bool {
+        lock(&self.phase).finished
+    }
+
+    /// Marks the entry finished; `true` for the one caller that did it.
+    pub(crate) fn claim(&self) -> bool {
+        let mut phase = lock(&self.phase);
+        !std::mem::replace(&mut phase.finished, true)
+    }
+
+    pub(crate) fn claim_if_expired(&self) -> bool {
+        let mut phase = lock(&self.phase);
+        if phase.finished || phase.deadline > Instant::now() {
+            return false;
+        }
+        phase.finished = true;
+        true
+    }
+}
+
+fn ttl_secs(ttl: Duration) -> i64 {
+    let secs = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
+    i64::try_from(secs).unwrap_or(i64::MAX)
+}
+
+impl Inner {
+    pub(crate) fn forget(&self, session: &Arc<Session>) {
+        lock(&self.sessions).retain(|s| !Arc::ptr_eq(s, session));
+    }
+
+    /// Revokes a retired session's lease, bounded by `until`. On failure the lease expires by
+    /// its TTL: nothing keeps a retired session alive.
+    pub(crate) async fn revoke(
+        &self,
+        session: &Session,
+        until: Instant,
+    ) -> Result<(), RequestError> {
+        Counters::bump(&self.counters.lease_revoke);
+        match client::request_until(
+            self.timeout(),
+            until,
+            self.client.lease_client().revoke(session.id),
+        )
+        .await
+        {
+            Ok(_)
+            | Err(RequestError {
+                failure: Failure::LeaseNotFound,
+                ..
+            }) => {
+                session.mark_gone();
+                Ok(())
+            }
+            Err(e) => {
+                tracing::debug!(error = %e.source, "revoking an unused lease failed; it expires by its ttl");
+                Err(e)
+            }
+        }
+    }
+
+    /// Unregisters `name` from `session`. A lease that nothing uses any more stays in the pool
+    /// for a short grace period (a quarter of its TTL, at most 1 s), so the next acquisition
+    /// with that TTL reuses it instead of granting a new one — a lock taken and released in a
+    /// loop then costs two requests, not four. It is revoked when the grace period ends unused;
+    /// an idle lease has no keys, so leaving it to expire (client gone) is harmless.
+    pub(crate) async fn drop_user(&self, session: &Arc<Session>, name: &[u8]) {
+        let Some(idle_since) = session.remove_user(name) else {
+            return;
+        };
+        if session.gone.is_cancelled() {
+            self.forget(session);
+            return;
+        }
+        let grace = (session.granted / 4).min(Duration::from_secs(1));
+        let (me, session) = (self.me.clone(), session.clone());
+        tokio::spawn(async move {
+            sleep(grace).await;
+            if session.retire_if_idle(idle_since)
+                && let Some(inner) = me.upgrade()
+            {
+                // An idle lease has no keys: if this fails it just expires by its TTL.
+                let _ = inner
+                    .revoke(&session, Instant::now() + inner.timeout())
+                    .await;
+                inner.forget(&session);
+            }
+        });
+    }
+
+    /// Proves that each entry still exists with its create revision on its lease: one
+    /// linearizable read-only txn for every renewal that asks while another batch is out.
+    pub(crate) async fn check_entries(&self, check: Check, until: Instant) -> CheckAnswer {
+        let (client, counters, timeout) =
+            (self.client.clone(), self.counters.clone(), self.timeout());
+        let run = move |items: Vec<Check>| {
+            let (client, counters) = (client.clone(), counters.clone());
+            async move {
+                Counters::bump(&counters.txn);
+                let reads = items.iter().map(|(key, _, _)| {
+                    TxnOp::get(key.clone(), Some(GetOptions::new().with_keys_only()))
+                });
+                let txn = Txn::new().and_then(reads.collect::<Vec<_>>());
+                match client::request(timeout, client.kv_client().txn(txn)).await {
+                    Ok(resp) => items
+                        .iter()
+                        .enumerate()
+                        .map(|(i, (_, rev, lease))| match txn_get(&resp, i) {
+                            Some(get) => Ok(get.kvs().first().is_some_and(|kv| {
+                                kv.create_revision() == *rev && kv.lease() == *lease
+                            })),
+                            None => {
+                                Err((Failure::Rejected, "etcd's txn reply lacks a read".into()))
+                            }
+                        })
+                        .collect(),
+                    Err(e) => {
+                        let why: Arc<str> = e.source.to_string().into();
+                        items
+                            .iter()
+                            .map(|_| Err((e.failure, why.clone())))
+                            .collect()
+                    }
+                }
+            }
+        };
+        match tokio::time::timeout_at(until, self.checks.submit(check, run)).await {
+            Ok(Some(answer)) => answer,
+            Ok(None) => Err((
+                Failure::Unknown,
+                "the entry check ended without an answer".into(),
+            )),
+            Err(_) => Err((
+                Failure::Unknown,
+                "no answer to the entry check within the caller's deadline".into(),
+            )),
+        }
+    }
+
+    /// A live session for `ttl` with `name` registered on it, and when its lease was last
+    /// confirmed alive (the lease lives at least until then plus its TTL).
+    pub(crate) async fn session_for(
+        &self,
+        name: &[u8],
+        ttl: Duration,
+        until: Instant,
+    ) -> Result<(Arc<Session>, Instant)> {
+        let secs = ttl_secs(ttl);
+        // Held while granting, so acquisitions that start together share one new lease
+        // instead of granting one each.
+        let mut granting = None;
+        loop {
+            let existing = lock(&self.sessions)
+                .iter()
+                .find(|s| s.requested_secs == secs && s.try_add_user(name))
+                .cloned();
+            let Some(session) = existing else {
+                if granting.is_none() {
+                    granting = Some(
+                        tokio::time::timeout_at(until, self.granting.lock())
+                            .await
+                            .map_err(|_| {
+                                Error::unavailable(
+                                    BACKEND,
+                                    "acquire",
+                                    "waiting for another acquisition's lease grant took the whole deadline",
+                                )
+                            })?,
+                    );
+                    // Someone may have granted while we waited: look again.
+                    continue;
+                }
+                break;
+            };
+            drop(granting.take());
+            match session.keep_alive(ttl / 8, None, until).await {
+                Ok(base) => return Ok((session, base)),
+                Err(KeepAliveError::Gone) => {
+                    self.forget(&session);
+                }
+                Err(KeepAliveError::Failed(e)) => {
+                    self.drop_user(&session, name).await;
+                    return Err(e.into_error("acquire"));
+                }
+            }
+        }
+        let sent = Instant::now();
+        Counters::bump(&self.counters.lease_grant);
+        let resp = client::request_until(
+            self.timeout(),
+            until,
+            self.client.lease_client().grant(secs, None),
+        )
+        .await
+        .map_err(|e| e.into_error("acquire"))?;
+        let granted = Duration::from_secs(u64::try_from(resp.ttl()).unwrap_or(0));
+        let session = Arc::new(Session::new(
+            Grant {
+                id: resp.id(),
+                requested_secs: secs,
+                granted,
+                sent_at: sent,
+            },
+            name.to_vec(),
+            self.client.lease_client(),
+            self.timeout(),
+            self.counters.clone(),
+        ));
+        if granted < ttl {
+            // Never happens with etcd (it only raises short TTLs), but never trust a shorter lease.
+            let _ = self.revoke(&session, until).await;
+            return Err(protocol(
+                "acquire",
+                format!("etcd granted a {granted:?} lease for a {ttl:?} ttl"),
+            ));
+        }
+        lock(&self.sessions).push(session.clone());
+        Ok((session, sent))
+    }
+}
+
+/// Deletes a held entry at its local deadline unless it was renewed or released first: on a
+/// shared lease the neighbours' renewals would otherwise keep it alive past its TTL.
+pub(crate) async fn reap(inner: Weak<Inner>, held: Arc<Held>) {
+    loop {
+        // A little after the local deadline: the holder's `lost()` fires at the deadline, and
+        // the next contender is only granted once this delete lands, so the two never meet
+        // within a round trip (safe either way: deleting later only delays the next grant).
+        let deadline = {
+            let phase = lock(&held.phase);
+            let ttl = phase.deadline.saturating_duration_since(phase.base);
+            phase.deadline + (ttl / 20).clamp(Duration::from_millis(5), Duration::from_millis(250))
+        };
+        tokio::select! {
+            () = held.stop.cancelled() => return,
+            () = held.gone.cancelled() => {
+                if held.claim()
+                    && let Some(inner) = inner.upgrade()
+                {
+                    inner.drop_user(&held.session, &held.name).await;
+                }
+                return;
+            }
+            () = sleep_until(deadline) => {}
+        }
+        if held.claim_if_expired() {
+            tracing::debug!(lease = %format_args!("{:x}", held.session.id), "lock not renewed before its local deadline; deleting its entry");
+            let target = Target {
+                session: held.session.clone(),
+                name: held.name.clone(),
+                key: held.key.clone(),
+                rev: held.rev,
+                value: String::new(),
+                marker: None,
+            };
+            if let Some(inner) = inner.upgrade()
+                && inner
+                    .remove_entry(&target, Instant::now() + inner.timeout())
+                    .await
+                    .is_err()
+            {
+                spawn_cleanup(Arc::downgrade(&inner), target);
+            }
+            return;
+        }
+    }
+}
+
+/// `renew`: a keepalive of the lock's session lease (shared with every renewal that asks while
+/// one is out), then the batched check that the lock's entry is still on that lease; the
+/// lease's local deadline moves to the keepalive's send time plus `ttl`.
+pub(crate) async fn renew(inner: &Inner, lease: &mut Lease, ttl: Duration) -> Result<()> {
+    let Some(held) = lease.backend_state::<Arc<Held>>().cloned() else {
+        return Err(Error::not_held(lease.key()));
+    };
+    if ttl > held.session.granted {
+        return Err(Error::InvalidTtl {
+            ttl,
+            reason: format!(
+                "this lock's etcd lease has a ttl of {:?}; renew with at most that, or acquire again with the longer ttl",
+                held.session.granted
+            ),
+        });
+    }
+    let previous = {
+        let phase = lock(&held.phase);
+        if phase.finished || held.gone.is_cancelled() {
+            return Err(Error::not_held(lease.key()));
+        }
+        phase.base
+    };
+    let until = Instant::now() + inner.timeout();
+    let base = match held
+        .session
+        .keep_alive(ttl / 4, Some(previous), until)
+        .await
+    {
+        Ok(base) => base,
+        Err(KeepAliveError::Gone) => {
+            held.gone.cancel();
+            return Err(Error::not_held(lease.key()));
+        }
+        Err(KeepAliveError::Failed(e)) => return Err(e.into_error("renew")),
+    };
+    // The keepalive proves the lease; a read after it proves our entry is still on it
+    // (deleted by an operator, `release --force`: `NotHeld`, review S8). Batched: one txn
+    // answers every renewal that asks while another check is out.
+    let check = (held.key.clone(), held.rev, held.session.id);
+    match inner.check_entries(check, until).await {
+        Ok(true) => {}
+        Ok(false) => {
+            held.gone.cancel();
+            return Err(Error::not_held(lease.key()));
+        }
+        Err((failure, why)) => {
+            return Err(RequestError {
+                failure,
+                source: why.to_string().into(),
+            }
+            .into_error("renew"));
+        }
+    }
+    let mut phase = lock(&held.phase);
+    if phase.finished || held.gone.is_cancelled() {
+        return Err(Error::not_held(lease.key()));
+    }
+    lease.renewed(ttl, base);
+    phase.base = phase.base.max(base);
+    phase.deadline = lease.local_deadline();
+    Ok(())
 }
 
 #[cfg(test)]
