@@ -329,7 +329,7 @@ mod tests {
             "zk://h:x",
             "zk://h:1?nope=1",
             "zk://h:1?session_timeout=fast",
-            "zk://h:1?session_timeout=10h",
+            "zk://h:1?session_timeout=10x",
             "zk://h:1?session_timeout=0",
             // A bare number is refused rather than read in some unit.
             "zk://h:1?session_timeout=1500",

@@ -24,18 +24,28 @@
 //! (which re-arms the watch).
 
 use std::{
-    future::Future,
+    future::{Future, poll_fn},
     pin::Pin,
     sync::{Arc, Mutex, PoisonError},
     task::{Context, Poll, Waker},
+    time::Duration,
 };
 
 use futures::{
     FutureExt,
+    future::BoxFuture,
     task::{ArcWake, waker_ref},
 };
-use lock_core::raw::LossReason;
+use lock_core::raw::{Backoff, Lease, LossReason};
+use tokio::time::{Instant, sleep};
 use zookeeper_client as zk;
+
+use crate::{
+    ZkLock,
+    client::{call, session_gone},
+    lock::ZkLease,
+    queue::spawn_removal,
+};
 
 type EventFuture = Pin<Box<dyn Future<Output = zk::WatchedEvent> + Send>>;
 
@@ -218,5 +228,85 @@ impl State {
 
     fn wake(&self) {
         ArcWake::wake_by_ref(&self.waiters);
+    }
+}
+
+impl ZkLock {
+    /// What [`Driver::watch_lost`](lock_core::raw::Driver::watch_lost) returns: resolves when
+    /// the lease's node is gone, the session ended, or the vouched window lapsed.
+    pub(crate) fn lost_signal(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
+        let Some(state) = lease.backend_state::<ZkLease>() else {
+            return Box::pin(std::future::pending());
+        };
+        let Some(session) = self.session_of(state) else {
+            return Box::pin(std::future::ready(LossReason::SessionExpired));
+        };
+        // The session-level lapse signal: one task watches the vouched instant for every held
+        // lock (taken before the check below, so a lapse in between cancels it).
+        let lapse = session.lapse_token();
+        let (watch, path, czxid) = (state.watch.clone(), state.path.clone(), state.czxid);
+        let limit = self.inner.config.op_timeout;
+        if session.vouched_until() <= Instant::now() {
+            // The session can no longer be vouched for: it may have expired on the server.
+            // If it did not, our node must not outlive the loss (see `spawn_removal`).
+            spawn_removal(session, path, czxid, limit);
+            return Box::pin(std::future::ready(LossReason::DeadlinePassed));
+        }
+        // A lapse makes the lease lost for good; if the session then survives, the node must go.
+        // Its own task: the caller drops this future as soon as its own deadline passes, which
+        // is the same instant (the lease counts from the session's vouched base).
+        let removal = {
+            let (session, watch, path, lapse) =
+                (session.clone(), watch.clone(), path.clone(), lapse.clone());
+            async move {
+                let released = poll_fn(|cx| match watch.poll_changed(cx) {
+                    Poll::Ready(Change::Lost(_)) => Poll::Ready(()),
+                    Poll::Ready(Change::Unarmed) | Poll::Pending => Poll::Pending,
+                });
+                tokio::select! {
+                    biased;
+                    () = session.ended.cancelled() => {}
+                    () = released => {}
+                    () = lapse.cancelled() => spawn_removal(session.clone(), path, czxid, limit),
+                }
+            }
+        };
+        // Outside a runtime nothing could run it (the lapse still shows in the future below).
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            drop(rt.spawn(removal));
+        }
+        Box::pin(async move {
+            let node_gone = async {
+                let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+                loop {
+                    match poll_fn(|cx| watch.poll_changed(cx)).await {
+                        Change::Lost(reason) => return reason,
+                        Change::Unarmed => {}
+                    }
+                    let states = session.client.state_watcher();
+                    let probe = session.probe();
+                    match call(limit, session.client.check_and_watch_stat(&path)).await {
+                        Ok((Some(stat), watcher))
+                            if stat.czxid == czxid && stat.ephemeral_owner == session.id =>
+                        {
+                            session.answered(probe);
+                            watch.install(watcher, states);
+                        }
+                        Ok(_) => {
+                            watch.set_lost(LossReason::Revoked);
+                            return LossReason::Revoked;
+                        }
+                        Err(e) if session_gone(&e) => return LossReason::SessionExpired,
+                        Err(_) => sleep(backoff.next_delay()).await,
+                    }
+                }
+            };
+            tokio::select! {
+                biased;
+                () = session.ended.cancelled() => LossReason::SessionExpired,
+                () = lapse.cancelled() => LossReason::DeadlinePassed,
+                reason = node_gone => reason,
+            }
+        })
     }
 }

@@ -1,0 +1,415 @@
+//! Renewal and the local-deadline accounting behind it: how far the session's *vouched window*
+//! (the time until which the leader cannot have expired the session) reaches, the batched
+//! `sync` that proves it for every renewal in flight, its lapse signal, and `renew` itself.
+//!
+//! # What extends trust
+//!
+//! Only the leader expires sessions. A member we are connected to touches our session when it
+//! receives a request, and a follower tells the leader about those touches only in its replies to
+//! the leader's pings (sent every tickTime / 2). A follower cut off from the leader keeps
+//! answering reads for up to syncLimit × tickTime while the leader expires the session, so an
+//! answered read proves nothing about the leader. A `sync`, though, is forwarded to the leader
+//! and answered only after the leader processed it, on the same follower→leader stream that
+//! carries the ping replies: when a `sync` sent at `s` is answered, the leader had received every
+//! ping reply the follower sent before forwarding it — including, once a ping has come and gone
+//! in between, the touch of every request of ours that had been *answered* by `s - lag`. So the
+//! session lives at the leader until at least the send time of the newest such request plus the
+//! session timeout ([`Session::synced`]). `lag` is a quarter of the session timeout: ZooKeeper
+//! negotiates timeouts of at least 2 × tickTime (its default `minSessionTimeout`), so a ping
+//! comes at least every timeout / 4. Requests answered on an earlier connection (another member)
+//! never count, and neither does a sync whose connection changed while it was in flight.
+
+use std::{
+    collections::VecDeque,
+    sync::{Arc, Mutex, PoisonError},
+    time::Duration,
+};
+
+use lock_core::raw::{Error, Lease, LossReason, Result, drift_margin};
+use tokio::{
+    sync::watch,
+    time::{Instant, sleep_until},
+};
+use tokio_util::sync::CancellationToken;
+use zookeeper_client as zk;
+
+use crate::{
+    BACKEND, ZkLock,
+    client::{Probe, Session, session_gone, to_error},
+    lock::ZkLease,
+    wake::Check,
+};
+
+/// The leader-proved base and the requests that may become it.
+pub(crate) struct Trust {
+    base: Instant,
+    answered: VecDeque<Answered>,
+}
+
+#[derive(Clone, Copy)]
+pub(crate) struct Answered {
+    sent: Instant,
+    at: Instant,
+    connection: u64,
+}
+
+/// How many answered requests are kept as candidates (the oldest are dropped first, which only
+/// makes a promotion more conservative).
+const MAX_CANDIDATES: usize = 1024;
+
+impl Trust {
+    /// No candidates yet; `base` is a send time the leader is known to have heard of.
+    pub(crate) fn new(base: Instant) -> Self {
+        Self {
+            base,
+            answered: VecDeque::new(),
+        }
+    }
+
+    /// A request answered by the member we are connected to: a candidate, nothing more.
+    fn record(&mut self, answered: Answered) {
+        if self.answered.len() >= MAX_CANDIDATES {
+            self.answered.pop_front();
+        }
+        self.answered.push_back(answered);
+    }
+
+    /// A `sync` (sent at `sync.sent`, answered at `sync.at`) went through the leader: the
+    /// newest candidate of the same connection answered by `sync.sent - lag` becomes the base
+    /// (candidates of other connections are dropped); the sync itself becomes a candidate.
+    /// Returns the base.
+    fn promote(&mut self, sync: Answered, lag: Duration) -> Instant {
+        if let Some(cutoff) = sync.sent.checked_sub(lag) {
+            let mut newest = None::<Instant>;
+            self.answered.retain(|a| {
+                if a.connection != sync.connection {
+                    return false;
+                }
+                if a.at <= cutoff {
+                    newest = Some(newest.map_or(a.sent, |n| n.max(a.sent)));
+                    return false;
+                }
+                true
+            });
+            if let Some(newest) = newest {
+                self.base = self.base.max(newest);
+            }
+        }
+        self.record(sync);
+        self.base
+    }
+}
+
+impl Session {
+    /// A request sent at `probe` was answered by the member we are connected to. That alone
+    /// extends no trust (a follower cut off from the leader still answers); it becomes a
+    /// candidate for the next [`Session::synced`].
+    pub(crate) fn answered(&self, probe: Probe) {
+        let at = Instant::now();
+        if self.connection() != probe.connection {
+            return;
+        }
+        self.trust
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .record(Answered {
+                sent: probe.sent,
+                at,
+                connection: probe.connection,
+            });
+    }
+
+    /// The time a ping from the leader can take to come round (see the type's docs).
+    fn lag(&self) -> Duration {
+        lag(self.timeout)
+    }
+
+    /// A `sync` sent at `probe` was answered: every request of ours answered on the same
+    /// connection at least [`Session::lag`] before `probe.sent` was reported to the leader, so
+    /// the newest of them moves the vouched window (see the type's docs).
+    pub(crate) fn synced(&self, probe: Probe) {
+        let at = Instant::now();
+        let connection = self.connection();
+        if connection != probe.connection {
+            return;
+        }
+        let base = self
+            .trust
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .promote(
+                Answered {
+                    sent: probe.sent,
+                    at,
+                    connection,
+                },
+                self.lag(),
+            );
+        let until = base + self.timeout - drift_margin(self.timeout);
+        self.vouched.send_if_modified(|v| {
+            let newer = until > *v;
+            if newer {
+                *v = until;
+            }
+            newer
+        });
+    }
+
+    /// Until when the session is vouched for (see [`Session::synced`]).
+    pub(crate) fn vouched_until(&self) -> Instant {
+        *self.vouched.borrow()
+    }
+
+    /// The newest send time the leader is known to have heard of: the session (and every
+    /// ephemeral node it owns) lives at least until this plus the timeout.
+    pub(crate) fn vouched_base(&self) -> Instant {
+        self.trust
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .base
+    }
+
+    /// Waits until the session is vouched for beyond now (`true`), or it ended (`false`).
+    pub(crate) async fn wait_vouched(&self) -> bool {
+        let mut rx = self.vouched.subscribe();
+        loop {
+            if self.is_ended() {
+                return false;
+            }
+            if *rx.borrow_and_update() > Instant::now() {
+                return true;
+            }
+            tokio::select! {
+                () = self.ended.cancelled() => return false,
+                changed = rx.changed() => if changed.is_err() { return false },
+            }
+        }
+    }
+
+    /// The lapse token current now: cancelled as soon as the vouched instant passes without a
+    /// newer confirmation. Take it *before* checking [`Session::vouched_until`], so a lapse
+    /// between the two cannot be missed.
+    pub(crate) fn lapse_token(&self) -> CancellationToken {
+        self.lapse
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// One round trip that proves the session alive now, shared by every caller that arrives
+    /// while one is in flight ([`Batcher`]): a tick of any number of renewals costs a handful of
+    /// requests. `Ok` means a `sync` sent after this call began was answered on this session (so
+    /// it went through the leader, and [`Session::synced`] moved the vouched window as far as
+    /// that proves); every watch armed before the call that fired by then has already been
+    /// delivered to its receiver (the member sends a watch event before the reply to any later
+    /// request of the session — for a sync, it applies everything the leader had committed
+    /// before replying — and the client dispatches both from one task in arrival order).
+    pub(crate) async fn check_in(
+        self: &Arc<Self>,
+        limit: Duration,
+    ) -> std::result::Result<(), zk::Error> {
+        let session = Arc::downgrade(self);
+        let run = move |items: Vec<()>| {
+            let session = session.clone();
+            async move {
+                let answer = match session.upgrade() {
+                    Some(s) => s.sync(limit).await,
+                    None => Err(zk::Error::ClientClosed),
+                };
+                vec![answer; items.len()]
+            }
+        };
+        // No answer: the batch task died (runtime shutdown); its outcome is unknown.
+        self.check_ins
+            .submit((), run)
+            .await
+            .unwrap_or(Err(zk::Error::ConnectionLoss))
+    }
+}
+
+/// A quarter of the session timeout: how long a ping from the leader can take to come round
+/// (ZooKeeper negotiates at least 2 × tickTime and the leader pings every tickTime / 2).
+pub(crate) fn lag(timeout: Duration) -> Duration {
+    timeout / 4
+}
+
+/// How many renewals one batched session check answers at most (they all share its one read).
+pub(crate) const MAX_CHECK_IN_BATCH: usize = 100_000;
+
+/// Cancels the current lapse token whenever the vouched instant passes without a newer
+/// confirmation (and installs a fresh one for later leases). One task per session, woken only
+/// when the vouched instant moves or passes, however many locks are held.
+pub(crate) async fn watch_lapse(
+    mut vouched: watch::Receiver<Instant>,
+    lapse: Arc<Mutex<CancellationToken>>,
+    ended: CancellationToken,
+) {
+    loop {
+        let until = *vouched.borrow_and_update();
+        tokio::select! {
+            () = ended.cancelled() => return,
+            () = sleep_until(until) => {
+                if *vouched.borrow() <= Instant::now() {
+                    let old = std::mem::replace(
+                        &mut *lapse.lock().unwrap_or_else(PoisonError::into_inner),
+                        CancellationToken::new(),
+                    );
+                    old.cancel();
+                    // Wait for a newer confirmation before looking at the deadline again.
+                    tokio::select! {
+                        () = ended.cancelled() => return,
+                        changed = vouched.changed() => if changed.is_err() { return },
+                    }
+                }
+            }
+            changed = vouched.changed() => if changed.is_err() { return },
+        }
+    }
+}
+
+/// A lease's TTL: the requested one, capped at the negotiated session timeout. The lease counts
+/// from a leader-proved send time ([`Session::vouched_base`]), so its local deadline is never
+/// later than the session's vouched window, however long the TTL asked for: a bare `Lease` never
+/// claims more than the session can vouch for.
+pub(crate) fn lease_ttl(ttl: Duration, session: &Session) -> Duration {
+    ttl.min(session.timeout)
+}
+
+impl ZkLock {
+    // Confirms that our node still exists under the live session, and moves the lease's
+    // deadline to the session's vouched window (never further: the TTL is capped at the
+    // session timeout and counts from a leader-proved send time, see `Session::synced`).
+    //
+    // Always one batched `sync` (`Session::check_in`, shared by every renewal in flight) sent
+    // after this call began: it goes through the leader, which is what moves the window. With
+    // the deletion watch on our node armed and reliable (see `crate::wake`), that is all: a
+    // look at the watch after the sync's reply — a deletion before the member processed it
+    // would have been delivered first. Otherwise (no watch yet, a data-change event consumed
+    // it, a reconnection since it was armed) one `exists` on the node, which re-arms the watch.
+    pub(crate) async fn renew_lease(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
+        let not_held = || Error::not_held(lease.key());
+        let session = lease
+            .backend_state::<ZkLease>()
+            .and_then(|state| self.session_of(state));
+        // The check layer accepted `ttl`: within the capabilities, or at least this lease's
+        // own TTL — the negotiated session timeout when the server lowered it (`lease_ttl`).
+        let (Some(state), Some(session)) = (lease.backend_state::<ZkLease>(), session) else {
+            return Err(not_held());
+        };
+        let (watch, path, czxid) = (state.watch.clone(), state.path.clone(), state.czxid);
+        let before = watch.check();
+        if let Check::Lost(_) = before {
+            return Err(not_held());
+        }
+        match session.check_in(self.inner.config.op_timeout).await {
+            Ok(()) => {}
+            Err(e) if session_gone(&e) => return Err(not_held()),
+            Err(e) => return Err(to_error("renew", e)),
+        }
+        match (before, watch.check()) {
+            (_, Check::Lost(_)) => return Err(not_held()),
+            (Check::Reliable(armed), Check::Reliable(still)) if still == armed => {}
+            // Not armed, re-armed or consumed meanwhile: read the node.
+            _ => {
+                let states = session.client.state_watcher();
+                let probe = session.probe();
+                match self.call(session.client.check_and_watch_stat(&path)).await {
+                    Ok((Some(stat), watcher))
+                        if stat.czxid == czxid && stat.ephemeral_owner == session.id =>
+                    {
+                        session.answered(probe);
+                        watch.install(watcher, states);
+                    }
+                    Ok(_) => {
+                        watch.set_lost(LossReason::Revoked);
+                        return Err(not_held());
+                    }
+                    Err(e) if session_gone(&e) => return Err(not_held()),
+                    Err(e) => return Err(to_error("renew", e)),
+                }
+            }
+        }
+        let ttl = lease_ttl(ttl, &session);
+        let base = session.vouched_base();
+        // The window only moves forward; a renewal never shortens the lease.
+        let mut renewed = lease.clone();
+        renewed.renewed(ttl, base);
+        if renewed.local_deadline() >= lease.local_deadline() {
+            *lease = renewed;
+        }
+        if !lease.is_locally_valid() {
+            // Answered, but not (yet) provably through the leader: e.g. the first sync after a
+            // reconnection. Temporary: the next one can prove it.
+            return Err(Error::Unavailable {
+                backend: BACKEND,
+                op: "renew",
+                message: "the session cannot be vouched for by the leader right now".into(),
+                source: None,
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    fn at(t0: Instant, sent: u64, answered: u64, connection: u64) -> Answered {
+        Answered {
+            sent: t0 + MS * u32::try_from(sent).unwrap(),
+            at: t0 + MS * u32::try_from(answered).unwrap(),
+            connection,
+        }
+    }
+
+    fn trust(t0: Instant) -> Trust {
+        Trust {
+            base: t0,
+            answered: VecDeque::new(),
+        }
+    }
+
+    /// With a 1 s session the lag is 250 ms.
+    const LAG: Duration = Duration::from_millis(250);
+
+    #[test]
+    fn answered_reads_alone_never_move_the_base() {
+        let t0 = Instant::now();
+        let mut t = trust(t0);
+        for i in 1..100 {
+            t.record(at(t0, i * 10, i * 10 + 1, 0));
+        }
+        assert_eq!(t.base, t0);
+    }
+
+    #[test]
+    fn a_sync_proves_only_what_was_answered_a_lag_before_it_was_sent() {
+        let t0 = Instant::now();
+        let mut t = trust(t0);
+        t.record(at(t0, 100, 110, 0));
+        t.record(at(t0, 300, 310, 0));
+        // Sent at 500: only the request answered by 250 counts.
+        assert_eq!(t.promote(at(t0, 500, 510, 0), LAG), t0 + MS * 100);
+        // Sent at 700: the one answered at 310 (and not the sync answered at 510).
+        assert_eq!(t.promote(at(t0, 700, 705, 0), LAG), t0 + MS * 300);
+        // Sent at 800: the sync answered at 510 now counts; its send time is the base.
+        assert_eq!(t.promote(at(t0, 800, 805, 0), LAG), t0 + MS * 500);
+        // Never backwards.
+        assert_eq!(t.promote(at(t0, 801, 802, 0), LAG), t0 + MS * 500);
+    }
+
+    #[test]
+    fn requests_of_another_connection_never_count() {
+        let t0 = Instant::now();
+        let mut t = trust(t0);
+        t.record(at(t0, 100, 110, 0));
+        // A sync on the next connection (another member, perhaps) proves nothing about them.
+        assert_eq!(t.promote(at(t0, 1000, 1010, 1), LAG), t0);
+        assert!(t.answered.iter().all(|a| a.connection == 1));
+        // Its own requests count once a later sync of that connection proves them.
+        assert_eq!(t.promote(at(t0, 1300, 1310, 1), LAG), t0 + MS * 1000);
+    }
+}
