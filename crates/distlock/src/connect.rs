@@ -127,13 +127,14 @@ impl Backend {
     }
 }
 
+/// The backend's one name: its URL scheme, its `backend_name()` and its metric label.
 impl fmt::Display for Backend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Backend::Memory => "memory",
             Backend::Redis => "redis",
             Backend::Etcd => "etcd",
-            Backend::ZooKeeper => "zookeeper",
+            Backend::ZooKeeper => "zk",
             Backend::Postgres => "postgres",
         })
     }
