@@ -199,6 +199,7 @@ pub fn describe_capabilities(backend: &str, caps: &Capabilities) -> Vec<String> 
             "single-node (lost if the coordinator loses acknowledged writes)"
         }
         FencingGuarantee::Quorum => "quorum (consensus-backed)",
+        _ => "unknown (a newer fencing guarantee)",
     };
     let ttl_limit = |d: Duration| {
         if d.is_zero() {

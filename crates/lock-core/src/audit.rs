@@ -10,6 +10,7 @@ use std::{fmt, time::Duration};
 
 /// How a setting affects the lock's guarantees.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[non_exhaustive]
 pub enum Verdict {
     /// The setting keeps the guarantees the driver documents.
     Pass,

@@ -6,6 +6,7 @@ use crate::{Error, Result};
 
 /// How far a backend's fencing tokens can be trusted.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[non_exhaustive]
 pub enum FencingGuarantee {
     /// No fencing tokens.
     #[default]

@@ -12,6 +12,7 @@ use crate::{
 
 /// How often the guard renews.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Watchdog {
     /// Every ttl/3 when the backend supports `renew`; otherwise no renewals (the guard still
     /// watches the local deadline and the backend's loss reports).
