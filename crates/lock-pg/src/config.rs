@@ -565,3 +565,30 @@ mod label_proptests {
         }
     }
 }
+
+#[cfg(test)]
+mod option_proptests {
+    use super::*;
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// Every driver option in the URL, any value of the usual shapes: a config that
+        /// validates, or a configuration error.
+        #[test]
+        fn any_url_option_gives_a_valid_config_or_a_config_error(
+            key in proptest::sample::select(vec![
+                "pool_size", "connect_timeout", "op_timeout", "poll_interval", "listen",
+                "async_release", "create_table", "table", "label",
+            ]),
+            n in proptest::prelude::any::<u64>(),
+            unit in proptest::sample::select(vec!["", "ms", "s", "m", "h", "x", ".5s"]),
+        ) {
+            let url = format!("postgres://u@[::1]:5/db?{key}={n}{unit}");
+            match PgLockConfig::from_url(&url) {
+                Ok(config) => proptest::prop_assert!(config.validate().is_ok()),
+                Err(e) => proptest::prop_assert!(matches!(e, Error::Config(_)), "{e}"),
+            }
+        }
+    }
+}

@@ -1,7 +1,8 @@
-//! `PgLock`: the lease-table lock.
+//! The coordinator's algorithm: `impl Driver for PgLock` — try_acquire, acquire (look, queue,
+//! take the grant a release made), release, inspect and force_release — and the undo of an
+//! acquire whose outcome is unknown.
 
 use std::{
-    collections::HashSet,
     fmt,
     sync::{
         Arc, OnceLock,
@@ -15,21 +16,19 @@ use lock_core::raw::{
     HolderIdentity, HolderInfo, Lease, LockKey, OwnershipToken, Result, async_trait,
     handoff::Registered,
 };
-use sqlx::{
-    PgPool, Postgres, Row,
-    postgres::{PgPoolOptions, PgRow},
-};
+use sqlx::{PgPool, Row, postgres::PgRow};
 use tokio::{
     sync::OnceCell,
-    time::{Instant, sleep, timeout, timeout_at},
+    time::{Instant, sleep, timeout_at},
 };
 
 use crate::{
     PgLockConfig,
-    client::ConnPool,
-    message::{PgError, one_line},
+    client::{ConnPool, ExecError, exec_error},
+    queue::{LEAVE_GRACE, Queued, Queueing},
+    renew::{RenewAnswer, Renewal},
     sql::Statements,
-    wake::{Notifier, Subscription},
+    wake::Notifier,
 };
 
 pub(crate) const BACKEND: &str = "postgres";
@@ -52,120 +51,26 @@ const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 /// session.
 #[derive(Clone)]
 pub struct PgLock {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
-struct Inner {
-    config: PgLockConfig,
-    conns: ConnPool,
-    user_pool: OnceLock<PgPool>,
+pub(crate) struct Inner {
+    pub(crate) config: PgLockConfig,
+    pub(crate) conns: ConnPool,
+    pub(crate) user_pool: OnceLock<PgPool>,
     /// The statements of a table with the holder columns, and of one without them (an older
     /// version's table this role could not `ALTER`).
-    sql: Statements,
-    sql_plain: Statements,
+    pub(crate) sql: Statements,
+    pub(crate) sql_plain: Statements,
     /// Set once the table is checked: whether it has the holder columns.
-    table_ready: OnceCell<bool>,
+    pub(crate) table_ready: OnceCell<bool>,
     /// This client's holder identity, recorded with each of its grants.
-    identity: HolderIdentity,
-    notifier: OnceLock<Notifier>,
+    pub(crate) identity: HolderIdentity,
+    pub(crate) notifier: OnceLock<Notifier>,
     /// Renewals waiting for, or riding in, the next batch statement.
-    renewals: Batcher<Renewal, RenewAnswer>,
+    pub(crate) renewals: Batcher<Renewal, RenewAnswer>,
     /// Statements sent on the lock's own connections (each is one transaction).
-    statements: AtomicU64,
-}
-
-/// How a statement ended when it did not return a result.
-#[derive(Debug)]
-enum ExecError {
-    /// No connection could be had: nothing was sent.
-    NotSent(PgError),
-    /// The server refused the statement: its transaction rolled back, nothing was applied.
-    Rejected(sqlx::Error),
-    /// The statement was sent and its reply was lost: it may have been applied. `retry` when
-    /// the connection itself died (another connection may work right away); not after a
-    /// timeout, when the statement may still be running.
-    Unknown { message: String, retry: bool },
-}
-
-/// Errors that mean the connection (or the server) went away rather than the statement failing.
-fn is_connection_error(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::Protocol(_)
-        | sqlx::Error::WorkerCrashed => true,
-        // 08: connection exception; 57P0x: admin/crash shutdown, cannot connect now, …
-        sqlx::Error::Database(db) => db
-            .code()
-            .is_some_and(|c| c.starts_with("08") || c.starts_with("57P")),
-        _ => false,
-    }
-}
-
-/// A TLS handshake that rejected the server's certificate (unknown CA, wrong host name,
-/// expired): retrying cannot help, so it is a permanent error rather than `Unavailable`.
-fn is_untrusted_server(e: &sqlx::Error) -> bool {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(err) = source {
-        let tls = err.downcast_ref::<rustls::Error>().or_else(|| {
-            err.downcast_ref::<std::io::Error>()
-                .and_then(|io| io.get_ref())
-                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
-        });
-        if let Some(rustls::Error::InvalidCertificate(_)) = tls {
-            return true;
-        }
-        source = err.source();
-    }
-    false
-}
-
-/// Serialization failure (40001) or deadlock (40P01): the server rolled the statement back
-/// to resolve a conflict with another transaction, so nothing was applied and an idempotent
-/// statement may simply run again.
-fn is_transient_conflict(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("40001" | "40P01")))
-}
-
-/// A classified failure that can be handed to every lock of a failed batch.
-#[derive(Clone, Debug)]
-enum Failure {
-    Unavailable(Arc<PgError>),
-    Backend(Arc<PgError>),
-    Indeterminate(String),
-}
-
-impl From<ExecError> for Failure {
-    fn from(e: ExecError) -> Self {
-        match e {
-            ExecError::NotSent(e) if is_untrusted_server(e.sqlx()) => Self::Backend(Arc::new(e)),
-            ExecError::NotSent(e) => Self::Unavailable(Arc::new(e)),
-            ExecError::Rejected(e) if is_connection_error(&e) => {
-                Self::Unavailable(Arc::new(PgError::new(e)))
-            }
-            ExecError::Rejected(e) => Self::Backend(Arc::new(PgError::new(e))),
-            ExecError::Unknown { message, .. } => Self::Indeterminate(message),
-        }
-    }
-}
-
-impl Failure {
-    fn into_error(self, op: &'static str, key: &LockKey) -> Error {
-        match self {
-            Self::Unavailable(e) => Error::unavailable(BACKEND, op, e),
-            Self::Backend(e) => Error::backend(BACKEND, op, e),
-            Self::Indeterminate(message) => Error::Indeterminate {
-                backend: BACKEND,
-                op,
-                key: key.as_str().to_owned(),
-                message,
-            },
-        }
-    }
-}
-
-fn exec_error(op: &'static str, key: &LockKey, e: ExecError) -> Error {
-    Failure::from(e).into_error(op, key)
+    pub(crate) statements: AtomicU64,
 }
 
 /// What one acquire statement did (`F`: the fence, then the lease, once granted).
@@ -227,17 +132,6 @@ impl Mode<'_> {
     }
 }
 
-/// What a queued attempt writes into the waiter's entry. No `Debug`: it holds a secret token.
-#[derive(Clone, Copy)]
-struct Queueing<'a> {
-    /// `<channel>:<number>`.
-    entry: &'a str,
-    /// The owner a release's direct grant gives the lock to (one per `acquire`).
-    grant_owner: OwnershipToken,
-    /// The last seq used: each statement takes the next one.
-    seq: &'a AtomicU64,
-}
-
 /// Reads an acquire statement's row; `by`: the statement, as the writer of a queue entry.
 fn attempt_of(row: &PgRow, mode: Mode<'_>, by: Registered) -> Result<Attempt<Granted>> {
     const OP: &str = "try_acquire";
@@ -283,383 +177,11 @@ pub(crate) fn later(at: Instant, d: Duration) -> Instant {
         .unwrap_or(at)
 }
 
-/// Refuses a lease table that does not keep its rows: an `UNLOGGED` table is emptied by a
-/// crash (every fence restarts at 1), a temporary one is private to one session (no exclusion
-/// between clients at all). `persistence`: `pg_class.relpersistence`, `None` when absent.
-fn check_persistence(table: &crate::TableName, persistence: Option<&str>) -> Result<()> {
-    match persistence {
-        Some("u") => Err(Error::Config(format!(
-            "the lease table {table} is UNLOGGED: a crash would empty it and fencing tokens \
-             would repeat; use a logged table (ALTER TABLE {} SET LOGGED)",
-            table.quoted()
-        ))),
-        Some("t") => Err(Error::Config(format!(
-            "the lease table {table} is a temporary table, private to one session: it cannot \
-             exclude anyone; use a regular table"
-        ))),
-        _ => Ok(()),
-    }
-}
-
-fn micros(ttl: Duration) -> i64 {
+pub(crate) fn micros(ttl: Duration) -> i64 {
     i64::try_from(ttl.as_micros()).unwrap_or(i64::MAX)
 }
 
-impl PgLock {
-    /// Connects the pool and makes sure the lease table exists (creating it when allowed).
-    ///
-    /// # Errors
-    /// [`Error::Unavailable`] when the server cannot be reached (or does not offer the TLS the
-    /// URL requires), [`Error::Backend`] when it refuses the credentials, its TLS certificate is
-    /// not trusted, or the table cannot be created or checked.
-    pub async fn connect(config: PgLockConfig) -> Result<Self> {
-        let lock = Self::connect_lazy(config)?;
-        lock.inner.ensure_table().await?;
-        Ok(lock)
-    }
-
-    /// [`PgLock::connect`] with a URL (see [`PgLockConfig::from_url`]).
-    ///
-    /// # Errors
-    /// [`Error::Config`] for a bad URL; as [`PgLock::connect`].
-    pub async fn connect_url(url: &str) -> Result<Self> {
-        Self::connect(PgLockConfig::from_url(url)?).await
-    }
-
-    /// A client that connects on first use; no I/O here. The table is checked on first use.
-    ///
-    /// # Errors
-    /// [`Error::Config`] when an option is out of bounds ([`PgLockConfig::validate`]).
-    pub fn connect_lazy(config: PgLockConfig) -> Result<Self> {
-        config.validate()?;
-        let conns = ConnPool::new(
-            config.connect_options().clone(),
-            config.pool_size,
-            config.connect_timeout,
-        );
-        let identity = HolderIdentity::process(config.label.as_deref())?;
-        let sql = Statements::new(&config.table, true);
-        let sql_plain = Statements::new(&config.table, false);
-        Ok(Self {
-            inner: Arc::new(Inner {
-                config,
-                conns,
-                user_pool: OnceLock::new(),
-                sql,
-                sql_plain,
-                identity,
-                table_ready: OnceCell::new(),
-                notifier: OnceLock::new(),
-                renewals: Batcher::new(MAX_RENEW_BATCH),
-                statements: AtomicU64::new(0),
-            }),
-        })
-    }
-
-    /// The configuration.
-    pub fn config(&self) -> &PgLockConfig {
-        &self.inner.config
-    }
-
-    /// A `sqlx` pool to the same database for the caller's own statements, e.g. fenced writes
-    /// ([`crate::FencedTable`]); created (without connecting) on first call, which must be
-    /// inside a Tokio runtime. The lock's own statements use separate connections.
-    pub fn pool(&self) -> &PgPool {
-        self.inner.user_pool.get_or_init(|| {
-            PgPoolOptions::new()
-                .max_connections(self.inner.config.pool_size)
-                .acquire_timeout(self.inner.config.connect_timeout)
-                .connect_lazy_with(self.inner.config.connect_options().clone())
-        })
-    }
-
-    /// How many statements this client has sent on its own connections so far (each one
-    /// transaction, retries included; not the `LISTEN` connection, not [`PgLock::pool`]).
-    /// Renewals that coincide share one statement.
-    pub fn statements_sent(&self) -> u64 {
-        self.inner.statements.load(Ordering::Relaxed)
-    }
-
-    fn notifier(&self) -> &Notifier {
-        self.inner
-            .notifier
-            .get_or_init(|| Notifier::spawn(&self.inner.config))
-    }
-}
-
 impl Inner {
-    /// Creates the table on first use. Safe when several processes start at once:
-    /// `CREATE TABLE IF NOT EXISTS` can still fail when two sessions race — with a unique
-    /// violation on the catalog (23505), "relation exists" (42P07) or "type exists" (42710, the
-    /// table's row type) — which all mean the other one created it.
-    async fn ensure_table(&self) -> Result<()> {
-        self.table_ready
-            .get_or_try_init(|| async {
-                let op = "create table";
-                let exists = |e: &sqlx::Error| match e {
-                    sqlx::Error::Database(db) => {
-                        matches!(db.code().as_deref(), Some("23505" | "42P07" | "42710"))
-                    }
-                    _ => false,
-                };
-                let classify = |op, e: PgError| {
-                    let e2 = e.sqlx();
-                    if is_untrusted_server(e2) {
-                        Error::backend(BACKEND, op, e)
-                    } else if is_connection_error(e2) || matches!(e2, sqlx::Error::PoolTimedOut) {
-                        Error::unavailable(BACKEND, op, e)
-                    } else {
-                        Error::backend(BACKEND, op, e)
-                    }
-                };
-                let map = |e: sqlx::Error| classify(op, PgError::new(e));
-                let mut pooled = self
-                    .conns
-                    .get()
-                    .await
-                    .map_err(|e| classify("connect", self.connect_error(e)))?;
-                let Some(conn) = pooled.conn() else {
-                    return Err(Error::unavailable(BACKEND, "connect", "no connection"));
-                };
-                // Whether the table exists, has the queue and the holder columns, and how it
-                // persists.
-                let look = "SELECT to_regclass($1)::text, \
-                        EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) \
-                            AND attname = 'waiters' AND NOT attisdropped), \
-                        (SELECT count(*) = 2 FROM pg_attribute WHERE attrelid = to_regclass($1) \
-                            AND attname IN ('holder', 'holder_fence') AND NOT attisdropped), \
-                        (SELECT relpersistence::text FROM pg_class WHERE oid = to_regclass($1))";
-                type Look = (Option<String>, bool, bool, Option<String>);
-                let mut found: Look = timeout(
-                    self.config.op_timeout,
-                    sqlx::query_as(look)
-                        .bind(self.config.table.quoted())
-                        .fetch_one(&mut *conn),
-                )
-                .await
-                .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?
-                .map_err(map)?;
-                check_persistence(&self.config.table, found.3.as_deref())?;
-                if found.0.is_none() {
-                    if !self.config.create_table {
-                        return Err(Error::Config(format!(
-                            "the lease table {} does not exist and create_table=false",
-                            self.config.table
-                        )));
-                    }
-                    let created = timeout(
-                        self.config.op_timeout,
-                        sqlx::query(self.sql.create.clone()).execute(&mut *conn),
-                    )
-                    .await
-                    .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?;
-                    match created {
-                        Ok(_) => {}
-                        Err(e) if exists(&e) => {}
-                        Err(e) => return Err(map(e)),
-                    }
-                    // Whatever made it (this statement, or a concurrent creator of any version).
-                    found = timeout(
-                        self.config.op_timeout,
-                        sqlx::query_as(look)
-                            .bind(self.config.table.quoted())
-                            .fetch_one(&mut *conn),
-                    )
-                    .await
-                    .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?
-                    .map_err(map)?;
-                    check_persistence(&self.config.table, found.3.as_deref())?;
-                }
-                let (_, queue, holder_columns, _) = found;
-                if !queue {
-                    // A table of an older version: add the wait queue and the holder columns
-                    // (a catalog-only change).
-                    if !self.config.create_table {
-                        return Err(Error::Config(format!(
-                            "the lease table {} has no waiters column and create_table=false: \
-                             ALTER TABLE {} ADD COLUMN waiters text[] NOT NULL DEFAULT '{{}}'",
-                            self.config.table,
-                            self.config.table.quoted()
-                        )));
-                    }
-                    timeout(
-                        self.config.op_timeout,
-                        sqlx::query(self.sql.add_waiters.clone()).execute(&mut *conn),
-                    )
-                    .await
-                    .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?
-                    .map_err(map)?;
-                    pooled.put_back();
-                    return Ok(true);
-                }
-                if holder_columns || !self.config.create_table {
-                    pooled.put_back();
-                    return Ok(holder_columns);
-                }
-                // A table of an older version with the queue: add the holder columns. A role
-                // that may not alter the table (not its owner) keeps working without
-                // identities: they are information, never needed for a grant.
-                let added = timeout(
-                    self.config.op_timeout,
-                    sqlx::query(self.sql.add_holder.clone()).execute(&mut *conn),
-                )
-                .await
-                .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?;
-                let holders = match added {
-                    Ok(_) => true,
-                    Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("42501") => {
-                        tracing::warn!(
-                            table = %self.config.table,
-                            "the lease table has no holder columns and this role may not add \
-                             them: inspect shows no holder identity"
-                        );
-                        false
-                    }
-                    Err(e) => return Err(map(e)),
-                };
-                pooled.put_back();
-                Ok(holders)
-            })
-            .await
-            .map(|_| ())
-    }
-
-    /// No connection could be had: the message names the server's address (no credentials).
-    fn connect_error(&self, e: sqlx::Error) -> PgError {
-        PgError::connecting(self.config.connect_options(), e)
-    }
-
-    /// Whether the table is known to have the holder columns.
-    fn holders(&self) -> bool {
-        self.table_ready.get() == Some(&true)
-    }
-
-    /// The statements for the table as checked (before the check, those without the holder
-    /// columns, which work on every table).
-    fn sql(&self) -> &Statements {
-        if self.holders() {
-            &self.sql
-        } else {
-            &self.sql_plain
-        }
-    }
-
-    /// `op_timeout` from now (saturating: a huge timeout cannot overflow the clock).
-    fn op_deadline(&self) -> Instant {
-        later(Instant::now(), self.config.op_timeout)
-    }
-
-    /// Runs one statement on a pooled connection, bounded by `op_timeout` and by `limit` (the
-    /// caller's deadline: waiting for a connection and the statement together never outlast
-    /// it), and classifies the failure. A connection that failed mid-statement is closed,
-    /// never reused.
-    async fn fetch_all(
-        &self,
-        query: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
-        limit: Instant,
-    ) -> std::result::Result<Vec<PgRow>, ExecError> {
-        let not_sent = |e| ExecError::NotSent(self.connect_error(e));
-        // No time left: never send a statement whose reply could not be awaited.
-        let by_deadline = || {
-            ExecError::NotSent(PgError::connecting_because(
-                self.config.connect_options(),
-                "no connection by the deadline",
-                sqlx::Error::PoolTimedOut,
-            ))
-        };
-        if Instant::now() >= limit {
-            return Err(by_deadline());
-        }
-        let mut pooled = match timeout_at(limit, self.conns.get()).await {
-            Ok(got) => got.map_err(not_sent)?,
-            Err(_) => return Err(by_deadline()),
-        };
-        let Some(conn) = pooled.conn() else {
-            return Err(not_sent(sqlx::Error::PoolClosed));
-        };
-        self.statements.fetch_add(1, Ordering::Relaxed);
-        let until = self.op_deadline().min(limit);
-        match timeout_at(until, query.fetch_all(&mut *conn)).await {
-            Ok(Ok(rows)) => {
-                pooled.put_back();
-                Ok(rows)
-            }
-            Ok(Err(e)) if is_connection_error(&e) => Err(ExecError::Unknown {
-                message: one_line(&e),
-                retry: true,
-            }),
-            Ok(Err(e)) => {
-                // The statement's implicit transaction rolled back; the connection is fine.
-                pooled.put_back();
-                Err(ExecError::Rejected(e))
-            }
-            Err(_) => Err(ExecError::Unknown {
-                message: if until < limit {
-                    format!("no reply within {:?}", self.config.op_timeout)
-                } else {
-                    "no reply by the deadline".to_owned()
-                },
-                retry: false,
-            }),
-        }
-    }
-
-    /// Runs an idempotent statement, retrying on another connection when the connection died
-    /// under it (e.g. the pool's idle connections were terminated), or at once when the server
-    /// rolled it back to break a deadlock or a serialization conflict (nothing was applied),
-    /// up to once per pooled connection plus one, within `op_timeout` and `limit`. Also
-    /// answers whether the statement was re-sent after a reply that was lost (the first one
-    /// may have applied). Only for statements that are idempotent: running one twice must do
-    /// what running it once does (never re-send one that could act on a later holder).
-    async fn fetch_all_idempotent<'q>(
-        &self,
-        make: impl Fn() -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
-        limit: Instant,
-    ) -> std::result::Result<(Vec<PgRow>, bool), ExecError> {
-        let give_up = self.op_deadline().min(limit);
-        let mut attempts = self.config.pool_size.saturating_add(1);
-        let mut resent = false;
-        loop {
-            match self.fetch_all(make(), limit).await {
-                Ok(rows) => return Ok((rows, resent)),
-                Err(ExecError::Unknown { retry: true, .. })
-                    if attempts > 1 && Instant::now() < give_up =>
-                {
-                    attempts -= 1;
-                    resent = true;
-                }
-                Err(ExecError::Rejected(e))
-                    if is_transient_conflict(&e) && attempts > 1 && Instant::now() < give_up =>
-                {
-                    attempts -= 1;
-                }
-                Err(e) => return Err(e),
-            }
-        }
-    }
-
-    /// [`Inner::fetch_all_idempotent`] of a statement that returns at most one row.
-    async fn fetch_idempotent<'q>(
-        &self,
-        make: impl Fn() -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
-        limit: Instant,
-    ) -> std::result::Result<Option<PgRow>, ExecError> {
-        self.fetch_all_idempotent(make, limit)
-            .await
-            .map(|(rows, _)| rows.into_iter().next())
-    }
-
-    /// `connect_timeout` + `op_timeout` from now: the bound of one request outside `acquire`
-    /// (a connection, then the statement).
-    fn request_deadline(&self) -> Instant {
-        later(
-            Instant::now(),
-            self.config
-                .connect_timeout
-                .saturating_add(self.config.op_timeout),
-        )
-    }
-
     /// Until when an attempt sent at `sent_at` whose outcome is unknown may still hold a
     /// grant: the statement may run on the server for up to `op_timeout` after it was sent
     /// (the server does not notice that its connection was closed), then its grant lasts `ttl`.
@@ -856,18 +378,6 @@ impl Inner {
         }
     }
 
-    /// How long a queue entry lives without a refresh: two poll intervals (a queued waiter
-    /// refreshes it at least once per poll interval), at least 100 ms.
-    fn queue_entry_lifetime_ms(&self) -> i64 {
-        let ms = self
-            .config
-            .poll_interval
-            .saturating_mul(2)
-            .max(Duration::from_millis(100))
-            .as_millis();
-        i64::try_from(ms).unwrap_or(i64::MAX)
-    }
-
     /// Retries [`Inner::release_token`] in a background task until it removes the grant or
     /// the grant it undoes would have expired anyway (`until`). An answer "nothing to undo" is
     /// not the end: the statement of unknown outcome may still commit later (it may be queued
@@ -911,87 +421,6 @@ impl Inner {
         .await
         .map(|row| row.is_some())
         .map_err(|e| exec_error("release", key, e))
-    }
-
-    /// Renews through the client's [`Batcher`]: a lone renewal is sent at once; renewals that
-    /// arrive while one is in flight go together in the next statement (one transaction, one
-    /// durable commit for up to [`MAX_RENEW_BATCH`] leases).
-    async fn renew(self: &Arc<Self>, lease: &mut Lease, ttl: Duration) -> Result<()> {
-        const OP: &str = "renew";
-        let key = lease.key().clone();
-        let item = Renewal {
-            name: key.as_str().to_owned(),
-            owner: lease.token().expose_hex(),
-            fence: lease_fence(lease, OP)?,
-            ttl_micros: micros(ttl),
-        };
-        // Taken before queueing: the statement can only start later, so the local deadline
-        // computed from it is conservative.
-        let sent_at = Instant::now();
-        let inner = Arc::clone(self);
-        let answer = self
-            .renewals
-            .submit(item, move |batch| {
-                let inner = Arc::clone(&inner);
-                async move { inner.renew_batch(batch).await }
-            })
-            .await;
-        match answer {
-            Some(Ok(true)) => {
-                lease.renewed(ttl, sent_at);
-                Ok(())
-            }
-            Some(Ok(false)) => Err(Error::not_held(&key)),
-            Some(Err(failure)) => Err(failure.into_error(OP, &key)),
-            // The batch task died (panic, runtime shutdown): it may have been applied.
-            None => Err(Error::Indeterminate {
-                backend: BACKEND,
-                op: OP,
-                key: key.as_str().to_owned(),
-                message: "the renewal batch ended without an answer".to_owned(),
-            }),
-        }
-    }
-
-    /// Renews a batch of leases, one statement per group of distinct names (normally one),
-    /// and answers per lease: renewed, no longer held, or the statement's failure.
-    async fn renew_batch(&self, batch: Vec<Renewal>) -> Vec<RenewAnswer> {
-        // Every index is in exactly one group, so each answer is set below.
-        let mut answers: Vec<RenewAnswer> = vec![Ok(false); batch.len()];
-        for mut group in distinct_name_groups(&batch) {
-            // Bound in name order (the statement also locks in name order).
-            group.sort_by(|&a, &b| batch[a].name.cmp(&batch[b].name));
-            let names: Vec<&str> = group.iter().map(|&i| batch[i].name.as_str()).collect();
-            let owners: Vec<&str> = group.iter().map(|&i| batch[i].owner.as_str()).collect();
-            let fences: Vec<i64> = group.iter().map(|&i| batch[i].fence).collect();
-            let ttls: Vec<i64> = group.iter().map(|&i| batch[i].ttl_micros).collect();
-            let outcome = self
-                .fetch_all_idempotent(
-                    || {
-                        sqlx::query(self.sql().renew.clone())
-                            .bind(&names)
-                            .bind(&owners)
-                            .bind(&fences)
-                            .bind(&ttls)
-                    },
-                    self.request_deadline(),
-                )
-                .await
-                .map(|(rows, _)| rows);
-            let renewed = outcome.map_err(Failure::from).and_then(|rows| {
-                rows.iter()
-                    .map(|row| row.try_get::<String, _>(0))
-                    .collect::<std::result::Result<HashSet<String>, _>>()
-                    .map_err(|e| Failure::Backend(Arc::new(PgError::new(e))))
-            });
-            for &i in &group {
-                answers[i] = match &renewed {
-                    Ok(names) => Ok(names.contains(&batch[i].name)),
-                    Err(failure) => Err(failure.clone()),
-                };
-            }
-        }
-        answers
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
@@ -1119,176 +548,7 @@ impl Inner {
     }
 }
 
-/// A waiting `acquire`'s subscription to notifications and its entry in the lock's queue.
-/// A waiter that gives up leaves the queue ([`Queued::leave`]; dropped while still queued, in
-/// the background) and frees a grant a release made to its grant owner meanwhile (handing
-/// the lock to the next waiter), so a gone waiter neither gets the next hand-off nor keeps a
-/// grant it never heard of. No `Debug`: it holds a secret token.
-struct Queued {
-    inner: Arc<Inner>,
-    key: LockKey,
-    subscription: Subscription,
-    /// `<channel>:<number>`.
-    entry: String,
-    /// The owner of a direct grant to this waiter.
-    grant_owner: OwnershipToken,
-    /// The TTL a direct grant to this waiter gets.
-    ttl: Duration,
-    /// The entry may be in the queue, or a grant to `grant_owner` may exist: set before the
-    /// first queued attempt is sent; cleared only once the lock is returned with a grant that
-    /// consumed the entry, or under `grant_owner`.
-    queued: bool,
-}
-
-impl Queued {
-    /// Leaves the queue before `acquire` returns without the lock, freeing (and handing on) a
-    /// grant made to this waiter meanwhile. Awaited, so that a process that exits right after
-    /// a timeout (the CLI's `run --wait`) leaves no entry that a release would grant the lock
-    /// to; when it fails, the drop keeps trying in the background. Bounded by `limit` (the
-    /// acquire's deadline plus [`LEAVE_GRACE`]).
-    async fn leave(&mut self, limit: Instant) {
-        if !self.queued {
-            return;
-        }
-        let grant_owner = self.grant_owner.expose_hex();
-        match self
-            .inner
-            .dequeue(&self.key, &self.entry, &grant_owner, limit)
-            .await
-        {
-            Ok(_) => self.queued = false,
-            Err(e) => {
-                tracing::debug!(key = %self.key, error = ?Failure::from(e), "could not leave the wait queue; retrying in the background");
-            }
-        }
-    }
-
-    /// Marks every notification so far as seen (before each attempt) and returns the lease of
-    /// a grant announced for `by`, the attempt whose reply confirmed the entry (see
-    /// [`lock_core::raw::handoff`]).
-    fn granted(&mut self, by: Option<Registered>, key: &LockKey, ttl: Duration) -> Option<Lease> {
-        let grant = self.subscription.mark_seen()?;
-        // A lease already past its local deadline is not taken: the next attempt confirms
-        // and extends the grant instead.
-        let lease = by?
-            .lease(grant, key, self.grant_owner, ttl)
-            .filter(Lease::is_locally_valid)?;
-        // The release read the entry this attempt wrote, so it granted after `sent_at`: the
-        // local deadline cannot be later than the server's expiry.
-        self.queued = false;
-        tracing::debug!(%key, token = %self.grant_owner.digest(), fence = %grant.fence, "granted by a release");
-        Some(lease)
-    }
-}
-
-impl Inner {
-    /// Removes queue entry `entry` of `key` and frees a grant to `grant_owner`, handing the
-    /// lock on (see [`crate::sql`]).
-    async fn dequeue(
-        &self,
-        key: &LockKey,
-        entry: &str,
-        grant_owner: &str,
-        limit: Instant,
-    ) -> std::result::Result<Option<PgRow>, ExecError> {
-        self.fetch_idempotent(
-            || {
-                sqlx::query(self.sql().dequeue.clone())
-                    .bind(key.as_str())
-                    .bind(entry.to_owned())
-                    .bind(grant_owner.to_owned())
-            },
-            limit,
-        )
-        .await
-    }
-}
-
-impl Drop for Queued {
-    fn drop(&mut self) {
-        if !self.queued {
-            return;
-        }
-        let (inner, key, entry, grant_owner) = (
-            self.inner.clone(),
-            self.key.clone(),
-            std::mem::take(&mut self.entry),
-            self.grant_owner.expose_hex(),
-        );
-        // Past this, the entry has lapsed (an attempt in flight writes it within op_timeout)
-        // and any grant made from it has expired: there is nothing left to undo.
-        let lifetime = Duration::from_millis(
-            u64::try_from(inner.queue_entry_lifetime_ms()).unwrap_or(u64::MAX),
-        );
-        let until = later(later(inner.op_deadline(), lifetime), self.ttl);
-        lock_core::raw::cleanup::spawn(async move {
-            let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
-            loop {
-                let limit = inner.request_deadline().min(until);
-                let Err(e) = inner.dequeue(&key, &entry, &grant_owner, limit).await else {
-                    return;
-                };
-                let failure = Failure::from(e);
-                let now = Instant::now();
-                if matches!(failure, Failure::Backend(_)) || now >= until {
-                    // The entry lapses by itself within two poll intervals; a grant made to it
-                    // meanwhile holds the lock until its TTL runs out.
-                    tracing::debug!(%key, error = ?failure, "could not leave the wait queue");
-                    return;
-                }
-                // The server is unreachable: a grant to this waiter would block the lock after
-                // it comes back, so keep trying (dequeueing twice is harmless).
-                sleep(
-                    backoff
-                        .next_delay()
-                        .min(until.saturating_duration_since(now)),
-                )
-                .await;
-            }
-        });
-    }
-}
-
-/// How long past its deadline an `acquire` that gives up may spend leaving the queue before it
-/// returns (a dequeue takes a millisecond on a healthy server; past this, the background takes
-/// over), so a process that exits on the timeout leaves no entry behind.
-const LEAVE_GRACE: Duration = Duration::from_millis(250);
-
-/// The most leases renewed by one statement.
-const MAX_RENEW_BATCH: usize = 1000;
-
-/// One lease to renew, as bound into the batch statement.
-struct Renewal {
-    name: String,
-    owner: String,
-    fence: i64,
-    ttl_micros: i64,
-}
-
-/// Renewed (`true`), no longer held (`false`), or the batch statement's failure.
-type RenewAnswer = std::result::Result<bool, Failure>;
-
-/// Splits a batch into groups of distinct names (indices into `batch`, in submission order).
-/// The same lease renewed twice at once (say, by its watchdog and by hand) lands in a second
-/// group, run after the first, so each renewal applies its own TTL and is answered on its own.
-fn distinct_name_groups(batch: &[Renewal]) -> Vec<Vec<usize>> {
-    let mut groups: Vec<(HashSet<&str>, Vec<usize>)> = Vec::new();
-    for (i, item) in batch.iter().enumerate() {
-        match groups
-            .iter_mut()
-            .find(|(names, _)| !names.contains(item.name.as_str()))
-        {
-            Some((names, indices)) => {
-                names.insert(&item.name);
-                indices.push(i);
-            }
-            None => groups.push((HashSet::from([item.name.as_str()]), vec![i])),
-        }
-    }
-    groups.into_iter().map(|(_, indices)| indices).collect()
-}
-
-fn lease_fence(lease: &Lease, op: &'static str) -> Result<i64> {
+pub(crate) fn lease_fence(lease: &Lease, op: &'static str) -> Result<i64> {
     lease
         .fencing_token()
         .and_then(|f| i64::try_from(f.get()).ok())
@@ -1555,41 +815,6 @@ impl fmt::Debug for PgLock {
 mod tests {
     use super::*;
 
-    #[test]
-    fn debug_never_shows_the_password() {
-        let config =
-            PgLockConfig::from_url("postgres://app:hunter2@127.0.0.1:1/db?table=t").unwrap();
-        let lock = PgLock::connect_lazy(config).unwrap();
-        let shown = format!("{lock:?} {:?}", lock.inner.conns);
-        assert!(!shown.contains("hunter2"), "{shown}");
-        assert!(shown.contains("127.0.0.1"), "{shown}");
-    }
-
-    #[test]
-    fn a_batch_splits_into_groups_of_distinct_names() {
-        let item = |name: &str| Renewal {
-            name: name.to_owned(),
-            owner: String::new(),
-            fence: 1,
-            ttl_micros: 1,
-        };
-        let batch: Vec<Renewal> = ["a", "b", "a", "c", "a", "b"].map(item).into();
-        assert_eq!(
-            distinct_name_groups(&batch),
-            vec![vec![0, 1, 3], vec![2, 5], vec![4]]
-        );
-        assert!(distinct_name_groups(&[]).is_empty());
-    }
-
-    #[test]
-    fn connection_errors_are_told_apart_from_statement_errors() {
-        assert!(is_connection_error(&sqlx::Error::Io(std::io::Error::from(
-            std::io::ErrorKind::UnexpectedEof
-        ))));
-        assert!(!is_connection_error(&sqlx::Error::RowNotFound));
-        assert!(!is_connection_error(&sqlx::Error::PoolTimedOut));
-    }
-
     fn duration() -> impl proptest::strategy::Strategy<Value = Duration> {
         use proptest::prelude::*;
         prop_oneof![
@@ -1644,24 +869,6 @@ mod tests {
             });
             // Nothing listens on port 1: a typed error, whatever the TTL.
             proptest::prop_assert!(res.is_err());
-        }
-
-        /// Every driver option in the URL, any value of the usual shapes: a config that
-        /// validates, or a configuration error.
-        #[test]
-        fn any_url_option_gives_a_valid_config_or_a_config_error(
-            key in proptest::sample::select(vec![
-                "pool_size", "connect_timeout", "op_timeout", "poll_interval", "listen",
-                "async_release", "create_table", "table", "label",
-            ]),
-            n in proptest::prelude::any::<u64>(),
-            unit in proptest::sample::select(vec!["", "ms", "s", "m", "h", "x", ".5s"]),
-        ) {
-            let url = format!("postgres://u@[::1]:5/db?{key}={n}{unit}");
-            match PgLockConfig::from_url(&url) {
-                Ok(config) => proptest::prop_assert!(config.validate().is_ok()),
-                Err(e) => proptest::prop_assert!(matches!(e, Error::Config(_)), "{e}"),
-            }
         }
     }
 }

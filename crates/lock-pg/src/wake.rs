@@ -1,4 +1,5 @@
-//! Wake-ups and grants: one `LISTEN` connection per client, on a channel of the client's own.
+//! The coordinator's push channel: wake-ups and grants, over one `LISTEN` connection per
+//! client on a channel of the client's own.
 //!
 //! Each waiting `acquire` of a client gets a number and queues `<channel>:<number>` in the lock
 //! row (see [`crate::sql`]); a release notifies the first live entry's channel only, so one

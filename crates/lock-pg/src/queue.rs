@@ -1,0 +1,183 @@
+//! The waiter queue: how a waiting `acquire` queues in the lock row, learns that a release
+//! granted it the lock, and leaves the queue when it gives up (freeing a grant that crossed its
+//! leaving). The SQL is in [`crate::sql`], the notifications in [`crate::wake`].
+
+use std::{
+    sync::{Arc, atomic::AtomicU64},
+    time::Duration,
+};
+
+use lock_core::raw::{Backoff, Lease, LockKey, OwnershipToken, handoff::Registered};
+use sqlx::postgres::PgRow;
+use tokio::time::{Instant, sleep};
+
+use crate::{
+    client::{ExecError, Failure},
+    lock::{Inner, later},
+    wake::Subscription,
+};
+
+/// What a queued attempt writes into the waiter's entry. No `Debug`: it holds a secret token.
+#[derive(Clone, Copy)]
+pub(crate) struct Queueing<'a> {
+    /// `<channel>:<number>`.
+    pub(crate) entry: &'a str,
+    /// The owner a release's direct grant gives the lock to (one per `acquire`).
+    pub(crate) grant_owner: OwnershipToken,
+    /// The last seq used: each statement takes the next one.
+    pub(crate) seq: &'a AtomicU64,
+}
+
+/// A waiting `acquire`'s subscription to notifications and its entry in the lock's queue.
+/// A waiter that gives up leaves the queue ([`Queued::leave`]; dropped while still queued, in
+/// the background) and frees a grant a release made to its grant owner meanwhile (handing
+/// the lock to the next waiter), so a gone waiter neither gets the next hand-off nor keeps a
+/// grant it never heard of. No `Debug`: it holds a secret token.
+pub(crate) struct Queued {
+    pub(crate) inner: Arc<Inner>,
+    pub(crate) key: LockKey,
+    pub(crate) subscription: Subscription,
+    /// `<channel>:<number>`.
+    pub(crate) entry: String,
+    /// The owner of a direct grant to this waiter.
+    pub(crate) grant_owner: OwnershipToken,
+    /// The TTL a direct grant to this waiter gets.
+    pub(crate) ttl: Duration,
+    /// The entry may be in the queue, or a grant to `grant_owner` may exist: set before the
+    /// first queued attempt is sent; cleared only once the lock is returned with a grant that
+    /// consumed the entry, or under `grant_owner`.
+    pub(crate) queued: bool,
+}
+
+impl Queued {
+    /// Leaves the queue before `acquire` returns without the lock, freeing (and handing on) a
+    /// grant made to this waiter meanwhile. Awaited, so that a process that exits right after
+    /// a timeout (the CLI's `run --wait`) leaves no entry that a release would grant the lock
+    /// to; when it fails, the drop keeps trying in the background. Bounded by `limit` (the
+    /// acquire's deadline plus [`LEAVE_GRACE`]).
+    pub(crate) async fn leave(&mut self, limit: Instant) {
+        if !self.queued {
+            return;
+        }
+        let grant_owner = self.grant_owner.expose_hex();
+        match self
+            .inner
+            .dequeue(&self.key, &self.entry, &grant_owner, limit)
+            .await
+        {
+            Ok(_) => self.queued = false,
+            Err(e) => {
+                tracing::debug!(key = %self.key, error = ?Failure::from(e), "could not leave the wait queue; retrying in the background");
+            }
+        }
+    }
+
+    /// Marks every notification so far as seen (before each attempt) and returns the lease of
+    /// a grant announced for `by`, the attempt whose reply confirmed the entry (see
+    /// [`lock_core::raw::handoff`]).
+    pub(crate) fn granted(
+        &mut self,
+        by: Option<Registered>,
+        key: &LockKey,
+        ttl: Duration,
+    ) -> Option<Lease> {
+        let grant = self.subscription.mark_seen()?;
+        // A lease already past its local deadline is not taken: the next attempt confirms
+        // and extends the grant instead.
+        let lease = by?
+            .lease(grant, key, self.grant_owner, ttl)
+            .filter(Lease::is_locally_valid)?;
+        // The release read the entry this attempt wrote, so it granted after `sent_at`: the
+        // local deadline cannot be later than the server's expiry.
+        self.queued = false;
+        tracing::debug!(%key, token = %self.grant_owner.digest(), fence = %grant.fence, "granted by a release");
+        Some(lease)
+    }
+}
+
+impl Inner {
+    /// Removes queue entry `entry` of `key` and frees a grant to `grant_owner`, handing the
+    /// lock on (see [`crate::sql`]).
+    async fn dequeue(
+        &self,
+        key: &LockKey,
+        entry: &str,
+        grant_owner: &str,
+        limit: Instant,
+    ) -> std::result::Result<Option<PgRow>, ExecError> {
+        self.fetch_idempotent(
+            || {
+                sqlx::query(self.sql().dequeue.clone())
+                    .bind(key.as_str())
+                    .bind(entry.to_owned())
+                    .bind(grant_owner.to_owned())
+            },
+            limit,
+        )
+        .await
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        if !self.queued {
+            return;
+        }
+        let (inner, key, entry, grant_owner) = (
+            self.inner.clone(),
+            self.key.clone(),
+            std::mem::take(&mut self.entry),
+            self.grant_owner.expose_hex(),
+        );
+        // Past this, the entry has lapsed (an attempt in flight writes it within op_timeout)
+        // and any grant made from it has expired: there is nothing left to undo.
+        let lifetime = Duration::from_millis(
+            u64::try_from(inner.queue_entry_lifetime_ms()).unwrap_or(u64::MAX),
+        );
+        let until = later(later(inner.op_deadline(), lifetime), self.ttl);
+        lock_core::raw::cleanup::spawn(async move {
+            let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+            loop {
+                let limit = inner.request_deadline().min(until);
+                let Err(e) = inner.dequeue(&key, &entry, &grant_owner, limit).await else {
+                    return;
+                };
+                let failure = Failure::from(e);
+                let now = Instant::now();
+                if matches!(failure, Failure::Backend(_)) || now >= until {
+                    // The entry lapses by itself within two poll intervals; a grant made to it
+                    // meanwhile holds the lock until its TTL runs out.
+                    tracing::debug!(%key, error = ?failure, "could not leave the wait queue");
+                    return;
+                }
+                // The server is unreachable: a grant to this waiter would block the lock after
+                // it comes back, so keep trying (dequeueing twice is harmless).
+                sleep(
+                    backoff
+                        .next_delay()
+                        .min(until.saturating_duration_since(now)),
+                )
+                .await;
+            }
+        });
+    }
+}
+
+/// How long past its deadline an `acquire` that gives up may spend leaving the queue before it
+/// returns (a dequeue takes a millisecond on a healthy server; past this, the background takes
+/// over), so a process that exits on the timeout leaves no entry behind.
+pub(crate) const LEAVE_GRACE: Duration = Duration::from_millis(250);
+
+impl Inner {
+    /// How long a queue entry lives without a refresh: two poll intervals (a queued waiter
+    /// refreshes it at least once per poll interval), at least 100 ms.
+    pub(crate) fn queue_entry_lifetime_ms(&self) -> i64 {
+        let ms = self
+            .config
+            .poll_interval
+            .saturating_mul(2)
+            .max(Duration::from_millis(100))
+            .as_millis();
+        i64::try_from(ms).unwrap_or(i64::MAX)
+    }
+}
