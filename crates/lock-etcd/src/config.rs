@@ -23,9 +23,10 @@ pub struct EtcdLockConfig {
     /// collide; no control characters, at most [`EtcdLockConfig::MAX_PREFIX_LEN`] bytes.
     pub prefix: String,
     /// Timeout for establishing a connection (default 3 s; at most
-    /// [`EtcdLockConfig::MAX_TIMEOUT`]).
+    /// [`EtcdLockConfig::MAX_TIMEOUT`]). URL option `connect_timeout`, alias `dial_timeout`.
     pub dial_timeout: Duration,
-    /// Timeout for each request (default 5 s; at most [`EtcdLockConfig::MAX_TIMEOUT`]).
+    /// Timeout for each request (default 5 s; at most [`EtcdLockConfig::MAX_TIMEOUT`]). URL
+    /// option `timeout`, alias `request_timeout`.
     pub request_timeout: Duration,
     /// The smallest lease TTL the cluster grants. `None` (default): asked from the server at
     /// connect (a 1 s lease is granted and revoked; etcd answers with the TTL it applies).
@@ -81,8 +82,9 @@ impl EtcdLockConfig {
     /// Parses `etcd://[user[:password]@]host:port[,host:port...][/][?option=value&...]`
     /// (`etcds://` for TLS).
     ///
-    /// Options: `prefix` (may be empty), `dial_timeout`, `request_timeout`, `min_ttl`
-    /// (durations such as `500ms`, `3s`, `1m`), `label` (see [`EtcdLockConfig::label`]), and for `etcds://` only `ca_file` (alias `ca`),
+    /// Options: `prefix` (may be empty), `connect_timeout` (alias `dial_timeout`), `timeout`
+    /// (per request; alias `request_timeout`), `min_ttl` (durations such as `500ms`, `3s`,
+    /// `1m`), `label` (see [`EtcdLockConfig::label`]), and for `etcds://` only `ca_file` (alias `ca`),
     /// `cert_file`, `key_file`, `tls_domain`. User and password are percent-decoded.
     ///
     /// `etcds://` is TLS only (the server certificate is verified against `ca_file`, or the
@@ -92,7 +94,7 @@ impl EtcdLockConfig {
     ///
     /// # Errors
     /// [`Error::Config`] for another scheme, no endpoint, a bad port, an unknown, repeated or
-    /// malformed option, or TLS options on `etcd://`.
+    /// malformed option, an option given together with its alias, or TLS options on `etcd://`.
     pub fn from_url(url: &str) -> Result<Self> {
         let (tls, rest) = if let Some(rest) = url.strip_prefix("etcd://") {
             (false, rest)
@@ -142,6 +144,19 @@ impl EtcdLockConfig {
             if seen.contains(&name) {
                 return Err(config(format!("the option {name:?} is given twice")));
             }
+            // The shared names and this driver's older ones set the same field: one of each.
+            for (option, alias) in TIMEOUT_ALIASES {
+                let other = match &*name {
+                    n if n == option => alias,
+                    n if n == alias => option,
+                    _ => continue,
+                };
+                if seen.iter().any(|s| s == other) {
+                    return Err(config(format!(
+                        "give {option:?} or its alias {alias:?}, not both"
+                    )));
+                }
+            }
             seen.push(name.clone());
             let tls_only = |what: &str| {
                 if tls {
@@ -152,10 +167,10 @@ impl EtcdLockConfig {
             };
             match &*name {
                 "prefix" => cfg.prefix = value.into_owned(),
-                "dial_timeout" => {
+                "connect_timeout" | "dial_timeout" => {
                     cfg.dial_timeout = lock_core::raw::parse_duration_option(&name, &value, None)?
                 }
-                "request_timeout" => {
+                "timeout" | "request_timeout" => {
                     cfg.request_timeout =
                         lock_core::raw::parse_duration_option(&name, &value, None)?
                 }
@@ -278,6 +293,13 @@ impl EtcdLockConfig {
         Ok(())
     }
 }
+
+/// The URL option every backend accepts for a timeout, and this driver's older name for it
+/// (still accepted).
+const TIMEOUT_ALIASES: [(&str, &str); 2] = [
+    ("connect_timeout", "dial_timeout"),
+    ("timeout", "request_timeout"),
+];
 
 fn config(msg: impl Into<String>) -> Error {
     Error::Config(format!("etcd: {}", msg.into()))
@@ -431,6 +453,38 @@ mod tests {
             "etcd://h:1?label=a%20b",
             "etcd://h:1?label=a%0Ab",
             "etcd://h:1?label=a&label=b",
+        ] {
+            assert!(
+                matches!(EtcdLockConfig::from_url(url), Err(Error::Config(_))),
+                "{url}"
+            );
+        }
+    }
+
+    /// Issue 20: `connect_timeout` and `timeout`, the names every backend accepts, set the dial
+    /// and request timeouts; the older `dial_timeout` and `request_timeout` still do; a name
+    /// together with its alias is a config error, whichever comes first.
+    #[test]
+    fn shared_timeout_names_and_their_aliases() {
+        let c = EtcdLockConfig::from_url("etcd://h:1?connect_timeout=250ms&timeout=2s").unwrap();
+        assert_eq!(c.dial_timeout, Duration::from_millis(250));
+        assert_eq!(c.request_timeout, Duration::from_secs(2));
+        let c =
+            EtcdLockConfig::from_url("etcd://h:1?dial_timeout=750ms&request_timeout=4s").unwrap();
+        assert_eq!(c.dial_timeout, Duration::from_millis(750));
+        assert_eq!(c.request_timeout, Duration::from_secs(4));
+        let c =
+            EtcdLockConfig::from_url("etcd://h:1?connect_timeout=1s&request_timeout=3s").unwrap();
+        assert_eq!(c.dial_timeout, Duration::from_secs(1));
+        assert_eq!(c.request_timeout, Duration::from_secs(3));
+        for url in [
+            "etcd://h:1?connect_timeout=1s&dial_timeout=1s",
+            "etcd://h:1?dial_timeout=1s&connect_timeout=2s",
+            "etcd://h:1?timeout=1s&request_timeout=1s",
+            "etcd://h:1?request_timeout=2s&prefix=x&timeout=1s",
+            "etcd://h:1?timeout=1s&timeout=1s",
+            "etcd://h:1?connect_timeout=0s",
+            "etcd://h:1?timeout=fast",
         ] {
             assert!(
                 matches!(EtcdLockConfig::from_url(url), Err(Error::Config(_))),
