@@ -1,5 +1,5 @@
 //! `audit`: read the ZooKeeper settings the lease and the fence depend on and grade each
-//! (see the README's "Sessions, TTLs and the invariant").
+//! (see the README's "How this driver keeps the invariant").
 
 use std::{
     io::{Read, Write},

@@ -196,14 +196,14 @@ impl Session {
             .clone()
     }
 
-    /// One round trip that proves the session alive now, shared by every caller that arrives
-    /// while one is in flight ([`Batcher`]): a tick of any number of renewals costs a handful of
-    /// requests. `Ok` means a `sync` sent after this call began was answered on this session (so
-    /// it went through the leader, and [`Session::synced`] moved the vouched window as far as
-    /// that proves); every watch armed before the call that fired by then has already been
-    /// delivered to its receiver (the member sends a watch event before the reply to any later
-    /// request of the session — for a sync, it applies everything the leader had committed
-    /// before replying — and the client dispatches both from one task in arrival order).
+    /// One round trip that proves the session alive now, shared by every caller that arrives while
+    /// one is in flight ([`Batcher`](lock_core::raw::Batcher)): a tick of any number of renewals
+    /// costs a handful of requests. `Ok` means a `sync` sent after this call began was answered on
+    /// this session (so it went through the leader, and [`Session::synced`] moved the vouched
+    /// window as far as that proves); every watch armed before the call that fired by then has
+    /// already been delivered to its receiver (the member sends a watch event before the reply to
+    /// any later request of the session — for a sync, it applies everything the leader had
+    /// committed before replying — and the client dispatches both from one task in arrival order).
     pub(crate) async fn check_in(
         self: &Arc<Self>,
         limit: Duration,
