@@ -21,7 +21,8 @@ use lock_core::raw::{Error, Result};
 /// |---|---|---|
 /// | `namespace` | `distlock:` | prefix of every lock key (may be empty: `namespace=`) |
 /// | `connect_timeout` | `1s` | one TCP connect + handshake attempt |
-/// | `response_timeout` | `1s` | a sent command without a reply is "outcome unknown" after this |
+/// | `timeout` | `1s` | per request: a sent command without a reply is "outcome unknown" after this ([`RedisLockConfig::response_timeout`]) |
+/// | `response_timeout` | | an alias of `timeout` (its name before the drivers shared one vocabulary); giving both is an [`Error::Config`] |
 /// | `reconnect_retries` | `2` | connection attempts retried per (re)connect before a request fails (at most 5) |
 /// | `max_poll_interval` | `500ms` | cap of the jittered fallback poll of a waiting `acquire` |
 /// | `ca` | system roots | `rediss://` only: PEM file of the CA(s) the server certificate must chain to |
@@ -29,7 +30,7 @@ use lock_core::raw::{Error, Result};
 /// | `replicas` | `0` | acquire and renew count only after `WAIT N` confirmed N replicas (not on Cluster; see the crate's *Topologies*) |
 /// | `replica_timeout` | `500ms` | how long that `WAIT` may take; fewer replicas by then: `Indeterminate`, undone |
 ///
-/// Durations take a unit: `250ms`, `2s`, `1m` (a bare number is refused, not guessed), and are
+/// Durations take a unit: `250ms`, `2s`, `1m`, `1m30s` (a bare number is refused, not guessed), and are
 /// at most one hour ([`RedisLockConfig::MAX_DURATION`]), whether set in the URL or on the fields
 /// ([`RedisLockConfig::validate`]). Unknown or malformed
 /// options are an [`Error::Config`], and so is `ca` on a plain `redis://` URL (a TLS setting
@@ -58,7 +59,8 @@ pub struct RedisLockConfig {
     pub namespace: String,
     /// Timeout of one connection attempt.
     pub connect_timeout: Duration,
-    /// Time a sent command may wait for its reply before its outcome is unknown.
+    /// Time a sent command may wait for its reply before its outcome is unknown (the URL
+    /// option `timeout`, or its alias `response_timeout`).
     pub response_timeout: Duration,
     /// How many times a failed (re)connection is retried before requests fail with
     /// `Unavailable` (the next request starts a new attempt).
@@ -120,6 +122,10 @@ impl RedisLockConfig {
     /// The most replicas `replicas=` may ask for.
     pub const MAX_REPLICAS: u32 = 64;
 
+    /// URL options accepted under an older name: `(alias, option)`. Either name sets the same
+    /// field; giving both in one URL is an [`Error::Config`] (which one was meant?).
+    const ALIASES: &'static [(&'static str, &'static str)] = &[("response_timeout", "timeout")];
+
     /// Parses `redis://[user:password@]host[:port][/db][?option=value&...]`.
     ///
     /// # Errors
@@ -169,7 +175,24 @@ impl RedisLockConfig {
         if let Some(password) = parsed.password() {
             config.password = Some(decode(password, "password")?);
         }
+        // The name each aliased option was given under, to refuse an alias next to its option.
+        let mut given: Vec<(&str, String)> = Vec::new();
         for (name, value) in parsed.query_pairs() {
+            if let Some((alias, option)) = Self::ALIASES
+                .iter()
+                .find(|(alias, option)| name == *alias || name == *option)
+            {
+                match given.iter().find(|(o, _)| o == option) {
+                    Some((_, first)) if *first != name => {
+                        return Err(config_err(format!(
+                            "the options {first:?} and {name:?} set the same thing \
+                             ({alias} is an alias of {option}): give only {option}"
+                        )));
+                    }
+                    Some(_) => {}
+                    None => given.push((option, name.to_string())),
+                }
+            }
             config.set_option(&name, &value)?;
         }
         config.validate()?;
@@ -280,7 +303,7 @@ impl RedisLockConfig {
             "connect_timeout" => {
                 self.connect_timeout = lock_core::raw::parse_duration_option(name, value, None)?
             }
-            "response_timeout" => {
+            "timeout" | "response_timeout" => {
                 self.response_timeout = lock_core::raw::parse_duration_option(name, value, None)?
             }
             "max_poll_interval" => {
@@ -315,7 +338,7 @@ impl RedisLockConfig {
             }
             other => {
                 return Err(config_err(format!(
-                    "unknown option {other:?} (known: namespace, connect_timeout, response_timeout, reconnect_retries, max_poll_interval, ca, label, replicas, replica_timeout)"
+                    "unknown option {other:?} (known: namespace, connect_timeout, timeout (alias response_timeout), reconnect_retries, max_poll_interval, ca, label, replicas, replica_timeout)"
                 )));
             }
         }
@@ -661,6 +684,50 @@ mod tests {
             RedisLockConfig::from_url("redis+sentinel://u:hunter2@s/m").unwrap()
         );
         assert!(!shown.contains("hunter2"), "{shown}");
+    }
+
+    /// One vocabulary across drivers: `timeout` is the per-request option, `response_timeout`
+    /// stays accepted as its alias, and giving both is refused rather than one silently winning.
+    #[test]
+    fn timeout_and_its_alias_response_timeout_set_the_request_timeout_and_not_both() {
+        let by = |url: &str| RedisLockConfig::from_url(url).map(|c| c.response_timeout);
+        assert_eq!(
+            by("redis://h?timeout=250ms").unwrap(),
+            Duration::from_millis(250)
+        );
+        assert_eq!(
+            by("redis://h?response_timeout=250ms").unwrap(),
+            Duration::from_millis(250)
+        );
+        assert_eq!(
+            by("redis://h?timeout=1s&timeout=2s").unwrap(),
+            Duration::from_secs(2)
+        );
+        assert_eq!(
+            by("redis+sentinel://s1/m?timeout=3s").unwrap(),
+            Duration::from_secs(3)
+        );
+        for url in [
+            "redis://h?timeout=1s&response_timeout=1s",
+            "redis://h?response_timeout=2s&timeout=1s",
+            "redis+sentinel://s1/m?timeout=1s&response_timeout=2s",
+            "redis+cluster://a,b?response_timeout=1s&timeout=2s",
+            "redis://h?timeout=0s",
+            "redis://h?timeout=2h",
+        ] {
+            assert!(matches!(by(url), Err(Error::Config(_))), "{url}");
+        }
+        assert!(matches!(
+            crate::RedlockConfig::from_url("redlock://a,b,c?timeout=1s&response_timeout=1s"),
+            Err(Error::Config(_))
+        ));
+        assert_eq!(
+            crate::RedlockConfig::from_url("redlock://a,b,c?timeout=700ms")
+                .unwrap()
+                .nodes[0]
+                .response_timeout,
+            Duration::from_millis(700)
+        );
     }
 
     #[test]

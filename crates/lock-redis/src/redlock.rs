@@ -37,8 +37,8 @@ return 0
 /// The masters of a [`RedlockLock`]: `redlock://[user:password@]h1[:p1],h2[:p2],h3[:p3][/db][?options]`.
 ///
 /// Each master gets the same credentials, database and options (`namespace`, `connect_timeout`,
-/// `response_timeout`, `reconnect_retries`, `label` as for `redis://`; `replicas` is refused:
-/// each master is meant to stand alone).
+/// `timeout` (alias `response_timeout`), `reconnect_retries`, `label` as for `redis://`;
+/// `replicas` is refused: each master is meant to stand alone).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedlockConfig {

@@ -97,6 +97,7 @@ proptest! {
         option in prop_oneof![
             Just("connect_timeout"),
             Just("response_timeout"),
+            Just("timeout"),
             Just("max_poll_interval"),
             Just("reconnect_retries"),
             Just("namespace"),
