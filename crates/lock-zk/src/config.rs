@@ -6,6 +6,7 @@ use lock_core::raw::{Error, HolderIdentity, Result};
 
 /// Who may touch the lock nodes this client creates.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ZkAcl {
     /// `world:anyone` with all permissions (what Curator uses by default).
     #[default]
@@ -26,14 +27,19 @@ pub enum ZkAcl {
 /// |---|---|---|
 /// | `session_timeout` | `10s` | session timeout asked of the server; also the smallest TTL accepted (see the crate docs) |
 /// | `connect_timeout` | `5s` | bound on establishing a session (at most 24 h) |
-/// | `op_timeout` | `5s` | bound on each request while connected or reconnecting (at most 24 h; an `acquire`'s requests also end by its deadline) |
+/// | `timeout` | `5s` | bound on each request while connected or reconnecting (at most 24 h; an `acquire`'s requests also end by its deadline); sets [`ZkLockConfig::op_timeout`] |
+/// | `op_timeout` | | the older name of `timeout`, still accepted (giving both is an error) |
 /// | `root` | `/distlock` | parent of every lock directory (`<root>/<escaped key>/_c_<uuid>-lock-<seq>`) |
 /// | `acl` | `open` | `open` (world:anyone) or `creator` (needs `user:password@`) |
 /// | `label` | none | a short label added to the holder identity stored as each lock node's data (1–64 of `A-Za-z0-9-_.:/@`) |
 ///
 /// Durations take a unit (`250ms`, `10s`, `2m`); a bare number is refused, not guessed. Credentials in
 /// the URL are sent as ZooKeeper `digest` auth (`user:password`) and never shown by `Debug`.
+///
+/// Build one with [`ZkLockConfig::new`] or [`ZkLockConfig::from_url`] and set fields on it (the
+/// struct is `#[non_exhaustive]`: it may gain fields).
 #[derive(Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ZkLockConfig {
     /// Comma-separated `host:port` list.
     pub hosts: String,
@@ -45,7 +51,7 @@ pub struct ZkLockConfig {
     pub session_timeout: Duration,
     /// Bound on establishing a session.
     pub connect_timeout: Duration,
-    /// Bound on each request.
+    /// Bound on each request (the URL option `timeout`, or its older name `op_timeout`).
     pub op_timeout: Duration,
     /// `digest` credentials: user and password.
     pub auth: Option<(String, String)>,
@@ -120,6 +126,9 @@ impl ZkLockConfig {
             None | Some("/") => None,
             Some(c) => Some(validate_path("chroot", c.trim_end_matches('/'))?),
         };
+        // The per-request bound's name as given (`timeout`, or its older name `op_timeout`):
+        // both at once would leave one of them silently ignored.
+        let mut timeout_given: Option<&'static str> = None;
         for (name, value) in url::form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
             match &*name {
                 "session_timeout" => {
@@ -130,7 +139,19 @@ impl ZkLockConfig {
                     cfg.connect_timeout =
                         lock_core::raw::parse_duration_option(&name, &value, None)?
                 }
-                "op_timeout" => {
+                given @ ("timeout" | "op_timeout") => {
+                    let given = if given == "timeout" {
+                        "timeout"
+                    } else {
+                        "op_timeout"
+                    };
+                    if let Some(earlier) = timeout_given.filter(|earlier| *earlier != given) {
+                        return Err(config(format!(
+                            "{earlier} and {given} are the same option (op_timeout is the older \
+                             name of timeout): give only one"
+                        )));
+                    }
+                    timeout_given = Some(given);
                     cfg.op_timeout = lock_core::raw::parse_duration_option(&name, &value, None)?
                 }
                 "root" => cfg.root = value.into_owned(),
@@ -309,6 +330,35 @@ mod tests {
             !shown.contains("s@cret") && shown.contains("redacted"),
             "{shown}"
         );
+    }
+
+    #[test]
+    fn timeout_is_the_per_request_bound_and_op_timeout_its_alias() {
+        let c = ZkLockConfig::from_url("zk://h:1?timeout=750ms&connect_timeout=2s").unwrap();
+        assert_eq!(c.op_timeout, Duration::from_millis(750));
+        assert_eq!(c.connect_timeout, Duration::from_secs(2));
+        // The older name still works.
+        let c = ZkLockConfig::from_url("zk://h:1?op_timeout=750ms").unwrap();
+        assert_eq!(c.op_timeout, Duration::from_millis(750));
+        // The same name twice is not a conflict (the last one counts, as for every option).
+        let c = ZkLockConfig::from_url("zk://h:1?timeout=1s&timeout=750ms").unwrap();
+        assert_eq!(c.op_timeout, Duration::from_millis(750));
+        // Both names at once: one would be ignored, so neither is guessed.
+        for url in [
+            "zk://h:1?timeout=1s&op_timeout=2s",
+            "zk://h:1?op_timeout=2s&timeout=1s",
+            "zk://h:1?timeout=1s&op_timeout=1s",
+        ] {
+            match ZkLockConfig::from_url(url) {
+                Err(Error::Config(why)) => {
+                    assert!(
+                        why.contains("timeout") && why.contains("op_timeout"),
+                        "{why}"
+                    )
+                }
+                other => panic!("{url}: {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -16,10 +16,9 @@ use zookeeper_client as zk;
 const SLACK: Duration = Duration::from_secs(5);
 
 fn labelled(config: &ZkLockConfig, label: &str) -> ZkLockConfig {
-    ZkLockConfig {
-        label: Some(label.into()),
-        ..config.clone()
-    }
+    let mut config = config.clone();
+    config.label = Some(label.into());
+    config
 }
 
 /// The identity another client's `inspect` shows for `key`, and the fencing token next to it.
