@@ -11,6 +11,8 @@ const DRIVER_OPTIONS: &[&str] = &[
     "table",
     "pool_size",
     "connect_timeout",
+    "timeout",
+    // The older name of `timeout`.
     "op_timeout",
     "listen",
     "poll_interval",
@@ -164,6 +166,7 @@ pub(crate) fn check_identifier(part: &str) -> Result<()> {
 /// Every option can be given in the URL's query string (see [`PgLockConfig::from_url`]); the
 /// fields can also be set directly. `Debug` never shows the password.
 #[derive(Clone)]
+#[non_exhaustive]
 pub struct PgLockConfig {
     connect: PgConnectOptions,
     /// The URL with its password replaced, for `Debug` and errors.
@@ -177,8 +180,9 @@ pub struct PgLockConfig {
     /// default 5 s). A bare number is seconds, as in libpq; `ms`, `s` and `m` suffixes work.
     /// The other duration options are distlock's own and need a unit (a bare number is refused).
     pub connect_timeout: Duration,
-    /// How long one statement may take before its outcome counts as unknown (`op_timeout=`,
-    /// default 5 s).
+    /// How long one statement may take before its outcome counts as unknown: the per-request
+    /// timeout (`timeout=`, default 5 s; `op_timeout=` is accepted as its older name, and giving
+    /// both is a configuration error).
     pub op_timeout: Duration,
     /// `LISTEN` for releases while waiting (`listen=`, default true). Turn it off behind a
     /// transaction-pooling proxy, where a session cannot keep listening; waiters then poll.
@@ -236,11 +240,13 @@ impl PgLockConfig {
     /// Besides the standard connection parameters (`sslmode`, `sslrootcert`, `sslcert`,
     /// `sslkey`, `application_name`, `options`, `host`, `port`, `dbname`, `user`, `password`,
     /// `statement-cache-capacity`), the query string takes the driver's options: `table`,
-    /// `pool_size`, `connect_timeout`, `op_timeout`, `listen`, `poll_interval`, `async_release`,
-    /// `create_table`, `label` (see the fields).
+    /// `pool_size`, `connect_timeout`, `timeout` (per statement; `op_timeout` is its older name,
+    /// still accepted), `listen`, `poll_interval`, `async_release`, `create_table`, `label` (see
+    /// the fields).
     ///
     /// # Errors
-    /// [`Error::Config`] for another scheme, an unknown option or a malformed value.
+    /// [`Error::Config`] for another scheme, an unknown option, a malformed value, or both
+    /// `timeout` and `op_timeout`.
     pub fn from_url(url: &str) -> Result<Self> {
         let parsed = Url::parse(url).map_err(|e| Error::Config(format!("invalid URL: {e}")))?;
         if !matches!(parsed.scheme(), "postgres" | "postgresql") {
@@ -278,6 +284,16 @@ impl PgLockConfig {
         {
             connect = connect.host(&addr.to_string());
         }
+        // `op_timeout` is `timeout`'s older name: two values for one setting is a mistake.
+        if driver.iter().any(|(k, _)| k == "timeout")
+            && driver.iter().any(|(k, _)| k == "op_timeout")
+        {
+            return Err(Error::Config(
+                "both timeout and op_timeout are given: op_timeout is the older name of timeout; \
+                 give one"
+                    .to_owned(),
+            ));
+        }
         let mut config = Self::new(connect);
         config.display = redact(&parsed);
         for (k, v) in driver {
@@ -294,7 +310,7 @@ impl PgLockConfig {
                     config.connect_timeout =
                         lock_core::raw::parse_duration_option(&k, &v, Some(Duration::from_secs(1)))?
                 }
-                "op_timeout" => {
+                "timeout" | "op_timeout" => {
                     config.op_timeout = lock_core::raw::parse_duration_option(&k, &v, None)?
                 }
                 "poll_interval" => {
@@ -446,6 +462,33 @@ mod tests {
     }
 
     #[test]
+    fn timeout_is_the_request_timeout_and_op_timeout_its_older_name() {
+        for url in [
+            "postgres://h/db?timeout=750ms",
+            "postgres://h/db?op_timeout=750ms",
+        ] {
+            let c = PgLockConfig::from_url(url).unwrap();
+            assert_eq!(c.op_timeout, Duration::from_millis(750), "{url}");
+        }
+        for url in [
+            "postgres://h/db?timeout=750ms&op_timeout=750ms",
+            "postgres://h/db?op_timeout=1s&connect_timeout=1s&timeout=2s",
+        ] {
+            assert!(
+                matches!(PgLockConfig::from_url(url), Err(Error::Config(_))),
+                "{url}"
+            );
+        }
+        // The new name is held to the same grammar and bounds as the old one.
+        for url in ["postgres://h/db?timeout=0ms", "postgres://h/db?timeout=2"] {
+            assert!(
+                matches!(PgLockConfig::from_url(url), Err(Error::Config(_))),
+                "{url}"
+            );
+        }
+    }
+
+    #[test]
     fn defaults() {
         let c = PgLockConfig::from_url("postgresql://postgres@127.0.0.1/db").unwrap();
         assert_eq!(c.table.to_string(), "distlock_leases");
@@ -578,7 +621,7 @@ mod option_proptests {
         #[test]
         fn any_url_option_gives_a_valid_config_or_a_config_error(
             key in proptest::sample::select(vec![
-                "pool_size", "connect_timeout", "op_timeout", "poll_interval", "listen",
+                "pool_size", "connect_timeout", "timeout", "op_timeout", "poll_interval", "listen",
                 "async_release", "create_table", "table", "label",
             ]),
             n in proptest::prelude::any::<u64>(),
