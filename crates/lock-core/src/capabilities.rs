@@ -39,6 +39,11 @@ pub struct Capabilities {
     pub lost_notify: bool,
     /// [`crate::DistributedLock::force_release`] (operator override) is available.
     pub force_release: bool,
+    /// `renew` sets any TTL up to `max_ttl` — shorter or longer than the lease's — and the
+    /// coordinator then keeps that one lease for that long with nobody renewing it, even if the
+    /// client dies (server-side expiry of the lease alone). What job mode's
+    /// [`crate::LockOptions::at_least`] needs; without it `at_least` is `Unsupported`.
+    pub keep_until: bool,
     /// The smallest TTL the backend can honour (zero: no minimum).
     pub min_ttl: Duration,
     /// The largest TTL the backend can honour (zero: no maximum).

@@ -37,6 +37,13 @@ pub struct LockOptions {
     /// The weakest fencing guarantee acceptable; a weaker backend fails with
     /// [`Error::Unsupported`] before any I/O.
     pub fencing: FencingGuarantee,
+    /// Job mode, ShedLock's `lockAtLeastFor`: keep the lock until at least this long after the
+    /// grant, even when the job (or the guard) ends sooner and even if the process dies right
+    /// after — see [`LockOptions::at_least`].
+    pub at_least: Option<Duration>,
+    /// Job mode, ShedLock's `lockAtMostFor`: never hold longer than this after the grant — see
+    /// [`LockOptions::at_most`].
+    pub at_most: Option<Duration>,
 }
 
 impl LockOptions {
@@ -81,6 +88,26 @@ impl LockOptions {
         self.fencing = guarantee;
         self
     }
+
+    /// Keeps the lock until at least `d` after the grant (the once-per-period pattern: a job
+    /// that takes 200 ms on one instance must not run again on another whose timer fires a
+    /// second later). When the job ends — or the guard is released or dropped — before then,
+    /// the lease is not deleted but renewed to end at grant + `d` (shortened or extended),
+    /// with the coordinator's own expiry, so it holds even if the process dies right after.
+    /// Needs [`Capabilities::keep_until`]: [`Error::Unsupported`] without, before any I/O.
+    pub fn at_least(mut self, d: Duration) -> Self {
+        self.at_least = Some(d);
+        self
+    }
+
+    /// Never holds longer than `d` after the grant: at grant + `d` the watchdog stops renewing,
+    /// the guard is lost ([`crate::LossReason::HeldTooLong`]) — `run_exclusive` cancels the
+    /// job and answers [`Error::NotHeld`] — and the lease is released (or kept until
+    /// [`LockOptions::at_least`], if that is later).
+    pub fn at_most(mut self, d: Duration) -> Self {
+        self.at_most = Some(d);
+        self
+    }
 }
 
 impl Default for LockOptions {
@@ -90,6 +117,8 @@ impl Default for LockOptions {
             wait: None,
             watchdog: Watchdog::Auto,
             fencing: FencingGuarantee::None,
+            at_least: None,
+            at_most: None,
         }
     }
 }
@@ -163,6 +192,25 @@ impl LockBuilder {
         self
     }
 
+    /// See [`LockOptions::at_least`].
+    pub fn at_least(mut self, d: Duration) -> Self {
+        self.opts = self.opts.at_least(d);
+        self
+    }
+
+    /// See [`LockOptions::at_most`].
+    pub fn at_most(mut self, d: Duration) -> Self {
+        self.opts = self.opts.at_most(d);
+        self
+    }
+
+    fn limits(&self) -> crate::guard::JobLimits {
+        crate::guard::JobLimits {
+            at_least: self.opts.at_least,
+            at_most: self.opts.at_most,
+        }
+    }
+
     /// Checks everything that can be checked before I/O; returns the key and renew interval.
     fn prepare(&self) -> Result<(LockKey, Option<Duration>)> {
         let key = match &self.key {
@@ -178,6 +226,7 @@ impl LockBuilder {
         let backend = self.lock.backend_name();
         caps.check_ttl(self.opts.ttl)?;
         caps.require_fencing(backend, self.opts.fencing)?;
+        check_job_mode(&caps, backend, &self.opts)?;
         let interval = match self.opts.watchdog {
             Watchdog::Off => None,
             Watchdog::Auto => caps.renew.then(|| self.opts.ttl / 3),
@@ -206,8 +255,9 @@ impl LockBuilder {
     /// Input and capability errors before any I/O; the backend's errors.
     pub async fn try_acquire(self) -> Result<Option<LockGuard>> {
         let (key, interval) = self.prepare()?;
+        let limits = self.limits();
         let lease = self.lock.try_acquire(&key, self.opts.ttl).await?;
-        Ok(lease.map(|lease| LockGuard::start(self.lock, lease, interval)))
+        Ok(lease.map(|lease| LockGuard::start(self.lock, lease, interval, limits)))
     }
 
     /// Waits up to the configured wait ([`LockOptions::DEFAULT_WAIT`] when unset).
@@ -219,12 +269,13 @@ impl LockBuilder {
     /// Dropping the future while it waits leaves nothing that blocks others.
     pub async fn acquire(self) -> Result<LockGuard> {
         let (key, interval) = self.prepare()?;
+        let limits = self.limits();
         let wait = self.opts.wait.unwrap_or(LockOptions::DEFAULT_WAIT);
         let lease = self
             .lock
             .acquire(&key, self.opts.ttl, deadline_after(wait))
             .await?;
-        Ok(LockGuard::start(self.lock, lease, interval))
+        Ok(LockGuard::start(self.lock, lease, interval, limits))
     }
 
     /// Runs `job` while holding the lock; see [`DistributedLockExt::run_exclusive`].
@@ -288,6 +339,30 @@ impl LockBuilder {
                 Ok(Some(output))
             }
         }
+    }
+}
+
+/// Job mode's limits, before any I/O: `at_least` needs `keep_until` and a TTL the backend
+/// honours; `at_most` is positive and not shorter than `at_least`.
+fn check_job_mode(caps: &Capabilities, backend: &'static str, opts: &LockOptions) -> Result<()> {
+    if let Some(d) = opts.at_least {
+        if !caps.keep_until {
+            return Err(Error::unsupported(
+                backend,
+                "at_least (keeping a lease until a time after its job with nobody renewing it)",
+            ));
+        }
+        if d.is_zero() {
+            return Err(Error::Config("at_least must be positive".into()));
+        }
+        caps.check_ttl(d.max(caps.min_ttl))?;
+    }
+    match (opts.at_least, opts.at_most) {
+        (_, Some(most)) if most.is_zero() => Err(Error::Config("at_most must be positive".into())),
+        (Some(least), Some(most)) if least > most => Err(Error::Config(format!(
+            "at_least ({least:?}) must not be longer than at_most ({most:?})"
+        ))),
+        _ => Ok(()),
     }
 }
 

@@ -61,6 +61,16 @@ pub struct LockGuard {
     lost: CancellationToken,
     stop: CancellationToken,
     task: Option<JoinHandle<Lease>>,
+    /// Job mode's `at_least`: a release before this renews the lease to end then instead.
+    keep_until: Option<Instant>,
+}
+
+/// Job mode ([`crate::LockOptions::at_least`], [`crate::LockOptions::at_most`]), counted
+/// from the grant (the lease's `acquired_at`).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct JobLimits {
+    pub(crate) at_least: Option<Duration>,
+    pub(crate) at_most: Option<Duration>,
 }
 
 #[derive(Debug)]
@@ -125,7 +135,13 @@ impl LockGuard {
     /// A lease whose local deadline has already passed (its reply arrived late) gives a guard
     /// that is lost from the start: `is_lost()` is true and `lost()` complete before the caller
     /// sees it, so no job starts on it.
-    pub(crate) fn start(lock: DynLock, lease: Lease, watchdog: Option<Duration>) -> Self {
+    pub(crate) fn start(
+        lock: DynLock,
+        lease: Lease,
+        watchdog: Option<Duration>,
+        limits: JobLimits,
+    ) -> Self {
+        let after_grant = |d: Duration| lease.acquired_at().checked_add(d);
         let shared = Arc::new(Shared {
             deadline: Mutex::new(lease.local_deadline()),
             reason: Mutex::new(None),
@@ -150,7 +166,9 @@ impl LockGuard {
             lost: lost.clone(),
             stop: stop.clone(),
             interval: watchdog,
+            renew_until: limits.at_most.and_then(after_grant),
         };
+        let keep_until = limits.at_least.and_then(after_grant);
         let key = lease.key().clone();
         let digest = lease.token().digest();
         let fencing = lease.fencing_token();
@@ -166,6 +184,7 @@ impl LockGuard {
             shared,
             lost,
             stop,
+            keep_until,
         }
     }
 
@@ -254,6 +273,7 @@ impl LockGuard {
             shared: self.shared.clone(),
             stage: Some(Stage::Watchdog(task)),
             background: false,
+            keep_until: self.keep_until,
         };
         pending.finish().await
     }
@@ -272,6 +292,7 @@ impl Drop for LockGuard {
             shared: self.shared.clone(),
             stage: Some(Stage::Watchdog(task)),
             background: false,
+            keep_until: self.keep_until,
         });
     }
 }
@@ -289,6 +310,8 @@ struct PendingRelease {
     /// Already the background task: dropped unfinished (its runtime shutting down), it gives up
     /// instead of spawning itself again.
     background: bool,
+    /// Job mode's `at_least`: before this, the lease is kept until then instead of released.
+    keep_until: Option<Instant>,
 }
 
 enum Stage {
@@ -308,11 +331,33 @@ impl PendingRelease {
             }
         }
         let result = match &self.stage {
-            Some(Stage::Releasing(lease)) => self.lock.release(lease).await,
+            Some(Stage::Releasing(lease)) => match self.keep_until {
+                Some(until) if Instant::now() < until => {
+                    keep_until(&self.lock, lease.clone(), until).await
+                }
+                _ => self.lock.release(lease).await,
+            },
             _ => Ok(false),
         };
         self.stage = None;
         result
+    }
+}
+
+/// Job mode's release before `at_least` has passed: the lease is renewed to end at `until`
+/// (at least the backend's minimum TTL from now) and left to the coordinator's expiry —
+/// nobody renews it any more, and it holds even if this process dies. `Ok(true)`: kept;
+/// `Ok(false)`: it was already lost.
+async fn keep_until(lock: &DynLock, mut lease: Lease, until: Instant) -> Result<bool> {
+    let caps = lock.capabilities();
+    let left = until.saturating_duration_since(Instant::now());
+    match lock.renew(&mut lease, left.max(caps.min_ttl)).await {
+        Ok(()) => {
+            tracing::debug!(key = %lease.key(), ?left, "kept until at_least instead of released");
+            Ok(true)
+        }
+        Err(Error::NotHeld { .. }) => Ok(false),
+        Err(e) => Err(e),
     }
 }
 
@@ -330,6 +375,7 @@ impl Drop for PendingRelease {
             shared: self.shared.clone(),
             stage: Some(stage),
             background: true,
+            keep_until: self.keep_until,
         };
         let key = self.key.clone();
         let spawned = crate::raw::cleanup::spawn(async move {
@@ -433,6 +479,8 @@ struct Supervisor {
     lost: CancellationToken,
     stop: CancellationToken,
     interval: Option<Duration>,
+    /// Job mode's `at_most`: no renewal after this, and the guard is lost then.
+    renew_until: Option<Instant>,
 }
 
 enum Step {
@@ -515,6 +563,7 @@ impl Supervisor {
         loop {
             let deadline = lease.local_deadline();
             let wake = next_renew.map_or(deadline, |t| t.min(deadline));
+            let wake = self.renew_until.map_or(wake, |t| t.min(wake));
             let step = tokio::select! {
                 biased;
                 () = self.stop.cancelled() => Step::Stop,
@@ -522,6 +571,8 @@ impl Supervisor {
                 () = sleep_until(wake) => {
                     if Instant::now() >= deadline {
                         Step::Lost(LossReason::DeadlinePassed)
+                    } else if self.renew_until.is_some_and(|t| Instant::now() >= t) {
+                        Step::Lost(LossReason::HeldTooLong)
                     } else {
                         Step::Renew
                     }

@@ -182,6 +182,8 @@ pub enum LossReason {
     SessionExpired,
     /// A renewal failed with a permanent error.
     RenewFailed,
+    /// Job mode's [`crate::LockOptions::at_most`] passed: the guard stopped renewing.
+    HeldTooLong,
 }
 
 impl fmt::Display for LossReason {
@@ -192,6 +194,7 @@ impl fmt::Display for LossReason {
             LossReason::Revoked => "revoked by the coordinator",
             LossReason::SessionExpired => "session expired",
             LossReason::RenewFailed => "renewal failed",
+            LossReason::HeldTooLong => "held for its at_most limit",
         })
     }
 }

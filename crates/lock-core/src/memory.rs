@@ -319,6 +319,7 @@ impl Driver for InMemoryLock {
             fair_queue: true,
             lost_notify: true,
             force_release: true,
+            keep_until: true,
             min_ttl: Duration::from_millis(1),
             ..Default::default()
         }

@@ -271,6 +271,7 @@ fn loss_label(reason: LossReason) -> &'static str {
         LossReason::Revoked => "revoked",
         LossReason::SessionExpired => "session_expired",
         LossReason::RenewFailed => "renew_failed",
+        LossReason::HeldTooLong => "held_too_long",
     }
 }
 
