@@ -21,45 +21,39 @@ use crate::EtcdLockConfig;
 
 pub(crate) const BACKEND: &str = "etcd";
 
-/// What a failed request tells us about whether it was applied.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Failure {
-    /// The request never reached a server (connection refused, dial failure): nothing applied.
-    NotSent,
-    /// The request may have been applied (timeout, connection lost mid-request).
-    Unknown,
-    /// The server answered with an error: nothing applied.
-    Rejected,
-    /// The server says the lease does not exist (expired or revoked).
-    LeaseNotFound,
-}
+pub(crate) use lock_core::raw::failure::{Failure, RequestFailure};
 
-/// A failed request: its class plus the error to report.
-#[derive(Debug)]
-pub(crate) struct RequestError {
-    pub(crate) failure: Failure,
-    pub(crate) source: lock_core::raw::BoxError,
-}
+/// What this driver reads from a failed request beyond its [`Failure`] class
+/// (`lock_core::raw::failure`).
+pub(crate) trait Classified {
+    /// As a `lock_core::raw::Error` for an operation whose outcome does not matter (reads,
+    /// idempotent writes, a write whose unknown outcome is resolved by other means): the
+    /// `Effect::Read` row of `lock_core::raw::failure` — unreachable or unanswered →
+    /// `Unavailable`, refused → `Backend`.
+    fn into_read_error(self, op: &'static str) -> Error;
 
-impl RequestError {
-    /// As a `lock_core::raw::Error` for an operation whose outcome does not matter (reads, idempotent
-    /// writes): unreachable → `Unavailable`, anything else → `Backend`.
-    pub(crate) fn into_error(self, op: &'static str) -> Error {
-        match self.failure {
-            Failure::NotSent | Failure::Unknown => Error::unavailable(BACKEND, op, self.source),
-            Failure::Rejected | Failure::LeaseNotFound => Error::backend(BACKEND, op, self.source),
-        }
-    }
-}
-
-impl RequestError {
     /// Whether the server refused the request in a way that retrying cannot change while this
     /// client lives: permission denied, credentials refused (a deleted user, a changed
     /// password), an invalid request. Not an expired token (refreshed: [`Failure::NotSent`]),
     /// not a stale auth revision, not a leader change.
-    pub(crate) fn is_permanent(&self) -> bool {
+    fn is_permanent(&self) -> bool;
+
+    /// etcd's own class, decided before the shared one: the server says the lease does not
+    /// exist (expired or revoked). A refusal ([`Failure::Refused`]) that the callers tell apart.
+    fn lease_not_found(&self) -> bool;
+}
+
+impl Classified for RequestFailure {
+    fn into_read_error(self, op: &'static str) -> Error {
+        match self.failure {
+            Failure::NotSent | Failure::Unknown => Error::unavailable(BACKEND, op, self.source),
+            _ => Error::backend(BACKEND, op, self.source),
+        }
+    }
+
+    fn is_permanent(&self) -> bool {
         use tonic::Code;
-        if self.failure != Failure::Rejected {
+        if self.failure != Failure::Refused || self.lease_not_found() {
             return false;
         }
         let Some(etcd_client::Error::GRpcStatus(status)) =
@@ -81,6 +75,26 @@ impl RequestError {
             _ => false,
         }
     }
+
+    fn lease_not_found(&self) -> bool {
+        self.failure == Failure::Refused
+            && self
+                .source
+                .downcast_ref::<etcd_client::Error>()
+                .is_some_and(is_lease_not_found)
+    }
+}
+
+/// The server says the lease does not exist (expired or revoked): a refusal of etcd's own.
+fn is_lease_not_found(e: &etcd_client::Error) -> bool {
+    use etcd_client::Error as E;
+    match e {
+        E::GRpcStatus(status) => {
+            status.code() == tonic::Code::NotFound && status.message().contains("lease not found")
+        }
+        E::LeaseKeepAliveError(m) => m.contains("lease not found"),
+        _ => false,
+    }
 }
 
 fn is_connect_failure(message: &str) -> bool {
@@ -98,9 +112,13 @@ fn is_connect_failure(message: &str) -> bool {
     .any(|needle| m.contains(needle))
 }
 
+/// What a failed etcd-client request may have applied.
 pub(crate) fn classify(e: &etcd_client::Error) -> Failure {
     use etcd_client::Error as E;
     use tonic::Code;
+    if is_lease_not_found(e) {
+        return Failure::Refused;
+    }
     match e {
         E::TransportError(_) | E::IoError(_) | E::InvalidUri(_) | E::EndpointError(_) => {
             Failure::NotSent
@@ -108,9 +126,6 @@ pub(crate) fn classify(e: &etcd_client::Error) -> Failure {
         E::GRpcStatus(status) => {
             let full = format!("{} {:?}", status.message(), status);
             match status.code() {
-                Code::NotFound if status.message().contains("lease not found") => {
-                    Failure::LeaseNotFound
-                }
                 Code::Unavailable if is_connect_failure(&full) => Failure::NotSent,
                 // An expired token: refused before anything was applied, and the client
                 // re-authenticates (auto token refresh), so it is temporary (review L5).
@@ -125,12 +140,11 @@ pub(crate) fn classify(e: &etcd_client::Error) -> Failure {
                 | Code::Unknown
                 | Code::Internal
                 | Code::Aborted => Failure::Unknown,
-                _ => Failure::Rejected,
+                _ => Failure::Refused,
             }
         }
-        E::LeaseKeepAliveError(m) if m.contains("lease not found") => Failure::LeaseNotFound,
         E::LeaseKeepAliveError(_) | E::WatchError(_) => Failure::Unknown,
-        _ => Failure::Rejected,
+        _ => Failure::Refused,
     }
 }
 
@@ -138,35 +152,28 @@ pub(crate) fn classify(e: &etcd_client::Error) -> Failure {
 pub(crate) async fn request<T>(
     timeout: Duration,
     fut: impl Future<Output = Result<T, etcd_client::Error>>,
-) -> Result<T, RequestError> {
+) -> Result<T, RequestFailure> {
     match tokio::time::timeout(timeout, fut).await {
         Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(RequestError {
+        Ok(Err(e)) => Err(RequestFailure {
             failure: classify(&e),
             source: Box::new(e),
         }),
-        Err(_) => Err(RequestError {
-            failure: Failure::Unknown,
-            source: format!("no reply within the request timeout of {timeout:?}").into(),
-        }),
+        Err(_) => Err(RequestFailure::unknown(format!(
+            "no reply within the request timeout of {timeout:?}"
+        ))),
     }
 }
 
-/// Runs one request with at most what is left until `until` (and never more than `timeout`).
-/// Past `until` the request is not sent at all ([`Failure::NotSent`]).
+/// Runs one request with at most what is left until `until` (and never more than `timeout`):
+/// `lock_core::raw::within`. Past `until` the request is not sent at all
+/// ([`Failure::NotSent`]).
 pub(crate) async fn request_until<T>(
     timeout: Duration,
     until: tokio::time::Instant,
     fut: impl Future<Output = Result<T, etcd_client::Error>>,
-) -> Result<T, RequestError> {
-    let left = until.saturating_duration_since(tokio::time::Instant::now());
-    if left.is_zero() {
-        return Err(RequestError {
-            failure: Failure::NotSent,
-            source: "the caller's deadline passed before the request was sent".into(),
-        });
-    }
-    request(timeout.min(left), fut).await
+) -> Result<T, RequestFailure> {
+    lock_core::raw::within(timeout, until, classify, fut).await
 }
 
 /// A `Backend` error with a message of our own.
@@ -245,7 +252,7 @@ pub(crate) async fn connect(config: &EtcdLockConfig) -> Result<Client> {
         Client::connect(endpoints, Some(options)),
     )
     .await
-    .map_err(|e| e.into_error("connect"))
+    .map_err(|e| e.into_read_error("connect"))
 }
 
 /// How many requests one [`EtcdLock`] client has sent to etcd, by kind (for measuring overhead).
@@ -307,7 +314,7 @@ pub(crate) async fn probe_min_ttl(
     Counters::bump(&counters.lease_grant);
     let resp = request(config.request_timeout, client.lease_client().grant(1, None))
         .await
-        .map_err(|e| e.into_error("connect"))?;
+        .map_err(|e| e.into_read_error("connect"))?;
     Counters::bump(&counters.lease_revoke);
     if let Err(e) = request(
         config.request_timeout,
@@ -325,9 +332,9 @@ pub(crate) async fn probe_min_ttl(
 mod tests {
     use super::*;
 
-    fn status(code: tonic::Code, message: &str) -> RequestError {
+    fn status(code: tonic::Code, message: &str) -> RequestFailure {
         let e = etcd_client::Error::GRpcStatus(tonic::Status::new(code, message));
-        RequestError {
+        RequestFailure {
             failure: classify(&e),
             source: Box::new(e),
         }
@@ -359,10 +366,18 @@ mod tests {
         ] {
             assert!(!status(code, message).is_permanent(), "{message}");
         }
-        let timeout = RequestError {
-            failure: Failure::Unknown,
-            source: "no reply".into(),
-        };
+        let timeout = RequestFailure::unknown("no reply");
         assert!(!timeout.is_permanent());
+        // etcd's own class: a refusal, never permanent, told apart by `lease_not_found`.
+        let gone = status(Code::NotFound, "etcdserver: requested lease not found");
+        assert_eq!(gone.failure, Failure::Refused);
+        assert!(gone.lease_not_found() && !gone.is_permanent());
+        let gone = etcd_client::Error::LeaseKeepAliveError("lease not found".into());
+        assert_eq!(classify(&gone), Failure::Refused);
+        assert!(is_lease_not_found(&gone));
+        let closed = etcd_client::Error::LeaseKeepAliveError("keepalive stream closed".into());
+        assert_eq!(classify(&closed), Failure::Unknown);
+        assert!(!status(Code::Unknown, "lease not found").lease_not_found());
+        assert!(!timeout.lease_not_found());
     }
 }

@@ -22,7 +22,8 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     EtcdLockConfig, EtcdRequestCounts,
     client::{
-        self, BACKEND, Counters, Failure, RequestError, first_create, lock, protocol, txn_get,
+        self, BACKEND, Classified, Counters, Failure, RequestFailure, first_create, lock, protocol,
+        txn_get,
     },
     keys,
     queue::{Entry, LEAVE_GRACE, Target, ahead_of, queue_entry_lost, spawn_cleanup},
@@ -249,7 +250,7 @@ impl Inner {
                 .get(name.clone(), Some(first_create())),
         )
         .await
-        .map_err(|e| e.into_error(op))?;
+        .map_err(|e| e.into_read_error(op))?;
         match resp.kvs().first() {
             None => Ok(None),
             Some(kv) if keys::is_entry(&name, kv.key(), kv.lease()) => {
@@ -260,7 +261,7 @@ impl Inner {
                 let entries = self
                     .entries_of(&name, None, until)
                     .await
-                    .map_err(|e| e.into_error(op))?;
+                    .map_err(|e| e.into_read_error(op))?;
                 let waiters = entries.len().saturating_sub(1);
                 Ok(entries.into_iter().next().map(|kv| (kv, waiters)))
             }
@@ -313,7 +314,7 @@ impl Inner {
                         Ok(owner) => owner,
                         Err(e) => {
                             entry.discard(until).await;
-                            return Err(e.into_error(op));
+                            return Err(e.into_read_error(op));
                         }
                     };
                     return Ok((entry, owner == Some(rev), base));
@@ -338,13 +339,13 @@ impl Inner {
                         };
                         if let Err(e) = self.remove_entry(&target, until).await {
                             spawn_cleanup(Arc::downgrade(self), target);
-                            return Err(e.into_error(op));
+                            return Err(e.into_read_error(op));
                         }
                     } else {
                         self.drop_user(&entry.session, &name).await;
                     }
                 }
-                Err(e) if e.failure == Failure::LeaseNotFound => {
+                Err(e) if e.lease_not_found() => {
                     entry.armed = false;
                     entry.session.mark_gone();
                     self.forget(&entry.session);
@@ -355,7 +356,7 @@ impl Inner {
                 Err(e) => {
                     entry.armed = false;
                     self.drop_user(&entry.session, &name).await;
-                    return Err(e.into_error(op));
+                    return Err(e.into_read_error(op));
                 }
             }
         }
@@ -374,7 +375,7 @@ impl Inner {
         name: &[u8],
         first: &KeyValue,
         until: Instant,
-    ) -> Result<Option<i64>, RequestError> {
+    ) -> Result<Option<i64>, RequestFailure> {
         if keys::is_entry(name, first.key(), first.lease()) {
             return Ok(Some(first.create_revision()));
         }
@@ -391,7 +392,7 @@ impl Inner {
         name: &[u8],
         max_rev: Option<i64>,
         until: Instant,
-    ) -> Result<Vec<KeyValue>, RequestError> {
+    ) -> Result<Vec<KeyValue>, RequestFailure> {
         let mut opts = GetOptions::new()
             .with_prefix()
             .with_sort(SortTarget::Create, SortOrder::Ascend);
@@ -421,7 +422,7 @@ impl Inner {
         self: &Arc<Self>,
         mut entry: Entry,
         key: &LockKey,
-        err: RequestError,
+        err: RequestFailure,
         base: Instant,
         op: &'static str,
         until: Instant,
@@ -724,7 +725,7 @@ async fn delete_if_created_at(
                             e.source
                         )));
                     }
-                    return Err(e.into_error(op));
+                    return Err(e.into_read_error(op));
                 }
                 tracing::debug!(%key, op, error = %e.source, "delete not answered; sending it again");
                 tokio::time::sleep(pause).await;

@@ -16,7 +16,9 @@ use lock_core::raw::{AcquireWait, Backoff, Error, LockKey, OwnershipToken, Resul
 use tokio::time::{Instant, sleep, sleep_until};
 
 use crate::{
-    client::{self, BACKEND, Counters, Failure, RequestError, first_create, protocol, txn_get},
+    client::{
+        self, BACKEND, Classified, Counters, RequestFailure, first_create, protocol, txn_get,
+    },
     keys,
     lock::Inner,
     renew::{KeepAliveError, Session},
@@ -257,7 +259,7 @@ impl Inner {
         &self,
         t: &Target,
         until: Instant,
-    ) -> Result<(), RequestError> {
+    ) -> Result<(), RequestFailure> {
         if t.session.gone.is_cancelled() {
             self.drop_user(&t.session, &t.name).await;
             return Ok(());
@@ -278,10 +280,7 @@ impl Inner {
         .await
         {
             Ok(_) => {}
-            Err(RequestError {
-                failure: Failure::LeaseNotFound,
-                ..
-            }) => {
+            Err(e) if e.lease_not_found() => {
                 // The lease is gone, and every key on it; a late put on it fails.
                 t.session.mark_gone();
                 self.forget(&t.session);
@@ -581,7 +580,7 @@ impl Inner {
             self.client.kv_client().get(entry.key.clone(), None),
         )
         .await
-        .map_err(|e| e.into_error("acquire"))?;
+        .map_err(|e| e.into_read_error("acquire"))?;
         Ok(resp
             .kvs()
             .first()

@@ -24,7 +24,9 @@ use tokio::{
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    client::{self, BACKEND, Counters, Failure, RequestError, lock, protocol, txn_get},
+    client::{
+        self, BACKEND, Classified, Counters, Failure, RequestFailure, lock, protocol, txn_get,
+    },
     lock::Inner,
     queue::{Target, spawn_cleanup},
 };
@@ -35,7 +37,7 @@ pub(crate) enum KeepAliveError {
     /// The lease no longer exists: every key attached to it is gone.
     Gone,
     /// The keepalive did not complete; the lease may still be alive.
-    Failed(RequestError),
+    Failed(RequestFailure),
 }
 
 #[derive(Debug, Default)]
@@ -229,13 +231,13 @@ impl Session {
                 }
                 Some(Answer::Gone) => return Err(KeepAliveError::Gone),
                 Some(Answer::Failed { failure, message }) => {
-                    return Err(KeepAliveError::Failed(RequestError {
+                    return Err(KeepAliveError::Failed(RequestFailure {
                         failure,
                         source: message.to_string().into(),
                     }));
                 }
                 None => {
-                    return Err(KeepAliveError::Failed(RequestError {
+                    return Err(KeepAliveError::Failed(RequestFailure {
                         failure: Failure::Unknown,
                         source: "the keepalive task ended without an answer".into(),
                     }));
@@ -293,11 +295,11 @@ impl Session {
                 *ack = (*ack).max(sent);
                 Answer::Alive(sent)
             }
-            Ok((_, false))
-            | Err(RequestError {
-                failure: Failure::LeaseNotFound,
-                ..
-            }) => {
+            Ok((_, false)) => {
+                self.mark_gone();
+                Answer::Gone
+            }
+            Err(e) if e.lease_not_found() => {
                 self.mark_gone();
                 Answer::Gone
             }
@@ -322,8 +324,8 @@ enum Answer {
     Failed { failure: Failure, message: Arc<str> },
 }
 
-fn out_of_budget() -> RequestError {
-    RequestError {
+fn out_of_budget() -> RequestFailure {
+    RequestFailure {
         failure: Failure::Unknown,
         source: "no keepalive answer within the caller's deadline".into(),
     }
@@ -396,7 +398,7 @@ impl Inner {
         &self,
         session: &Session,
         until: Instant,
-    ) -> Result<(), RequestError> {
+    ) -> Result<(), RequestFailure> {
         Counters::bump(&self.counters.lease_revoke);
         match client::request_until(
             self.timeout(),
@@ -405,11 +407,11 @@ impl Inner {
         )
         .await
         {
-            Ok(_)
-            | Err(RequestError {
-                failure: Failure::LeaseNotFound,
-                ..
-            }) => {
+            Ok(_) => {
+                session.mark_gone();
+                Ok(())
+            }
+            Err(e) if e.lease_not_found() => {
                 session.mark_gone();
                 Ok(())
             }
@@ -470,9 +472,7 @@ impl Inner {
                             Some(get) => Ok(get.kvs().first().is_some_and(|kv| {
                                 kv.create_revision() == *rev && kv.lease() == *lease
                             })),
-                            None => {
-                                Err((Failure::Rejected, "etcd's txn reply lacks a read".into()))
-                            }
+                            None => Err((Failure::Refused, "etcd's txn reply lacks a read".into())),
                         })
                         .collect(),
                     Err(e) => {
@@ -541,7 +541,7 @@ impl Inner {
                 }
                 Err(KeepAliveError::Failed(e)) => {
                     self.drop_user(&session, name).await;
-                    return Err(e.into_error("acquire"));
+                    return Err(e.into_read_error("acquire"));
                 }
             }
         }
@@ -553,7 +553,7 @@ impl Inner {
             self.client.lease_client().grant(secs, None),
         )
         .await
-        .map_err(|e| e.into_error("acquire"))?;
+        .map_err(|e| e.into_read_error("acquire"))?;
         let granted = Duration::from_secs(u64::try_from(resp.ttl()).unwrap_or(0));
         let session = Arc::new(Session::new(
             Grant {
@@ -661,7 +661,7 @@ pub(crate) async fn renew(inner: &Inner, lease: &mut Lease, ttl: Duration) -> Re
             held.gone.cancel();
             return Err(Error::not_held(lease.key()));
         }
-        Err(KeepAliveError::Failed(e)) => return Err(e.into_error("renew")),
+        Err(KeepAliveError::Failed(e)) => return Err(e.into_read_error("renew")),
     };
     // The keepalive proves the lease; a read after it proves our entry is still on it
     // (deleted by an operator, `release --force`: `NotHeld`, review S8). Batched: one txn
@@ -674,11 +674,11 @@ pub(crate) async fn renew(inner: &Inner, lease: &mut Lease, ttl: Duration) -> Re
             return Err(Error::not_held(lease.key()));
         }
         Err((failure, why)) => {
-            return Err(RequestError {
+            return Err(RequestFailure {
                 failure,
                 source: why.to_string().into(),
             }
-            .into_error("renew"));
+            .into_read_error("renew"));
         }
     }
     let mut phase = lock(&held.phase);
