@@ -10,7 +10,7 @@ use std::{
 
 use futures::FutureExt;
 
-use lock_core::raw::{Batcher, Error, Result, drift_margin};
+use lock_core::raw::{Batcher, Error, Failure, Result, drift_margin};
 use tokio::{
     sync::watch,
     time::{Instant, sleep, timeout, timeout_at},
@@ -279,11 +279,27 @@ pub(crate) fn session_gone(e: &zk::Error) -> bool {
     )
 }
 
+/// A zookeeper-client error as lock-core's [`Failure`] class, from the two backend-specific
+/// classes above: an unknown outcome, and a session gone (a request in flight when it ended may
+/// have applied first, so that is unknown too); no host taking the connection sent nothing; any
+/// other error is the server's answer.
+pub(crate) fn classify(e: &zk::Error) -> Failure {
+    match e {
+        zk::Error::NoHosts => Failure::NotSent,
+        e if outcome_unknown(e) || session_gone(e) => Failure::Unknown,
+        _ => Failure::Refused,
+    }
+}
+
+/// The caller's error for a failed request of `op`, by [`classify`]. An unknown outcome is
+/// `Unavailable` whatever the operation (the `Effect::Read` row of
+/// [`lock_core::raw::failure`]): an operation that must tell an unknown write apart handles it
+/// before calling this (the contender's `create` looks for its node by token, `release` sends
+/// its delete again).
 pub(crate) fn to_error(op: &'static str, e: zk::Error) -> Error {
-    if outcome_unknown(&e) || session_gone(&e) || matches!(e, zk::Error::NoHosts) {
-        Error::unavailable(BACKEND, op, e)
-    } else {
-        Error::backend(BACKEND, op, e)
+    match classify(&e) {
+        Failure::Refused => Error::backend(BACKEND, op, e),
+        _ => Error::unavailable(BACKEND, op, e),
     }
 }
 
@@ -357,5 +373,49 @@ impl ZkLock {
 
     pub(crate) async fn call<T>(&self, fut: impl Future<Output = ZkResult<T>>) -> ZkResult<T> {
         call(self.inner.config.op_timeout, fut).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Classifying by [`Failure`] keeps the error each client error gave callers before.
+    #[test]
+    fn each_client_error_keeps_its_caller_error() {
+        use zk::Error as E;
+        for e in [
+            E::ConnectionLoss,
+            E::Timeout,
+            E::SessionExpired,
+            E::ClientClosed,
+            E::SessionMoved,
+            E::NoHosts,
+        ] {
+            let shown = e.to_string();
+            assert!(
+                matches!(to_error("op", e), Error::Unavailable { .. }),
+                "{shown}"
+            );
+        }
+        for e in [
+            E::NoNode,
+            E::NoAuth,
+            E::BadVersion,
+            E::NodeExists,
+            E::NotEmpty,
+            E::AuthFailed,
+            E::InvalidAcl,
+        ] {
+            let shown = e.to_string();
+            assert!(
+                matches!(to_error("op", e), Error::Backend { .. }),
+                "{shown}"
+            );
+        }
+        assert_eq!(classify(&E::NoHosts), Failure::NotSent);
+        assert_eq!(classify(&E::ConnectionLoss), Failure::Unknown);
+        assert_eq!(classify(&E::SessionExpired), Failure::Unknown);
+        assert_eq!(classify(&E::NoNode), Failure::Refused);
     }
 }
