@@ -107,6 +107,17 @@ pub struct RunArgs {
     /// command itself (for commands that leave background processes working).
     #[arg(long)]
     pub wait_group: bool,
+    /// Job mode, for cron lines: keep the lock until at least this long after it was granted,
+    /// even if the command ends sooner or distlock dies right after — another instance whose
+    /// timer fires a little later in the same period then skips (ShedLock's lockAtLeastFor).
+    /// Kept by the coordinator's own expiry; backends that cannot keep a lease alone (etcd,
+    /// ZooKeeper today) refuse it before anything runs.
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub at_least: Option<Duration>,
+    /// Job mode: never hold the lock longer than this after it was granted; the command is then
+    /// terminated as on a lost lease (SIGTERM, SIGKILL after --kill-after; exit 76).
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub at_most: Option<Duration>,
     /// Exit status when the lock is not acquired (like flock -E).
     #[arg(short = 'E', long, default_value_t = exit::NOT_ACQUIRED, value_name = "CODE")]
     pub conflict_exit_code: u8,

@@ -170,6 +170,12 @@ async fn acquire(
     wait_deadline: Option<Instant>,
 ) -> Result<Option<LockGuard>, u8> {
     let mut builder = lock.lock(key).ttl(args.ttl);
+    if let Some(d) = args.at_least {
+        builder = builder.at_least(d);
+    }
+    if let Some(d) = args.at_most {
+        builder = builder.at_most(d);
+    }
     if lock.capabilities().renew && !timing.renew_every.is_zero() {
         // Every quarter span rather than the usual third: more room between a renewal and the
         // moment the guard must start terminating the command (see `Timing::new`).
