@@ -14,7 +14,7 @@ use std::{
     time::Duration,
 };
 
-use lock_core::raw::{Error, LockKey, Result};
+use lock_core::raw::{Effect, Error, LockKey, RequestFailure, Result};
 use redis::{
     Cmd, ConnectionAddr, ErrorKind, IntoConnectionInfo, Pipeline, ProtocolVersion,
     RedisConnectionInfo, RedisError, RedisFuture, RedisResult, ServerErrorKind, Value,
@@ -570,7 +570,10 @@ impl ConnectionLike for Acked {
     }
 }
 
-/// How a failed request ended, as far as the lock is concerned.
+/// How a failed request ended, as far as the lock is concerned: the classes of the shared
+/// [`lock_core::raw::Failure`], still carrying the redis error (a refused database is told by
+/// it, before the shared mapping: [`map_failure`]) and `Clone` (every lock of a failed batch of
+/// renewals gets the same failure). [`RequestFailure::from`] turns it into the shared type.
 #[derive(Clone)]
 pub(crate) enum Failure {
     /// Nothing reached the server (connection refused, server loading, …).
@@ -578,7 +581,17 @@ pub(crate) enum Failure {
     /// The request may have been applied: sent, but no reply (timeout, dropped connection).
     Unknown(String),
     /// The server answered with an error (a script may have run partly: Lua does not roll back).
-    Server(RedisError),
+    Refused(RedisError),
+}
+
+impl From<Failure> for RequestFailure {
+    fn from(failure: Failure) -> Self {
+        match failure {
+            Failure::NotSent(e) => Self::not_sent(e),
+            Failure::Unknown(message) => Self::unknown(message),
+            Failure::Refused(e) => Self::refused(e),
+        }
+    }
 }
 
 /// The end of one request's budget, or `by` when that comes first.
@@ -610,29 +623,22 @@ pub(crate) async fn run_until<T>(
     }
 }
 
-/// The caller's error for a failed `op` on `key`: a refused database is a configuration error,
-/// an unknown outcome `Indeterminate`, nothing sent `Unavailable`, a server's refusal `Backend`.
+/// The caller's error for a failed write `op` on `key`: a refused database is a configuration
+/// error (the pre-classification only Redis has); the rest maps by the shared table
+/// ([`RequestFailure::into_error`]): nothing sent `Unavailable`, an unknown outcome
+/// `Indeterminate`, a server's refusal `Backend`.
 pub(crate) fn map_failure(
     config: &RedisLockConfig,
     op: &'static str,
     key: &LockKey,
     failure: Failure,
 ) -> Error {
-    if let Failure::NotSent(e) | Failure::Server(e) = &failure
+    if let Failure::NotSent(e) | Failure::Refused(e) = &failure
         && let Some(config) = refused_database(config, e)
     {
         return config;
     }
-    match failure {
-        Failure::NotSent(e) => Error::unavailable(BACKEND, op, e),
-        Failure::Unknown(message) => Error::Indeterminate {
-            backend: BACKEND,
-            op,
-            key: key.as_str().to_owned(),
-            message,
-        },
-        Failure::Server(e) => Error::backend(BACKEND, op, e),
-    }
+    RequestFailure::from(failure).into_error(BACKEND, op, key, Effect::Write)
 }
 
 /// A connect failure that retrying cannot fix: the server refused the credentials or the
@@ -697,6 +703,6 @@ pub(crate) fn classify(e: RedisError) -> Failure {
         ErrorKind::ClusterConnectionNotFound => Failure::NotSent(e),
         ErrorKind::Io => Failure::Unknown(e.to_string()),
         _ if e.is_timeout() || e.is_connection_dropped() => Failure::Unknown(e.to_string()),
-        _ => Failure::Server(e),
+        _ => Failure::Refused(e),
     }
 }

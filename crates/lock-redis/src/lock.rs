@@ -13,10 +13,7 @@ use tokio::time::{Instant, sleep, sleep_until, timeout_at};
 
 use crate::{
     RedisLockConfig,
-    client::{
-        self, Acked, BACKEND, Conn, Failure, after, map_failure, refused_database, request_until,
-        run_until,
-    },
+    client::{self, Acked, BACKEND, Conn, Failure, after, map_failure, request_until, run_until},
     keys::KeyNames,
     queue::{LEAVE_GRACE, Registration, Waiting, registration_lifetime},
     renew::{self, RENEW_BATCH, RenewItem},
@@ -246,28 +243,17 @@ impl RedisLock {
                     "unexpected reply type from the acquire script".to_owned(),
                 ));
             }
-            Err(Failure::Unknown(message)) => {
-                // Sent, no reply: it may still apply, even after the clean-up ran on another
-                // connection; the clean-up's marker makes it a no-op then.
-                self.settle(inflight.undo(true), by).await;
-                return Err(Error::Indeterminate {
-                    backend: BACKEND,
-                    op: "try_acquire",
-                    key: key.as_str().to_owned(),
-                    message,
-                });
-            }
-            Err(Failure::NotSent(e)) => {
-                inflight.disarm();
-                return Err(refused_database(&self.inner.config, &e)
-                    .unwrap_or_else(|| Error::unavailable(BACKEND, "try_acquire", e)));
-            }
-            Err(Failure::Server(e)) => {
-                // A script is not rolled back when a command in it fails: an error after the
-                // `SET` leaves a grant behind.
-                self.settle(inflight.undo(false), by).await;
-                return Err(refused_database(&self.inner.config, &e)
-                    .unwrap_or_else(|| Error::backend(BACKEND, "try_acquire", e)));
+            Err(failure) => {
+                match &failure {
+                    // Sent, no reply: it may still apply, even after the clean-up ran on
+                    // another connection; the clean-up's marker makes it a no-op then.
+                    Failure::Unknown(_) => self.settle(inflight.undo(true), by).await,
+                    Failure::NotSent(_) => inflight.disarm(),
+                    // A script is not rolled back when a command in it fails: an error after
+                    // the `SET` leaves a grant behind.
+                    Failure::Refused(_) => self.settle(inflight.undo(false), by).await,
+                }
+                return Err(self.map_failure("try_acquire", key, failure));
             }
         };
         let (lease, inflight) = lease;
@@ -275,12 +261,7 @@ impl RedisLock {
             // Granted on the master, but not known to be on enough replicas: a failover may
             // lose it, so it does not count; undone like a grant without a reply.
             self.settle(inflight.undo(true), by).await;
-            return Err(Error::Indeterminate {
-                backend: BACKEND,
-                op: "try_acquire",
-                key: key.as_str().to_owned(),
-                message,
-            });
+            return Err(self.map_failure("try_acquire", key, Failure::Unknown(message)));
         }
         if lease.is_locally_valid() {
             inflight.disarm();
@@ -457,7 +438,7 @@ pub(crate) fn spawn_undo(
                     return;
                 }
                 // An error answer: retrying cannot help; the grant expires by its TTL.
-                Err(Failure::Server(e)) => {
+                Err(Failure::Refused(e)) => {
                     tracing::warn!(
                         lock = %String::from_utf8_lossy(&undo.names.lock),
                         error = %e,

@@ -8,7 +8,7 @@ use lock_core::raw::{Error, Lease, Result};
 use tokio::time::{Instant, timeout};
 
 use crate::{
-    client::{Acked, BACKEND, Failure, classify, map_failure},
+    client::{Acked, Failure, classify, map_failure},
     keys::{KeyNames, key_slot},
     lock::Inner,
     scripts::{owner_prefix, ttl_millis},
@@ -55,12 +55,12 @@ pub(crate) async fn renew(inner: &Arc<Inner>, lease: &mut Lease, ttl: Duration) 
         Some(Ok(false)) => Err(Error::not_held(lease.key())),
         Some(Err(failure)) => Err(map_failure(&inner.config, "renew", lease.key(), failure)),
         // The batch task died (runtime shutdown): the request may have been sent.
-        None => Err(Error::Indeterminate {
-            backend: BACKEND,
-            op: "renew",
-            key: lease.key().as_str().to_owned(),
-            message: "the renewal batch ended without an answer".to_owned(),
-        }),
+        None => Err(map_failure(
+            &inner.config,
+            "renew",
+            lease.key(),
+            Failure::Unknown("the renewal batch ended without an answer".to_owned()),
+        )),
     }
 }
 
