@@ -1,6 +1,9 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
 
+// lib.rs: the crate docs (the README) and the re-exports, nothing else. (A plain comment, not
+// `//!`: that would become the first line of the crate docs.)
+//
 // One job per module:
 // - `config`: the config structs and URL parsing.
 // - `client`: connecting (TLS, auth), request counting, classifying etcd-client's errors.

@@ -13,8 +13,8 @@ use etcd_client::{
 };
 use futures::future::BoxFuture;
 use lock_core::raw::{
-    AcquireWait, Backoff, Batcher, Capabilities, Driver, Error, FencingGuarantee, FencingToken,
-    HolderIdentity, HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result,
+    AcquireWait, Backoff, Batcher, Capabilities, Driver, Effect, Error, FencingGuarantee,
+    FencingToken, HolderIdentity, HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result,
 };
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -458,12 +458,8 @@ impl Inner {
             Err(e) => {
                 tracing::debug!(error = %e.source, "withdrawing an attempt failed; retrying in the background");
                 spawn_cleanup(Arc::downgrade(self), target);
-                Err(Error::Indeterminate {
-                    backend: BACKEND,
-                    op,
-                    key: key.as_str().to_owned(),
-                    message: err.source.to_string(),
-                })
+                // The put's reply was lost (`err` is Unknown): it may still apply.
+                Err(err.into_error(BACKEND, op, key, Effect::Write))
             }
         }
     }
@@ -685,11 +681,8 @@ async fn delete_if_created_at(
     let mut backoff = Backoff::new(Duration::from_millis(25), Duration::from_millis(400));
     let mut maybe_applied = false;
     let mut not_sent_left = 2;
-    let indeterminate = |message: String| Error::Indeterminate {
-        backend: BACKEND,
-        op,
-        key: key.to_string(),
-        message,
+    let indeterminate = |message: String| {
+        RequestFailure::unknown(message).into_error(BACKEND, op, key, Effect::Write)
     };
     loop {
         match client::request_until(
@@ -725,7 +718,8 @@ async fn delete_if_created_at(
                             e.source
                         )));
                     }
-                    return Err(e.into_read_error(op));
+                    // No send can have applied: not sent (Unavailable) or refused (Backend).
+                    return Err(e.into_error(BACKEND, op, key, Effect::Write));
                 }
                 tracing::debug!(%key, op, error = %e.source, "delete not answered; sending it again");
                 tokio::time::sleep(pause).await;
