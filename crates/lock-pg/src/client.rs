@@ -28,7 +28,9 @@ use std::{
     time::Duration,
 };
 
-use lock_core::raw::{Batcher, Error, HolderIdentity, LockKey, Result};
+use lock_core::raw::{
+    Batcher, BoxError, Effect, Error, HolderIdentity, LockKey, RequestFailure, Result,
+};
 use sqlx::{
     Connection, PgConnection, PgPool, Postgres,
     postgres::{PgConnectOptions, PgPoolOptions, PgRow},
@@ -455,40 +457,62 @@ fn is_transient_conflict(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("40001" | "40P01")))
 }
 
-/// A classified failure that can be handed to every lock of a failed batch.
+/// A classified failure that can be handed to every lock of a failed batch: what the statement
+/// may have applied ([`lock_core::raw::Failure`]), and why.
 #[derive(Clone, Debug)]
-pub(crate) enum Failure {
-    Unavailable(Arc<PgError>),
-    Backend(Arc<PgError>),
-    Indeterminate(String),
+pub(crate) struct Failure {
+    class: lock_core::raw::Failure,
+    source: Arc<dyn StdError + Send + Sync>,
 }
 
 impl From<ExecError> for Failure {
+    /// PostgreSQL's pre-classification onto lock_core's: an untrusted server certificate is
+    /// refused (nothing was sent, but retrying cannot help); a statement error that is a lost
+    /// connection rolled back, so nothing applied, as if not sent.
     fn from(e: ExecError) -> Self {
+        use lock_core::raw::Failure::{NotSent, Refused, Unknown};
         match e {
-            ExecError::NotSent(e) if is_untrusted_server(e.sqlx()) => Self::Backend(Arc::new(e)),
-            ExecError::NotSent(e) => Self::Unavailable(Arc::new(e)),
+            ExecError::NotSent(e) if is_untrusted_server(e.sqlx()) => Self::new(Refused, e),
+            ExecError::NotSent(e) => Self::new(NotSent, e),
             ExecError::Rejected(e) if is_connection_error(&e) => {
-                Self::Unavailable(Arc::new(PgError::new(e)))
+                Self::new(NotSent, PgError::new(e))
             }
-            ExecError::Rejected(e) => Self::Backend(Arc::new(PgError::new(e))),
-            ExecError::Unknown { message, .. } => Self::Indeterminate(message),
+            ExecError::Rejected(e) => Self::refused(PgError::new(e)),
+            ExecError::Unknown { message, .. } => Self {
+                class: Unknown,
+                source: Arc::from(BoxError::from(message)),
+            },
         }
     }
 }
 
 impl Failure {
-    pub(crate) fn into_error(self, op: &'static str, key: &LockKey) -> Error {
-        match self {
-            Self::Unavailable(e) => Error::unavailable(BACKEND, op, e),
-            Self::Backend(e) => Error::backend(BACKEND, op, e),
-            Self::Indeterminate(message) => Error::Indeterminate {
-                backend: BACKEND,
-                op,
-                key: key.as_str().to_owned(),
-                message,
-            },
+    fn new(class: lock_core::raw::Failure, e: PgError) -> Self {
+        Self {
+            class,
+            source: Arc::new(e),
         }
+    }
+
+    /// The server refused it (or its answer cannot be used): nothing applied, and trying again
+    /// will not help.
+    pub(crate) fn refused(e: PgError) -> Self {
+        Self::new(lock_core::raw::Failure::Refused, e)
+    }
+
+    /// See [`Failure::refused`].
+    pub(crate) fn is_refused(&self) -> bool {
+        self.class == lock_core::raw::Failure::Refused
+    }
+
+    /// The caller's error for `op`, a write of the lock's state ([`Effect::Write`]: an unknown
+    /// outcome is `Indeterminate`).
+    pub(crate) fn into_error(self, op: &'static str, key: &LockKey) -> Error {
+        RequestFailure {
+            failure: self.class,
+            source: Box::new(self.source),
+        }
+        .into_error(BACKEND, op, key, Effect::Write)
     }
 }
 
@@ -712,6 +736,63 @@ mod tests {
         ))));
         assert!(!is_connection_error(&sqlx::Error::RowNotFound));
         assert!(!is_connection_error(&sqlx::Error::PoolTimedOut));
+    }
+
+    /// The classes of lock_core's `Failure` give each statement failure the error it had
+    /// before they were used: variant, message and source.
+    #[test]
+    fn each_statement_failure_keeps_its_error() {
+        let key = LockKey::new("k").unwrap();
+        let options: PgConnectOptions = "postgres://app:hunter2@db.example:6432/jobs"
+            .parse()
+            .unwrap();
+        let not_sent = ExecError::NotSent(PgError::connecting(&options, sqlx::Error::PoolTimedOut));
+        match exec_error("release", &key, not_sent) {
+            Error::Unavailable {
+                backend,
+                op,
+                message,
+                source: Some(source),
+            } => {
+                assert_eq!((backend, op), (BACKEND, "release"));
+                assert_eq!(
+                    message,
+                    "cannot connect to db.example:6432/jobs: no connection within connect_timeout"
+                );
+                assert_eq!(source.to_string(), message);
+                assert!(source.source().is_some_and(|s| s.is::<sqlx::Error>()));
+            }
+            other => panic!("{other:?}"),
+        }
+        match exec_error("renew", &key, ExecError::Rejected(sqlx::Error::RowNotFound)) {
+            Error::Backend {
+                message,
+                source: Some(_),
+                ..
+            } => assert_eq!(message, one_line(&sqlx::Error::RowNotFound)),
+            other => panic!("{other:?}"),
+        }
+        let lost = ExecError::Unknown {
+            message: "no reply within 5s".to_owned(),
+            retry: false,
+        };
+        match exec_error("try_acquire", &key, lost) {
+            Error::Indeterminate {
+                backend,
+                op,
+                key,
+                message,
+            } => {
+                assert_eq!((backend, op, key.as_str()), (BACKEND, "try_acquire", "k"));
+                assert_eq!(message, "no reply within 5s");
+            }
+            other => panic!("{other:?}"),
+        }
+        let refused = Failure::from(ExecError::Rejected(sqlx::Error::RowNotFound));
+        assert!(refused.is_refused());
+        assert!(
+            !Failure::from(ExecError::NotSent(PgError::new(sqlx::Error::PoolClosed))).is_refused()
+        );
     }
 
     #[test]

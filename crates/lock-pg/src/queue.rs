@@ -144,7 +144,7 @@ impl Drop for Queued {
                 };
                 let failure = Failure::from(e);
                 let now = Instant::now();
-                if matches!(failure, Failure::Backend(_)) || now >= until {
+                if failure.is_refused() || now >= until {
                     // The entry lapses by itself within two poll intervals; a grant made to it
                     // meanwhile holds the lock until its TTL runs out.
                     tracing::debug!(%key, error = ?failure, "could not leave the wait queue");

@@ -83,7 +83,7 @@ impl Inner {
                 rows.iter()
                     .map(|row| row.try_get::<String, _>(0))
                     .collect::<std::result::Result<HashSet<String>, _>>()
-                    .map_err(|e| Failure::Backend(Arc::new(PgError::new(e))))
+                    .map_err(|e| Failure::refused(PgError::new(e)))
             });
             for &i in &group {
                 answers[i] = match &renewed {
