@@ -255,7 +255,7 @@ pub(crate) async fn connect(config: &EtcdLockConfig) -> Result<Client> {
     .map_err(|e| e.into_read_error("connect"))
 }
 
-/// How many requests one [`EtcdLock`] client has sent to etcd, by kind (for measuring overhead).
+/// How many requests one [`EtcdLock`](crate::EtcdLock) client has sent to etcd, by kind (for measuring overhead).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct EtcdRequestCounts {
