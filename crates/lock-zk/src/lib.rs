@@ -1,17 +1,21 @@
+//! The crate root: the crate docs and the public re-exports, nothing else (the source layout,
+//! one job per file, closes these docs).
 #![doc = include_str!("../README.md")]
+//!
+//! ## Source layout
+//!
+//! | file | job |
+//! |---|---|
+//! | `config.rs` | [`ZkLockConfig`], [`ZkAcl`] and URL parsing |
+//! | `client.rs` | connecting: the session (digest auth, the handshake's retries, its connections, its heartbeat), and classifying zookeeper-client's errors |
+//! | `lock.rs` | [`ZkLock`]'s `impl Driver`: the coordinator's algorithm for acquire, try_acquire, release, inspect, force_release |
+//! | `queue.rs` | the waiter queue: how a contender node queues, waits for its turn (watches on the nodes ahead) and leaves |
+//! | `renew.rs` | renewal, its batched `sync`, and the session's vouched window (the leases' local deadlines) |
+//! | `wake.rs` | the push channel: the deletion watch on our nodes, and the `watch_lost` future built on it |
+//! | `path.rs` | the wire layout: keys to ZooKeeper paths, Curator's node names and order |
+//! | `audit.rs` | [`audit()`]: reading and grading the server settings the invariant depends on |
 #![deny(missing_docs)]
 
-// One job per file:
-// - `config`: `ZkLockConfig` and URL parsing.
-// - `client`: connecting, the session (auth, handshake retries, connections, heartbeat) and the
-//   classification of zookeeper-client's errors.
-// - `lock`: `ZkLock`, the `Driver` impl and the coordinator's algorithm for acquire,
-//   try_acquire, release, inspect and force_release.
-// - `queue`: the waiter queue — how a contender node queues, waits for its turn and leaves.
-// - `renew`: renewal, its batched `sync`, and the session's vouched window (local deadlines).
-// - `wake`: the push channel — the deletion watch on our nodes, and `watch_lost` built on it.
-// - `path`: keys to ZooKeeper paths and Curator's node layout (the wire module).
-// - `audit`: `distlock check`'s reading and grading of the server's settings.
 mod audit;
 mod client;
 mod config;
