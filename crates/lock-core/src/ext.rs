@@ -93,8 +93,9 @@ impl LockOptions {
     /// that takes 200 ms on one instance must not run again on another whose timer fires a
     /// second later). When the job ends — or the guard is released or dropped — before then,
     /// the lease is not deleted but renewed to end at grant + `d` (shortened or extended),
-    /// with the coordinator's own expiry, so it holds even if the process dies right after.
-    /// Needs [`Capabilities::keep_until`]: [`Error::Unsupported`] without, before any I/O.
+    /// with the coordinator's own expiry, so it holds even if the process dies right after;
+    /// and the lease is granted for at least `d` (the TTL is raised to `d` when shorter), so a
+    /// holder that dies mid-job holds it too. Needs [`Capabilities::keep_until`]: [`Error::Unsupported`] without, before any I/O.
     pub fn at_least(mut self, d: Duration) -> Self {
         self.at_least = Some(d);
         self
@@ -204,6 +205,13 @@ impl LockBuilder {
         self
     }
 
+    /// The TTL the lease is granted with: the option's, or `at_least` when that is longer — so
+    /// that a holder that dies at any moment after the grant (mid-job included, before its
+    /// release could keep the lease) still holds the lock until grant + `at_least`.
+    fn grant_ttl(&self) -> Duration {
+        self.opts.ttl.max(self.opts.at_least.unwrap_or_default())
+    }
+
     fn limits(&self) -> crate::guard::JobLimits {
         crate::guard::JobLimits {
             at_least: self.opts.at_least,
@@ -224,24 +232,24 @@ impl LockBuilder {
         };
         let caps = self.lock.capabilities();
         let backend = self.lock.backend_name();
-        caps.check_ttl(self.opts.ttl)?;
+        caps.check_ttl(self.grant_ttl())?;
         caps.require_fencing(backend, self.opts.fencing)?;
         check_job_mode(&caps, backend, &self.opts)?;
         let interval = match self.opts.watchdog {
             Watchdog::Off => None,
-            Watchdog::Auto => caps.renew.then(|| self.opts.ttl / 3),
+            Watchdog::Auto => caps.renew.then(|| self.grant_ttl() / 3),
             Watchdog::Every(_) if !caps.renew => {
                 return Err(Error::unsupported(
                     backend,
                     "renew (needed by the watchdog)",
                 ));
             }
-            Watchdog::Every(i) if i.is_zero() || i >= max_watchdog_interval(self.opts.ttl) => {
+            Watchdog::Every(i) if i.is_zero() || i >= max_watchdog_interval(self.grant_ttl()) => {
                 return Err(Error::Config(format!(
                     "the watchdog interval {i:?} must be positive and shorter than {:?}, what a \
                      lease of ttl {:?} can have left when it is granted (¾ ttl minus the drift margin)",
-                    max_watchdog_interval(self.opts.ttl),
-                    self.opts.ttl
+                    max_watchdog_interval(self.grant_ttl()),
+                    self.grant_ttl()
                 )));
             }
             Watchdog::Every(i) => Some(i),
@@ -256,7 +264,7 @@ impl LockBuilder {
     pub async fn try_acquire(self) -> Result<Option<LockGuard>> {
         let (key, interval) = self.prepare()?;
         let limits = self.limits();
-        let lease = self.lock.try_acquire(&key, self.opts.ttl).await?;
+        let lease = self.lock.try_acquire(&key, self.grant_ttl()).await?;
         Ok(lease.map(|lease| LockGuard::start(self.lock, lease, interval, limits)))
     }
 
@@ -273,7 +281,7 @@ impl LockBuilder {
         let wait = self.opts.wait.unwrap_or(LockOptions::DEFAULT_WAIT);
         let lease = self
             .lock
-            .acquire(&key, self.opts.ttl, deadline_after(wait))
+            .acquire(&key, self.grant_ttl(), deadline_after(wait))
             .await?;
         Ok(LockGuard::start(self.lock, lease, interval, limits))
     }

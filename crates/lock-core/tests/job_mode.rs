@@ -212,3 +212,32 @@ async fn job_mode_limits_are_checked_before_any_io() {
     // Nothing was taken by the refused calls.
     assert!(free(&memory).await);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_holder_that_dies_mid_job_still_holds_until_at_least() {
+    let coordinator = InMemoryLock::new();
+    let b: DynLock = Arc::new(coordinator.client());
+    let start = Instant::now();
+    // The holder's process "dies" mid-job: from now on nothing it sends arrives (its watchdog
+    // can no longer renew, nothing releases).
+    let dying = coordinator.client();
+    let a: DynLock = Arc::new(dying.clone());
+    let guard = a
+        .lock(NAME)
+        .ttl(TTL)
+        .at_least(AT_LEAST)
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    assert!(guard.ttl() >= AT_LEAST, "granted for {:?}", guard.ttl());
+    dying.set_offline(true);
+    std::mem::forget(guard);
+    sleep_until(start + AT_LEAST - Duration::from_millis(100)).await;
+    assert!(
+        !free(&b).await,
+        "a holder that died mid-job gave the lock up inside at_least"
+    );
+    sleep_until(start + AT_LEAST + Duration::from_millis(100)).await;
+    assert!(free(&b).await);
+}
