@@ -19,7 +19,7 @@ use crate::{
 pub(crate) const RENEW_BATCH: usize = 16 * RENEW_CHUNK;
 /// At most this many keys per renew script call, so that one call keeps the server busy for
 /// well under a millisecond and other clients' commands interleave between chunks.
-const RENEW_CHUNK: usize = 500;
+pub(crate) const RENEW_CHUNK: usize = 500;
 
 /// One lock's part in a batched renewal.
 pub(crate) struct RenewItem {
