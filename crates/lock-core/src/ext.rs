@@ -354,7 +354,7 @@ impl LockBuilder {
 /// honours; `at_most` is positive and not shorter than `at_least`.
 fn check_job_mode(caps: &Capabilities, backend: &'static str, opts: &LockOptions) -> Result<()> {
     if let Some(d) = opts.at_least {
-        if !caps.keep_until {
+        if !(caps.keep_until && caps.renew) {
             return Err(Error::unsupported(
                 backend,
                 "at_least (keeping a lease until a time after its job with nobody renewing it)",

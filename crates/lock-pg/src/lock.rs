@@ -599,6 +599,9 @@ impl Driver for PgLock {
             wait_notify: self.inner.config.listen,
             lost_notify: true,
             force_release: true,
+            // A renewal sets `expires_at` to the server's clock + any TTL, and a row that
+            // nobody renews expires on its own: job mode's `at_least` holds without us.
+            keep_until: true,
             // A lease must outlast a round trip and the drift margin, or every grant arrives
             // past its local deadline and is given back (the boundary property's finding).
             min_ttl: Duration::from_millis(100),

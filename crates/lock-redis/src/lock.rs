@@ -522,6 +522,9 @@ impl Driver for RedisLock {
             wait_notify: true,
             lost_notify: true,
             force_release: true,
+            // The renew script sets the key's PEXPIRE to any TTL, and Redis expires a key
+            // nobody renews on its own: job mode's `at_least` holds without us.
+            keep_until: true,
             // A lease must outlast a round trip and the drift margin, or every grant arrives
             // past its local deadline and is given back (the boundary property's finding).
             min_ttl: Duration::from_millis(100),

@@ -400,6 +400,8 @@ impl Driver for RedlockLock {
             fencing: FencingGuarantee::None,
             lost_notify: true,
             force_release: true,
+            // Each master's key gets any PEXPIRE on renewal and expires on its own.
+            keep_until: true,
             min_ttl: Duration::from_millis(100),
             max_ttl: Duration::from_secs(365 * 24 * 3600),
             ..Default::default()

@@ -172,6 +172,9 @@ impl Driver for ToyLock {
             // Loss shows through renewals only (the default `watch_lost` never completes).
             lost_notify: true,
             force_release: true,
+            // A renewal sets the expiry to now + any TTL; a lease nobody renews expires in the
+            // store by its own time, so job mode's `at_least` holds without this process.
+            keep_until: true,
             min_ttl: Duration::from_millis(50),
             ..Default::default()
         }
