@@ -468,3 +468,74 @@ fn a_command_outlasting_its_ttl_is_not_terminated() {
         worker.join().unwrap();
     }
 }
+
+/// Job mode for cron lines (issue 21): `--at-least` keeps the lock after the command exited —
+/// the next run inside the window is not acquired (75), after it the key is free — and
+/// `--at-most` terminates a command that runs too long, as on a lost lease (76). Backends
+/// that cannot keep a lease alone refuse `--at-least` before running anything (78).
+#[test]
+fn run_at_least_keeps_the_lock_after_the_command_and_at_most_stops_it() {
+    for (backend, url) in backends() {
+        let key = fresh_key("at-least");
+        let started = Instant::now();
+        let out = distlock(&url)
+            .args(["run", "--ttl", "2s", "--at-least", "4s", &key, "--", "true"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        if matches!(backend, Backend::Etcd | Backend::ZooKeeper) {
+            assert_eq!(out.status.code(), Some(78), "{backend}: {err}");
+            assert!(err.contains("at_least"), "{backend}: {err}");
+            continue;
+        }
+        assert_eq!(out.status.code(), Some(0), "{backend}: {err}");
+        // The command is long gone; the lock is kept until 4 s after the grant.
+        let out = run_true(&url, &key);
+        if started.elapsed() < Duration::from_secs(4) {
+            assert_eq!(
+                out.status.code(),
+                Some(75),
+                "{backend}: acquired {:?} after a run with --at-least 4s: {}",
+                started.elapsed(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let out = distlock(&url)
+            .args(["run", "--wait", "10s", &key, "--", "true"])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{backend}");
+        assert!(
+            started.elapsed() >= Duration::from_secs(4),
+            "{backend}: acquired inside --at-least"
+        );
+
+        // --at-most: the command would sleep 60 s; it is terminated at about 2 s.
+        let key = fresh_key("at-most");
+        let started = Instant::now();
+        let child = distlock(&url)
+            .args([
+                "run",
+                "--ttl",
+                "2s",
+                "--at-most",
+                "2s",
+                &key,
+                "--",
+                "sleep",
+                "60",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = wait_with_timeout(child, Duration::from_secs(30), None);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(76), "{backend}: {err}");
+        assert!(err.contains("at_most"), "{backend}: {err}");
+        assert!(
+            started.elapsed() >= Duration::from_secs(2),
+            "{backend}: terminated before --at-most"
+        );
+    }
+}
