@@ -252,7 +252,7 @@ pub async fn conformance(url: &str, args: &ConformanceArgs) -> u8 {
     }
     drop(harness);
     // Clean-ups the properties left to the background finish before the namespace goes.
-    distlock::raw::cleanup::finish(Duration::from_secs(10)).await;
+    distlock::finish_background_releases(Duration::from_secs(10)).await;
     let leftover = clean_up(&target).await;
     let passed = count(&reports, |v| matches!(v, Verdict::Passed));
     let skipped = count(&reports, |v| matches!(v, Verdict::Skipped(_)));

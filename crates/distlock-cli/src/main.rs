@@ -415,11 +415,11 @@ fn main() -> ExitCode {
         };
         let code = match run::Signals::new() {
             Ok(mut signals) => tokio::select! {
-                _ = distlock::raw::cleanup::finish(budget) => code,
+                _ = distlock::finish_background_releases(budget) => code,
                 signal = signals.recv() => exit::signalled(signal as i32),
             },
             Err(_) => {
-                distlock::raw::cleanup::finish(budget).await;
+                distlock::finish_background_releases(budget).await;
                 code
             }
         };

@@ -21,7 +21,7 @@ pub use lock_core::{
     Error, FencedRegister, FencingGuarantee, FencingToken, Finding, HolderIdentity, HolderInfo,
     InMemoryLock, JobContext, Lease, LockBuilder, LockGuard, LockKey, LockOptions, LossReason,
     Observed, OwnershipToken, Result, StaleFencingToken, TokenDigest, Verdict, Watchdog,
-    drift_margin, record_fencing_rejection,
+    drift_margin, finish_background_releases, record_fencing_rejection,
 };
 
 #[cfg(feature = "etcd")]

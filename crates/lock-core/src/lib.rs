@@ -29,3 +29,11 @@ pub use lock::{DistributedLock, DynLock, LossReason};
 pub use memory::InMemoryLock;
 pub use observe::{Observed, record_fencing_rejection};
 pub use token::{FencingToken, OwnershipToken, TokenDigest};
+
+/// Before a process exits: waits until the background clean-ups this process started — a
+/// dropped guard's release, a cancelled `acquire` leaving its wait queue, the undo of an
+/// attempt whose outcome was unknown — have finished, or `limit` has passed, so that no lock is
+/// left to run out its TTL for a process that is gone. Returns whether none is pending.
+pub async fn finish_background_releases(limit: std::time::Duration) -> bool {
+    raw::cleanup::finish(limit).await
+}
