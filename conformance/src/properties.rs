@@ -73,6 +73,8 @@ macro_rules! __conformance_properties {
             $setup,
             a_grant_at_the_waiters_deadline_is_kept_or_given_back
         );
+        $callback!($setup, at_least_outlives_the_job_and_the_holders_exit);
+        $callback!($setup, at_most_cancels_a_hung_job_and_frees_the_lock);
     };
 }
 
@@ -1057,5 +1059,105 @@ pub async fn force_release_removes_any_holder(h: Harness) -> Outcome {
         !release(&b, &lease).await,
         "the removed grant no longer releases"
     );
+    Outcome::Passed
+}
+
+/// Job mode's `at_least` (issue 21): a job that ends early keeps the lock until grant +
+/// `at_least` — after the holder's client is gone without a goodbye, as when its process exits
+/// or dies right after the job — and nobody is granted it before then; after, it is free with
+/// nobody having renewed it. Backends without `keep_until` skip (they refuse `at_least`).
+pub async fn at_least_outlives_the_job_and_the_holders_exit(h: Harness) -> Outcome {
+    let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
+    let caps = a.capabilities();
+    if !(caps.keep_until && caps.renew) {
+        let got = a
+            .run_exclusive(
+                &h.key("at-least-refused"),
+                LockOptions::with_ttl(LONG_TTL).at_least(Duration::from_secs(5)),
+                |_| async {},
+            )
+            .await;
+        assert!(
+            matches!(got, Err(Error::Unsupported { .. })),
+            "at_least without keep_until must be refused: {got:?}"
+        );
+        return Outcome::Skipped("keep_until not claimed");
+    }
+    let key = h.key("at-least");
+    let window = (h.short_ttl() * 4).max(Duration::from_secs(4));
+    let start = Instant::now();
+    let ran = a
+        .run_exclusive(
+            &key,
+            LockOptions::with_ttl(h.short_ttl().max(Duration::from_secs(1))).at_least(window),
+            |_| async {},
+        )
+        .await
+        .unwrap();
+    assert_eq!(ran, Some(()));
+    h.abandon(a).await;
+    // Inside the window: held, by nobody's renewals.
+    assert!(
+        is_held_elsewhere(&b, &key).await,
+        "free right after a job with at_least"
+    );
+    sleep(window / 2).await;
+    let halfway = Instant::now();
+    if halfway < start + window {
+        assert!(
+            is_held_elsewhere(&b, &key).await,
+            "free {:?} after the grant, inside at_least {window:?}",
+            halfway - start
+        );
+    }
+    // Granted to a waiter once the window is over, never before.
+    let lease = b
+        .acquire(&key, LONG_TTL, Instant::now() + window + SLACK)
+        .await
+        .expect("granted after the at_least window");
+    assert!(
+        Instant::now() >= start + window,
+        "granted {:?} after the start, inside at_least {window:?}",
+        start.elapsed()
+    );
+    assert!(release(&b, &lease).await);
+    Outcome::Passed
+}
+
+/// Job mode's `at_most` (issue 21): a hung job is cancelled as lost at grant + `at_most`
+/// (not long before: the watchdog kept the lease past its TTL until then), and the lock is
+/// free right after.
+pub async fn at_most_cancels_a_hung_job_and_frees_the_lock(h: Harness) -> Outcome {
+    let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
+    if !a.capabilities().renew {
+        return Outcome::Skipped("renew not claimed");
+    }
+    let key = h.key("at-most");
+    let ttl = stall_proof_ttl(&h);
+    let at_most = ttl * 2;
+    let start = Instant::now();
+    let got = timeout(
+        at_most + SLACK * 4,
+        a.run_exclusive(&key, LockOptions::with_ttl(ttl).at_most(at_most), |_| {
+            std::future::pending::<()>()
+        }),
+    )
+    .await
+    .expect("at_most never cancelled the hung job");
+    assert!(matches!(got, Err(Error::NotHeld { .. })), "{got:?}");
+    // at_most counts from the lease's own start, which a session-bound backend puts before the
+    // call (ZooKeeper counts from the session's last leader-proved moment); past 1.5 TTL the
+    // watchdog must have renewed it.
+    assert!(
+        Instant::now() >= start + at_most - ttl / 2,
+        "cancelled {:?} after the start, long before at_most {at_most:?}",
+        start.elapsed()
+    );
+    let lease = timeout(SLACK, b.try_acquire(&key, LONG_TTL))
+        .await
+        .expect("try_acquire returns")
+        .unwrap()
+        .expect("the lock is free once at_most cancelled the job");
+    assert!(release(&b, &lease).await);
     Outcome::Passed
 }

@@ -162,6 +162,8 @@ mod without_renew {
         watchdog_keeps_the_lease_alive: "renew not claimed",
         renew_dropped_at_any_poll_leaves_nothing_behind: "renew not claimed",
         many_guards_on_one_client_keep_their_leases_alive: "renew not claimed",
+        at_least_outlives_the_job_and_the_holders_exit: "renew not claimed: nothing can keep a lease until at_least",
+        at_most_cancels_a_hung_job_and_frees_the_lock: "renew not claimed",
         fences_stay_exact_across_2_pow_53_and_up_to_i64_max: "the in-memory reference has no way to set its fence counter from outside",
     });
 }
