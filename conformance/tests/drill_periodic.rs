@@ -36,7 +36,7 @@ const SKEWS: [Duration; 3] = [
 const AT_LEAST: Duration = Duration::from_millis(2200);
 const JOB: Duration = Duration::from_millis(100);
 const TTL: Duration = Duration::from_secs(1);
-const PERIODS: u32 = 5;
+const PERIODS: u32 = 4;
 /// The period in which the first instance dies mid-job.
 const DIES_IN: u32 = 2;
 

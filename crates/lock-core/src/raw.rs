@@ -179,3 +179,23 @@ impl<T: Driver + ?Sized> DistributedLock for T {
         Driver::watch_lost(self, lease)
     }
 }
+
+/// Whether `error` — or any error in its `source()` chain, also one wrapped in an
+/// `std::io::Error` — is rustls refusing the server's certificate: a misconfiguration that
+/// retrying cannot fix, so drivers report it as permanent rather than `Unavailable`.
+#[cfg(feature = "rustls")]
+pub fn is_rejected_certificate(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut source = Some(error);
+    while let Some(err) = source {
+        let tls = err.downcast_ref::<rustls::Error>().or_else(|| {
+            err.downcast_ref::<std::io::Error>()
+                .and_then(|io| io.get_ref())
+                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        });
+        if let Some(rustls::Error::InvalidCertificate(_)) = tls {
+            return true;
+        }
+        source = err.source();
+    }
+    false
+}

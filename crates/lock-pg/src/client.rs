@@ -435,19 +435,7 @@ fn is_connection_error(e: &sqlx::Error) -> bool {
 /// A TLS handshake that rejected the server's certificate (unknown CA, wrong host name,
 /// expired): retrying cannot help, so it is a permanent error rather than `Unavailable`.
 fn is_untrusted_server(e: &sqlx::Error) -> bool {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(err) = source {
-        let tls = err.downcast_ref::<rustls::Error>().or_else(|| {
-            err.downcast_ref::<std::io::Error>()
-                .and_then(|io| io.get_ref())
-                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
-        });
-        if let Some(rustls::Error::InvalidCertificate(_)) = tls {
-            return true;
-        }
-        source = err.source();
-    }
-    false
+    lock_core::raw::is_rejected_certificate(e)
 }
 
 /// Serialization failure (40001) or deadlock (40P01): the server rolled the statement back

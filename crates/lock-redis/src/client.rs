@@ -649,19 +649,7 @@ pub(crate) fn is_refused_security(e: &RedisError) -> bool {
     {
         return true;
     }
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(err) = source {
-        let tls = err.downcast_ref::<rustls::Error>().or_else(|| {
-            err.downcast_ref::<std::io::Error>()
-                .and_then(|io| io.get_ref())
-                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
-        });
-        if let Some(rustls::Error::InvalidCertificate(_)) = tls {
-            return true;
-        }
-        source = err.source();
-    }
-    e.to_string().contains("invalid peer certificate")
+    lock_core::raw::is_rejected_certificate(e) || e.to_string().contains("invalid peer certificate")
 }
 
 /// The server refused the `SELECT` of the configured database (a number beyond its
