@@ -7,10 +7,7 @@ use std::{
 };
 
 use lock_core::raw::{AuditReport, Error, Result};
-use redis::{
-    AsyncConnectionConfig, ConnectionAddr, InfoDict, IntoConnectionInfo, ProtocolVersion,
-    RedisConnectionInfo, aio::MultiplexedConnection,
-};
+use redis::{AsyncConnectionConfig, ConnectionAddr, InfoDict, aio::MultiplexedConnection};
 use tokio::time::{Instant, timeout};
 
 use crate::{RedisLockConfig, RedisTopology};
@@ -262,50 +259,7 @@ async fn audit_server(config: &RedisLockConfig, host: &str, port: u16) -> Result
 
 async fn open_at(config: &RedisLockConfig, host: &str, port: u16) -> Result<MultiplexedConnection> {
     config.validate()?;
-    let mut redis_info = RedisConnectionInfo::default()
-        .set_db(config.db)
-        .set_protocol(ProtocolVersion::RESP3);
-    if let Some(user) = &config.username {
-        redis_info = redis_info.set_username(user);
-    }
-    if let Some(password) = &config.password {
-        redis_info = redis_info.set_password(password);
-    }
-    let addr = if config.tls {
-        ConnectionAddr::TcpTls {
-            host: host.to_owned(),
-            port,
-            insecure: false,
-            tls_params: None,
-        }
-    } else {
-        ConnectionAddr::Tcp(host.to_owned(), port)
-    };
-    let info = addr
-        .into_connection_info()
-        .map_err(|e| Error::Config(e.to_string()))?
-        .set_redis_settings(redis_info);
-    let client = if config.tls {
-        if rustls::crypto::CryptoProvider::get_default().is_none() {
-            let _ = rustls::crypto::ring::default_provider().install_default();
-        }
-        let root_cert = match &config.ca_file {
-            Some(path) => Some(std::fs::read(path).map_err(|e| {
-                Error::Config(format!("cannot read the CA file {}: {e}", path.display()))
-            })?),
-            None => None,
-        };
-        redis::Client::build_with_tls(
-            info,
-            redis::TlsCertificates {
-                client_tls: None,
-                root_cert,
-            },
-        )
-        .map_err(|e| Error::Config(format!("TLS settings: {e}")))?
-    } else {
-        redis::Client::open(info).map_err(|e| Error::Config(e.to_string()))?
-    };
+    let client = crate::client::client_at(config, host, port)?;
     let settings = AsyncConnectionConfig::new()
         .set_connection_timeout(Some(config.connect_timeout))
         .set_response_timeout(Some(config.response_timeout));

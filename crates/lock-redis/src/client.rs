@@ -32,9 +32,10 @@ pub(crate) const BACKEND: &str = "redis";
 /// failover), within the request budget.
 const CLUSTER_RETRIES: u32 = 16;
 
-/// Builds the connection `config` names, without any I/O (it connects on first use and
-/// reconnects by itself); RESP3 push messages go to `wakeups`.
-pub(crate) fn connect_lazy(config: &RedisLockConfig, wakeups: &Arc<Registry>) -> Result<Conn> {
+/// A client for the server at `host:port` with `config`'s database, credentials and TLS
+/// (verified only: no plaintext fallback), without any I/O. The driver's connection and the
+/// audit's per-master connections both start from it.
+pub(crate) fn client_at(config: &RedisLockConfig, host: &str, port: u16) -> Result<redis::Client> {
     let mut redis_info = RedisConnectionInfo::default()
         .set_db(config.db)
         .set_protocol(ProtocolVersion::RESP3);
@@ -47,19 +48,19 @@ pub(crate) fn connect_lazy(config: &RedisLockConfig, wakeups: &Arc<Registry>) ->
     let addr = if config.tls {
         // Verified TLS only: `insecure: false`, no plaintext fallback.
         ConnectionAddr::TcpTls {
-            host: config.host.clone(),
-            port: config.port,
+            host: host.to_owned(),
+            port,
             insecure: false,
             tls_params: None,
         }
     } else {
-        ConnectionAddr::Tcp(config.host.clone(), config.port)
+        ConnectionAddr::Tcp(host.to_owned(), port)
     };
     let info = addr
         .into_connection_info()
         .map_err(|e| Error::Config(e.to_string()))?
         .set_redis_settings(redis_info);
-    let client = if config.tls {
+    if config.tls {
         install_crypto_provider();
         let root_cert = match &config.ca_file {
             Some(path) => Some(std::fs::read(path).map_err(|e| {
@@ -74,10 +75,16 @@ pub(crate) fn connect_lazy(config: &RedisLockConfig, wakeups: &Arc<Registry>) ->
                 root_cert,
             },
         )
-        .map_err(|e| Error::Config(format!("TLS settings: {e}")))?
+        .map_err(|e| Error::Config(format!("TLS settings: {e}")))
     } else {
-        redis::Client::open(info).map_err(|e| Error::Config(e.to_string()))?
-    };
+        redis::Client::open(info).map_err(|e| Error::Config(e.to_string()))
+    }
+}
+
+/// Builds the connection `config` names, without any I/O (it connects on first use and
+/// reconnects by itself); RESP3 push messages go to `wakeups`.
+pub(crate) fn connect_lazy(config: &RedisLockConfig, wakeups: &Arc<Registry>) -> Result<Conn> {
+    let client = client_at(config, &config.host, config.port)?;
     // A script's reply may also wait for its `WAIT` (replica acknowledgement).
     let response_timeout = config
         .response_timeout
