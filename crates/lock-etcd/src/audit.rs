@@ -3,9 +3,7 @@
 
 use std::time::Duration;
 
-use etcd_client::{
-    Certificate, Client, ConnectOptions, DeleteOptions, GetOptions, Identity, TlsOptions,
-};
+use etcd_client::{Client, ConnectOptions, DeleteOptions, GetOptions};
 use lock_core::raw::{AuditReport, Error, Result};
 use tokio::time::{Instant, timeout};
 
@@ -184,24 +182,7 @@ fn options(config: &EtcdLockConfig, with_user: bool) -> Result<ConnectOptions> {
         options = options.with_user(user.clone(), config.password.clone().unwrap_or_default());
     }
     if let Some(tls) = &config.tls {
-        let read = |p: &std::path::Path, what: &str| {
-            std::fs::read(p)
-                .map_err(|e| Error::Config(format!("cannot read {what} {}: {e}", p.display())))
-        };
-        let mut t = TlsOptions::new();
-        if let Some(ca) = &tls.ca_file {
-            t = t.ca_certificate(Certificate::from_pem(read(ca, "ca_file")?));
-        }
-        if let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) {
-            t = t.identity(Identity::from_pem(
-                read(cert, "cert_file")?,
-                read(key, "key_file")?,
-            ));
-        }
-        if let Some(domain) = &tls.domain {
-            t = t.domain_name(domain.clone());
-        }
-        options = options.with_tls(t);
+        options = options.with_tls(crate::client::tls_options(tls)?);
     }
     Ok(options)
 }

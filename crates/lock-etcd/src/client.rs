@@ -224,20 +224,7 @@ pub(crate) async fn connect(config: &EtcdLockConfig) -> Result<Client> {
             .with_auto_token_refresh(true);
     }
     let scheme = if let Some(tls) = &config.tls {
-        let mut t = TlsOptions::new();
-        if let Some(ca) = &tls.ca_file {
-            t = t.ca_certificate(Certificate::from_pem(read_file(ca, "ca_file")?));
-        }
-        if let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) {
-            t = t.identity(Identity::from_pem(
-                read_file(cert, "cert_file")?,
-                read_file(key, "key_file")?,
-            ));
-        }
-        if let Some(domain) = &tls.domain {
-            t = t.domain_name(domain.clone());
-        }
-        options = options.with_tls(t);
+        options = options.with_tls(tls_options(tls)?);
         "https"
     } else {
         "http"
@@ -297,6 +284,25 @@ pub(crate) fn txn_get(resp: &TxnResponse, index: usize) -> Option<etcd_client::G
         TxnOpResponse::Get(get) => Some(get),
         _ => None,
     }
+}
+
+/// The TLS settings of `tls`: the CA, the client identity and the server name to verify. The
+/// driver's connection and the audit's per-member probes both use it.
+pub(crate) fn tls_options(tls: &crate::EtcdTlsConfig) -> Result<TlsOptions> {
+    let mut t = TlsOptions::new();
+    if let Some(ca) = &tls.ca_file {
+        t = t.ca_certificate(Certificate::from_pem(read_file(ca, "ca_file")?));
+    }
+    if let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) {
+        t = t.identity(Identity::from_pem(
+            read_file(cert, "cert_file")?,
+            read_file(key, "key_file")?,
+        ));
+    }
+    if let Some(domain) = &tls.domain {
+        t = t.domain_name(domain.clone());
+    }
+    Ok(t)
 }
 
 fn read_file(path: &std::path::Path, what: &str) -> Result<Vec<u8>> {

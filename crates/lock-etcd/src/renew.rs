@@ -707,15 +707,11 @@ mod tests {
         Some(etcd_client::Client::connect(endpoints, None).await.unwrap())
     }
 
-    /// Review S1: a keepalive whose caller is dropped at any point (before its request is
-    /// sent, while it is out, while its answer is being read) never leaves an answer behind
-    /// that a later keepalive would read as its own: after a revoke the next one says `Gone`.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_dropped_keepalive_never_answers_a_later_one() {
-        let Some(client) = etcd().await else { return };
+    /// A fresh 30 s session lease on `client`.
+    async fn session_on(client: &etcd_client::Client) -> Arc<Session> {
         let sent_at = Instant::now();
         let granted = client.lease_client().grant(30, None).await.unwrap();
-        let session = Arc::new(Session::new(
+        Arc::new(Session::new(
             Grant {
                 id: granted.id(),
                 requested_secs: 30,
@@ -726,7 +722,16 @@ mod tests {
             client.lease_client(),
             Duration::from_secs(5),
             Arc::new(Counters::default()),
-        ));
+        ))
+    }
+
+    /// Review S1: a keepalive whose caller is dropped at any point (before its request is
+    /// sent, while it is out, while its answer is being read) never leaves an answer behind
+    /// that a later keepalive would read as its own: after a revoke the next one says `Gone`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dropped_keepalive_never_answers_a_later_one() {
+        let Some(client) = etcd().await else { return };
+        let session = session_on(&client).await;
         let far = || Instant::now() + Duration::from_secs(10);
         // Opens the stream.
         session
@@ -747,7 +752,7 @@ mod tests {
         }
         // Every abandoned keepalive's answer has arrived by now (or been discarded).
         tokio::time::sleep(Duration::from_millis(300)).await;
-        client.lease_client().revoke(granted.id()).await.unwrap();
+        client.lease_client().revoke(session.id).await.unwrap();
         for _ in 0..3 {
             let next = session
                 .keep_alive(Duration::ZERO, Some(session.ack()), far())
@@ -773,20 +778,7 @@ mod tests {
         let client = etcd_client::Client::connect([format!("http://{}", cfg.endpoints[0])], None)
             .await
             .unwrap();
-        let sent_at = Instant::now();
-        let granted = client.lease_client().grant(30, None).await.unwrap();
-        let session = Arc::new(Session::new(
-            Grant {
-                id: granted.id(),
-                requested_secs: 30,
-                granted: Duration::from_secs(30),
-                sent_at,
-            },
-            b"n/".to_vec(),
-            client.lease_client(),
-            Duration::from_secs(5),
-            Arc::new(Counters::default()),
-        ));
+        let session = session_on(&client).await;
         session
             .keep_alive(
                 Duration::ZERO,
@@ -815,6 +807,6 @@ mod tests {
             );
         }
         proxy.pass();
-        let _ = client.lease_client().revoke(granted.id()).await;
+        let _ = client.lease_client().revoke(session.id).await;
     }
 }
