@@ -173,36 +173,11 @@ impl Inner {
                             AND attname IN ('holder', 'holder_fence') AND NOT attisdropped), \
                         (SELECT relpersistence::text FROM pg_class WHERE oid = to_regclass($1))";
                 type Look = (Option<String>, bool, bool, Option<String>);
-                let mut found: Look = timeout(
-                    self.config.op_timeout,
-                    sqlx::query_as(look)
-                        .bind(self.config.table.quoted())
-                        .fetch_one(&mut *conn),
-                )
-                .await
-                .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?
-                .map_err(map)?;
-                check_persistence(&self.config.table, found.3.as_deref())?;
-                if found.0.is_none() {
-                    if !self.config.create_table {
-                        return Err(Error::Config(format!(
-                            "the lease table {} does not exist and create_table=false",
-                            self.config.table
-                        )));
-                    }
-                    let created = timeout(
-                        self.config.op_timeout,
-                        sqlx::query(self.sql.create.clone()).execute(&mut *conn),
-                    )
-                    .await
-                    .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?;
-                    match created {
-                        Ok(_) => {}
-                        Err(e) if exists(&e) => {}
-                        Err(e) => return Err(map(e)),
-                    }
-                    // Whatever made it (this statement, or a concurrent creator of any version).
-                    found = timeout(
+                // Looked at once; after creating the table, once more: whatever made it (this
+                // statement, or a concurrent creator of any version) is what counts.
+                let mut created = false;
+                let found: Look = loop {
+                    let found: Look = timeout(
                         self.config.op_timeout,
                         sqlx::query_as(look)
                             .bind(self.config.table.quoted())
@@ -212,7 +187,28 @@ impl Inner {
                     .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?
                     .map_err(map)?;
                     check_persistence(&self.config.table, found.3.as_deref())?;
-                }
+                    if found.0.is_some() || created {
+                        break found;
+                    }
+                    if !self.config.create_table {
+                        return Err(Error::Config(format!(
+                            "the lease table {} does not exist and create_table=false",
+                            self.config.table
+                        )));
+                    }
+                    let outcome = timeout(
+                        self.config.op_timeout,
+                        sqlx::query(self.sql.create.clone()).execute(&mut *conn),
+                    )
+                    .await
+                    .map_err(|_| Error::unavailable(BACKEND, op, "timed out"))?;
+                    match outcome {
+                        Ok(_) => {}
+                        Err(e) if exists(&e) => {}
+                        Err(e) => return Err(map(e)),
+                    }
+                    created = true;
+                };
                 let (_, queue, holder_columns, _) = found;
                 if !queue {
                     // A table of an older version: add the wait queue and the holder columns
