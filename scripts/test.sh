@@ -109,5 +109,6 @@ env | grep '^DISTLOCK_' | sed -E 's#(://[^:/@]*:)[^@]*@#\1***@#' | sort
 
 step fmt cargo fmt --all -- --check
 step clippy cargo clippy --workspace --all-targets --all-features -- -D warnings
-step test cargo test --workspace --all-features
+# Every test binary runs even after one fails, so one run shows every failure.
+step test cargo test --workspace --all-features --no-fail-fast
 step doc env RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps --all-features

@@ -6,6 +6,14 @@
 //! one that opens every connection with them), so blackholing those proxies cuts member 3 — and
 //! only member 3 — off from the leader, while its clients stay connected to it.
 //!
+//! **Every link with member 3 is one member 3 opened.** ZooKeeper keeps an election connection
+//! only when the higher id opened it; when a lower id opens one, the higher id closes it and
+//! connects back to the *address the lower id advertised* — its own listening port, which would
+//! bypass the proxies (seen: a "cut" leader went on winning elections over such a direct link,
+//! and the majority had no leader for 40–120 s). So members 1 and 2 know member 3's election
+//! port as [`UNLISTENED`] (nothing listens there: their attempts are refused at once) and every
+//! election link with member 3 is the one it opens through the proxies.
+//!
 //! Client `a` (connected to member 3 only) holds the lock, client `b` (connected to members 1
 //! and 2) waits for it; then member 3 is cut off. A follower cut off from its leader keeps
 //! answering its clients' reads for syncLimit × tickTime (here 5 s, longer than the 2 s session),
@@ -14,8 +22,8 @@
 //! and that the recorded history passes the checker. Before lock-zk counted only answers that
 //! went through the leader, `a` went on trusting the lock for seconds after `b` had it.
 //!
-//! Ports: members' clients 23181–23183, quorum 23184–23186, election 23187–23189; the proxies
-//! take ephemeral ports. Everything the drill starts is killed by pid and its data deleted, also
+//! Ports: members' clients 23181–23183, quorum 23184–23186, election 23187–23189, 23190 left
+//! unlistened; the proxies take ephemeral ports. Everything the drill starts is killed by pid and its data deleted, also
 //! when the drill fails half-way.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed expectation is a failed test
 
@@ -42,12 +50,21 @@ use tokio::{
 const CLIENT_PORTS: [u16; 3] = [23181, 23182, 23183];
 const QUORUM_PORTS: [u16; 3] = [23184, 23185, 23186];
 const ELECTION_PORTS: [u16; 3] = [23187, 23188, 23189];
-/// The isolated-leader drill's ensemble (its own ports: the drills of this file run in
-/// parallel): clients 23281–23283, quorum 23284–23286, election 23287–23289.
+/// The isolated-leader drill's ensemble (its own ports, so that a drill's leftovers never meet
+/// the other's): clients 23281–23283, quorum 23284–23286, election 23287–23289.
 const LEADER_CLIENT_PORTS: [u16; 3] = [23281, 23282, 23283];
 const LEADER_QUORUM_PORTS: [u16; 3] = [23284, 23285, 23286];
 const LEADER_ELECTION_PORTS: [u16; 3] = [23287, 23288, 23289];
+/// The isolated-leader drill's [`UNLISTENED`].
+const LEADER_UNLISTENED: u16 = 23290;
+/// Where members 1 and 2 think member 3's election port is: nothing listens there (see the
+/// module documentation). Checked free with the drills' other ports.
+const UNLISTENED: u16 = 23190;
 const TICK_MS: u64 = 200;
+/// How long a member waits at most between two rounds of election notifications (ZooKeeper's
+/// default, 60 s, doubles from 200 ms: a member that started before its peers listened would
+/// wait up to a minute to try them again).
+const MAX_NOTIFICATION_INTERVAL_MS: u64 = 1000;
 /// A follower gives up on a silent leader after SYNC_LIMIT × TICK_MS = 5 s.
 const SYNC_LIMIT: u64 = 25;
 /// The clients' session timeout, and the drill's TTL (ZooKeeper's smallest).
@@ -130,6 +147,9 @@ impl Ensemble {
                 "-XX:+UseSerialGC",
                 "-Djava.net.preferIPv4Stack=true",
                 "-Dzookeeper.admin.enableServer=false",
+                &format!(
+                    "-Dzookeeper.fastleader.maxNotificationInterval={MAX_NOTIFICATION_INTERVAL_MS}"
+                ),
                 "-cp",
                 &classpath(&conf),
                 "org.apache.zookeeper.server.quorum.QuorumPeerMain",
@@ -165,6 +185,20 @@ async fn mode(port: u16) -> String {
         .unwrap_or("")
         .trim()
         .to_owned()
+}
+
+/// Waits until member `id`'s log has a line containing `needle`.
+async fn wait_log(ensemble: &Ensemble, id: usize, needle: &str) {
+    let path = ensemble.dir.join(format!("zk{id}.log"));
+    let deadline = Instant::now() + SOON;
+    while !std::fs::read_to_string(&path).is_ok_and(|log| log.contains(needle)) {
+        assert!(
+            Instant::now() < deadline,
+            "member {id} never logged {needle:?}; its log:\n{}",
+            ensemble.log_tail(id)
+        );
+        sleep(Duration::from_millis(50)).await;
+    }
 }
 
 async fn wait_mode(ensemble: &Ensemble, id: usize, ok: impl Fn(&str) -> bool) -> String {
@@ -259,10 +293,11 @@ fn zk_holder_on_a_partitioned_follower_loses_before_the_leader_grants_another() 
         .iter()
         .chain(&QUORUM_PORTS)
         .chain(&ELECTION_PORTS)
+        .chain(&[UNLISTENED])
     {
         assert!(
             port_free(*port),
-            "port {port} is in use: this drill needs 23181-23189"
+            "port {port} is in use: this drill needs 23181-23190"
         );
     }
     let _one = ONE_ENSEMBLE_AT_A_TIME
@@ -282,8 +317,10 @@ async fn drill() {
         client_ports: CLIENT_PORTS,
     };
     let direct = [0, 1, 2].map(|i| (QUORUM_PORTS[i], ELECTION_PORTS[i]));
-    ensemble.start(1, direct);
-    ensemble.start(2, direct);
+    // Members 1 and 2 never open an election link with member 3 (see the module documentation).
+    let view_of_majority = [direct[0], direct[1], (QUORUM_PORTS[2], UNLISTENED)];
+    ensemble.start(1, view_of_majority);
+    ensemble.start(2, view_of_majority);
     let serving = |m: &str| m == "leader" || m == "follower";
     wait_mode(&ensemble, 1, serving).await;
     wait_mode(&ensemble, 2, serving).await;
@@ -406,7 +443,8 @@ async fn drill() {
 /// the holder's client, and a waiter's, are connected to it only. Member 3 is made the leader
 /// (it starts first, so the first election it takes part in is won by the highest id), and every
 /// link between it and members 1 and 2 runs through drill proxies: its own connections to their
-/// quorum and election ports, and theirs to its ports. Blackholing the six proxies isolates it.
+/// quorum and election ports, and theirs to its quorum port (the election links are all its own,
+/// see the module documentation). Blackholing the five proxies isolates it.
 /// A leader without a quorum goes on answering its clients (reads, and syncs while no proposal
 /// is outstanding) until it gives up after syncLimit × tickTime; meanwhile the followers elect a
 /// new leader, which expires the holder's session and grants the lock to `b`. Requires: the
@@ -425,10 +463,11 @@ fn zk_holder_on_an_isolated_leader_loses_before_the_new_leader_grants_another() 
         .iter()
         .chain(&LEADER_QUORUM_PORTS)
         .chain(&LEADER_ELECTION_PORTS)
+        .chain(&[LEADER_UNLISTENED])
     {
         assert!(
             port_free(*port),
-            "port {port} is in use: this drill needs 23281-23289"
+            "port {port} is in use: this drill needs 23281-23290"
         );
     }
     let _one = ONE_ENSEMBLE_AT_A_TIME
@@ -480,24 +519,48 @@ async fn leader_drill() {
     };
     let direct = [0, 1, 2].map(|i| (LEADER_QUORUM_PORTS[i], LEADER_ELECTION_PORTS[i]));
     let to = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
-    // proxied[i]: member i + 1's quorum and election ports as the other members reach them.
+    // proxied[i]: member i + 1's quorum and election ports as the other members reach them
+    // (those proxies, in `ensemble.proxies`, are the ones the cut blackholes).
     let mut proxied = direct;
     for (i, peer) in proxied.iter_mut().enumerate() {
         let quorum = Proxy::start(to(LEADER_QUORUM_PORTS[i])).await.unwrap();
-        let election = Proxy::start(to(LEADER_ELECTION_PORTS[i])).await.unwrap();
-        *peer = (quorum.addr().port(), election.addr().port());
+        peer.0 = quorum.addr().port();
         ensemble.proxies.push(quorum);
-        ensemble.proxies.push(election);
+        // Member 3's election port is never opened by the others (see the module documentation).
+        if i < 2 {
+            let election = Proxy::start(to(LEADER_ELECTION_PORTS[i])).await.unwrap();
+            election.blackhole();
+            peer.1 = election.addr().port();
+            ensemble.proxies.push(election);
+        }
     }
-    // Member 3 reaches 1 and 2 through their proxies; 1 and 2 reach each other directly and 3
-    // through its proxies.
+    // Members 1 and 2 reach each other's election ports through gates that are never cut: closed
+    // until member 3 leads, so that they cannot elect one of them before member 3 is heard.
+    let mut gates = Vec::new();
+    let mut gated = direct;
+    for (i, peer) in gated.iter_mut().enumerate().take(2) {
+        let gate = Proxy::start(to(LEADER_ELECTION_PORTS[i])).await.unwrap();
+        gate.blackhole();
+        peer.1 = gate.addr().port();
+        gates.push(gate);
+    }
+    // Member 3 reaches 1 and 2 through their proxies; 1 and 2 reach each other through the
+    // gates, 3's quorum port through its proxy, and 3's election port not at all: their election
+    // link with member 3 is only ever the one it opens.
     let view_of_3 = [proxied[0], proxied[1], direct[2]];
-    let view_of_majority = [direct[0], direct[1], proxied[2]];
+    let unlistened = (proxied[2].0, LEADER_UNLISTENED);
     ensemble.start(3, view_of_3);
-    ensemble.start(1, view_of_majority);
+    ensemble.start(1, [direct[0], gated[1], unlistened]);
+    ensemble.start(2, [gated[0], direct[1], unlistened]);
+    // All three look for a leader; once each listens, member 3's links to 1 and 2 open: all
+    // three look at once, with empty logs, so the highest id, 3, wins.
+    for id in 1..=3 {
+        wait_log(&ensemble, id, "is accepting connections now").await;
+    }
+    for proxy in &ensemble.proxies {
+        proxy.pass();
+    }
     wait_mode(&ensemble, 3, |m| m == "leader" || m == "follower").await;
-    ensemble.start(2, view_of_majority);
-    wait_mode(&ensemble, 2, |m| m == "follower").await;
     let m3 = mode(LEADER_CLIENT_PORTS[2]).await;
     assert_eq!(
         m3,
@@ -505,6 +568,11 @@ async fn leader_drill() {
         "member 3 did not win the first election; its log:\n{}",
         ensemble.log_tail(3)
     );
+    for gate in &gates {
+        gate.pass();
+    }
+    wait_mode(&ensemble, 1, |m| m == "follower").await;
+    wait_mode(&ensemble, 2, |m| m == "follower").await;
     eprintln!("ensemble up: member 3 leads, every link to it through the drill proxies");
 
     let history = History::new("zk_isolated_leader");
