@@ -23,6 +23,9 @@ pub use lock_core::{
     Observed, OwnershipToken, Result, StaleFencingToken, TokenDigest, Verdict, Watchdog,
     drift_margin, finish_background_releases, record_fencing_rejection,
 };
+/// Leader election over the lock, on every backend that mints fencing tokens: see
+/// [`election`].
+pub use lock_core::{Election, Leader, Leadership, election};
 
 #[cfg(feature = "etcd")]
 pub use lock_etcd::{self as etcd, EtcdLock, EtcdLockConfig};

@@ -4,6 +4,7 @@
 pub mod audit;
 mod backoff;
 mod capabilities;
+pub mod election;
 mod error;
 mod ext;
 pub mod fencing;
@@ -19,6 +20,7 @@ mod token;
 
 pub use audit::{AuditReport, Finding, Verdict};
 pub use capabilities::{Capabilities, FencingGuarantee};
+pub use election::{Election, Leader, Leadership};
 pub use error::{BoxError, Error, Result};
 pub use ext::{BoxedFuture, DistributedLockExt, JobContext, LockBuilder, LockOptions, Watchdog};
 pub use fencing::{FencedRegister, StaleFencingToken};
