@@ -18,7 +18,9 @@
 //! [`Failure::Refused`] — mapped to the one error enum, and [`within`], the request budget),
 //! [`AcquireWait`] and [`Backoff`] (a wait's deadline and its jittered retries), [`poll_acquire`] (the default queue-less
 //! `acquire`), [`Batcher`] (requests that arrive together sent as one), [`handoff`] (a direct
-//! grant's age), [`cleanup`] (background clean-up the tests can wait for), the URL helpers
+//! grant's age), [`cleanup`] (background clean-up the tests can wait for), [`no_answer`] (a
+//! connect or a read that timed out), [`MIN_NETWORK_TTL`] (the shortest TTL worth granting over
+//! a network), the config and URL helpers [`check_durations`],
 //! [`parse_duration_option`] and [`decode_url_credential`], and the user types a driver's
 //! signatures name, re-exported so that a driver's `use` lines reach core through this module
 //! alone.
@@ -180,6 +182,43 @@ impl<T: Driver + ?Sized> DistributedLock for T {
     }
 }
 
+/// The shortest TTL a driver whose grants cross the network claims by default
+/// ([`Capabilities::min_ttl`]): a lease must outlast a round trip and the drift margin, or every
+/// grant arrives past its local deadline and is given back (the conformance suite's boundary
+/// property's finding).
+pub const MIN_NETWORK_TTL: Duration = Duration::from_millis(100);
+
+/// Checks a config's named durations (timeouts, intervals): each at least 1 ms and at most
+/// `max`, a bound that keeps every deadline computed from it from overflowing.
+///
+/// # Errors
+/// A message naming the first one out of bounds, for the driver's own [`Error::Config`].
+pub fn check_durations(
+    max: Duration,
+    durations: &[(&str, Duration)],
+) -> std::result::Result<(), String> {
+    for &(name, d) in durations {
+        if d < Duration::from_millis(1) || d > max {
+            return Err(format!(
+                "{name}={d:?} is out of bounds: expected 1ms to {max:?}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// [`Error::Unavailable`] for a request `op` that got no answer within `budget`: a connect, a
+/// read, or an audit's request, where the caller need not tell a write that may have applied
+/// apart (a lock operation's missed reply is [`Failure::Unknown`] instead).
+pub fn no_answer(backend: &'static str, op: &'static str, budget: Duration) -> Error {
+    Error::Unavailable {
+        backend,
+        op,
+        message: format!("no answer within {budget:?}"),
+        source: None,
+    }
+}
+
 /// Whether `error` — or any error in its `source()` chain, also one wrapped in an
 /// `std::io::Error` — is rustls refusing the server's certificate: a misconfiguration that
 /// retrying cannot fix, so drivers report it as permanent rather than `Unavailable`.
@@ -198,4 +237,39 @@ pub fn is_rejected_certificate(error: &(dyn std::error::Error + 'static)) -> boo
         source = err.source();
     }
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_from_one_millisecond_to_the_cap_pass_and_the_first_other_is_named() {
+        let max = Duration::from_secs(60);
+        let ms = Duration::from_millis(1);
+        assert_eq!(check_durations(max, &[("a", ms), ("b", max)]), Ok(()));
+        for (bad, d) in [
+            ("zero", Duration::ZERO),
+            ("sub_ms", ms - Duration::from_nanos(1)),
+            ("over", max + Duration::from_nanos(1)),
+        ] {
+            let e = check_durations(max, &[("ok", ms), (bad, d), ("also", Duration::ZERO)]);
+            assert!(e.unwrap_err().starts_with(&format!("{bad}=")), "{bad}");
+        }
+    }
+
+    #[test]
+    fn no_answer_is_unavailable_and_names_the_budget() {
+        let e = no_answer("x", "connect", Duration::from_millis(250));
+        assert!(e.is_temporary());
+        assert!(matches!(
+            e,
+            Error::Unavailable {
+                op: "connect",
+                source: None,
+                ..
+            }
+        ));
+        assert!(e.to_string().contains("no answer within 250ms"), "{e}");
+    }
 }
