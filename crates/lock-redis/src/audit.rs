@@ -6,7 +6,7 @@ use std::{
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use lock_core::raw::{AuditReport, Error, Result};
+use lock_core::raw::{AuditReport, Error, Result, no_answer};
 use redis::{AsyncConnectionConfig, ConnectionAddr, InfoDict, aio::MultiplexedConnection};
 use tokio::time::{Instant, timeout};
 
@@ -280,12 +280,7 @@ async fn open_at(config: &RedisLockConfig, host: &str, port: u16) -> Result<Mult
             Err(Error::backend(BACKEND, "connect", e))
         }
         Ok(Err(e)) => Err(Error::unavailable(BACKEND, "connect", e)),
-        Err(_) => Err(Error::Unavailable {
-            backend: BACKEND,
-            op: "connect",
-            message: format!("no answer within {budget:?}"),
-            source: None,
-        }),
+        Err(_) => Err(no_answer(BACKEND, "connect", budget)),
     }
 }
 
@@ -298,12 +293,7 @@ async fn query<T: redis::FromRedisValue>(
     match timeout(budget, cmd.query_async::<T>(conn)).await {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(Error::backend(BACKEND, op, e)),
-        Err(_) => Err(Error::Unavailable {
-            backend: BACKEND,
-            op,
-            message: format!("no answer within {budget:?}"),
-            source: None,
-        }),
+        Err(_) => Err(no_answer(BACKEND, op, budget)),
     }
 }
 

@@ -14,7 +14,7 @@ use std::{
     time::Duration,
 };
 
-use lock_core::raw::{Effect, Error, LockKey, RequestFailure, Result};
+use lock_core::raw::{Effect, Error, LockKey, RequestFailure, Result, no_answer};
 use redis::{
     Cmd, ConnectionAddr, ErrorKind, IntoConnectionInfo, Pipeline, ProtocolVersion,
     RedisConnectionInfo, RedisError, RedisFuture, RedisResult, ServerErrorKind, Value,
@@ -161,12 +161,7 @@ pub(crate) async fn ping(conn: &Conn, config: &RedisLockConfig) -> Result<()> {
         Ok(Err(e)) if is_refused_security(&e) => Err(Error::backend(BACKEND, "connect", e)),
         Ok(Err(e)) => Err(refused_database(config, &e)
             .unwrap_or_else(|| Error::unavailable(BACKEND, "connect", e))),
-        Err(_) => Err(Error::Unavailable {
-            backend: BACKEND,
-            op: "connect",
-            message: format!("no answer within {budget:?}"),
-            source: None,
-        }),
+        Err(_) => Err(no_answer(BACKEND, "connect", budget)),
     }
 }
 

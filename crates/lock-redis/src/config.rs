@@ -3,7 +3,7 @@
 
 use std::{fmt, path::PathBuf, time::Duration};
 
-use lock_core::raw::{Error, Result};
+use lock_core::raw::{Error, Result, check_durations};
 
 /// How to reach Redis and how the driver behaves.
 ///
@@ -31,7 +31,7 @@ use lock_core::raw::{Error, Result};
 /// | `replica_timeout` | `500ms` | how long that `WAIT` may take; fewer replicas by then: `Indeterminate`, undone |
 ///
 /// Durations take a unit: `250ms`, `2s`, `1m`, `1m30s` (a bare number is refused, not guessed), and are
-/// at most one hour ([`RedisLockConfig::MAX_DURATION`]), whether set in the URL or on the fields
+/// from 1 ms to one hour ([`RedisLockConfig::MAX_DURATION`]), whether set in the URL or on the fields
 /// ([`RedisLockConfig::validate`]). Unknown or malformed
 /// options are an [`Error::Config`], and so is `ca` on a plain `redis://` URL (a TLS setting
 /// never silently runs unencrypted). With `rediss://` the connection is TLS only: the server
@@ -351,7 +351,7 @@ impl RedisLockConfig {
     ///
     /// # Errors
     /// [`Error::Config`]: an empty host, a namespace with control characters, a duration that
-    /// is zero or longer than [`RedisLockConfig::MAX_DURATION`], more than
+    /// is below 1 ms or longer than [`RedisLockConfig::MAX_DURATION`], more than
     /// [`RedisLockConfig::MAX_RECONNECT_RETRIES`] retries, a database number outside
     /// `0..=i32::MAX`, a CA file without TLS, or a bad label.
     pub fn validate(&self) -> Result<()> {
@@ -363,23 +363,16 @@ impl RedisLockConfig {
                 "the namespace must not contain control characters",
             ));
         }
-        for (name, d) in [
-            ("connect_timeout", self.connect_timeout),
-            ("response_timeout", self.response_timeout),
-            ("max_poll_interval", self.max_poll_interval),
-            ("replica_timeout", self.replica_timeout),
-        ] {
-            if d.is_zero() {
-                return Err(config_err(format!("{name} must be positive")));
-            }
-            // Bounded, so that no deadline computed from it can overflow.
-            if d > Self::MAX_DURATION {
-                return Err(config_err(format!(
-                    "{name} must be at most {:?}, not {d:?}",
-                    Self::MAX_DURATION
-                )));
-            }
-        }
+        check_durations(
+            Self::MAX_DURATION,
+            &[
+                ("connect_timeout", self.connect_timeout),
+                ("response_timeout", self.response_timeout),
+                ("max_poll_interval", self.max_poll_interval),
+                ("replica_timeout", self.replica_timeout),
+            ],
+        )
+        .map_err(config_err)?;
         if self.reconnect_retries > Self::MAX_RECONNECT_RETRIES {
             return Err(config_err(format!(
                 "reconnect_retries must be at most {}, not {}",

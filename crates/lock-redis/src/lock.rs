@@ -7,7 +7,8 @@ use std::{fmt, future::Future, sync::Arc, time::Duration};
 
 use lock_core::raw::{
     AcquireWait, Backoff, Batcher, Capabilities, Driver, Error, FencingGuarantee, FencingToken,
-    HolderIdentity, HolderInfo, Lease, LockKey, OwnershipToken, Result, TokenDigest, async_trait,
+    HolderIdentity, HolderInfo, Lease, LockKey, MIN_NETWORK_TTL, OwnershipToken, Result,
+    TokenDigest, async_trait,
 };
 use tokio::time::{Instant, sleep, sleep_until, timeout_at};
 
@@ -525,10 +526,8 @@ impl Driver for RedisLock {
             // The renew script sets the key's PEXPIRE to any TTL, and Redis expires a key
             // nobody renews on its own: job mode's `at_least` holds without us.
             keep_until: true,
-            // A lease must outlast a round trip and the drift margin, or every grant arrives
-            // past its local deadline and is given back (the boundary property's finding).
-            min_ttl: Duration::from_millis(100),
-            max_ttl: Duration::from_secs(365 * 24 * 3600),
+            min_ttl: MIN_NETWORK_TTL,
+            max_ttl: Capabilities::MAX_TTL,
             ..Default::default()
         }
     }

@@ -6,7 +6,7 @@ use std::{fmt, sync::Arc, time::Duration};
 
 use lock_core::raw::{
     Capabilities, Driver, Error, FencingGuarantee, HolderIdentity, HolderInfo, Lease, LockKey,
-    OwnershipToken, Result, TokenDigest, async_trait,
+    MIN_NETWORK_TTL, OwnershipToken, Result, TokenDigest, async_trait,
 };
 use redis::{
     ConnectionAddr, IntoConnectionInfo, RedisConnectionInfo, RedisError, Script,
@@ -402,8 +402,8 @@ impl Driver for RedlockLock {
             force_release: true,
             // Each master's key gets any PEXPIRE on renewal and expires on its own.
             keep_until: true,
-            min_ttl: Duration::from_millis(100),
-            max_ttl: Duration::from_secs(365 * 24 * 3600),
+            min_ttl: MIN_NETWORK_TTL,
+            max_ttl: Capabilities::MAX_TTL,
             ..Default::default()
         }
     }
