@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use etcd_client::{Client, ConnectOptions, DeleteOptions, GetOptions};
-use lock_core::raw::{AuditReport, Error, Result};
+use lock_core::raw::{AuditReport, Error, Result, no_answer};
 use tokio::time::{Instant, timeout};
 
 use crate::{EtcdLockConfig, client::BACKEND};
@@ -108,14 +108,7 @@ pub async fn audit(config: &EtcdLockConfig) -> Result<AuditReport> {
                 })
                 .collect(),
             Ok(Err(e)) => return Err(Error::backend(BACKEND, "member list", e)),
-            Err(_) => {
-                return Err(Error::Unavailable {
-                    backend: BACKEND,
-                    op: "member list",
-                    message: format!("no answer within {budget:?}"),
-                    source: None,
-                });
-            }
+            Err(_) => return Err(no_answer(BACKEND, "member list", budget)),
         };
 
     // Every voting member, through its own advertised client URL (a member the URL does not
@@ -446,21 +439,7 @@ async fn prefix_client(config: &EtcdLockConfig) -> Result<(Client, String)> {
     {
         Ok(Ok(client)) => Ok((client, prefix)),
         Ok(Err(e)) => Err(Error::unavailable(BACKEND, "connect", e)),
-        Err(_) => Err(Error::Unavailable {
-            backend: BACKEND,
-            op: "connect",
-            message: format!("no answer within {budget:?}"),
-            source: None,
-        }),
-    }
-}
-
-fn timed_out(op: &'static str, budget: Duration) -> Error {
-    Error::Unavailable {
-        backend: BACKEND,
-        op,
-        message: format!("no answer within {budget:?}"),
-        source: None,
+        Err(_) => Err(no_answer(BACKEND, "connect", budget)),
     }
 }
 
@@ -480,7 +459,7 @@ pub async fn namespace_size(config: &EtcdLockConfig) -> Result<usize> {
         ),
     )
     .await
-    .map_err(|_| timed_out("count", budget))?
+    .map_err(|_| no_answer(BACKEND, "count", budget))?
     .map_err(|e| Error::backend(BACKEND, "count", e))?;
     Ok(usize::try_from(found.count()).unwrap_or(usize::MAX))
 }
@@ -499,7 +478,7 @@ pub async fn purge_namespace(config: &EtcdLockConfig) -> Result<usize> {
         client.delete(prefix, Some(DeleteOptions::new().with_prefix())),
     )
     .await
-    .map_err(|_| timed_out("delete", budget))?
+    .map_err(|_| no_answer(BACKEND, "delete", budget))?
     .map_err(|e| Error::backend(BACKEND, "delete", e))?;
     Ok(usize::try_from(deleted.deleted()).unwrap_or(usize::MAX))
 }

@@ -2,7 +2,7 @@
 
 use std::{fmt, path::PathBuf, time::Duration};
 
-use lock_core::raw::{Error, Result};
+use lock_core::raw::{Error, Result, check_durations};
 
 /// Everything [`crate::EtcdLock::connect`] needs. Every field can be set from the URL
 /// ([`EtcdLockConfig::from_url`]).
@@ -39,8 +39,8 @@ pub struct EtcdLockConfig {
     pub label: Option<String>,
 }
 
-/// TLS settings for `etcds://`.
-#[derive(Clone, Default, PartialEq, Eq)]
+/// TLS settings for `etcds://` (file paths and a name: nothing secret, so `Debug` shows all).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct EtcdTlsConfig {
     /// PEM file of the CA that signed the server certificates (default: none, i.e. the client
@@ -228,8 +228,8 @@ impl EtcdLockConfig {
     /// Checks the settings however they were set (also done by `connect`, before any I/O).
     ///
     /// # Errors
-    /// [`Error::Config`] when there is no endpoint or one is not `host:port`, a timeout is zero
-    /// or above [`EtcdLockConfig::MAX_TIMEOUT`], `min_ttl` is below 1 s or above
+    /// [`Error::Config`] when there is no endpoint or one is not `host:port`, a timeout is below
+    /// 1 ms or above [`EtcdLockConfig::MAX_TIMEOUT`], `min_ttl` is below 1 s or above
     /// [`EtcdLockConfig::MAX_MIN_TTL`], the prefix is too long or has control characters, or
     /// the TLS files are given inconsistently, or the label is not a valid holder label.
     pub fn validate(&self) -> Result<()> {
@@ -239,20 +239,14 @@ impl EtcdLockConfig {
         for e in &self.endpoints {
             parse_endpoint(e)?;
         }
-        for (what, t) in [
-            ("dial_timeout", self.dial_timeout),
-            ("request_timeout", self.request_timeout),
-        ] {
-            if t.is_zero() {
-                return Err(config(format!("{what} must be positive")));
-            }
-            if t > Self::MAX_TIMEOUT {
-                return Err(config(format!(
-                    "{what} must be at most {:?}",
-                    Self::MAX_TIMEOUT
-                )));
-            }
-        }
+        check_durations(
+            Self::MAX_TIMEOUT,
+            &[
+                ("dial_timeout", self.dial_timeout),
+                ("request_timeout", self.request_timeout),
+            ],
+        )
+        .map_err(config)?;
         if self.min_ttl.is_some_and(|t| t < Duration::from_secs(1)) {
             return Err(config(
                 "etcd leases are whole seconds: min_ttl must be at least 1s",
@@ -341,17 +335,6 @@ impl fmt::Debug for EtcdLockConfig {
             .field("request_timeout", &self.request_timeout)
             .field("min_ttl", &self.min_ttl)
             .field("label", &self.label)
-            .finish()
-    }
-}
-
-impl fmt::Debug for EtcdTlsConfig {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("EtcdTlsConfig")
-            .field("ca_file", &self.ca_file)
-            .field("cert_file", &self.cert_file)
-            .field("key_file", &self.key_file)
-            .field("domain", &self.domain)
             .finish()
     }
 }
