@@ -7,7 +7,7 @@ use std::{
     time::Duration,
 };
 
-use lock_core::raw::{AuditReport, Error, Result};
+use lock_core::raw::{AuditReport, Error, Result, no_answer};
 use tokio::time::{Instant, timeout};
 use zookeeper_client as zk;
 
@@ -131,12 +131,7 @@ async fn session(config: &ZkLockConfig, with_auth: bool) -> Result<zk::Client> {
             Err(Error::backend(BACKEND, "connect", e))
         }
         Ok(Err(e)) => Err(Error::unavailable(BACKEND, "connect", e)),
-        Err(_) => Err(Error::Unavailable {
-            backend: BACKEND,
-            op: "connect",
-            message: format!("no session within {:?}", config.connect_timeout),
-            source: None,
-        }),
+        Err(_) => Err(no_answer(BACKEND, "connect", config.connect_timeout)),
     }
 }
 
@@ -467,7 +462,7 @@ pub async fn namespace_size(config: &ZkLockConfig) -> Result<usize> {
         Ok(Ok(n)) => Ok(n),
         Ok(Err(zk::Error::NoNode)) => Ok(0),
         Ok(Err(e)) => Err(Error::backend(BACKEND, "count", e)),
-        Err(_) => Err(zk_timed_out("count", config.op_timeout)),
+        Err(_) => Err(no_answer(BACKEND, "count", config.op_timeout)),
     }
 }
 
@@ -489,7 +484,7 @@ pub async fn purge_namespace(config: &ZkLockConfig) -> Result<usize> {
                 Ok(Ok(())) => deleted += 1,
                 Ok(Err(zk::Error::NoNode)) => {}
                 Ok(Err(e)) => return Err(Error::backend(BACKEND, "delete", e)),
-                Err(_) => return Err(zk_timed_out("delete", config.op_timeout)),
+                Err(_) => return Err(no_answer(BACKEND, "delete", config.op_timeout)),
             }
             continue;
         }
@@ -497,7 +492,7 @@ pub async fn purge_namespace(config: &ZkLockConfig) -> Result<usize> {
             Ok(Ok(children)) => children,
             Ok(Err(zk::Error::NoNode)) => continue,
             Ok(Err(e)) => return Err(Error::backend(BACKEND, "list", e)),
-            Err(_) => return Err(zk_timed_out("list", config.op_timeout)),
+            Err(_) => return Err(no_answer(BACKEND, "list", config.op_timeout)),
         };
         stack.push((path.clone(), true));
         for child in children {
@@ -516,13 +511,4 @@ fn own_root(config: &ZkLockConfig) -> Result<String> {
         ));
     }
     Ok(root.to_owned())
-}
-
-fn zk_timed_out(op: &'static str, budget: Duration) -> Error {
-    Error::Unavailable {
-        backend: BACKEND,
-        op,
-        message: format!("no answer within {budget:?}"),
-        source: None,
-    }
 }

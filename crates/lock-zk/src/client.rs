@@ -10,7 +10,7 @@ use std::{
 
 use futures::FutureExt;
 
-use lock_core::raw::{Batcher, Error, Failure, Result, drift_margin};
+use lock_core::raw::{Batcher, Error, Failure, Result, drift_margin, no_answer};
 use tokio::{
     sync::watch,
     time::{Instant, sleep, timeout, timeout_at},
@@ -109,14 +109,7 @@ impl Session {
                     return Err(Error::backend(BACKEND, "connect", e));
                 }
                 Ok(Err(e)) => e,
-                Err(_) => {
-                    return Err(Error::Unavailable {
-                        backend: BACKEND,
-                        op: "connect",
-                        message: format!("no session within {:?}", config.connect_timeout),
-                        source: None,
-                    });
-                }
+                Err(_) => return Err(no_answer(BACKEND, "connect", config.connect_timeout)),
             };
             let ran_out = sent.elapsed() >= budget / 2;
             if !ran_out || started.elapsed() + delay >= config.connect_timeout {

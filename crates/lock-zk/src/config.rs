@@ -2,7 +2,7 @@
 
 use std::{fmt, time::Duration};
 
-use lock_core::raw::{Error, HolderIdentity, Result};
+use lock_core::raw::{Error, HolderIdentity, Result, check_durations};
 
 /// Who may touch the lock nodes this client creates.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -194,29 +194,18 @@ impl ZkLockConfig {
             ));
         }
         validate_path("root", root)?;
-        for (name, d) in [
-            ("session_timeout", self.session_timeout),
-            ("connect_timeout", self.connect_timeout),
-            ("op_timeout", self.op_timeout),
-        ] {
-            if d < Duration::from_millis(1) {
-                return Err(config(format!("{name} must be at least 1ms")));
-            }
-        }
-        if self.session_timeout > Duration::from_millis(i32::MAX as u64) {
-            return Err(config("session_timeout is too large"));
-        }
-        for (name, d) in [
-            ("connect_timeout", self.connect_timeout),
-            ("op_timeout", self.op_timeout),
-        ] {
-            if d > Self::MAX_TIMEOUT {
-                return Err(config(format!(
-                    "{name} {d:?} is too large (at most {:?})",
-                    Self::MAX_TIMEOUT
-                )));
-            }
-        }
+        // The session timeout travels as 32-bit milliseconds.
+        let max_session = Duration::from_millis(i32::MAX as u64);
+        check_durations(max_session, &[("session_timeout", self.session_timeout)])
+            .map_err(config)?;
+        check_durations(
+            Self::MAX_TIMEOUT,
+            &[
+                ("connect_timeout", self.connect_timeout),
+                ("op_timeout", self.op_timeout),
+            ],
+        )
+        .map_err(config)?;
         if self.acl == ZkAcl::Creator && self.auth.is_none() {
             return Err(config("acl=creator needs user:password@ credentials"));
         }
