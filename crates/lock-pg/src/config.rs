@@ -2,7 +2,7 @@
 
 use std::{fmt, str::FromStr, time::Duration};
 
-use lock_core::raw::{Error, Result};
+use lock_core::raw::{Error, Result, check_durations};
 use sqlx::postgres::PgConnectOptions;
 use url::Url;
 
@@ -344,18 +344,15 @@ impl PgLockConfig {
                 Self::MAX_POOL_SIZE
             )));
         }
-        for (name, d) in [
-            ("connect_timeout", self.connect_timeout),
-            ("op_timeout", self.op_timeout),
-            ("poll_interval", self.poll_interval),
-        ] {
-            if d < Duration::from_millis(1) || d > Self::MAX_DURATION {
-                return Err(Error::Config(format!(
-                    "{name}={d:?} is out of bounds: expected 1ms to {:?}",
-                    Self::MAX_DURATION
-                )));
-            }
-        }
+        check_durations(
+            Self::MAX_DURATION,
+            &[
+                ("connect_timeout", self.connect_timeout),
+                ("op_timeout", self.op_timeout),
+                ("poll_interval", self.poll_interval),
+            ],
+        )
+        .map_err(Error::Config)?;
         if let Some(label) = &self.label {
             lock_core::raw::HolderIdentity::check_label(label)?;
         }

@@ -13,8 +13,8 @@ use std::{
 
 use lock_core::raw::{
     AcquireWait, Backoff, Batcher, Capabilities, Driver, Error, FencingGuarantee, FencingToken,
-    HolderIdentity, HolderInfo, Lease, LockKey, OwnershipToken, Result, async_trait,
-    handoff::Registered,
+    HolderIdentity, HolderInfo, Lease, LockKey, MIN_NETWORK_TTL, OwnershipToken, Result,
+    async_trait, handoff::Registered,
 };
 use sqlx::{PgPool, Row, postgres::PgRow};
 use tokio::{
@@ -32,9 +32,6 @@ use crate::{
 };
 
 pub(crate) const BACKEND: &str = "postgres";
-
-/// The longest TTL accepted (PostgreSQL intervals go much further; a year is plenty).
-const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// A distributed lock on a PostgreSQL lease table.
 ///
@@ -602,10 +599,9 @@ impl Driver for PgLock {
             // A renewal sets `expires_at` to the server's clock + any TTL, and a row that
             // nobody renews expires on its own: job mode's `at_least` holds without us.
             keep_until: true,
-            // A lease must outlast a round trip and the drift margin, or every grant arrives
-            // past its local deadline and is given back (the boundary property's finding).
-            min_ttl: Duration::from_millis(100),
-            max_ttl: MAX_TTL,
+            min_ttl: MIN_NETWORK_TTL,
+            // PostgreSQL intervals go much further; a year is plenty.
+            max_ttl: Capabilities::MAX_TTL,
             ..Default::default()
         }
     }
