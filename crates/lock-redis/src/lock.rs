@@ -728,15 +728,11 @@ impl Driver for RedisLock {
     }
 }
 
+/// Shows the config through its own `Debug`, which redacts the password.
 impl fmt::Debug for RedisLock {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let c = &self.inner.config;
         f.debug_struct("RedisLock")
-            .field("topology", &c.topology)
-            .field("host", &c.host)
-            .field("port", &c.port)
-            .field("db", &c.db)
-            .field("namespace", &c.namespace)
+            .field("config", &self.inner.config)
             .finish_non_exhaustive()
     }
 }
