@@ -75,6 +75,10 @@ macro_rules! __conformance_properties {
         );
         $callback!($setup, at_least_outlives_the_job_and_the_holders_exit);
         $callback!($setup, at_most_cancels_a_hung_job_and_frees_the_lock);
+        $callback!($setup, election_never_two_leaders);
+        $callback!($setup, election_resign_hands_over_promptly);
+        $callback!($setup, election_leader_agrees_with_the_handle);
+        $callback!($setup, election_observe_reports_every_term_in_order);
     };
 }
 
@@ -87,8 +91,8 @@ use std::{
 };
 
 use lock_core::{
-    DistributedLockExt, DynLock, Error, FencedRegister, FencingGuarantee, FencingToken, Lease,
-    LockKey, LockOptions,
+    DistributedLockExt, DynLock, Election, Error, FencedRegister, FencingGuarantee, FencingToken,
+    Lease, LockKey, LockOptions,
 };
 use tokio::time::{Instant, sleep, timeout};
 
@@ -1159,5 +1163,243 @@ pub async fn at_most_cancels_a_hung_job_and_frees_the_lock(h: Harness) -> Outcom
         .unwrap()
         .expect("the lock is free once at_most cancelled the job");
     assert!(release(&b, &lease).await);
+    Outcome::Passed
+}
+
+/// The election of the properties below on `client`, or `None` (after checking that a
+/// campaign is refused before any I/O) when the backend mints no fencing tokens.
+async fn election_on(client: &DynLock, name: &str, ttl: Duration) -> Option<Election> {
+    let election = Election::new(client.clone(), name)
+        .expect("a valid election name")
+        .ttl(ttl);
+    if fencing_claimed(client) {
+        return Some(election);
+    }
+    let refused = election.try_campaign().await;
+    assert!(
+        matches!(refused, Err(Error::Unsupported { .. })),
+        "a campaign without fencing tokens must be refused: {refused:?}"
+    );
+    None
+}
+
+/// Leader election (issue 21): three campaigners on separate clients take turns leading,
+/// waiting for each other; never two lead at once, each leader's write to a resource fenced by
+/// its term is accepted (terms strictly increase in leadership order), and every deposed
+/// leader's late write is refused.
+pub async fn election_never_two_leaders(h: Harness) -> Outcome {
+    const CAMPAIGNERS: usize = 3;
+    const TERMS_EACH: usize = 3;
+    let clients = h.clients(CAMPAIGNERS).await;
+    let name = h.key("election-exclusive");
+    let ttl = stall_proof_ttl(&h);
+    let mut elections = Vec::new();
+    for client in &clients {
+        match election_on(client, name.as_str(), ttl).await {
+            Some(election) => elections.push(election),
+            None => return Outcome::Skipped("fencing not claimed: an election without terms"),
+        }
+    }
+    let register = Arc::new(FencedRegister::new());
+    let inside = Arc::new(AtomicUsize::new(0));
+    let terms = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let tasks: Vec<_> = elections
+        .into_iter()
+        .enumerate()
+        .map(|(i, election)| {
+            let (register, inside, terms) = (register.clone(), inside.clone(), terms.clone());
+            tokio::spawn(async move {
+                for round in 0..TERMS_EACH {
+                    let lead = election.campaign(LONG_TTL).await.expect("campaign");
+                    assert_eq!(
+                        inside.fetch_add(1, Ordering::SeqCst),
+                        0,
+                        "two leaders at once"
+                    );
+                    let term = lead.term();
+                    terms.lock().unwrap().push(term);
+                    if let Err(stale) = register.write(term, format!("c{i} round {round}")) {
+                        panic!("the leader's write was refused (an older term led after a newer one): {stale}");
+                    }
+                    sleep(Duration::from_millis(5)).await;
+                    assert!(!lead.is_lost(), "lost while leading: {:?}", lead.loss_reason());
+                    inside.fetch_sub(1, Ordering::SeqCst);
+                    assert!(lead.resign().await.expect("resign"), "lost before resigning");
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let terms = terms.lock().unwrap().clone();
+    assert_eq!(terms.len(), CAMPAIGNERS * TERMS_EACH);
+    assert!(
+        terms.windows(2).all(|w| w[0] < w[1]),
+        "terms not strictly increasing in leadership order: {terms:?}"
+    );
+    // Every deposed leader comes back late with its term: refused, the last leader's value kept.
+    let last = register.value();
+    for term in &terms[..terms.len() - 1] {
+        assert!(
+            register
+                .write(*term, "late write of a deposed leader".into())
+                .is_err(),
+            "a deposed leader's write (term {term}) was accepted"
+        );
+    }
+    assert_eq!(register.value(), last);
+    assert_eq!(register.accepted(), terms.len() as u64);
+    Outcome::Passed
+}
+
+/// Leader election (issue 21): a campaigner waiting behind the leader is leader soon after the
+/// leader resigns — well before the leadership's 30 s lease could have run out — with a
+/// greater term.
+pub async fn election_resign_hands_over_promptly(h: Harness) -> Outcome {
+    let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
+    let name = h.key("election-handover");
+    let (Some(first), Some(second)) = (
+        election_on(&a, name.as_str(), LONG_TTL).await,
+        election_on(&b, name.as_str(), LONG_TTL).await,
+    ) else {
+        return Outcome::Skipped("fencing not claimed: an election without terms");
+    };
+    let lead = first.campaign(SLACK).await.expect("the first campaign");
+    let waiter = tokio::spawn(async move { second.campaign(LONG_TTL).await });
+    wait_until_queued(&a, first.key(), 1).await;
+    assert!(
+        !waiter.is_finished(),
+        "a second leader while the first leads"
+    );
+    let old = lead.term();
+    let resigned_at = Instant::now();
+    assert!(lead.resign().await.expect("resign"));
+    let next = timeout(LONG_TTL, waiter)
+        .await
+        .expect("the waiting campaigner was never elected")
+        .unwrap()
+        .expect("the waiting campaign");
+    let took = resigned_at.elapsed();
+    assert!(
+        took < SLACK,
+        "elected {took:?} after the resign (the lease is {LONG_TTL:?}): not a prompt hand-over"
+    );
+    assert!(next.term() > old, "term {} after {old}", next.term());
+    assert!(next.resign().await.expect("resign"));
+    Outcome::Passed
+}
+
+/// Leader election (issue 21): `leader()`, asked through the leader's own client and another,
+/// reports the handle's term and this process as the holder while it leads, and nobody once it
+/// has resigned; the next leader's term is greater.
+pub async fn election_leader_agrees_with_the_handle(h: Harness) -> Outcome {
+    let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
+    let name = h.key("election-leader");
+    let (Some(ea), Some(eb)) = (
+        election_on(&a, name.as_str(), LONG_TTL).await,
+        election_on(&b, name.as_str(), LONG_TTL).await,
+    ) else {
+        return Outcome::Skipped("fencing not claimed: an election without terms");
+    };
+    assert_eq!(
+        eb.leader().await.unwrap(),
+        None,
+        "a leader before any campaign"
+    );
+    let mut previous = None;
+    for (leading, other) in [(&ea, &eb), (&eb, &ea)] {
+        let lead = leading.campaign(SLACK).await.expect("campaign");
+        assert!(
+            previous < Some(lead.term()),
+            "{previous:?} then {}",
+            lead.term()
+        );
+        previous = Some(lead.term());
+        for asked in [leading, other] {
+            let leader = asked
+                .leader()
+                .await
+                .unwrap()
+                .expect("a leader while one leads");
+            assert_eq!(
+                leader.term,
+                Some(lead.term()),
+                "leader() disagrees with the handle"
+            );
+            let who = leader.holder.as_ref().map(|w| w.as_str().to_owned());
+            assert!(
+                who.as_deref().is_some_and(|w| w.starts_with("host=")
+                    && w.contains(&format!(" pid={} ", std::process::id()))),
+                "leader() does not say who leads: {who:?}"
+            );
+            if let Some(left) = leader.ttl_remaining {
+                assert!(
+                    !left.is_zero() && left <= a.capabilities().effective_ttl(LONG_TTL),
+                    "{left:?}"
+                );
+            }
+        }
+        assert!(lead.resign().await.expect("resign"));
+        assert_eq!(
+            other.leader().await.unwrap(),
+            None,
+            "a leader after the resign"
+        );
+        assert_eq!(
+            leading.leader().await.unwrap(),
+            None,
+            "a leader after the resign"
+        );
+    }
+    Outcome::Passed
+}
+
+/// Leader election (issue 21): `observe` reports each leadership's term, in order, and a
+/// `None` once nobody leads — here each leadership lasts until the observer has reported it, so
+/// no term may be missed, and no term is reported twice or out of order.
+pub async fn election_observe_reports_every_term_in_order(h: Harness) -> Outcome {
+    let [a, b, watcher] = <[DynLock; 3]>::try_from(h.clients(3).await).ok().unwrap();
+    let name = h.key("election-observe");
+    let (Some(ea), Some(eb), Some(ew)) = (
+        election_on(&a, name.as_str(), LONG_TTL).await,
+        election_on(&b, name.as_str(), LONG_TTL).await,
+        election_on(&watcher, name.as_str(), LONG_TTL).await,
+    ) else {
+        return Outcome::Skipped("fencing not claimed: an election without terms");
+    };
+    let (tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
+    let observer = tokio::spawn(futures::StreamExt::for_each(
+        ew.observe(Duration::from_millis(20)),
+        move |item| {
+            let _ = tx.send(item.expect("a poll of the leader"));
+            async {}
+        },
+    ));
+    async fn next(
+        seen: &mut tokio::sync::mpsc::UnboundedReceiver<Option<lock_core::Leader>>,
+    ) -> Option<FencingToken> {
+        timeout(SLACK, seen.recv())
+            .await
+            .expect("observe reported nothing")
+            .expect("the stream ended")
+            .map(|leader| leader.term.expect("a leader without a term"))
+    }
+    assert_eq!(next(&mut seen).await, None, "a leader before any campaign");
+    for election in [&ea, &eb, &ea, &eb] {
+        let lead = election.campaign(SLACK).await.expect("campaign");
+        assert_eq!(
+            next(&mut seen).await,
+            Some(lead.term()),
+            "the next item is not the new term"
+        );
+        assert!(lead.resign().await.expect("resign"));
+        assert_eq!(
+            next(&mut seen).await,
+            None,
+            "the next item after a resign is not `None`"
+        );
+    }
+    observer.abort();
     Outcome::Passed
 }

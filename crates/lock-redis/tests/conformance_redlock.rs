@@ -80,4 +80,8 @@ conformance::conformance_tests!(setup; skip: {
     fencing_tokens_strictly_increase: "fencing not claimed: Redlock has no counter the masters agree on",
     fences_stay_exact_across_2_pow_53_and_up_to_i64_max: "fencing not claimed",
     stale_holder_write_is_rejected: "fencing not claimed",
+    election_never_two_leaders: "fencing not claimed: an election without terms cannot fence (campaign is refused)",
+    election_resign_hands_over_promptly: "fencing not claimed: campaign is refused",
+    election_leader_agrees_with_the_handle: "fencing not claimed: campaign is refused",
+    election_observe_reports_every_term_in_order: "fencing not claimed: campaign is refused",
 });
