@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 mod backends;
+mod pools;
 mod report;
 mod scenario;
 mod stats;
@@ -44,6 +45,13 @@ struct Args {
     /// Where results.md, results.json and results.svg go (default: the workspace's target/bench).
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Run only the pool comparison on PostgreSQL (lock-pg's own pool against sqlx's `PgPool`
+    /// with and without `test_before_acquire`); writes pools.md and pools.json.
+    #[arg(long)]
+    pools: bool,
+    /// Concurrent tasks sharing one client in the pool comparison (default 8,32).
+    #[arg(long, value_delimiter = ',', default_value = "8,32")]
+    pool_tasks: Vec<usize>,
     /// Internal: run only the watchdog measurement of one backend and one size, print it as
     /// JSON. The main run starts one such child per measurement so that its memory and CPU
     /// figures are not blurred by earlier phases.
@@ -289,6 +297,64 @@ async fn watchdog_child(args: &Args, plan: &Plan, run: &str) -> Result<WatchdogC
     .map_err(|e| e.to_string())
 }
 
+/// `--pools`: the pool comparison alone, printed and written to `pools.md` and `pools.json`.
+fn pools_main(
+    args: &Args,
+    plan: &Plan,
+    runtime: &tokio::runtime::Runtime,
+    flavour: String,
+) -> std::process::ExitCode {
+    let Some(url) = env_url("DISTLOCK_TEST_PG_URL") else {
+        eprintln!(
+            "DISTLOCK_TEST_PG_URL is not set (run `scripts/backends.sh up` and `eval \"$(scripts/backends.sh env)\"`)"
+        );
+        return std::process::ExitCode::FAILURE;
+    };
+    let pool_plan = pools::PoolPlan {
+        warmup: plan.warmup,
+        rounds: plan.cycles,
+        tasks: args.pool_tasks.iter().copied().filter(|&t| t > 0).collect(),
+        burst_ops: if args.quick { 200 } else { 1000 },
+        bursts: if args.quick { 2 } else { 5 },
+    };
+    let run = format!("{:08x}", rand::random::<u32>());
+    let result = runtime.block_on(pools::run(
+        &url,
+        &pool_plan,
+        &run,
+        (command_line(), flavour),
+    ));
+    let report = match result {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("the pool comparison failed: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let md = pools::markdown(&report);
+    println!("{md}");
+    let out = args.out.clone().unwrap_or_else(default_out);
+    let written = std::fs::create_dir_all(&out)
+        .and_then(|()| std::fs::write(out.join("pools.md"), &md))
+        .and_then(|()| {
+            let json = serde_json::to_string_pretty(&report).map_err(std::io::Error::other)?;
+            std::fs::write(out.join("pools.json"), json)
+        });
+    match written {
+        Ok(()) => {
+            progress(format!(
+                "wrote pools.md and pools.json to {}",
+                out.display()
+            ));
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("cannot write the results to {}: {e}", out.display());
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 fn command_line() -> String {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut cmd = "cargo run --release -p distlock-bench".to_owned();
@@ -354,6 +420,9 @@ fn main() -> std::process::ExitCode {
                 std::process::ExitCode::FAILURE
             }
         };
+    }
+    if args.pools {
+        return pools_main(&args, &plan, &runtime, flavour);
     }
     let started = std::time::SystemTime::now();
     let t0 = std::time::Instant::now();

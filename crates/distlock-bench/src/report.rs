@@ -204,7 +204,7 @@ impl BackendReport {
     }
 }
 
-fn fmt_us(v: f64) -> String {
+pub(crate) fn fmt_us(v: f64) -> String {
     if v >= 100.0 {
         format!("{v:.0}")
     } else {

@@ -92,6 +92,11 @@ impl Pg {
         Ok(())
     }
 
+    /// The URL of the bench database.
+    pub fn bench_url(&self) -> &str {
+        &self.url
+    }
+
     async fn connection(&self) -> Res<PgConnection> {
         Ok(PgConnection::connect(&Self::plain(&self.url)?).await?)
     }
