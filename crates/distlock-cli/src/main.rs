@@ -1,5 +1,6 @@
-//! `distlock`: run a command under a distributed lock, inspect a lock, force-release it, check
-//! a coordinator. See `distlock --help` and the crate README.
+//! `distlock`: run a command under a distributed lock or while leader of an election, inspect a
+//! lock or an election's leader, force-release a lock, check a coordinator. See `distlock --help`
+//! and the crate README.
 #![forbid(unsafe_code)]
 
 /// Like `eprintln!`, but never panics: stderr may be a closed pipe or a hung-up terminal
@@ -18,6 +19,7 @@ mod commands;
 mod conformance;
 mod connect_error;
 mod duration;
+mod elect;
 mod exit;
 mod guard;
 mod procfs;
@@ -68,6 +70,24 @@ enum Command {
     /// from it. The lock is released when the command exits (with --wait-group: when its whole
     /// process group is gone), and distlock exits with the command's status.
     Run(RunArgs),
+    /// Campaign in election NAME and run a command while leader.
+    ///
+    /// The election is the lock on the key election/NAME; its holder is the leader. The leader's
+    /// value, which `distlock leader` shows, is the connection's holder identity: host, pid,
+    /// start time and the label (--label, or the URL's `label=` option). The command runs with
+    /// DISTLOCK_ELECTION=NAME and DISTLOCK_TERM=<term> in its environment (and without
+    /// DISTLOCK_URL): the term is the leadership's fencing token, greater than every earlier
+    /// leader's; pass it to the resources the leader writes to, so that a deposed leader's late
+    /// writes are refused. As with `run`, the command's process group never outlives the
+    /// leadership: if it is lost, cannot be renewed in time, or distlock is killed or frozen, a
+    /// guard process sends the group SIGTERM and then SIGKILL, at the latest at the lease's local
+    /// deadline; then distlock exits with 76. When the command exits, distlock resigns (the next
+    /// campaigner is elected at once) and exits with the command's status. A backend without
+    /// fencing tokens (no terms) is refused with 78.
+    Elect(ElectArgs),
+    /// Show the current leader of election NAME (term, holder identity, remaining TTL), or
+    /// follow it with --watch. Exit 0 when someone leads, 1 when nobody does.
+    Leader(LeaderArgs),
     /// Show who holds a lock: token digest, fencing token, remaining TTL.
     Inspect(InspectArgs),
     /// The runbook's manual delete: remove whoever holds the lock.
@@ -159,6 +179,68 @@ impl RunArgs {
             None => self.command.clone(),
         }
     }
+}
+
+/// Arguments of `distlock elect`.
+#[derive(Debug, Args)]
+pub struct ElectArgs {
+    /// The election's name (its lock key is election/NAME).
+    pub name: String,
+    /// Lease TTL of the leadership, renewed every quarter of it while the command runs; a leader
+    /// that dies is replaced after about this long (default: 10s).
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub ttl: Option<Duration>,
+    /// Wait up to this long to become leader (default: until elected); then exit with 75.
+    #[arg(short, long, value_parser = parse_duration, value_name = "DURATION")]
+    pub wait: Option<Duration>,
+    /// How long before SIGKILL the command's group gets SIGTERM when leadership is lost or about
+    /// to run out (as for `run`: default 5s or a quarter of --ttl, at most a third of --ttl).
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub kill_after: Option<Duration>,
+    /// Stay leader until every process of the command's group has exited, not only the command.
+    #[arg(long)]
+    pub wait_group: bool,
+    /// Say nothing when not elected within --wait (only the exit status tells).
+    #[arg(short, long, conflicts_with = "verbose")]
+    pub quiet: bool,
+    /// Also say when elected (with the term) and when resigned.
+    #[arg(short, long)]
+    pub verbose: bool,
+    /// Report what happens as JSON lines on stderr (elected, not_elected, lost, exit).
+    #[arg(long)]
+    pub json: bool,
+    /// The label in the leader's identity (as the URL's `label=` option; 1-64 ASCII letters,
+    /// digits and -_.:/@; not a secret).
+    #[arg(long, value_name = "LABEL")]
+    pub label: Option<String>,
+    /// The command and its arguments, after `--`.
+    #[arg(required = true, last = true, value_name = "COMMAND")]
+    pub command: Vec<OsString>,
+}
+
+impl ElectArgs {
+    /// The leadership's TTL.
+    pub fn ttl(&self) -> Duration {
+        self.ttl.unwrap_or(distlock::Election::DEFAULT_TTL)
+    }
+}
+
+/// Arguments of `distlock leader`.
+#[derive(Debug, Args)]
+pub struct LeaderArgs {
+    /// The election's name.
+    pub name: String,
+    /// Follow the leader: a line now, then one each time a new term begins or nobody leads any
+    /// more, until interrupted.
+    #[arg(long)]
+    pub watch: bool,
+    /// One JSON object per line instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// With --watch: how often to ask the coordinator. A leadership that begins and ends between
+    /// two looks is not seen.
+    #[arg(long, default_value = "1s", value_parser = parse_duration, value_name = "DURATION", requires = "watch")]
+    pub every: Duration,
 }
 
 /// Arguments of `distlock inspect`.
@@ -273,6 +355,21 @@ fn check_before_io(command: &Command) -> Result<(), String> {
             }
             Some(args.ttl)
         }
+        Command::Elect(args) => {
+            elect::check_name(&args.name)?;
+            run::Timing::new(args.kill_after, args.ttl(), args.ttl())?;
+            if let Some(label) = &args.label {
+                distlock::HolderIdentity::check_label(label).map_err(|e| e.to_string())?;
+            }
+            Some(args.ttl())
+        }
+        Command::Leader(args) => {
+            elect::check_name(&args.name)?;
+            if args.every.is_zero() {
+                return Err("invalid --every 0ms: it must be positive".to_owned());
+            }
+            None
+        }
         Command::Check(args) => args.ttl,
         _ => None,
     };
@@ -295,11 +392,12 @@ fn parse() -> Result<Cli, ExitCode> {
     Cli::try_parse().map_err(|e| {
         let _ = e.print();
         let args: Vec<OsString> = std::env::args_os().collect();
-        let is_run = args.iter().any(|a| a == "run");
+        let is_run = args.iter().any(|a| a == "run" || a == "elect");
         let has_separator = args.iter().any(|a| a == "--");
         if e.kind() == clap::error::ErrorKind::UnknownArgument && is_run && !has_separator {
             say!(
-                "hint: the command goes after `--`: distlock run KEY [OPTIONS] -- COMMAND [ARGS..]"
+                "hint: the command goes after `--`: distlock run KEY [OPTIONS] -- COMMAND [ARGS..] \
+                 (or distlock elect NAME [OPTIONS] -- COMMAND [ARGS..])"
             );
         }
         ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(exit::USAGE))
@@ -325,6 +423,9 @@ fn main() -> ExitCode {
     let wait_deadline = match &cli.command {
         Command::Run(RunArgs {
             wait: Some(wait), ..
+        })
+        | Command::Elect(ElectArgs {
+            wait: Some(wait), ..
         }) => started.checked_add(*wait + run::WAIT_SLACK),
         _ => None,
     };
@@ -333,6 +434,9 @@ fn main() -> ExitCode {
             // The label travels as the drivers' `label` URL option (checked above: its
             // characters need no escaping in a query).
             Command::Run(RunArgs {
+                label: Some(label), ..
+            })
+            | Command::Elect(ElectArgs {
                 label: Some(label), ..
             }) => {
                 let separator = if url.contains('?') { '&' } else { '?' };
@@ -398,6 +502,8 @@ fn main() -> ExitCode {
         };
         let code = match cli.command {
             Command::Run(args) => run::run(lock.clone(), args, wait_deadline).await,
+            Command::Elect(args) => elect::elect(lock.clone(), args, wait_deadline).await,
+            Command::Leader(args) => elect::leader(lock.clone(), args).await,
             Command::Inspect(args) => commands::inspect(lock.clone(), args).await,
             Command::Release(args) => commands::release(lock.clone(), args).await,
             Command::Check(args) => check::check(lock.clone(), &url, &args).await,

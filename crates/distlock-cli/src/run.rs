@@ -8,6 +8,7 @@
 //! handled the same way, through the guard.
 
 use std::{
+    ffi::OsString,
     fs::File,
     io::{IsTerminal, Write},
     os::unix::process::ExitStatusExt,
@@ -15,7 +16,7 @@ use std::{
     time::Duration,
 };
 
-use distlock::{DistributedLockExt, DynLock, Error, LockGuard, LockKey};
+use distlock::{DistributedLockExt, DynLock, Error, LockBuilder, LockGuard, LockKey};
 use nix::{
     sys::{
         signal::{Signal, killpg},
@@ -43,8 +44,8 @@ use crate::{
 pub const PRIVATE_ENV: [&str; 2] = ["DISTLOCK_URL", "DISTLOCK_URL_FILE"];
 
 /// `--json`: one JSON object per event on stderr (stdout is the command's).
-fn event(args: &RunArgs, value: serde_json::Value) {
-    if args.json {
+pub fn event(json: bool, value: serde_json::Value) {
+    if json {
         say!("{value}");
     }
 }
@@ -53,7 +54,7 @@ fn event(args: &RunArgs, value: serde_json::Value) {
 pub async fn run(lock: DynLock, args: RunArgs, wait_deadline: Option<Instant>) -> u8 {
     let code = run_inner(lock, &args, wait_deadline).await;
     event(
-        &args,
+        args.json,
         serde_json::json!({"event": "exit", "key": args.key, "status": code}),
     );
     code
@@ -75,11 +76,29 @@ async fn run_inner(lock: DynLock, args: &RunArgs, wait_deadline: Option<Instant>
             return exit::USAGE;
         }
     };
-    let guard = match acquire(&lock, &key, args, &timing, wait_deadline).await {
+    let wait = match args.wait {
+        None => Wait::No,
+        Some(wait) => Wait::Up(wait),
+    };
+    let report = Report {
+        quiet: args.quiet,
+        json: args.json,
+    };
+    let make = || {
+        let mut builder = lock.lock(&key).ttl(args.ttl);
+        if let Some(d) = args.at_least {
+            builder = builder.at_least(d);
+        }
+        if let Some(d) = args.at_most {
+            builder = builder.at_most(d);
+        }
+        builder
+    };
+    let guard = match acquire(&lock, &key, make, &timing, wait, report, wait_deadline).await {
         Ok(Some(guard)) => guard,
         Ok(None) => {
             event(
-                args,
+                args.json,
                 serde_json::json!({"event": "not_acquired", "key": key.as_str()}),
             );
             return args.conflict_exit_code;
@@ -88,7 +107,7 @@ async fn run_inner(lock: DynLock, args: &RunArgs, wait_deadline: Option<Instant>
     };
     let fencing = guard.fencing_token().map(|f| f.get());
     event(
-        args,
+        args.json,
         serde_json::json!({"event": "acquired", "key": key.as_str(), "fencing_token": fencing,
             "ttl_ms": u64::try_from(guard.ttl().as_millis()).unwrap_or(u64::MAX)}),
     );
@@ -96,7 +115,37 @@ async fn run_inner(lock: DynLock, args: &RunArgs, wait_deadline: Option<Instant>
         let token = fencing.map_or(String::new(), |f| format!(" (fencing token {f})"));
         say!("distlock: acquired {key}{token}");
     }
-    supervise(guard, args, &timing).await
+    let mut env = vec![("DISTLOCK_KEY", key.as_str().to_owned())];
+    let mut unset = Vec::new();
+    match guard.fencing_token() {
+        Some(token) => env.push(("DISTLOCK_FENCING_TOKEN", token.to_string())),
+        None => unset.push("DISTLOCK_FENCING_TOKEN"),
+    }
+    let job = Job {
+        program: args.program(),
+        env,
+        unset,
+        wait_group: args.wait_group,
+        verbose: args.verbose,
+        json: args.json,
+    };
+    supervise(guard, &job, &timing).await
+}
+
+/// The command `supervise` runs under a lease, and how it reports.
+pub struct Job {
+    /// The program and its arguments.
+    pub program: Vec<OsString>,
+    /// Set in the command's environment.
+    pub env: Vec<(&'static str, String)>,
+    /// Removed from the command's environment (besides [`PRIVATE_ENV`]).
+    pub unset: Vec<&'static str>,
+    /// Keep the lease until the command's whole process group is gone (`--wait-group`).
+    pub wait_group: bool,
+    /// Say when the lease is released.
+    pub verbose: bool,
+    /// Report the loss as a JSON event.
+    pub json: bool,
 }
 
 /// How long a lease can be left with right after a renewal: the TTL, except on a session-bound
@@ -105,7 +154,7 @@ async fn run_inner(lock: DynLock, args: &RunArgs, wait_deadline: Option<Instant>
 /// quarter timeout after the request it vouches for, on a heartbeat every quarter timeout — so
 /// a renewed lease may have only half the session timeout left. Counting the whole session
 /// made the guard terminate every command a few seconds in ("not renewed in time").
-fn lease_span(caps: &distlock::Capabilities, ttl: Duration) -> Duration {
+pub fn lease_span(caps: &distlock::Capabilities, ttl: Duration) -> Duration {
     if caps.session_bound && !caps.min_ttl.is_zero() {
         ttl.min(caps.min_ttl) / 2
     } else {
@@ -161,35 +210,71 @@ impl Timing {
     }
 }
 
-/// Takes the lock (or reports why not). `Ok(None)`: not acquired.
-async fn acquire(
+/// How long [`acquire`] waits for the lock.
+#[derive(Clone, Copy, Debug)]
+pub enum Wait {
+    /// One attempt.
+    No,
+    /// Up to this long.
+    Up(Duration),
+    /// Until acquired (or interrupted).
+    Forever,
+}
+
+/// How [`acquire`] reports.
+#[derive(Clone, Copy, Debug)]
+pub struct Report {
+    /// Say nothing when not acquired.
+    pub quiet: bool,
+    /// JSON events: no progress line.
+    pub json: bool,
+}
+
+/// One round of [`Wait::Forever`]: the acquire is started again after it (a far deadline, not
+/// an unbounded one, for the drivers' arithmetic).
+const FOREVER_ROUND: Duration = Duration::from_secs(24 * 3600);
+
+/// Takes the lock with the builder `make` gives (with the watchdog `timing` wants added), or
+/// reports why not. `Ok(None)`: not acquired.
+pub async fn acquire(
     lock: &DynLock,
     key: &LockKey,
-    args: &RunArgs,
+    make: impl Fn() -> LockBuilder,
     timing: &Timing,
+    wait: Wait,
+    report: Report,
     wait_deadline: Option<Instant>,
 ) -> Result<Option<LockGuard>, u8> {
-    let mut builder = lock.lock(key).ttl(args.ttl);
-    if let Some(d) = args.at_least {
-        builder = builder.at_least(d);
-    }
-    if let Some(d) = args.at_most {
-        builder = builder.at_most(d);
-    }
-    if lock.capabilities().renew && !timing.renew_every.is_zero() {
-        // Every quarter span rather than the usual third: more room between a renewal and the
-        // moment the guard must start terminating the command (see `Timing::new`).
-        builder = builder.watchdog(timing.renew_every);
-    }
-    let result = match args.wait {
-        None => builder.try_acquire().await,
-        Some(wait) => {
-            let progress = (std::io::stderr().is_terminal() && !args.quiet && !args.json)
+    let builder = || {
+        let builder = make();
+        if lock.capabilities().renew && !timing.renew_every.is_zero() {
+            // Every quarter span rather than the usual third: more room between a renewal and
+            // the moment the guard must start terminating the command (see `Timing::new`).
+            builder.watchdog(timing.renew_every)
+        } else {
+            builder
+        }
+    };
+    let result = match wait {
+        Wait::No => builder().try_acquire().await,
+        Wait::Up(_) | Wait::Forever => {
+            let progress = (std::io::stderr().is_terminal() && !report.quiet && !report.json)
                 .then(|| tokio::spawn(show_progress(lock.clone(), key.clone())));
+            let waiting = async {
+                match wait {
+                    Wait::Up(wait) => builder().wait(wait).acquire().await,
+                    _ => loop {
+                        match builder().wait(FOREVER_ROUND).acquire().await {
+                            Err(Error::Timeout { .. }) => {}
+                            other => break other,
+                        }
+                    },
+                }
+            };
             let bounded = async {
                 match wait_deadline {
-                    Some(deadline) => timeout_at(deadline, builder.wait(wait).acquire()).await,
-                    None => Ok(builder.wait(wait).acquire().await),
+                    Some(deadline) => timeout_at(deadline, waiting).await,
+                    None => Ok(waiting.await),
                 }
             };
             let result = unless_interrupted(bounded).await;
@@ -201,9 +286,12 @@ async fn acquire(
             match result {
                 Ok(Ok(result)) => result.map(Some),
                 Ok(Err(_elapsed)) => {
+                    let within = match wait {
+                        Wait::Up(wait) => format!(" within the wait of {}", format_duration(wait)),
+                        _ => String::new(),
+                    };
                     say!(
-                        "distlock: lock {key} not acquired: the coordinator did not answer within the wait of {}",
-                        format_duration(wait)
+                        "distlock: lock {key} not acquired: the coordinator did not answer{within}"
                     );
                     return Err(exit::UNAVAILABLE);
                 }
@@ -219,15 +307,16 @@ async fn acquire(
     match result {
         Ok(Some(guard)) => Ok(Some(guard)),
         Ok(None) | Err(Error::Timeout { .. }) => {
-            let waited = args.wait.map_or(String::new(), |w| {
-                format!(" after waiting {}", format_duration(w))
-            });
+            let waited = match wait {
+                Wait::Up(w) => format!(" after waiting {}", format_duration(w)),
+                _ => String::new(),
+            };
             let holder = match timeout(INSPECT_LIMIT, lock.inspect(key)).await {
                 Ok(Ok(Some(h))) => format!("held by {}", describe_holder(&h)),
                 Ok(Ok(None)) => "held by another owner, free by now".to_owned(),
                 // The wait ran out and the coordinator does not answer now: that may be an
                 // outage as well as a conflict, so it is not reported as a conflict.
-                failed if args.wait.is_some() => {
+                failed if !matches!(wait, Wait::No) => {
                     let why = match failed {
                         Ok(Err(e)) => e.to_string(),
                         _ => format!("no answer within {}", format_duration(INSPECT_LIMIT)),
@@ -239,7 +328,7 @@ async fn acquire(
                 }
                 _ => "held by another owner".to_owned(),
             };
-            if !args.quiet {
+            if !report.quiet {
                 say!("distlock: lock {key} not acquired{waited}: {holder}");
             }
             Ok(None)
@@ -492,9 +581,9 @@ impl Drop for Foreground {
 }
 
 /// Runs the command while holding `lease`; terminates it on loss; releases at the end.
-async fn supervise(lease: LockGuard, args: &RunArgs, timing: &Timing) -> u8 {
+pub async fn supervise(lease: LockGuard, job: &Job, timing: &Timing) -> u8 {
     let (kill_after, margin) = (timing.kill_after, timing.margin);
-    let command_line = args.program();
+    let command_line = &job.program;
     let Some((program, program_args)) = command_line.split_first() else {
         say!("distlock: no command given");
         return exit::USAGE;
@@ -533,17 +622,11 @@ async fn supervise(lease: LockGuard, args: &RunArgs, timing: &Timing) -> u8 {
     let foreground = Foreground::take(group);
 
     let mut command = Command::new(program);
-    command
-        .args(program_args)
-        .env("DISTLOCK_KEY", key.as_str())
-        .process_group(group.as_raw());
-    for name in PRIVATE_ENV {
+    command.args(program_args).process_group(group.as_raw());
+    for name in PRIVATE_ENV.iter().chain(&job.unset) {
         command.env_remove(name);
     }
-    match lease.fencing_token() {
-        Some(token) => command.env("DISTLOCK_FENCING_TOKEN", token.to_string()),
-        None => command.env_remove("DISTLOCK_FENCING_TOKEN"),
-    };
+    command.envs(job.env.iter().map(|(name, value)| (name, value)));
     let mut child = match command.spawn() {
         Ok(child) => child,
         Err(e) => {
@@ -573,7 +656,7 @@ async fn supervise(lease: LockGuard, args: &RunArgs, timing: &Timing) -> u8 {
     let mut tty_stop: Option<Signal> = None;
     loop {
         if leader.is_some()
-            && (!args.wait_group
+            && (!job.wait_group
                 || guard.terminating.is_some()
                 || !procfs::has_live_members(group.as_raw(), group.as_raw()))
         {
@@ -625,7 +708,7 @@ async fn supervise(lease: LockGuard, args: &RunArgs, timing: &Timing) -> u8 {
                 let reason = lease
                     .loss_reason()
                     .map_or("unknown reason".to_owned(), |r| r.to_string());
-                event(args, serde_json::json!({"event": "lost", "key": key.as_str(), "reason": reason}));
+                event(job.json, serde_json::json!({"event": "lost", "key": key.as_str(), "reason": reason}));
                 if guard.terminating.is_none() && !guard.exited {
                     say!(
                         "distlock: lost the lock {key} ({reason}); terminating the command (SIGTERM, SIGKILL after at most {})",
@@ -665,7 +748,7 @@ async fn supervise(lease: LockGuard, args: &RunArgs, timing: &Timing) -> u8 {
     }
     match lease.release().await {
         Ok(true) => {
-            if args.verbose {
+            if job.verbose {
                 say!("distlock: released {key}");
             }
         }
