@@ -322,6 +322,37 @@ fn a_second_elect_waits_for_the_first_to_resign_and_leader_follows() {
         "names the leader: {}",
         stderr(&out)
     );
+    // One that waits without limit and is interrupted leaves the queue (and never runs).
+    let d_script = format!("echo d >> {}", log.display());
+    let d = on(&url)
+        .args(["elect", &name, "--"])
+        .args(["sh", "-c", &d_script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    reaper.pids.push(d.id());
+    let waiters = || -> u64 {
+        let out = on(&url)
+            .args(["inspect", &format!("election/{name}"), "--json"])
+            .output()
+            .unwrap();
+        let value: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+        value["waiters"].as_u64().unwrap()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while waiters() < 2 {
+        assert!(Instant::now() < deadline, "B and D never both queued");
+        thread::sleep(Duration::from_millis(20));
+    }
+    kill(
+        Pid::from_raw(i32::try_from(d.id()).unwrap()),
+        Signal::SIGTERM,
+    )
+    .unwrap();
+    let d = finish(d, Duration::from_secs(10));
+    assert_eq!(d.status.code(), Some(128 + 15), "{}", stderr(&d));
+    assert_eq!(waiters(), 1, "D left the queue");
 
     std::fs::write(&a_go, "").unwrap();
     let a = finish(a, Duration::from_secs(10));
