@@ -23,6 +23,25 @@
 //!
 //! Each instance runs on its own thread with its own single-threaded tokio runtime and its own
 //! client (`distlock::connect(url)`), as separate processes would.
+//!
+//! # `--periodic`: the scan once per period
+//!
+//! The article's other half: the three instances each fire the scan from their own timer every
+//! period, and the timers are skewed (0, 0.3 and 0.6 periods late, a different instance first
+//! each period: clock skew, jitter, a late cron). With skip-if-held alone, the first instance's 100 ms scan is over — and the lock
+//! released — before the others' timers fire, so the scan runs three times per period. With
+//! job mode (`LockOptions::at_least(0.8 × period)`, ShedLock's `lockAtLeastFor`) the lease is
+//! kept until 0.8 periods after the scan started, on the coordinator, even though the job has
+//! ended, so the late timers find the lock held: one run per period. The run table accepts a
+//! run only with a fencing token newer than the last one it saw, like the order store.
+//!
+//! ```sh
+//! cargo run -p distlock --example order_timeout -- --periodic                # at_least on
+//! cargo run -p distlock --example order_timeout -- --periodic --no-at-least  # the duplicates
+//! ```
+//!
+//! etcd and ZooKeeper do not keep a lease past its holder yet (`Capabilities::keep_until`
+//! false): there the at-least mode reports the coordinator's `Unsupported` error.
 
 use std::{
     collections::hash_map::RandomState,
@@ -44,7 +63,7 @@ const ORDERS: u32 = 7;
 const DUE_AT_START: u32 = 4;
 
 fn main() -> ExitCode {
-    let (url, metrics) = match parse_args() {
+    let (url, metrics, periodic) = match parse_args() {
         Ok(Some(args)) => args,
         Ok(None) => return ExitCode::SUCCESS,
         Err(message) => {
@@ -62,13 +81,23 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let code = match run(&url, Output::Print) {
-        Ok(report) if report.every_order_closed_once() => ExitCode::SUCCESS,
-        Ok(_) => ExitCode::FAILURE,
-        Err(message) => {
-            eprintln!("order_timeout: {message}");
-            ExitCode::from(2)
-        }
+    let code = match periodic {
+        Some(at_least) => match run_periodic(&url, Periodic::demo(at_least), Output::Print) {
+            Ok(report) if !at_least || report.once_per_period() => ExitCode::SUCCESS,
+            Ok(_) => ExitCode::FAILURE,
+            Err(message) => {
+                eprintln!("order_timeout: {message}");
+                ExitCode::from(2)
+            }
+        },
+        None => match run(&url, Output::Print) {
+            Ok(report) if report.every_order_closed_once() => ExitCode::SUCCESS,
+            Ok(_) => ExitCode::FAILURE,
+            Err(message) => {
+                eprintln!("order_timeout: {message}");
+                ExitCode::from(2)
+            }
+        },
     };
     if let Some(metrics) = metrics {
         println!(
@@ -79,32 +108,44 @@ fn main() -> ExitCode {
     code
 }
 
-fn parse_args() -> Result<Option<(String, bool)>, String> {
+/// The URL, `--metrics`, and `Some(at_least)` for `--periodic`.
+type Args = (String, bool, Option<bool>);
+
+fn parse_args() -> Result<Option<Args>, String> {
     let mut url = std::env::var("DISTLOCK_URL").ok();
     let mut metrics = false;
+    let (mut periodic, mut at_least) = (false, true);
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "-h" | "--help" => {
                 println!(
-                    "usage: order_timeout [--url URL] [--metrics]\n\n\
+                    "usage: order_timeout [--url URL] [--metrics] [--periodic [--no-at-least]]\n\n\
                      Runs the order-timeout scenario against the coordinator at URL\n\
                      (default: $DISTLOCK_URL, else memory://order-timeout);\n\
-                     --metrics prints distlock's metrics (Prometheus text) at the end."
+                     --metrics prints distlock's metrics (Prometheus text) at the end;\n\
+                     --periodic runs the scan once per period from three skewed timers\n\
+                     (with job mode's at_least; --no-at-least shows the duplicates)."
                 );
                 return Ok(None);
             }
             "--url" => url = Some(args.next().ok_or("--url needs a value")?),
             "--metrics" => metrics = true,
+            "--periodic" => periodic = true,
+            "--no-at-least" => at_least = false,
             other => match other.strip_prefix("--url=") {
                 Some(value) => url = Some(value.to_owned()),
                 None => return Err(format!("unexpected argument `{other}` (try --help)")),
             },
         }
     }
+    if !at_least && !periodic {
+        return Err("--no-at-least goes with --periodic (try --help)".to_owned());
+    }
     Ok(Some((
         url.unwrap_or_else(|| "memory://order-timeout".to_owned()),
         metrics,
+        periodic.then_some(at_least),
     )))
 }
 
@@ -581,4 +622,242 @@ fn report(service: &Service) -> Report {
         }
     }
     report
+}
+
+// ---------------------------------------------------------------------------------------------
+// `--periodic`: the scan once per period from three skewed timers.
+
+/// How a periodic run is set up.
+#[derive(Clone, Copy, Debug)]
+pub struct Periodic {
+    /// The timers' period.
+    pub period: Duration,
+    /// How many periods to run.
+    pub periods: u32,
+    /// Whether the scan runs with job mode's `at_least(0.8 × period)`.
+    pub at_least: bool,
+}
+
+impl Periodic {
+    /// What `--periodic` runs: a 2 s period, 5 periods.
+    pub fn demo(at_least: bool) -> Self {
+        Self {
+            period: Duration::from_secs(2),
+            periods: 5,
+            at_least,
+        }
+    }
+
+    /// How late an instance's timer fires in a period: 0, 0.3 or 0.6 periods, rotating, so
+    /// that each instance is the earliest in some periods.
+    fn skew(self, instance: usize, period: u32) -> Duration {
+        let slot = (u32::try_from(instance).unwrap_or(0) + period) % 3;
+        self.period * 3 * slot / 10
+    }
+
+    /// How long the lease is kept after the scan starts: past the latest timer (0.6 periods),
+    /// over well before the next period's first one.
+    fn keep(self) -> Duration {
+        self.period * 8 / 10
+    }
+}
+
+/// What a periodic run did.
+#[derive(Debug)]
+pub struct PeriodicReport {
+    /// The runs the run table accepted, per period (index 0 is the first period).
+    pub runs: Vec<u32>,
+    /// Runs refused because their fencing token was not newer than the last accepted one.
+    pub stale_rejected: u64,
+    /// The timeline, one line per event.
+    pub timeline: Vec<String>,
+}
+
+impl PeriodicReport {
+    /// The check of the at-least mode: every period ran the scan exactly once.
+    pub fn once_per_period(&self) -> bool {
+        !self.runs.is_empty() && self.runs.iter().all(|&n| n == 1)
+    }
+}
+
+/// The run table: one row per scan, accepted only with a fencing token newer than the last.
+#[derive(Debug, Default)]
+struct RunTable {
+    /// (runs per period, the newest accepted token)
+    state: Mutex<(Vec<u32>, u64)>,
+    stale_rejected: AtomicU64,
+}
+
+impl RunTable {
+    /// `INSERT INTO scans (period, token) ... WHERE $token > (SELECT max(token) FROM scans)`
+    fn record(&self, period: usize, token: FencingToken) -> bool {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if token.get() <= state.1 {
+            self.stale_rejected.fetch_add(1, Ordering::SeqCst);
+            return false;
+        }
+        state.1 = token.get();
+        if let Some(runs) = state.0.get_mut(period) {
+            *runs += 1;
+        }
+        true
+    }
+}
+
+/// Runs the scan from three skewed timers for `setup.periods` periods against the coordinator at
+/// `url` and returns the runs per period.
+///
+/// # Errors
+/// A message when the URL is invalid, the coordinator cannot be reached or refuses the job mode
+/// (`Unsupported`), or a job failed.
+pub fn run_periodic(url: &str, setup: Periodic, output: Output) -> Result<PeriodicReport, String> {
+    let key = format!(
+        "order-timeout-periodic/{:08x}",
+        RandomState::new().hash_one((std::process::id(), setup.at_least)) & 0xffff_ffff
+    );
+    let periods = usize::try_from(setup.periods).map_err(|e| e.to_string())?;
+    let table = Arc::new(RunTable {
+        state: Mutex::new((vec![0; periods], 0)),
+        stale_rejected: AtomicU64::new(0),
+    });
+    // Every timer counts from one instant, a little ahead so that each client has connected.
+    let start = Instant::now() + Duration::from_millis(500);
+    let timeline = Arc::new(Timeline {
+        start,
+        output,
+        lines: Mutex::default(),
+    });
+    if output == Output::Print {
+        println!(
+            "{} instances scan every {:.1}s from timers 0/{:.1}/{:.1}s late (rotating), {} periods, {}\n",
+            INSTANCES.len(),
+            setup.period.as_secs_f64(),
+            setup.skew(1, 0).as_secs_f64(),
+            setup.skew(2, 0).as_secs_f64(),
+            setup.periods,
+            if setup.at_least {
+                format!(
+                    "each scan keeps the lock at least {:.1}s (job mode)",
+                    setup.keep().as_secs_f64()
+                )
+            } else {
+                "skip-if-held only (no at_least)".to_owned()
+            }
+        );
+    }
+    let threads: Vec<_> = INSTANCES
+        .into_iter()
+        .enumerate()
+        .map(|(i, me)| {
+            let (url, key, table, timeline) =
+                (url.to_owned(), key.clone(), table.clone(), timeline.clone());
+            std::thread::spawn(move || -> Result<(), String> {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(|e| e.to_string())?;
+                runtime.block_on(periodic_instance(
+                    &url, &key, setup, i, me, &table, &timeline, start,
+                ))
+            })
+        })
+        .collect();
+    let mut errors = Vec::new();
+    for thread in threads {
+        match thread.join() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => errors.push(e),
+            Err(_) => errors.push("an instance panicked".to_owned()),
+        }
+    }
+    if !errors.is_empty() {
+        return Err(errors.join("; "));
+    }
+    let (runs, _) = table
+        .state
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .clone();
+    let report = PeriodicReport {
+        runs,
+        stale_rejected: table.stale_rejected.load(Ordering::SeqCst),
+        timeline: timeline
+            .lines
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone(),
+    };
+    if output == Output::Print {
+        let per: Vec<String> = report.runs.iter().map(u32::to_string).collect();
+        println!("\nruns per period: {}", per.join(" "));
+        if report.once_per_period() {
+            println!("check: OK, the scan ran exactly once in each of the {periods} periods");
+        } else if setup.at_least {
+            println!("check: FAILED, a period ran the scan other than once");
+        } else {
+            println!("(without at_least the late timers find the lock free and scan again)");
+        }
+    }
+    Ok(report)
+}
+
+/// One instance: its timer fires at `start + k × period + skew`, and each firing runs the scan
+/// under the lock, skipping when it is held.
+#[allow(clippy::too_many_arguments)] // one instance's whole setup, spelled out
+async fn periodic_instance(
+    url: &str,
+    key: &str,
+    setup: Periodic,
+    index: usize,
+    me: &'static str,
+    table: &Arc<RunTable>,
+    timeline: &Arc<Timeline>,
+    start: Instant,
+) -> Result<(), String> {
+    let lock = distlock::connect(url)
+        .await
+        .map_err(|e| format!("{me}: {e}"))?;
+    let caps = lock.capabilities();
+    let ttl = caps.effective_ttl(Duration::from_secs(1).max(caps.min_ttl));
+    let mut opts = LockOptions::with_ttl(ttl);
+    if setup.at_least {
+        opts = opts.at_least(setup.keep());
+    }
+    for period in 0..setup.periods {
+        let fire = start + setup.period * period + setup.skew(index, period);
+        tokio::time::sleep_until(fire.into()).await;
+        let (job_table, job_timeline) = (table.clone(), timeline.clone());
+        let k = usize::try_from(period).unwrap_or(usize::MAX);
+        let outcome = lock
+            .run_exclusive(key, opts, move |ctx| async move {
+                let (table, timeline) = (job_table, job_timeline);
+                let Some(token) = ctx.fencing_token() else {
+                    timeline.log(
+                        me,
+                        "this coordinator mints no fencing tokens: refusing to scan",
+                    );
+                    return;
+                };
+                // The scan: a query and a few updates.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                if table.record(k, token) {
+                    timeline.log(me, format_args!("period {k}: scanned (token {token})"));
+                } else {
+                    timeline.log(
+                        me,
+                        format_args!("period {k}: scan REJECTED, token {token} is stale"),
+                    );
+                }
+            })
+            .await;
+        match outcome {
+            Ok(Some(())) => {}
+            Ok(None) => timeline.log(me, format_args!("period {k}: lock held, skipped")),
+            Err(e) if e.is_temporary() => {
+                timeline.log(me, format_args!("period {k}: coordinator trouble ({e})"));
+            }
+            Err(e) => return Err(format!("{me}: {e}")),
+        }
+    }
+    Ok(())
 }

@@ -73,3 +73,36 @@ fn order_timeout_job_is_safe_on_every_backend() {
         check(&url);
     }
 }
+
+/// `--periodic` on the in-memory coordinator: with at_least, one scan per period from three
+/// skewed timers; without it, the late timers scan again (both modes at once, 3 periods of 1 s).
+#[test]
+fn periodic_scan_runs_once_per_period_with_at_least_only() {
+    let setup = |at_least| order_timeout::Periodic {
+        period: std::time::Duration::from_secs(1),
+        periods: 3,
+        at_least,
+    };
+    let url = format!("memory://periodic-{}", std::process::id());
+    let without = {
+        let url = url.clone();
+        std::thread::spawn(move || {
+            order_timeout::run_periodic(&url, setup(false), order_timeout::Output::Quiet)
+        })
+    };
+    let with = order_timeout::run_periodic(&url, setup(true), order_timeout::Output::Quiet)
+        .unwrap_or_else(|e| panic!("{url}: {e}"));
+    assert!(
+        with.once_per_period(),
+        "with at_least: runs per period {:?}\n{}",
+        with.runs,
+        with.timeline.join("\n")
+    );
+    let without = without.join().unwrap().unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        without.runs.iter().sum::<u32>() > 3,
+        "without at_least the late timers should scan again: runs per period {:?}\n{}",
+        without.runs,
+        without.timeline.join("\n")
+    );
+}
