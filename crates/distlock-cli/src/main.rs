@@ -82,7 +82,7 @@ enum Command {
     /// leadership: if it is lost, cannot be renewed in time, or distlock is killed or frozen, a
     /// guard process sends the group SIGTERM and then SIGKILL, at the latest at the lease's local
     /// deadline; then distlock exits with 76. When the command exits, distlock resigns (the next
-    /// campaigner is elected at once) and exits with the command's status. A backend without
+    /// campaigner is elected promptly) and exits with the command's status. A backend without
     /// fencing tokens (no terms) is refused with 78.
     Elect(ElectArgs),
     /// Show the current leader of election NAME (term, holder identity, remaining TTL), or
