@@ -7,6 +7,10 @@ use std::{process::Stdio, sync::Arc, time::Duration};
 use etcd_client::{GetOptions, SortOrder, SortTarget};
 use lock_core::{DistributedLock, DistributedLockExt, LockKey, LossReason};
 use lock_etcd::{EtcdLock, EtcdLockConfig};
+use nix::{
+    sys::signal::{Signal, kill},
+    unistd::Pid,
+};
 use tokio::{
     io::{AsyncBufReadExt, BufReader},
     process::Command,
@@ -142,12 +146,8 @@ fn etcdctl_lock_excludes_us() {
             !waiter.is_finished(),
             "granted while etcdctl holds the lock"
         );
-        let pid = child.id().unwrap().to_string();
-        let killed = std::process::Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .unwrap();
-        assert!(killed.success());
+        let pid = Pid::from_raw(i32::try_from(child.id().unwrap()).unwrap());
+        kill(pid, Signal::SIGTERM).unwrap();
         let lease = timeout(SLACK, waiter).await.unwrap().unwrap().unwrap();
         assert!(lock.release(&lease).await.unwrap());
         let _ = child.wait().await;

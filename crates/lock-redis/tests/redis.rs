@@ -10,6 +10,10 @@ use lock_core::{
     DistributedLock, DistributedLockExt, Error, FencingToken, LockKey, LossReason, OwnershipToken,
 };
 use lock_redis::{RedisLock, RedisLockConfig};
+use nix::{
+    sys::signal::{Signal, kill},
+    unistd::Pid,
+};
 use redis::aio::MultiplexedConnection;
 use tokio::{
     process::{Child, Command},
@@ -107,26 +111,19 @@ impl OwnRedis {
         }
     }
 
-    fn signal(&self, sig: &str) {
+    fn signal(&self, sig: Signal) {
         let pid = self.child.as_ref().and_then(Child::id).unwrap();
-        let status = std::process::Command::new("kill")
-            .arg(format!("-{sig}"))
-            .arg(pid.to_string())
-            .status()
-            .unwrap();
-        assert!(status.success());
+        kill(Pid::from_raw(i32::try_from(pid).unwrap()), sig).unwrap();
     }
 }
 
 impl Drop for OwnRedis {
     fn drop(&mut self) {
         if let Some(child) = &self.child
-            && let Some(pid) = child.id()
+            && let Some(pid) = child.id().and_then(|pid| i32::try_from(pid).ok())
         {
             // Resume first in case a test failed while the server was stopped.
-            let _ = std::process::Command::new("kill")
-                .args(["-CONT", &pid.to_string()])
-                .status();
+            let _ = kill(Pid::from_raw(pid), Signal::SIGCONT);
         }
         if let Some(mut child) = self.child.take() {
             let _ = child.start_kill();
@@ -445,13 +442,13 @@ async fn an_unknown_outcome_is_indeterminate_and_a_late_grant_is_removed() {
     assert!(lock.release(&warm).await.unwrap());
     let fence_before = warm.fencing_token().unwrap().get();
 
-    server.signal("STOP"); // the request is sent, but no reply comes
+    server.signal(Signal::SIGSTOP); // the request is sent, but no reply comes
     let err = lock.try_acquire(&key, LONG).await.unwrap_err();
     assert!(matches!(err, Error::Indeterminate { .. }), "{err}");
     // A dropped attempt mid-request must not leave a lock either.
     let dropped = timeout(Duration::from_millis(50), lock.try_acquire(&key, LONG)).await;
     assert!(dropped.is_err());
-    server.signal("CONT"); // the queued acquires now apply: late grants
+    server.signal(Signal::SIGCONT); // the queued acquires now apply: late grants
 
     // The cleanup removes them long before their 30 s ttl.
     let until = Instant::now() + Duration::from_secs(10);
@@ -639,7 +636,7 @@ async fn every_renewal_of_a_batch_without_reply_is_indeterminate() {
         leases.push(lock.try_acquire(&key, LONG).await.unwrap().unwrap());
     }
     let deadlines: Vec<_> = leases.iter().map(|l| l.local_deadline()).collect();
-    server.signal("STOP");
+    server.signal(Signal::SIGSTOP);
     let results = futures::future::join_all(
         leases
             .iter_mut()
@@ -647,7 +644,7 @@ async fn every_renewal_of_a_batch_without_reply_is_indeterminate() {
             .collect::<Vec<_>>(),
     )
     .await;
-    server.signal("CONT");
+    server.signal(Signal::SIGCONT);
     for result in results {
         assert!(
             matches!(result, Err(Error::Indeterminate { .. })),
@@ -1274,10 +1271,10 @@ async fn a_grant_whose_reply_comes_after_its_local_deadline_is_undone_never_retu
 
     // try_acquire: the server stalls longer than the TTL, then grants (its own TTL starts
     // only then): the reply comes past the lease's local deadline.
-    server.signal("STOP");
+    server.signal(Signal::SIGSTOP);
     let (result, ()) = tokio::join!(lock.try_acquire(&key, ttl), async {
         sleep(stall).await;
-        server.signal("CONT");
+        server.signal(Signal::SIGCONT);
     });
     let err = result.expect_err("a lease past its local deadline was returned");
     assert!(matches!(err, Error::Unavailable { .. }), "{err}");
@@ -1289,12 +1286,12 @@ async fn a_grant_whose_reply_comes_after_its_local_deadline_is_undone_never_retu
     );
 
     // acquire: the late grant is undone and the wait goes on to a valid lease.
-    server.signal("STOP");
+    server.signal(Signal::SIGSTOP);
     let (result, ()) = tokio::join!(
         lock.acquire(&key, ttl, Instant::now() + Duration::from_secs(20)),
         async {
             sleep(stall).await;
-            server.signal("CONT");
+            server.signal(Signal::SIGCONT);
         }
     );
     let lease = result.unwrap();
@@ -1710,7 +1707,7 @@ async fn acquire_against_a_frozen_server_returns_by_its_deadline() {
         .await;
         waiters.push((client, task));
     }
-    server.signal("STOP");
+    server.signal(Signal::SIGSTOP);
     // A client that starts waiting while the server is frozen (its connection never answers).
     let late_client =
         RedisLock::connect_lazy(RedisLockConfig::from_url(&server.url()).unwrap()).unwrap();
@@ -1729,7 +1726,7 @@ async fn acquire_against_a_frozen_server_returns_by_its_deadline() {
         assert!(matches!(result, Err(Error::Timeout { .. })), "{result:?}");
         overshoots.push(over);
     }
-    server.signal("CONT");
+    server.signal(Signal::SIGCONT);
     eprintln!("acquire returned past its deadline by {overshoots:?}");
     for over in &overshoots {
         assert!(

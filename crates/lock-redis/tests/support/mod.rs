@@ -16,6 +16,11 @@ use std::{
     time::{Duration, Instant},
 };
 
+use nix::{
+    sys::signal::{Signal, kill},
+    unistd::Pid,
+};
+
 /// One `redis-server` child process (a data node or a sentinel).
 pub struct Server {
     pub port: u16,
@@ -66,15 +71,10 @@ impl Server {
     }
 
     /// SIGSTOP / SIGCONT.
-    pub fn signal(&self, sig: &str) {
+    pub fn signal(&self, sig: Signal) {
         if let Some(pid) = self.pid() {
-            let ok = Command::new("kill")
-                .arg(format!("-{sig}"))
-                .arg(pid.to_string())
-                .status()
-                .unwrap()
-                .success();
-            assert!(ok, "kill -{sig} {pid}");
+            let raw = Pid::from_raw(i32::try_from(pid).unwrap());
+            kill(raw, sig).unwrap_or_else(|e| panic!("kill -{sig} {pid}: {e}"));
         }
     }
 
@@ -94,10 +94,8 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
-        if let Some(pid) = self.pid() {
-            let _ = Command::new("kill")
-                .args(["-CONT", &pid.to_string()])
-                .status();
+        if let Some(pid) = self.pid().and_then(|pid| i32::try_from(pid).ok()) {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGCONT);
         }
         self.kill();
     }
