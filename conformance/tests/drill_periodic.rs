@@ -11,6 +11,10 @@
 //!   `at_least` before any I/O; the drill says so and checks the refusal.
 //! - **without it** (plain skip-if-held): the duplicates the article starts from — the 100 ms
 //!   job is long released when the next instance's timer fires, so periods run more than once.
+//! - **a crash** (with job mode): a holder *process* granted with `at_least` is SIGKILLed right
+//!   after its grant; nobody else is granted the key until `at_least` after the holder was
+//!   started (its grant came later still), and somebody is soon after (not on memory://, whose
+//!   coordinator lives in the holder's process).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed expectation is a failed test
 
 mod drill_support;
@@ -21,8 +25,11 @@ use std::{
     time::Duration,
 };
 
-use conformance::drill::History;
-use drill_support::{FencedLog, Link, client, linked_client};
+use conformance::drill::{
+    History,
+    holder::{HolderOptions, HolderProcess},
+};
+use drill_support::{FencedLog, HOLDER_BIN, Link, SOON, client, linked_client};
 use lock_core::{DistributedLockExt, DynLock, Error, LockOptions};
 use tokio::time::{Instant, sleep, sleep_until};
 
@@ -154,6 +161,48 @@ async fn scenario(
     runs.lock().unwrap().clone()
 }
 
+/// A holder process granted with `at_least` is SIGKILLed at once: the coordinator keeps its
+/// lease until `at_least` after the grant. Returns when the contender was granted, counted from
+/// the holder's start.
+async fn killed_holder_keeps_at_least(backend: &str, url: &str) -> Duration {
+    let key = conformance::fresh_key("drill-periodic-kill");
+    let mut options = HolderOptions::new(url, key.clone(), TTL);
+    options.at_least = Some(AT_LEAST);
+    let started = Instant::now();
+    let holder = HolderProcess::spawn_with(std::path::Path::new(HOLDER_BIN), &options)
+        .await
+        .expect("spawn the holder");
+    assert!(
+        holder.wait_acquired(SOON).await.is_some(),
+        "{backend}: the holder was never granted: {:?}",
+        holder.events()
+    );
+    holder.kill().expect("SIGKILL the holder");
+    let contender = client(url).await;
+    let deadline = Instant::now() + AT_LEAST + TTL + SOON;
+    let granted = loop {
+        match contender.lock(key.as_str()).ttl(TTL).try_acquire().await {
+            Ok(Some(guard)) => {
+                let at = started.elapsed();
+                let _ = guard.release().await;
+                break at;
+            }
+            Ok(None) => {}
+            Err(e) => panic!("{backend}: the contender's try_acquire failed: {e}"),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{backend}: the killed holder's lease never ended"
+        );
+        sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        granted >= AT_LEAST,
+        "{backend}: the contender was granted {granted:?} after the killed holder started, before its at_least {AT_LEAST:?} ran out"
+    );
+    granted
+}
+
 async fn periodic(backend: &str, url: String) {
     let history = History::new(format!("{backend}_periodic"));
     let probe = client(&url).await;
@@ -172,7 +221,19 @@ async fn periodic(backend: &str, url: String) {
             println!("SKIP periodic with at_least on {backend}: keep_until not claimed (refused)");
             return None;
         }
-        Some(scenario(&history, &url, job_mode, PERIODS, true).await)
+        // A memory:// coordinator lives in its process: a holder process would have its own.
+        let crash = async {
+            if backend == "memory" {
+                println!("SKIP the SIGKILLed holder on memory: its coordinator dies with it");
+            } else {
+                let killed = killed_holder_keeps_at_least(backend, &url).await;
+                println!(
+                    "{backend}: a holder SIGKILLed right after its grant with at_least {AT_LEAST:?}: the next grant came {killed:?} after it started"
+                );
+            }
+        };
+        let (with, ()) = tokio::join!(scenario(&history, &url, job_mode, PERIODS, true), crash);
+        Some(with)
     };
     let without = scenario(&history, &url, plain, 2, false);
     let (with, without) = tokio::join!(with, without);

@@ -3,7 +3,7 @@
 //! (see `conformance::drill::holder::HolderEvent`).
 //!
 //! ```text
-//! distlock-drill-holder --url memory:// --key orders --ttl-ms 500 [--no-watchdog] [--write-every-ms 50]
+//! distlock-drill-holder --url memory:// --key orders --ttl-ms 500 [--no-watchdog] [--write-every-ms 50] [--at-least-ms 2000]
 //! ```
 //!
 //! Any `distlock::connect` URL works when the crate is built with its `drivers` feature
@@ -50,6 +50,7 @@ struct Args {
     ttl: Duration,
     watchdog: bool,
     write_every: Option<Duration>,
+    at_least: Option<Duration>,
 }
 
 fn parse_args() -> std::result::Result<Args, String> {
@@ -58,6 +59,7 @@ fn parse_args() -> std::result::Result<Args, String> {
     let mut ttl = None;
     let mut watchdog = true;
     let mut write_every = None;
+    let mut at_least = None;
     let mut args = std::env::args().skip(1);
     let millis = |v: Option<String>, name: &str| -> std::result::Result<Duration, String> {
         v.and_then(|v| v.parse::<u64>().ok())
@@ -74,6 +76,7 @@ fn parse_args() -> std::result::Result<Args, String> {
             }
             "--ttl-ms" => ttl = Some(millis(args.next(), "--ttl-ms")?),
             "--write-every-ms" => write_every = Some(millis(args.next(), "--write-every-ms")?),
+            "--at-least-ms" => at_least = Some(millis(args.next(), "--at-least-ms")?),
             "--no-watchdog" => watchdog = false,
             other => return Err(format!("unknown argument {other:?}")),
         }
@@ -84,6 +87,7 @@ fn parse_args() -> std::result::Result<Args, String> {
         ttl: ttl.ok_or("--ttl-ms is required")?,
         watchdog,
         write_every,
+        at_least,
     })
 }
 
@@ -119,6 +123,9 @@ async fn main() -> ExitCode {
         .wait(Duration::from_secs(30));
     if !args.watchdog {
         builder = builder.no_watchdog();
+    }
+    if let Some(at_least) = args.at_least {
+        builder = builder.at_least(at_least);
     }
     let guard = match builder.acquire().await {
         Ok(guard) => guard,

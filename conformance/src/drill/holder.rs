@@ -106,6 +106,9 @@ pub struct HolderOptions {
     pub watchdog: bool,
     /// Emit a [`HolderEvent::Write`] this often while the lock is believed held.
     pub write_every: Option<Duration>,
+    /// Job mode's `at_least`: the lease is kept on the coordinator until this long after the
+    /// grant, whatever becomes of the holder.
+    pub at_least: Option<Duration>,
 }
 
 impl HolderOptions {
@@ -117,6 +120,7 @@ impl HolderOptions {
             ttl,
             watchdog: true,
             write_every: None,
+            at_least: None,
         }
     }
 
@@ -136,6 +140,10 @@ impl HolderOptions {
         if let Some(every) = self.write_every {
             args.push("--write-every-ms".to_owned());
             args.push(every.as_millis().max(1).to_string());
+        }
+        if let Some(at_least) = self.at_least {
+            args.push("--at-least-ms".to_owned());
+            args.push(at_least.as_millis().max(1).to_string());
         }
         args
     }
