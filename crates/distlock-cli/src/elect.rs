@@ -11,7 +11,8 @@
 use std::sync::Arc;
 
 use distlock::{
-    DistributedLockExt, DynLock, Election, FencingGuarantee, InMemoryLock, Leader, LockKey,
+    DistributedLockExt, DynLock, Election, FencingGuarantee, FencingToken, HolderIdentity,
+    InMemoryLock, Leader, LockKey,
 };
 use tokio::time::{Instant, MissedTickBehavior};
 
@@ -199,28 +200,33 @@ struct Changes {
     /// Whether anything was shown yet, and whether someone led then.
     shown: Option<bool>,
     /// The highest term shown.
-    highest: Option<distlock::FencingToken>,
+    highest: Option<FencingToken>,
     /// The holder last shown (a leader without a term is told apart by it).
-    holder: Option<distlock::HolderIdentity>,
+    holder: Option<HolderIdentity>,
 }
 
 impl Changes {
     /// Whether `now` is to be shown; records it if so.
     fn is_news(&mut self, now: Option<&Leader>) -> bool {
+        self.note(now.map(|l| (l.term, l.holder.as_ref())))
+    }
+
+    /// [`Changes::is_news`] of a leader's term and holder (`None`: nobody leads).
+    fn note(&mut self, now: Option<(Option<FencingToken>, Option<&HolderIdentity>)>) -> bool {
         let news = match (self.shown, now) {
             (None, _) | (Some(true), None) => true,
             (Some(false), None) => false,
-            (Some(led), Some(leader)) => match (leader.term, self.highest) {
+            (Some(led), Some((term, holder))) => match (term, self.highest) {
                 (Some(term), Some(highest)) => term > highest,
                 (Some(_), None) => true,
-                (None, _) => !led || self.holder != leader.holder,
+                (None, _) => !led || self.holder.as_ref() != holder,
             },
         };
         if news {
             self.shown = Some(now.is_some());
-            if let Some(leader) = now {
-                self.highest = self.highest.max(leader.term);
-                self.holder.clone_from(&leader.holder);
+            if let Some((term, holder)) = now {
+                self.highest = self.highest.max(term);
+                self.holder = holder.cloned();
             }
         }
         news
@@ -264,4 +270,44 @@ fn print_leader(args: &LeaderArgs, leader: Option<&Leader>) -> bool {
     use std::io::Write as _;
     let mut out = std::io::stdout().lock();
     writeln!(out, "{line}").and_then(|()| out.flush()).is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn a_watch_shows_the_first_state_each_new_term_and_the_end_of_a_leadership() {
+        let mut changes = Changes::default();
+        let (a, b) = (
+            HolderIdentity::from_stored(b"host=a").unwrap(),
+            HolderIdentity::from_stored(b"host=b").unwrap(),
+        );
+        fn led(
+            term: u64,
+            who: &HolderIdentity,
+        ) -> Option<(Option<FencingToken>, Option<&HolderIdentity>)> {
+            Some((Some(FencingToken(term)), Some(who)))
+        }
+        assert!(changes.note(None), "the first look is always shown");
+        assert!(!changes.note(None));
+        assert!(changes.note(led(5, &a)));
+        assert!(!changes.note(led(5, &a)), "the same term again");
+        assert!(changes.note(led(7, &b)), "a new term without a gap between");
+        assert!(changes.note(None), "nobody leads any more");
+        assert!(
+            !changes.note(led(6, &a)),
+            "an older term than one shown (a stale read)"
+        );
+        assert!(changes.note(led(8, &a)));
+        // Leaders without terms (no fencing) are told apart by their holder.
+        let mut changes = Changes::default();
+        assert!(changes.note(Some((None, Some(&a)))));
+        assert!(!changes.note(Some((None, Some(&a)))));
+        assert!(changes.note(Some((None, Some(&b)))));
+        assert!(changes.note(None));
+        assert!(changes.note(Some((None, Some(&b)))));
+    }
 }
