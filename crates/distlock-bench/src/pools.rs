@@ -834,6 +834,10 @@ pub async fn run(url: &str, plan: &PoolPlan, run: &str, meta: (String, String)) 
         "the sqlx variants run the statement texts read back from pg_stat_activity after the PgLock sent them (acquire with lock-pg's holder identity, release with synchronous_commit off), with the same parameters"
             .to_owned(),
     );
+    notes.push(
+        "why sqlx costs more even with test_before_acquire(false): sqlx 0.9 pings every connection when it is returned to the pool, whatever the options (sqlx-core 0.9.0 src/pool/connection.rs, Floating::return_to_pool: `self.raw.ping()`, one Sync/ReadyForQuery round trip, in a task spawned by PoolConnection's Drop); test_before_acquire(false) removes only the second ping, the one before each acquire. lock-pg's pool puts a connection back only after its statement completed (rows or a server error) and closes one whose statement was cut off or whose future was dropped, so it needs neither ping"
+            .to_owned(),
+    );
     let _ = admin.close().await;
     let (command, runtime) = meta;
     Ok(PoolReport {
