@@ -75,8 +75,8 @@ enum Command {
     /// The election is the lock on the key election/NAME; its holder is the leader. The leader's
     /// value, which `distlock leader` shows, is the connection's holder identity: host, pid,
     /// start time and the label (--label, or the URL's `label=` option). The command runs with
-    /// DISTLOCK_ELECTION=NAME and DISTLOCK_TERM=<term> in its environment (and without
-    /// DISTLOCK_URL): the term is the leadership's fencing token, greater than every earlier
+    /// DISTLOCK_ELECTION=NAME and DISTLOCK_TERM=TERM in its environment (and without
+    /// DISTLOCK_URL): TERM is the leadership's fencing token, greater than every earlier
     /// leader's; pass it to the resources the leader writes to, so that a deposed leader's late
     /// writes are refused. As with `run`, the command's process group never outlives the
     /// leadership: if it is lost, cannot be renewed in time, or distlock is killed or frozen, a
