@@ -648,6 +648,36 @@ mod tests {
         assert!(next.resign().await.unwrap());
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_partitioned_leader_is_lost_before_the_next_leader_is_elected() {
+        let coordinator = InMemoryLock::new();
+        let cut = coordinator.client();
+        let ttl = Duration::from_secs(3);
+        let a = Election::new(Arc::new(cut.clone()), "p").unwrap().ttl(ttl);
+        let b = Election::new(Arc::new(coordinator.client()), "p")
+            .unwrap()
+            .ttl(ttl);
+        let lead = a.campaign(WAIT).await.unwrap();
+        cut.set_offline(true); // its renewals fail from now on
+        let contender = tokio::spawn(async move {
+            let next = b.campaign(ttl * 10).await;
+            (Instant::now(), next)
+        });
+        tokio::time::timeout(ttl * 2, lead.lost())
+            .await
+            .expect("lost() fires when renewals fail");
+        let lost_at = Instant::now();
+        let (elected_at, next) = contender.await.unwrap();
+        let next = next.unwrap();
+        assert!(
+            lost_at <= elected_at,
+            "a new leader before the old one knew it was deposed"
+        );
+        assert_eq!(lead.loss_reason(), Some(LossReason::DeadlinePassed));
+        assert!(next.term() > lead.term());
+        assert!(next.resign().await.unwrap());
+    }
+
     #[tokio::test]
     async fn a_dropped_campaign_leaves_nothing_behind() {
         let (_c, all) = elections(3);
