@@ -79,6 +79,7 @@ macro_rules! __conformance_properties {
         $callback!($setup, election_resign_hands_over_promptly);
         $callback!($setup, election_leader_agrees_with_the_handle);
         $callback!($setup, election_observe_reports_every_term_in_order);
+        $callback!($setup, election_deposed_leader_is_fenced_out);
     };
 }
 
@@ -1401,5 +1402,56 @@ pub async fn election_observe_reports_every_term_in_order(h: Harness) -> Outcome
         );
     }
     observer.abort();
+    Outcome::Passed
+}
+
+/// Leader election (issue 21): terms fence. A leader whose lease the coordinator dropped while
+/// it was paused is replaced by a campaigner with a greater term, whom `leader()` reports;
+/// the deposed leader's late write with its old term is refused by the resource once the new
+/// leader wrote, and its resign does not report success.
+pub async fn election_deposed_leader_is_fenced_out(h: Harness) -> Outcome {
+    let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
+    let name = h.key("election-deposed");
+    let (Some(ea), Some(eb)) = (
+        election_on(&a, name.as_str(), LONG_TTL).await,
+        election_on(&b, name.as_str(), LONG_TTL).await,
+    ) else {
+        return Outcome::Skipped("fencing not claimed: an election without terms");
+    };
+    let register = FencedRegister::new();
+    let deposed = ea.campaign(SLACK).await.expect("the first campaign");
+    let old = deposed.term();
+    register.write(old, "a").expect("the leader's own write");
+    h.force_expire(deposed.granted_lease()).await; // a is "paused" past its lease
+    let lead = eb
+        .campaign(SLACK)
+        .await
+        .expect("elected after the old lease is gone");
+    assert!(lead.term() > old, "term {} after {old}", lead.term());
+    let leader = ea.leader().await.unwrap().expect("a leader");
+    assert_eq!(
+        leader.term,
+        Some(lead.term()),
+        "leader() reports the deposed term"
+    );
+    register
+        .write(lead.term(), "b")
+        .expect("the new leader's write");
+    // a resumes and writes with its term before it has noticed anything.
+    assert!(
+        register.write(old, "a, late").is_err(),
+        "a deposed leader's write was accepted"
+    );
+    assert_eq!(register.value(), Some("b"));
+    assert!(
+        !deposed.resign().await.unwrap_or(false),
+        "the deposed leader's resign must not report success"
+    );
+    assert_eq!(
+        eb.leader().await.unwrap().and_then(|l| l.term),
+        Some(lead.term()),
+        "the deposed leader's resign removed the new leader"
+    );
+    assert!(lead.resign().await.expect("resign"));
     Outcome::Passed
 }

@@ -349,6 +349,12 @@ impl Leadership {
         self.guard.key()
     }
 
+    /// The lease as granted (see [`LockGuard::granted_lease`]): for runbooks and
+    /// fault-injection tests.
+    pub fn granted_lease(&self) -> &crate::Lease {
+        self.guard.granted_lease()
+    }
+
     /// A loggable digest of the leadership's ownership token.
     pub fn token_digest(&self) -> TokenDigest {
         self.guard.token_digest()
