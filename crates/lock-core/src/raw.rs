@@ -188,6 +188,25 @@ impl<T: Driver + ?Sized> DistributedLock for T {
 /// property's finding).
 pub const MIN_NETWORK_TTL: Duration = Duration::from_millis(100);
 
+/// What a driver claims whose coordinator keeps each lease as a key or row that expires by the
+/// coordinator's own clock and is renewed to any TTL (Redis, Redlock, PostgreSQL): TTL'd leases,
+/// `renew`, `lost_notify`, `force_release`, and `keep_until` — a lease nobody renews expires on
+/// its own, so job mode's `at_least` holds without the client — for TTLs from
+/// [`MIN_NETWORK_TTL`] to [`Capabilities::MAX_TTL`]. The driver adds its wake-ups.
+pub fn server_expired_lease(fencing: FencingGuarantee) -> Capabilities {
+    Capabilities {
+        lease_ttl: true,
+        renew: true,
+        fencing,
+        lost_notify: true,
+        force_release: true,
+        keep_until: true,
+        min_ttl: MIN_NETWORK_TTL,
+        max_ttl: Capabilities::MAX_TTL,
+        ..Capabilities::default()
+    }
+}
+
 /// Checks a config's named durations (timeouts, intervals): each at least 1 ms and at most
 /// `max`, a bound that keeps every deadline computed from it from overflowing.
 ///
