@@ -7,8 +7,8 @@ use std::{fmt, future::Future, sync::Arc, time::Duration};
 
 use lock_core::raw::{
     AcquireWait, Backoff, Batcher, Capabilities, Driver, Error, FencingGuarantee, FencingToken,
-    HolderIdentity, HolderInfo, Lease, LockKey, MIN_NETWORK_TTL, OwnershipToken, Result,
-    TokenDigest, async_trait,
+    HolderIdentity, HolderInfo, Lease, LockKey, OwnershipToken, Result, TokenDigest, async_trait,
+    server_expired_lease,
 };
 use tokio::time::{Instant, sleep, sleep_until, timeout_at};
 
@@ -516,19 +516,11 @@ impl Driver for RedisLock {
     }
 
     fn capabilities(&self) -> Capabilities {
+        // The renew script sets the key's PEXPIRE to any TTL, and Redis expires a key nobody
+        // renews on its own.
         Capabilities {
-            lease_ttl: true,
-            renew: true,
-            fencing: FencingGuarantee::SingleNode,
             wait_notify: true,
-            lost_notify: true,
-            force_release: true,
-            // The renew script sets the key's PEXPIRE to any TTL, and Redis expires a key
-            // nobody renews on its own: job mode's `at_least` holds without us.
-            keep_until: true,
-            min_ttl: MIN_NETWORK_TTL,
-            max_ttl: Capabilities::MAX_TTL,
-            ..Default::default()
+            ..server_expired_lease(FencingGuarantee::SingleNode)
         }
     }
 

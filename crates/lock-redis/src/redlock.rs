@@ -6,7 +6,7 @@ use std::{fmt, sync::Arc, time::Duration};
 
 use lock_core::raw::{
     Capabilities, Driver, Error, FencingGuarantee, HolderIdentity, HolderInfo, Lease, LockKey,
-    MIN_NETWORK_TTL, OwnershipToken, Result, TokenDigest, async_trait,
+    OwnershipToken, Result, TokenDigest, async_trait, server_expired_lease,
 };
 use redis::{
     ConnectionAddr, IntoConnectionInfo, RedisConnectionInfo, RedisError, Script,
@@ -393,19 +393,9 @@ impl Driver for RedlockLock {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            lease_ttl: true,
-            renew: true,
-            // No counter the masters agree on: no fencing tokens at all.
-            fencing: FencingGuarantee::None,
-            lost_notify: true,
-            force_release: true,
-            // Each master's key gets any PEXPIRE on renewal and expires on its own.
-            keep_until: true,
-            min_ttl: MIN_NETWORK_TTL,
-            max_ttl: Capabilities::MAX_TTL,
-            ..Default::default()
-        }
+        // Each master's key gets any PEXPIRE on renewal and expires on its own; no counter the
+        // masters agree on: no fencing tokens at all.
+        server_expired_lease(FencingGuarantee::None)
     }
 
     /// A refusal that is a split vote (clients racing for a free key each got some masters,
