@@ -13,8 +13,8 @@ use std::{
 
 use lock_core::raw::{
     AcquireWait, Backoff, Batcher, Capabilities, Driver, Error, FencingGuarantee, FencingToken,
-    HolderIdentity, HolderInfo, Lease, LockKey, MIN_NETWORK_TTL, OwnershipToken, Result,
-    async_trait, handoff::Registered,
+    HolderIdentity, HolderInfo, Lease, LockKey, OwnershipToken, Result, async_trait,
+    handoff::Registered, server_expired_lease,
 };
 use sqlx::{PgPool, Row, postgres::PgRow};
 use tokio::{
@@ -589,20 +589,12 @@ impl Driver for PgLock {
     }
 
     fn capabilities(&self) -> Capabilities {
+        // A renewal sets `expires_at` to the server's clock + any TTL, and a row that nobody
+        // renews expires on its own (PostgreSQL intervals go much further than the year of
+        // `max_ttl`).
         Capabilities {
-            lease_ttl: true,
-            renew: true,
-            fencing: FencingGuarantee::SingleNode,
             wait_notify: self.inner.config.listen,
-            lost_notify: true,
-            force_release: true,
-            // A renewal sets `expires_at` to the server's clock + any TTL, and a row that
-            // nobody renews expires on its own: job mode's `at_least` holds without us.
-            keep_until: true,
-            min_ttl: MIN_NETWORK_TTL,
-            // PostgreSQL intervals go much further; a year is plenty.
-            max_ttl: Capabilities::MAX_TTL,
-            ..Default::default()
+            ..server_expired_lease(FencingGuarantee::SingleNode)
         }
     }
 
