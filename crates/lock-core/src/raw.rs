@@ -20,7 +20,8 @@
 //! `acquire`), [`Batcher`] (requests that arrive together sent as one), [`handoff`] (a direct
 //! grant's age), [`cleanup`] (background clean-up the tests can wait for), [`no_answer`] (a
 //! connect or a read that timed out), [`MIN_NETWORK_TTL`] (the shortest TTL worth granting over
-//! a network), the config and URL helpers [`check_durations`],
+//! a network), [`server_expired_lease`] (the claims of a coordinator that expires leases by its
+//! own clock), the config and URL helpers [`check_durations`],
 //! [`parse_duration_option`] and [`decode_url_credential`], and the user types a driver's
 //! signatures name, re-exported so that a driver's `use` lines reach core through this module
 //! alone.
