@@ -191,7 +191,14 @@ fn the_command_runs_in_its_own_process_group() {
 
 #[test]
 fn sigterm_sigint_sighup_and_sigquit_are_forwarded_to_the_command() {
-    for (signal, code) in [("TERM", 42), ("INT", 43), ("HUP", 44), ("QUIT", 45)] {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    for (name, signal, code) in [
+        ("TERM", Signal::SIGTERM, 42),
+        ("INT", Signal::SIGINT, 43),
+        ("HUP", Signal::SIGHUP, 44),
+        ("QUIT", Signal::SIGQUIT, 45),
+    ] {
         let mut child = distlock()
             .args([
                 "--url",
@@ -212,14 +219,10 @@ fn sigterm_sigint_sighup_and_sigquit_are_forwarded_to_the_command() {
             .unwrap();
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
         assert_eq!(lines.next().unwrap().unwrap(), "ready");
-        let status = Command::new("kill")
-            .arg(format!("-{signal}"))
-            .arg(child.id().to_string())
-            .status()
-            .unwrap();
-        assert!(status.success());
+        let pid = Pid::from_raw(i32::try_from(child.id()).unwrap());
+        kill(pid, signal).unwrap();
         let out = child.wait_with_output().unwrap();
-        assert_eq!(lines.next().unwrap().unwrap(), format!("got {signal}"));
+        assert_eq!(lines.next().unwrap().unwrap(), format!("got {name}"));
         assert_eq!(out.status.code(), Some(code), "{}", stderr(&out));
     }
 }
