@@ -11,10 +11,9 @@
 use std::sync::Arc;
 
 use distlock::{
-    DistributedLockExt, DynLock, Election, FencingGuarantee, FencingToken, HolderIdentity,
-    InMemoryLock, Leader, LockKey,
+    DistributedLockExt, DynLock, Election, FencingGuarantee, InMemoryLock, Leader, LockKey,
 };
-use tokio::time::{Instant, MissedTickBehavior};
+use tokio::time::Instant;
 
 use crate::{
     ElectArgs, LeaderArgs,
@@ -145,13 +144,11 @@ pub async fn leader(lock: DynLock, args: LeaderArgs) -> u8 {
     }
 }
 
-/// `leader --watch`: a line now and one per change, until a signal ends it (128 + N) or stdout
-/// is closed (141, as for SIGPIPE).
-///
-/// The rule is [`Election::observe`]'s: a new term (greater than every term shown), or nobody
-/// leading after someone did. It polls [`Election::leader`] itself because this crate does not
-/// depend on `futures`, whose `Stream` trait `observe`'s stream needs to be read.
+/// `leader --watch`: a line now and one per change ([`Election::observe`]'s rule: a new term,
+/// greater than every term shown, or nobody leading after someone did), until a signal ends it
+/// (128 + N) or stdout is closed (141, as for SIGPIPE).
 async fn watch(election: &Election, args: &LeaderArgs) -> u8 {
+    use futures::StreamExt as _;
     let mut signals = match run::Signals::new() {
         Ok(signals) => signals,
         Err(e) => {
@@ -159,77 +156,36 @@ async fn watch(election: &Election, args: &LeaderArgs) -> u8 {
             return exit::INTERNAL;
         }
     };
-    let mut ticks = tokio::time::interval(args.every);
-    ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    let mut changes = Changes::default();
+    let changes = election.observe(args.every);
+    tokio::pin!(changes);
     let mut failing = false;
     loop {
-        tokio::select! {
+        let change = tokio::select! {
             signal = signals.recv() => return exit::signalled(signal as i32),
-            _ = ticks.tick() => {}
-        }
-        let polled = tokio::select! {
-            signal = signals.recv() => return exit::signalled(signal as i32),
-            polled = election.leader() => polled,
+            change = changes.next() => change,
         };
-        match polled {
-            Ok(leader) => {
+        match change {
+            Some(Ok(leader)) => {
                 if failing {
                     say!("distlock: the coordinator answers again");
                     failing = false;
                 }
-                if changes.is_news(leader.as_ref()) && !print_leader(args, leader.as_ref()) {
+                if !print_leader(args, leader.as_ref()) {
                     // Nobody reads any more (`| head -1`): end as a pipe's writer does.
                     return exit::signalled(nix::sys::signal::Signal::SIGPIPE as i32);
                 }
             }
-            Err(e) => {
+            Some(Err(e)) => {
                 // Said once per outage; the watch goes on (as `observe` does).
                 if !failing {
                     say!("distlock: cannot read the leader of {}: {e}", args.name);
                     failing = true;
                 }
             }
+            // The stream ends only after an error it cannot go on from (a zero interval,
+            // refused before any I/O).
+            None => return exit::USAGE,
         }
-    }
-}
-
-/// What `leader --watch` has shown, to tell a change from the same leader again.
-#[derive(Default)]
-struct Changes {
-    /// Whether anything was shown yet, and whether someone led then.
-    shown: Option<bool>,
-    /// The highest term shown.
-    highest: Option<FencingToken>,
-    /// The holder last shown (a leader without a term is told apart by it).
-    holder: Option<HolderIdentity>,
-}
-
-impl Changes {
-    /// Whether `now` is to be shown; records it if so.
-    fn is_news(&mut self, now: Option<&Leader>) -> bool {
-        self.note(now.map(|l| (l.term, l.holder.as_ref())))
-    }
-
-    /// [`Changes::is_news`] of a leader's term and holder (`None`: nobody leads).
-    fn note(&mut self, now: Option<(Option<FencingToken>, Option<&HolderIdentity>)>) -> bool {
-        let news = match (self.shown, now) {
-            (None, _) | (Some(true), None) => true,
-            (Some(false), None) => false,
-            (Some(led), Some((term, holder))) => match (term, self.highest) {
-                (Some(term), Some(highest)) => term > highest,
-                (Some(_), None) => true,
-                (None, _) => !led || self.holder.as_ref() != holder,
-            },
-        };
-        if news {
-            self.shown = Some(now.is_some());
-            if let Some((term, holder)) = now {
-                self.highest = self.highest.max(term);
-                self.holder = holder.cloned();
-            }
-        }
-        news
     }
 }
 
@@ -270,44 +226,4 @@ fn print_leader(args: &LeaderArgs, leader: Option<&Leader>) -> bool {
     use std::io::Write as _;
     let mut out = std::io::stdout().lock();
     writeln!(out, "{line}").and_then(|()| out.flush()).is_ok()
-}
-
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)]
-
-    use super::*;
-
-    #[test]
-    fn a_watch_shows_the_first_state_each_new_term_and_the_end_of_a_leadership() {
-        let mut changes = Changes::default();
-        let (a, b) = (
-            HolderIdentity::from_stored(b"host=a").unwrap(),
-            HolderIdentity::from_stored(b"host=b").unwrap(),
-        );
-        fn led(
-            term: u64,
-            who: &HolderIdentity,
-        ) -> Option<(Option<FencingToken>, Option<&HolderIdentity>)> {
-            Some((Some(FencingToken(term)), Some(who)))
-        }
-        assert!(changes.note(None), "the first look is always shown");
-        assert!(!changes.note(None));
-        assert!(changes.note(led(5, &a)));
-        assert!(!changes.note(led(5, &a)), "the same term again");
-        assert!(changes.note(led(7, &b)), "a new term without a gap between");
-        assert!(changes.note(None), "nobody leads any more");
-        assert!(
-            !changes.note(led(6, &a)),
-            "an older term than one shown (a stale read)"
-        );
-        assert!(changes.note(led(8, &a)));
-        // Leaders without terms (no fencing) are told apart by their holder.
-        let mut changes = Changes::default();
-        assert!(changes.note(Some((None, Some(&a)))));
-        assert!(!changes.note(Some((None, Some(&a)))));
-        assert!(changes.note(Some((None, Some(&b)))));
-        assert!(changes.note(None));
-        assert!(changes.note(Some((None, Some(&b)))));
-    }
 }
