@@ -348,7 +348,7 @@ impl PgLockConfig {
             Self::MAX_DURATION,
             &[
                 ("connect_timeout", self.connect_timeout),
-                ("op_timeout", self.op_timeout),
+                ("timeout", self.op_timeout),
                 ("poll_interval", self.poll_interval),
             ],
         )

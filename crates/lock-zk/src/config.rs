@@ -202,7 +202,7 @@ impl ZkLockConfig {
             Self::MAX_TIMEOUT,
             &[
                 ("connect_timeout", self.connect_timeout),
-                ("op_timeout", self.op_timeout),
+                ("timeout", self.op_timeout),
             ],
         )
         .map_err(config)?;

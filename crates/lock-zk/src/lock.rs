@@ -126,13 +126,27 @@ impl ZkLock {
             if holder.is_some_and(|h| current.fence != Some(h)) {
                 return Ok(false);
             }
-            match self.call(session.client.delete(&current.path, None)).await {
-                Ok(()) => {
-                    tracing::warn!(%key, digest = ?current.digest, "lock holder removed by force_release");
-                    return Ok(true);
+            // The delete of exactly this path is idempotent: sent again while its outcome is
+            // unknown. Once one went unanswered, "gone" can be our delete or its holder's
+            // release, and a failure can follow an applied delete: the answer is then
+            // Indeterminate, never a promise that nothing happened.
+            let mut unanswered = None;
+            for _ in 0..3 {
+                match self.call(session.client.delete(&current.path, None)).await {
+                    Ok(()) => {
+                        tracing::warn!(%key, digest = ?current.digest, "lock holder removed by force_release");
+                        return Ok(true);
+                    }
+                    Err(e) if outcome_unknown(&e) => unanswered = Some(e),
+                    Err(e) => match unanswered {
+                        None if e == zk::Error::NoNode => break, // released meanwhile: look again
+                        None => return Err(to_error(OP, e)),
+                        Some(first) => return Err(indeterminate_removal(key, &first, &e)),
+                    },
                 }
-                Err(zk::Error::NoNode) => continue, // released meanwhile: look again
-                Err(e) => return Err(to_error(OP, e)),
+            }
+            if let Some(first) = unanswered {
+                return Err(indeterminate_removal(key, &first, &first));
             }
         }
         Ok(false)
@@ -219,7 +233,12 @@ impl Driver for ZkLock {
             fair_queue: true,
             lost_notify: true,
             force_release: true,
-            min_ttl: self.inner.config.session_timeout,
+            // The lease is the session: a TTL is honoured up to the session timeout the server
+            // negotiated (it may lower the one asked for, to its maxSessionTimeout), so that is
+            // the shortest TTL worth asking for; the configured one until a session exists.
+            min_ttl: self
+                .current()
+                .map_or(self.inner.config.session_timeout, |session| session.timeout),
             // `check_ttl` caps every TTL at this anyway; saying so lets callers (`distlock
             // check`) show the real limit instead of "none".
             max_ttl: Capabilities::MAX_TTL,
@@ -423,6 +442,19 @@ impl Driver for ZkLock {
     // `ZkLock::lost_signal` in `crate::wake`.
     fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
         self.lost_signal(lease)
+    }
+}
+
+/// `force_release`'s answer once a delete of the holder's node went unanswered (`first`) and
+/// the last attempt ended with `last`: it may have removed the holder.
+fn indeterminate_removal(key: &LockKey, first: &zk::Error, last: &zk::Error) -> Error {
+    Error::Indeterminate {
+        backend: BACKEND,
+        op: "force_release",
+        key: key.as_str().to_owned(),
+        message: format!(
+            "the delete of the holder's node went unanswered ({first}); the last attempt: {last}"
+        ),
     }
 }
 

@@ -438,6 +438,9 @@ async fn leases_count_the_negotiated_session_timeout() {
         eprintln!("skipping: the server accepted a {negotiated:?} session");
         return;
     }
+    // The shortest TTL it claims is the negotiated timeout, not the one asked for (a TTL between
+    // the two would be refused for nothing).
+    assert_eq!(a.capabilities().min_ttl, negotiated);
     let key = plain_key();
     let mut lease = a
         .try_acquire(&key, config.session_timeout)
@@ -487,5 +490,71 @@ async fn try_acquire_against_a_frozen_server_is_bounded() {
     assert!(
         took < Duration::from_millis(1500),
         "try_acquire took {took:?}"
+    );
+}
+
+/// `force_release` whose delete of the holder's node goes unanswered (its reply lost, the
+/// connection reset) sends the delete of that exact path again; finding it gone, it cannot tell
+/// its own delete from the holder's release and answers `Indeterminate` — not `Unavailable`,
+/// which promises that nothing happened, when the holder was in fact removed. Judged by what
+/// happened to the holder (read directly, not through the proxy), so a heartbeat that shifts the
+/// lost reply to another request cannot make it pass or fail wrongly: held afterwards → the call
+/// must not claim a removal; removed → it must say so or say it does not know. Seen red before
+/// the re-send: `Unavailable` with the holder removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn force_release_whose_delete_reply_is_lost_does_not_say_nothing_happened() {
+    let Some(config) = config() else { return };
+    let upstream = tokio::net::lookup_host(config.hosts.split(',').next().unwrap())
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    let proxy = conformance::drill::Proxy::start(upstream).await.unwrap();
+    let mut via = config.clone();
+    via.hosts = proxy.addr().to_string();
+    // Long sessions: heartbeats (the client's pings, the driver's syncs) come seconds apart.
+    via.session_timeout = Duration::from_secs(20);
+    via.op_timeout = Duration::from_secs(2);
+    let forcer = ZkLock::connect(via).await.unwrap();
+    let mut direct = config.clone();
+    direct.session_timeout = Duration::from_secs(20);
+    let holder = ZkLock::connect(direct).await.unwrap();
+    let mut removed_unseen = 0;
+    for _ in 0..3 {
+        // How many reply turns a force_release takes, counted on a key of its own.
+        let dry = plain_key();
+        let ttl = Duration::from_secs(20);
+        let _held = holder.try_acquire(&dry, ttl).await.unwrap().expect("free");
+        proxy.pass();
+        assert!(forcer.force_release(&dry).await.unwrap());
+        let turns = u32::try_from(proxy.reply_turns()).unwrap();
+        let key = plain_key();
+        let _held = holder.try_acquire(&key, ttl).await.unwrap().expect("free");
+        // The last of them — the delete's reply — is lost once, its connection reset.
+        proxy.lose_reply(turns);
+        let got = forcer.force_release(&key).await;
+        let removed = holder.inspect(&key).await.unwrap().is_none();
+        eprintln!(
+            "{turns} turns; lost {}; got {got:?}; removed {removed}",
+            proxy.lost_turns()
+        );
+        if removed {
+            assert!(
+                matches!(got, Ok(true) | Err(Error::Indeterminate { .. })),
+                "the holder was removed, yet force_release answered {got:?}"
+            );
+            if matches!(got, Err(Error::Indeterminate { .. })) {
+                return;
+            }
+            removed_unseen += 1;
+        } else {
+            assert!(
+                !matches!(got, Ok(true)),
+                "force_release claimed a removal that did not happen"
+            );
+        }
+    }
+    panic!(
+        "the delete's reply was never the one lost in 3 tries ({removed_unseen} removals answered Ok(true))"
     );
 }
