@@ -63,8 +63,8 @@ Exit status:
            (141: its output was closed)
 
 The URL comes from --url, --url-file or DISTLOCK_URL (--url shows in ps): memory://NAME (this process only), redis://,
-rediss://, etcd://, etcds://, zk://, postgres://, postgresql:// (as compiled in); driver
-options go in the query string.";
+rediss://, redis+sentinel://, redis+cluster://, redlock://, etcd://, etcds://, zk://, postgres://,
+postgresql:// (as compiled in); driver options go in the query string.";
 
 /// 128 + the signal's number: `run`'s command was killed by it, or distlock itself was
 /// interrupted by it while waiting for the lock.
@@ -87,5 +87,21 @@ pub fn code_for(error: &Error) -> u8 {
         Error::InvalidKey { .. } | Error::InvalidTtl { .. } => USAGE,
         Error::Config(_) | Error::Unsupported { .. } => CONFIG,
         _ => UNAVAILABLE,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The help names every URL scheme `distlock::connect` knows, so it cannot fall behind.
+    #[test]
+    fn the_help_lists_every_url_scheme() {
+        for backend in distlock::Backend::ALL {
+            for scheme in backend.schemes() {
+                let named = [' ', '\n']
+                    .iter()
+                    .any(|before| super::HELP.contains(&format!("{before}{scheme}://")));
+                assert!(named, "{scheme}:// is missing from the help");
+            }
+        }
     }
 }
