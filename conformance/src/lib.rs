@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test-support code: a failed expectation is a failed test
 
+pub mod config_errors;
 pub mod drill;
 mod harness;
 pub mod logs;

@@ -411,37 +411,35 @@ mod tests {
 
     #[test]
     fn rejects_bad_urls_with_a_config_error() {
-        for url in [
-            "redis://h:1",
-            "etcd://",
-            "etcd://h",
-            "etcd://h:0",
-            "etcd://h:99999",
-            "etcd://h:1,",
-            "etcd://h:1/path",
-            "etcd://h:1?nope=1",
-            "etcd://h:1?prefix=a&prefix=b",
-            "etcd://h:1?dial_timeout=3",
-            "etcd://h:1?dial_timeout=0s",
-            "etcd://h:1?request_timeout=fast",
-            "etcd://h:1?min_ttl=500ms",
-            "etcd://h:1?ca_file=/ca.pem",
-            "etcds://h:1?cert_file=/c.pem",
-            "etcds://h:1?ca_file=",
-            "etcd://h:1?ca=/ca.pem",
-            "etcds://h:1?ca=/a.pem&ca_file=/b.pem",
-            "etcd://:pw@h:1",
-            "etcd://u:%zz@h:1",
-            "etcd://h:1?label=",
-            "etcd://h:1?label=a%20b",
-            "etcd://h:1?label=a%0Ab",
-            "etcd://h:1?label=a&label=b",
-        ] {
-            assert!(
-                matches!(EtcdLockConfig::from_url(url), Err(Error::Config(_))),
-                "{url}"
-            );
-        }
+        conformance::config_errors::assert_config_errors(
+            EtcdLockConfig::from_url,
+            &[
+                ("redis://h:1", "etcd://"),
+                ("etcd://", "needs host:port"),
+                ("etcd://h", "needs host:port"),
+                ("etcd://h:0", "port 0"),
+                ("etcd://h:99999", "bad port"),
+                ("etcd://h:1,", "needs host:port"),
+                ("etcd://h:1/path", "path"),
+                ("etcd://h:1?nope=1", "nope"),
+                ("etcd://h:1?prefix=a&prefix=b", "prefix"),
+                ("etcd://h:1?dial_timeout=3", "dial_timeout"),
+                ("etcd://h:1?dial_timeout=0s", "dial_timeout"),
+                ("etcd://h:1?request_timeout=fast", "request_timeout"),
+                ("etcd://h:1?min_ttl=500ms", "min_ttl"),
+                ("etcd://h:1?ca_file=/ca.pem", "ca_file"),
+                ("etcds://h:1?cert_file=/c.pem", "cert_file"),
+                ("etcds://h:1?ca_file=", "ca_file"),
+                ("etcd://h:1?ca=/ca.pem", "ca"),
+                ("etcds://h:1?ca=/a.pem&ca_file=/b.pem", "ca_file"),
+                ("etcd://:pw@h:1", "empty user name"),
+                ("etcd://u:%zz@h:1", "percent-escape"),
+                ("etcd://h:1?label=", "label"),
+                ("etcd://h:1?label=a%20b", "label"),
+                ("etcd://h:1?label=a%0Ab", "label"),
+                ("etcd://h:1?label=a&label=b", "label"),
+            ],
+        );
     }
 
     /// Issue 20: `connect_timeout` and `timeout`, the names every backend accepts, set the dial
@@ -460,20 +458,30 @@ mod tests {
             EtcdLockConfig::from_url("etcd://h:1?connect_timeout=1s&request_timeout=3s").unwrap();
         assert_eq!(c.dial_timeout, Duration::from_secs(1));
         assert_eq!(c.request_timeout, Duration::from_secs(3));
-        for url in [
-            "etcd://h:1?connect_timeout=1s&dial_timeout=1s",
-            "etcd://h:1?dial_timeout=1s&connect_timeout=2s",
-            "etcd://h:1?timeout=1s&request_timeout=1s",
-            "etcd://h:1?request_timeout=2s&prefix=x&timeout=1s",
-            "etcd://h:1?timeout=1s&timeout=1s",
-            "etcd://h:1?connect_timeout=0s",
-            "etcd://h:1?timeout=fast",
-        ] {
-            assert!(
-                matches!(EtcdLockConfig::from_url(url), Err(Error::Config(_))),
-                "{url}"
-            );
-        }
+        conformance::config_errors::assert_config_errors(
+            EtcdLockConfig::from_url,
+            &[
+                (
+                    "etcd://h:1?connect_timeout=1s&dial_timeout=1s",
+                    "dial_timeout",
+                ),
+                (
+                    "etcd://h:1?dial_timeout=1s&connect_timeout=2s",
+                    "connect_timeout",
+                ),
+                (
+                    "etcd://h:1?timeout=1s&request_timeout=1s",
+                    "request_timeout",
+                ),
+                (
+                    "etcd://h:1?request_timeout=2s&prefix=x&timeout=1s",
+                    "timeout",
+                ),
+                ("etcd://h:1?timeout=1s&timeout=1s", "timeout"),
+                ("etcd://h:1?connect_timeout=0s", "connect_timeout"),
+                ("etcd://h:1?timeout=fast", "timeout"),
+            ],
+        );
     }
 
     #[test]

@@ -467,22 +467,22 @@ mod tests {
             let c = PgLockConfig::from_url(url).unwrap();
             assert_eq!(c.op_timeout, Duration::from_millis(750), "{url}");
         }
-        for url in [
-            "postgres://h/db?timeout=750ms&op_timeout=750ms",
-            "postgres://h/db?op_timeout=1s&connect_timeout=1s&timeout=2s",
-        ] {
-            assert!(
-                matches!(PgLockConfig::from_url(url), Err(Error::Config(_))),
-                "{url}"
-            );
-        }
-        // The new name is held to the same grammar and bounds as the old one.
-        for url in ["postgres://h/db?timeout=0ms", "postgres://h/db?timeout=2"] {
-            assert!(
-                matches!(PgLockConfig::from_url(url), Err(Error::Config(_))),
-                "{url}"
-            );
-        }
+        conformance::config_errors::assert_config_errors(
+            PgLockConfig::from_url,
+            &[
+                (
+                    "postgres://h/db?timeout=750ms&op_timeout=750ms",
+                    "op_timeout",
+                ),
+                (
+                    "postgres://h/db?op_timeout=1s&connect_timeout=1s&timeout=2s",
+                    "op_timeout",
+                ),
+                // The new name is held to the same grammar and bounds as the old one.
+                ("postgres://h/db?timeout=0ms", "timeout"),
+                ("postgres://h/db?timeout=2", "timeout"),
+            ],
+        );
     }
 
     #[test]
@@ -495,33 +495,31 @@ mod tests {
 
     #[test]
     fn unknown_or_malformed_options_are_config_errors() {
-        for url in [
-            "postgres://h/db?tabel=x",
-            "postgres://h/db?pool_size=0",
-            "postgres://h/db?pool_size=many",
-            "postgres://h/db?op_timeout=5x",
-            "postgres://h/db?op_timeout=0",
-            // Only connect_timeout takes libpq's bare seconds; distlock's own options need a unit.
-            "postgres://h/db?op_timeout=2",
-            "postgres://h/db?poll_interval=1",
-            "postgres://h/db?listen=maybe",
-            "postgres://h/db?table=a;drop",
-            "postgres://h/db?table=\"x\"",
-            "postgres://h/db?table=a.b.c",
-            "postgres://h/db?table=1abc",
-            "postgres://h/db?table=pg_temp.x",
-            "postgres://h/db?table=PG_TEMP_3.x",
-            "postgres://h/db?label=",
-            "postgres://h/db?label=has%20space",
-            "postgres://h/db?label=new%0Aline",
-            "redis://h/db",
-            "not a url",
-        ] {
-            assert!(
-                matches!(PgLockConfig::from_url(url), Err(Error::Config(_))),
-                "{url}"
-            );
-        }
+        conformance::config_errors::assert_config_errors(
+            PgLockConfig::from_url,
+            &[
+                ("postgres://h/db?tabel=x", "tabel"),
+                ("postgres://h/db?pool_size=0", "pool_size"),
+                ("postgres://h/db?pool_size=many", "pool_size"),
+                ("postgres://h/db?op_timeout=5x", "op_timeout"),
+                ("postgres://h/db?op_timeout=0", "op_timeout"),
+                // Only connect_timeout takes libpq's bare seconds; distlock's own options need a unit.
+                ("postgres://h/db?op_timeout=2", "op_timeout"),
+                ("postgres://h/db?poll_interval=1", "poll_interval"),
+                ("postgres://h/db?listen=maybe", "listen"),
+                ("postgres://h/db?table=a;drop", "not a valid identifier"),
+                ("postgres://h/db?table=\"x\"", "not a valid identifier"),
+                ("postgres://h/db?table=a.b.c", "table"),
+                ("postgres://h/db?table=1abc", "not a valid identifier"),
+                ("postgres://h/db?table=pg_temp.x", "table"),
+                ("postgres://h/db?table=PG_TEMP_3.x", "table"),
+                ("postgres://h/db?label=", "label"),
+                ("postgres://h/db?label=has%20space", "label"),
+                ("postgres://h/db?label=new%0Aline", "label"),
+                ("redis://h/db", "postgres://"),
+                ("not a url", "invalid URL"),
+            ],
+        );
         assert!(TableName::new(&"a".repeat(64)).is_err());
         assert!(TableName::new(&"a".repeat(63)).is_ok());
     }
@@ -537,17 +535,18 @@ mod tests {
 
     #[test]
     fn options_out_of_bounds_are_config_errors_however_set() {
-        for url in [
-            "postgres://h/db?op_timeout=4294967295m",
-            "postgres://h/db?poll_interval=4294967295m",
-            "postgres://h/db?connect_timeout=4294967295",
-            "postgres://h/db?pool_size=4294967295",
-        ] {
-            assert!(
-                matches!(PgLockConfig::from_url(url), Err(Error::Config(_))),
-                "{url}"
-            );
-        }
+        conformance::config_errors::assert_config_errors(
+            PgLockConfig::from_url,
+            &[
+                ("postgres://h/db?op_timeout=4294967295m", "timeout"),
+                ("postgres://h/db?poll_interval=4294967295m", "poll_interval"),
+                (
+                    "postgres://h/db?connect_timeout=4294967295",
+                    "connect_timeout",
+                ),
+                ("postgres://h/db?pool_size=4294967295", "pool_size"),
+            ],
+        );
         let base = PgLockConfig::from_url("postgres://h/db").unwrap();
         assert!(base.validate().is_ok());
         let mut c = base.clone();

@@ -575,34 +575,32 @@ mod tests {
 
     #[test]
     fn rejects_bad_urls_and_options() {
-        for url in [
-            "http://localhost",
-            "redis://localhost?ca=/tmp/ca.pem",
-            "rediss://localhost?ca=",
-            "redis://",
-            "redis://h/x",
-            "redis://h/-1",
-            "redis://h?nope=1",
-            "redis://h?connect_timeout=0",
-            "redis://h?connect_timeout=fast",
-            "redis://h?response_timeout=5h",
-            // A bare number is refused rather than read in some unit.
-            "redis://h?response_timeout=1500",
-            "redis://h?max_poll_interval=1",
-            "redis://h?reconnect_retries=-1",
-            "redis://h?namespace=a%0Ab",
-            "redis://h?label=",
-            "redis://h?label=a%20b",
-            "redis://h?label=%C3%A9",
-            "redis://h?label=a%0Ab",
-            "redis://h#frag",
-            "not a url",
-        ] {
-            assert!(
-                matches!(RedisLockConfig::from_url(url), Err(Error::Config(_))),
-                "{url}"
-            );
-        }
+        conformance::config_errors::assert_config_errors(
+            RedisLockConfig::from_url,
+            &[
+                ("http://localhost", "unsupported scheme"),
+                ("redis://localhost?ca=/tmp/ca.pem", "ca"),
+                ("rediss://localhost?ca=", "ca"),
+                ("redis://", "no host"),
+                ("redis://h/x", "database number"),
+                ("redis://h/-1", "database number"),
+                ("redis://h?nope=1", "nope"),
+                ("redis://h?connect_timeout=0", "connect_timeout"),
+                ("redis://h?connect_timeout=fast", "connect_timeout"),
+                ("redis://h?response_timeout=5h", "response_timeout"),
+                // A bare number is refused rather than read in some unit.
+                ("redis://h?response_timeout=1500", "response_timeout"),
+                ("redis://h?max_poll_interval=1", "max_poll_interval"),
+                ("redis://h?reconnect_retries=-1", "reconnect_retries"),
+                ("redis://h?namespace=a%0Ab", "namespace"),
+                ("redis://h?label=", "label"),
+                ("redis://h?label=a%20b", "label"),
+                ("redis://h?label=%C3%A9", "label"),
+                ("redis://h?label=a%0Ab", "label"),
+                ("redis://h#frag", "fragment"),
+                ("not a url", "bad redis url"),
+            ],
+        );
     }
 
     #[test]
@@ -650,28 +648,26 @@ mod tests {
             RedisLockConfig::from_url("redis://h").unwrap().topology,
             RedisTopology::Single
         );
-        for url in [
-            "redis+sentinel://s1",
-            "redis+sentinel://s1/",
-            "redis+sentinel:///m",
-            "redis+sentinel://s1,,s2/m",
-            "redis+sentinel://s1:x/m",
-            "redis+sentinel://s1/m/x",
-            "redis+sentinel://s1/m?nope=1",
-            "redis+sentinel://s1/m#f",
-            "redis+cluster://a/1",
-            "redis+cluster://a?replicas=1",
-            "redis+cluster://",
-            "redis+other://a",
-            "redis://h?replicas=65",
-            "redis://h?replicas=-1",
-            "redis://h?replica_timeout=0",
-        ] {
-            assert!(
-                matches!(RedisLockConfig::from_url(url), Err(Error::Config(_))),
-                "{url}"
-            );
-        }
+        conformance::config_errors::assert_config_errors(
+            RedisLockConfig::from_url,
+            &[
+                ("redis+sentinel://s1", "names the master"),
+                ("redis+sentinel://s1/", "names the master"),
+                ("redis+sentinel:///m", "bad host"),
+                ("redis+sentinel://s1,,s2/m", "bad host"),
+                ("redis+sentinel://s1:x/m", "bad host"),
+                ("redis+sentinel://s1/m/x", "database number"),
+                ("redis+sentinel://s1/m?nope=1", "nope"),
+                ("redis+sentinel://s1/m#f", "fragment"),
+                ("redis+cluster://a/1", "only database 0"),
+                ("redis+cluster://a?replicas=1", "replicas"),
+                ("redis+cluster://", "bad host"),
+                ("redis+other://a", "unsupported scheme"),
+                ("redis://h?replicas=65", "replicas"),
+                ("redis://h?replicas=-1", "replicas"),
+                ("redis://h?replica_timeout=0", "replica_timeout"),
+            ],
+        );
         let shown = format!(
             "{:?}",
             RedisLockConfig::from_url("redis+sentinel://u:hunter2@s/m").unwrap()
@@ -700,16 +696,26 @@ mod tests {
             by("redis+sentinel://s1/m?timeout=3s").unwrap(),
             Duration::from_secs(3)
         );
-        for url in [
-            "redis://h?timeout=1s&response_timeout=1s",
-            "redis://h?response_timeout=2s&timeout=1s",
-            "redis+sentinel://s1/m?timeout=1s&response_timeout=2s",
-            "redis+cluster://a,b?response_timeout=1s&timeout=2s",
-            "redis://h?timeout=0s",
-            "redis://h?timeout=2h",
-        ] {
-            assert!(matches!(by(url), Err(Error::Config(_))), "{url}");
-        }
+        conformance::config_errors::assert_config_errors(
+            by,
+            &[
+                (
+                    "redis://h?timeout=1s&response_timeout=1s",
+                    "response_timeout",
+                ),
+                ("redis://h?response_timeout=2s&timeout=1s", "timeout"),
+                (
+                    "redis+sentinel://s1/m?timeout=1s&response_timeout=2s",
+                    "response_timeout",
+                ),
+                (
+                    "redis+cluster://a,b?response_timeout=1s&timeout=2s",
+                    "timeout",
+                ),
+                ("redis://h?timeout=0s", "timeout"),
+                ("redis://h?timeout=2h", "timeout"),
+            ],
+        );
         assert!(matches!(
             crate::RedlockConfig::from_url("redlock://a,b,c?timeout=1s&response_timeout=1s"),
             Err(Error::Config(_))
