@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 mod backends;
+mod election;
 mod pools;
 mod report;
 mod scenario;
@@ -49,6 +50,11 @@ struct Args {
     /// with and without `test_before_acquire`); writes pools.md and pools.json.
     #[arg(long)]
     pools: bool,
+    /// Run only the leader-election and job-mode measurement (hand-over on resign, takeover
+    /// after the leader dies, `run_exclusive` with and without `at_least`), on the in-memory
+    /// backend and `--backends`; writes election.md and election.json.
+    #[arg(long)]
+    election: bool,
     /// Concurrent tasks sharing one client in the pool comparison (default 8,32).
     #[arg(long, value_delimiter = ',', default_value = "8,32")]
     pool_tasks: Vec<usize>,
@@ -355,6 +361,36 @@ fn pools_main(
     }
 }
 
+/// `--election`: the election and job-mode measurement alone, printed and written to
+/// `election.md` and `election.json`.
+fn election_main(args: &Args, runtime: &tokio::runtime::Runtime) -> std::process::ExitCode {
+    let plan = election::ElectionPlan::new(args.quick);
+    let run = format!("{:08x}", rand::random::<u32>());
+    let report = runtime.block_on(election::run(&args.backends, &plan, &run, command_line()));
+    let md = election::markdown(&report);
+    println!("{md}");
+    let out = args.out.clone().unwrap_or_else(default_out);
+    let written = std::fs::create_dir_all(&out)
+        .and_then(|()| std::fs::write(out.join("election.md"), &md))
+        .and_then(|()| {
+            let json = serde_json::to_string_pretty(&report).map_err(std::io::Error::other)?;
+            std::fs::write(out.join("election.json"), json)
+        });
+    match written {
+        Ok(()) => {
+            progress(format!(
+                "wrote election.md and election.json to {}",
+                out.display()
+            ));
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("cannot write the results to {}: {e}", out.display());
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 fn command_line() -> String {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut cmd = "cargo run --release -p distlock-bench".to_owned();
@@ -423,6 +459,9 @@ fn main() -> std::process::ExitCode {
     }
     if args.pools {
         return pools_main(&args, &plan, &runtime, flavour);
+    }
+    if args.election {
+        return election_main(&args, &runtime);
     }
     let started = std::time::SystemTime::now();
     let t0 = std::time::Instant::now();
