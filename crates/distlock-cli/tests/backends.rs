@@ -3,8 +3,10 @@
 //! `DISTLOCK_REQUIRE_BACKENDS=1` a missing URL fails the test).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
 use std::{
-    path::{Path, PathBuf},
+    path::Path,
     process::{Child, Command, Output, Stdio},
     thread,
     time::{Duration, Instant},
@@ -15,6 +17,7 @@ use nix::{
     sys::signal::{Signal, killpg},
     unistd::Pid,
 };
+use support::{fresh_key, temp_dir, wait_for_file};
 
 fn distlock(url: &str) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_distlock"));
@@ -44,35 +47,6 @@ fn with_short_session(backend: Backend, url: String) -> String {
     }
     let separator = if url.contains('?') { '&' } else { '?' };
     format!("{url}{separator}session_timeout=2s")
-}
-
-fn fresh_key(label: &str) -> String {
-    format!("distlock-cli-test/{label}/{:016x}", rand::random::<u64>())
-}
-
-fn temp_dir(label: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "distlock-cli-{label}-{}-{:08x}",
-        std::process::id(),
-        rand::random::<u32>()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn wait_for_file(path: &Path, child: &mut Child, within: Duration) {
-    let deadline = Instant::now() + within;
-    while !path.exists() {
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("the holder exited with {status} before starting its command");
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{} never appeared",
-            path.display()
-        );
-        thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// Waits for distlock to exit; on timeout kills it and the command's process group `group`.

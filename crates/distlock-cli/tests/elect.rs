@@ -3,6 +3,8 @@
 //! with `DISTLOCK_REQUIRE_BACKENDS=1`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
 use std::{
     io::{BufRead, BufReader},
     path::{Path, PathBuf},
@@ -17,6 +19,7 @@ use nix::{
     sys::signal::{Signal, kill},
     unistd::Pid,
 };
+use support::{fresh_key, temp_dir, wait_for_file};
 
 fn distlock() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_distlock"));
@@ -46,39 +49,6 @@ fn redis() -> Option<String> {
         return None;
     }
     conformance::backend_url("DISTLOCK_TEST_REDIS_URL")
-}
-
-fn fresh_name(label: &str) -> String {
-    format!("distlock-cli-test/{label}/{:016x}", rand::random::<u64>())
-}
-
-fn temp_dir(label: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "distlock-cli-elect-{label}-{}-{:08x}",
-        std::process::id(),
-        rand::random::<u32>()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// Waits until `path` exists, failing if `child` exits first or it takes longer than `within`.
-fn wait_for_file(path: &Path, child: &mut Child, within: Duration) {
-    let deadline = Instant::now() + within;
-    while !path.exists() {
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!(
-                "distlock exited with {status} before {} appeared",
-                path.display()
-            );
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{} never appeared",
-            path.display()
-        );
-        thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// Waits for `child` to exit; kills it on timeout.
@@ -247,7 +217,7 @@ fn next_json(lines: &mpsc::Receiver<String>) -> serde_json::Value {
 #[test]
 fn a_second_elect_waits_for_the_first_to_resign_and_leader_follows() {
     let Some(url) = redis() else { return };
-    let name = fresh_name("turns");
+    let name = fresh_key("turns");
     let dir = temp_dir("turns");
     let log = dir.join("log");
 
@@ -403,7 +373,7 @@ fn a_second_elect_waits_for_the_first_to_resign_and_leader_follows() {
 #[test]
 fn elect_terminates_the_command_when_leadership_is_lost() {
     let Some(url) = redis() else { return };
-    let name = fresh_name("lost");
+    let name = fresh_key("lost");
     let dir = temp_dir("lost");
     let (ready, log) = (dir.join("ready"), dir.join("log"));
     let script = format!(

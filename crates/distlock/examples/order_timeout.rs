@@ -547,6 +547,18 @@ pub fn run(url: &str, output: Output) -> Result<Report, String> {
         std::thread::sleep(ttl / 2);
     }
     service.stop.store(true, Ordering::SeqCst);
+    join_instances(threads)?;
+    if !finished {
+        return Err(format!(
+            "the orders were not all closed within {:.0}s",
+            limit.as_secs_f64()
+        ));
+    }
+    Ok(report(&service))
+}
+
+/// Waits for every instance's thread; their errors (and panics) joined into one message.
+fn join_instances(threads: Vec<std::thread::JoinHandle<Result<(), String>>>) -> Result<(), String> {
     let mut errors = Vec::new();
     for thread in threads {
         match thread.join() {
@@ -555,16 +567,11 @@ pub fn run(url: &str, output: Output) -> Result<Report, String> {
             Err(_) => errors.push("an instance panicked".to_owned()),
         }
     }
-    if !errors.is_empty() {
-        return Err(errors.join("; "));
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors.join("; "))
     }
-    if !finished {
-        return Err(format!(
-            "the orders were not all closed within {:.0}s",
-            limit.as_secs_f64()
-        ));
-    }
-    Ok(report(&service))
 }
 
 fn caps_name(url: &str) -> String {
@@ -762,17 +769,7 @@ pub fn run_periodic(url: &str, setup: Periodic, output: Output) -> Result<Period
             })
         })
         .collect();
-    let mut errors = Vec::new();
-    for thread in threads {
-        match thread.join() {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => errors.push(e),
-            Err(_) => errors.push("an instance panicked".to_owned()),
-        }
-    }
-    if !errors.is_empty() {
-        return Err(errors.join("; "));
-    }
+    join_instances(threads)?;
     let (runs, _) = table
         .state
         .lock()

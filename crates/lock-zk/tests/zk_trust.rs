@@ -249,14 +249,7 @@ async fn a_bare_lease_never_claims_more_than_the_session_vouches_for() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acquire_against_a_frozen_server_returns_by_its_deadline() {
     let Some(config) = config() else { return };
-    let upstream = tokio::net::lookup_host(config.hosts.split(',').next().unwrap())
-        .await
-        .unwrap()
-        .next()
-        .unwrap();
-    let proxy = conformance::drill::Proxy::start(upstream).await.unwrap();
-    let mut via = config.clone();
-    via.hosts = proxy.addr().to_string();
+    let (proxy, mut via) = proxied(&config).await;
     via.session_timeout = Duration::from_secs(10);
     let a = ZkLock::connect(via).await.unwrap();
     let raw = raw_client(&config).await;
@@ -305,14 +298,7 @@ async fn acquire_against_a_frozen_server_returns_by_its_deadline() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_create_whose_reply_is_lost_leaves_exactly_one_node() {
     let Some(config) = config() else { return };
-    let upstream = tokio::net::lookup_host(config.hosts.split(',').next().unwrap())
-        .await
-        .unwrap()
-        .next()
-        .unwrap();
-    let proxy = conformance::drill::Proxy::start(upstream).await.unwrap();
-    let mut via = config.clone();
-    via.hosts = proxy.addr().to_string();
+    let (proxy, mut via) = proxied(&config).await;
     via.session_timeout = Duration::from_secs(4);
     via.op_timeout = Duration::from_secs(1);
     let a = Arc::new(ZkLock::connect(via).await.unwrap());
@@ -363,14 +349,7 @@ async fn a_create_whose_reply_is_lost_leaves_exactly_one_node() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_other_node_carrying_our_token_is_deleted() {
     let Some(config) = config() else { return };
-    let upstream = tokio::net::lookup_host(config.hosts.split(',').next().unwrap())
-        .await
-        .unwrap()
-        .next()
-        .unwrap();
-    let proxy = conformance::drill::Proxy::start(upstream).await.unwrap();
-    let mut via = config.clone();
-    via.hosts = proxy.addr().to_string();
+    let (proxy, mut via) = proxied(&config).await;
     via.session_timeout = Duration::from_secs(4);
     via.op_timeout = Duration::from_secs(1);
     let a = Arc::new(ZkLock::connect(via).await.unwrap());
@@ -464,14 +443,7 @@ async fn leases_count_the_negotiated_session_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn try_acquire_against_a_frozen_server_is_bounded() {
     let Some(config) = config() else { return };
-    let upstream = tokio::net::lookup_host(config.hosts.split(',').next().unwrap())
-        .await
-        .unwrap()
-        .next()
-        .unwrap();
-    let proxy = conformance::drill::Proxy::start(upstream).await.unwrap();
-    let mut via = config.clone();
-    via.hosts = proxy.addr().to_string();
+    let (proxy, mut via) = proxied(&config).await;
     via.session_timeout = Duration::from_secs(10);
     via.op_timeout = Duration::from_millis(500);
     let a = ZkLock::connect(via).await.unwrap();
@@ -504,14 +476,7 @@ async fn try_acquire_against_a_frozen_server_is_bounded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn force_release_whose_delete_reply_is_lost_does_not_say_nothing_happened() {
     let Some(config) = config() else { return };
-    let upstream = tokio::net::lookup_host(config.hosts.split(',').next().unwrap())
-        .await
-        .unwrap()
-        .next()
-        .unwrap();
-    let proxy = conformance::drill::Proxy::start(upstream).await.unwrap();
-    let mut via = config.clone();
-    via.hosts = proxy.addr().to_string();
+    let (proxy, mut via) = proxied(&config).await;
     // Long sessions: heartbeats (the client's pings, the driver's syncs) come seconds apart.
     via.session_timeout = Duration::from_secs(20);
     via.op_timeout = Duration::from_secs(2);
@@ -557,4 +522,17 @@ async fn force_release_whose_delete_reply_is_lost_does_not_say_nothing_happened(
     panic!(
         "the delete's reply was never the one lost in 3 tries ({removed_unseen} removals answered Ok(true))"
     );
+}
+
+/// A drill proxy in front of the test server's first host, and `config` pointed at it.
+async fn proxied(config: &ZkLockConfig) -> (conformance::drill::Proxy, ZkLockConfig) {
+    let upstream = tokio::net::lookup_host(config.hosts.split(',').next().unwrap())
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    let proxy = conformance::drill::Proxy::start(upstream).await.unwrap();
+    let mut via = config.clone();
+    via.hosts = proxy.addr().to_string();
+    (proxy, via)
 }
