@@ -162,6 +162,7 @@ cmd_install() {
   need protobuf-compiler command -v protoc
   need libprotobuf-dev test -f /usr/include/google/protobuf/descriptor.proto
   need netcat-openbsd command -v nc
+  need jq command -v jq
   if [[ ${#missing[@]} -eq 0 ]]; then
     say "install: everything is present"
     return 0

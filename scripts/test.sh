@@ -48,6 +48,89 @@ step() {
   printf '==== %s ok (%s)\n' "$name" "$(secs "$t")"
 }
 
+# run_tests: `cargo test --workspace --all-features --no-fail-fast`, with the test binaries run in
+# $DISTLOCK_TEST_LANES (default 2) lanes at once instead of one after another. Most binaries wait on
+# servers, leases and timers rather than on the CPU, so two lanes take about half the wall time on
+# two cores. Each binary runs the way cargo runs it (from its package's directory, with its
+# CARGO_MANIFEST_DIR), its output is kept and printed whole once it ends, and every binary runs even
+# after one fails, so one run shows every failure. The binaries that fault or audit the shared
+# 3-member clusters (EXCLUSIVE) run alone afterwards. Doc tests run last, through cargo.
+run_tests() {
+  local lanes=${DISTLOCK_TEST_LANES:-2} dir list rc=0 failed=() name
+  # Slowest first (from CI runs), so the lanes end close together.
+  local -a first=(conformance_cmd drill_lost_replies drill_partition_zk conformance memory drill_periodic
+    cancel_delayed conformance_cluster conformance_redlock redis backends conformance_sentinel
+    conformance_sentinel_acked drill_jobs drill_backends drill_partition_etcd drill_frozen pg)
+  local -a exclusive=(drill_cluster check_audit)
+  dir=$(mktemp -d "${TMPDIR:-/tmp}/distlock-tests.XXXXXX")
+  list=$dir/binaries
+  # (set -e does not apply inside a function run by `step`: every status here is checked.)
+  cargo test --workspace --all-features --no-run --message-format=json-render-diagnostics |
+    jq -r 'select(.reason == "compiler-artifact" and .profile.test and .executable != null)
+      | [.target.name, .executable, (.manifest_path | sub("/Cargo.toml$"; ""))] | @tsv' >"$list" ||
+    { echo "test.sh: building the tests failed" >&2; return 1; }
+  [[ -s $list ]] || { echo "test.sh: no test binaries were built" >&2; return 1; }
+  # One line per binary: ORDER NAME EXE PKGDIR, ORDER 0..n for the known slow ones, else n+1.
+  local order=$dir/order serial=$dir/serial
+  : >"$order"
+  : >"$serial"
+  while IFS=$'\t' read -r name exe pkg; do
+    local i rank=${#first[@]} ex=0
+    for i in "${!first[@]}"; do [[ ${first[i]} == "$name" ]] && rank=$i; done
+    for i in "${exclusive[@]}"; do [[ $i == "$name" ]] && ex=1; done
+    if [[ $ex -eq 1 ]]; then
+      printf '%s\t%s\t%s\n' "$name" "$exe" "$pkg" >>"$serial"
+    else
+      printf '%d\t%s\t%s\t%s\n' "$rank" "$name" "$exe" "$pkg" >>"$order"
+    fi
+  done <"$list"
+  # run_one NAME EXE PKGDIR: one binary, its output to $dir/<exe basename>.log, its exit to .rc.
+  export -f run_one_test
+  export RUN_TESTS_DIR=$dir
+  sort -n -k1,1 -s "$order" | cut -f2- |
+    xargs -d '\n' -n 1 -P "$lanes" bash -c 'IFS=$'"'"'\t'"'"' read -r n e p <<<"$1"; run_one_test "$n" "$e" "$p"' _
+  while IFS=$'\t' read -r name exe pkg; do run_one_test "$name" "$exe" "$pkg"; done <"$serial"
+  printf '\n==== doc tests\n'
+  local drc=0
+  cargo test --workspace --all-features --no-fail-fast --doc 2>&1 | tee "$dir/doc-tests.out" || drc=$?
+  [[ $drc -eq 0 ]] || failed+=("doc tests (exit $drc)")
+  local passed=0 nfailed=0 ignored=0 p f g base
+  for base in "$dir"/*.rc; do
+    base=${base%.rc}
+    if [[ $(cat "$base.rc") != 0 ]]; then failed+=("$(basename "$base") (exit $(cat "$base.rc"))"); fi
+  done
+  while read -r p f g; do
+    passed=$((passed + p)) nfailed=$((nfailed + f)) ignored=$((ignored + g))
+  done < <(cat "$dir"/*.log "$dir/doc-tests.out" |
+    sed -nE 's/^test result: [A-Za-z]+\. ([0-9]+) passed; ([0-9]+) failed; ([0-9]+) ignored.*/\1 \2 \3/p')
+  printf '\n==== tests: %d passed, %d failed, %d ignored (%d test binaries in %d lanes, and the doc tests)\n' \
+    "$passed" "$nfailed" "$ignored" "$(wc -l <"$list")" "$lanes"
+  if [[ ${#failed[@]} -gt 0 ]]; then
+    printf 'FAILED: %s\n' "${failed[@]}" >&2
+    rc=1
+  fi
+  rm -rf "$dir"
+  return "$rc"
+}
+
+# run_one_test NAME EXE PKGDIR (also run by xargs in a child bash): runs one test binary as cargo
+# would and prints its whole output once it ends, under cargo's "Running" header.
+run_one_test() {
+  local name=$1 exe=$2 pkg=$3 base t rc=0
+  base=$RUN_TESTS_DIR/$(basename "$exe")
+  t=$(date +%s%3N)
+  (cd "$pkg" && CARGO_MANIFEST_DIR=$pkg "$exe") >"$base.log" 2>&1 || rc=$?
+  echo "$rc" >"$base.rc"
+  t=$(($(date +%s%3N) - t))
+  # One binary's output at a time, whole (the lanes end at any moment).
+  {
+    flock 9
+    printf '\n     Running %s (%s, %s) — %d.%01d s, exit %d\n' "$name" "${pkg#"$PWD"/}" "$exe" \
+      $((t / 1000)) $((t % 1000 / 100)) "$rc"
+    cat "$base.log"
+  } 9>>"$RUN_TESTS_DIR/print.lock"
+}
+
 STARTED=() # the single-node servers this run started (and will stop)
 finish() {
   local rc=$? n i
@@ -109,6 +192,5 @@ env | grep '^DISTLOCK_' | sed -E 's#(://[^:/@]*:)[^@]*@#\1***@#' | sort
 
 step fmt cargo fmt --all -- --check
 step clippy cargo clippy --workspace --all-targets --all-features -- -D warnings
-# Every test binary runs even after one fails, so one run shows every failure.
-step test cargo test --workspace --all-features --no-fail-fast
+step test run_tests
 step doc env RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps --all-features
