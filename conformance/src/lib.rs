@@ -7,6 +7,7 @@ mod harness;
 pub mod logs;
 pub mod properties;
 pub mod security;
+pub mod servers;
 pub mod suite;
 mod url_props;
 

@@ -13,6 +13,7 @@ use conformance::drill::{
     CheckOptions, ClientRecorder, History, HolderEvent, HolderProcess, PendingOp, ResourceKind,
     Rule, Violation, check, holder::HolderOptions,
 };
+use conformance::servers::ServerKind;
 use lock_core::{DistributedLockExt, DynLock, FencingToken, LockGuard, LockKey, TokenDigest};
 use tokio::{sync::watch, task::JoinHandle, time::Instant};
 
@@ -562,108 +563,37 @@ pub fn seq_of(history: &History, f: impl Fn(&conformance::drill::Record) -> bool
     history.snapshot().iter().find(|r| f(r)).map(|r| r.seq)
 }
 
-/// `scripts/backends.sh` (from `$DISTLOCK_BACKENDS_SH`, else the workspace's).
-pub fn backends_sh() -> std::path::PathBuf {
-    std::env::var_os("DISTLOCK_BACKENDS_SH")
-        .filter(|p| !p.is_empty())
-        .map_or_else(
-            || std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/backends.sh"),
-            std::path::PathBuf::from,
-        )
-}
+#[allow(unused_imports)] // not every drill binary faults a server
+pub use conformance::servers::{backends, backends_sh};
 
-/// Runs `backends.sh ARGS` with `envs`; panics with its output on failure.
-pub async fn backends(envs: &[(String, String)], args: &[&str]) {
-    let out = tokio::time::timeout(
-        Duration::from_secs(90),
-        tokio::process::Command::new(backends_sh())
-            .args(args)
-            .envs(envs.iter().cloned())
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await
-    .unwrap_or_else(|_| panic!("backends.sh {args:?} timed out"))
-    .expect("run backends.sh");
-    assert!(
-        out.status.success(),
-        "backends.sh {args:?} failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// A server instance of our own (never a shared one): `backends.sh` with a private data
-/// directory and a port from the drills' ranges. Stopped and deleted when dropped.
+/// A server instance of our own (never a shared one, see [`conformance::servers`]) on a port
+/// from the drills' ranges, whose [`PrivateServer::url`] carries the drills' short timeouts.
 pub struct PrivateServer {
     pub backend: Backend,
-    pub port: u16,
-    dir: std::path::PathBuf,
-    envs: Vec<(String, String)>,
+    server: conformance::servers::PrivateServer,
 }
 
 impl PrivateServer {
     /// Starts `backend` on `port` (etcd's peer port: `port + 1`).
     pub async fn start(backend: Backend, port: u16) -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "distlock-drill-{}-{port}-{}",
-            backend.name(),
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut envs = vec![(
-            "DISTLOCK_BACKENDS_DIR".to_owned(),
-            dir.display().to_string(),
-        )];
-        let p = port.to_string();
-        match backend {
-            Backend::Redis => envs.push(("DISTLOCK_REDIS_PORT".into(), p)),
-            Backend::Etcd => {
-                envs.push(("DISTLOCK_ETCD_PORT".into(), p));
-                envs.push(("DISTLOCK_ETCD_PEER_PORT".into(), (port + 1).to_string()));
-            }
-            Backend::Zk => envs.push(("DISTLOCK_ZK_PORT".into(), p)),
-            Backend::Pg => envs.push(("DISTLOCK_PG_PORT".into(), p)),
-        }
-        let server = Self {
-            backend,
-            port,
-            dir,
-            envs,
+        let kind = match backend {
+            Backend::Redis => ServerKind::Redis,
+            Backend::Etcd => ServerKind::Etcd,
+            Backend::Zk => ServerKind::Zk,
+            Backend::Pg => ServerKind::Pg,
         };
-        server.ctl("start").await;
-        server
+        let server = conformance::servers::PrivateServer::start(kind, port).await;
+        Self { backend, server }
     }
 
-    fn instance(&self) -> &'static str {
-        self.backend.name()
-    }
-
-    /// `backends.sh ACTION <instance>` (start, kill, stop).
+    /// `backends.sh ACTION <instance>` (start, kill, stop, pause, resume).
     pub async fn ctl(&self, action: &str) {
-        backends(&self.envs, &[action, self.instance()]).await;
+        self.server.ctl(action).await;
     }
 
     /// The instance's URL with [`Backend::options`].
     pub fn url(&self) -> String {
-        let base = match self.backend {
-            Backend::Redis => format!("redis://127.0.0.1:{}", self.port),
-            Backend::Etcd => format!("etcd://127.0.0.1:{}", self.port),
-            Backend::Zk => format!("zk://127.0.0.1:{}", self.port),
-            Backend::Pg => format!("postgres://postgres@127.0.0.1:{}/distlock", self.port),
-        };
-        with_query(&base, self.backend.options())
-    }
-}
-
-impl Drop for PrivateServer {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new(backends_sh())
-            .args(["stop", self.instance()])
-            .envs(self.envs.iter().cloned())
-            .output();
-        let _ = std::fs::remove_dir_all(&self.dir);
+        with_query(&self.server.url(), self.backend.options())
     }
 }
 

@@ -7,13 +7,13 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::{
-    net::TcpListener,
     path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
     thread,
     time::{Duration, Instant},
 };
 
+use conformance::servers::{PrivateServer, ServerKind, free_port};
 use distlock::Backend;
 use serde_json::Value;
 
@@ -51,14 +51,6 @@ fn finding<'a>(report: &'a Value, name: &str) -> &'a Value {
         .as_array()
         .and_then(|f| f.iter().find(|f| f["check"] == name))
         .unwrap_or_else(|| panic!("no finding {name} in {report:#}"))
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn temp_dir(label: &str) -> PathBuf {
@@ -348,60 +340,28 @@ fn which(program: &str) -> Option<PathBuf> {
     })
 }
 
-fn backends_sh() -> PathBuf {
-    std::env::var_os("DISTLOCK_BACKENDS_SH")
-        .filter(|p| !p.is_empty())
-        .map_or_else(
-            || Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/backends.sh"),
-            PathBuf::from,
-        )
-}
-
-/// A PostgreSQL of our own, through `backends.sh` (private directory and port).
-struct PrivatePg {
-    port: u16,
-    dir: PathBuf,
-}
-
-impl PrivatePg {
-    fn ctl(&self, action: &str) -> Output {
-        Command::new(backends_sh())
-            .args([action, "pg"])
-            .env("DISTLOCK_BACKENDS_DIR", &self.dir)
-            .env("DISTLOCK_PG_PORT", self.port.to_string())
-            .output()
-            .unwrap()
-    }
-
-    fn psql(&self, sql: &str) -> String {
-        let out = Command::new("psql")
-            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
-            .args([
-                "-U",
-                "postgres",
-                "-d",
-                "distlock",
-                "-XqtA",
-                "-v",
-                "ON_ERROR_STOP=1",
-            ])
-            .args(["-c", sql])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{sql}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).trim().to_owned()
-    }
-}
-
-impl Drop for PrivatePg {
-    fn drop(&mut self) {
-        let _ = self.ctl("stop");
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+/// `psql` as the superuser on a private PostgreSQL.
+fn psql(pg: &PrivateServer, sql: &str) -> String {
+    let out = Command::new("psql")
+        .args(["-h", "127.0.0.1", "-p", &pg.port.to_string()])
+        .args([
+            "-U",
+            "postgres",
+            "-d",
+            "distlock",
+            "-XqtA",
+            "-v",
+            "ON_ERROR_STOP=1",
+        ])
+        .args(["-c", sql])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{sql}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
 #[test]
@@ -410,26 +370,20 @@ fn postgres_with_async_commit_fsync_off_and_an_unlogged_table_is_flagged() {
         assert!(!conformance::backends_required(), "psql is needed");
         return;
     }
-    let pg = PrivatePg {
-        port: free_port(),
-        dir: temp_dir("pg"),
-    };
-    let out = pg.ctl("start");
-    assert!(
-        out.status.success(),
-        "backends.sh start pg: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    // A PostgreSQL of our own, through `backends.sh` like every test server.
+    let pg = PrivateServer::start_blocking(ServerKind::Pg, free_port());
+    psql(&pg, "ALTER DATABASE distlock SET synchronous_commit = off");
+    psql(&pg, "ALTER SYSTEM SET fsync = off");
+    psql(&pg, "SELECT pg_reload_conf()");
+    psql(
+        &pg,
+        "CREATE UNLOGGED TABLE audit_unlogged (name text PRIMARY KEY)",
     );
-    pg.psql("ALTER DATABASE distlock SET synchronous_commit = off");
-    pg.psql("ALTER SYSTEM SET fsync = off");
-    pg.psql("SELECT pg_reload_conf()");
-    pg.psql("CREATE UNLOGGED TABLE audit_unlogged (name text PRIMARY KEY)");
     // The reload reaches every backend soon, not at once.
     wait_until("fsync = off", Duration::from_secs(10), || {
-        pg.psql("SHOW fsync") == "off"
+        psql(&pg, "SHOW fsync") == "off"
     });
-    let base = format!("postgres://postgres@127.0.0.1:{}/distlock", pg.port);
+    let base = pg.url();
 
     let url = format!("{base}?table=audit_unlogged");
     let (code, report, out) = check(&url, &[]);
@@ -447,11 +401,11 @@ fn postgres_with_async_commit_fsync_off_and_an_unlogged_table_is_flagged() {
     );
 
     // Fixed: the settings pass (the default table does not exist yet: created logged).
-    pg.psql("ALTER DATABASE distlock SET synchronous_commit = on");
-    pg.psql("ALTER SYSTEM SET fsync = on");
-    pg.psql("SELECT pg_reload_conf()");
+    psql(&pg, "ALTER DATABASE distlock SET synchronous_commit = on");
+    psql(&pg, "ALTER SYSTEM SET fsync = on");
+    psql(&pg, "SELECT pg_reload_conf()");
     wait_until("fsync = on", Duration::from_secs(10), || {
-        pg.psql("SHOW fsync") == "on"
+        psql(&pg, "SHOW fsync") == "on"
     });
     let (code, report, _) = check(&base, &[]);
     for name in ["table-persistence", "synchronous_commit", "fsync"] {

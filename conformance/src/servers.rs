@@ -1,0 +1,231 @@
+//! Private server instances for tests and drills, all started, faulted and stopped through the
+//! one mechanism the shared servers use: `scripts/backends.sh` (`$DISTLOCK_BACKENDS_SH`, else the
+//! workspace's), pointed at a data directory and port of the instance's own.
+//!
+//! A test that crashes, restarts, pauses or reconfigures a server uses one of these, never a
+//! shared server (other test binaries run against those at the same time). Every action is
+//! `backends.sh ACTION <instance>`: `start`, `stop` (graceful, escalating), `kill` (SIGKILL: a
+//! crash), `pause` / `resume` (SIGSTOP / SIGCONT); the instance is stopped and its directory
+//! deleted when the handle is dropped.
+//!
+//! ```no_run
+//! use conformance::servers::{PrivateServer, ServerKind};
+//!
+//! let pg = PrivateServer::start_blocking(ServerKind::Pg, conformance::servers::free_port());
+//! let url = pg.url(); // postgres://postgres@127.0.0.1:<port>/distlock
+//! pg.ctl_blocking("kill"); // crash it
+//! pg.ctl_blocking("start"); // and bring it back with its data
+//! # let _ = url;
+//! ```
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Output},
+    time::Duration,
+};
+
+/// Which server a [`PrivateServer`] runs (one `backends.sh` instance name each).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ServerKind {
+    /// `redis-server`.
+    Redis,
+    /// `etcd` (its peer port is the client port + 1).
+    Etcd,
+    /// ZooKeeper standalone.
+    Zk,
+    /// PostgreSQL, with the database `distlock` and trust authentication for `postgres`.
+    Pg,
+}
+
+impl ServerKind {
+    /// The `backends.sh` instance name.
+    pub fn name(self) -> &'static str {
+        match self {
+            ServerKind::Redis => "redis",
+            ServerKind::Etcd => "etcd",
+            ServerKind::Zk => "zk",
+            ServerKind::Pg => "pg",
+        }
+    }
+
+    /// The instance's URL on `port`, without options.
+    pub fn url(self, port: u16) -> String {
+        match self {
+            ServerKind::Redis => format!("redis://127.0.0.1:{port}"),
+            ServerKind::Etcd => format!("etcd://127.0.0.1:{port}"),
+            ServerKind::Zk => format!("zk://127.0.0.1:{port}"),
+            ServerKind::Pg => format!("postgres://postgres@127.0.0.1:{port}/distlock"),
+        }
+    }
+
+    /// The environment that gives `backends.sh` this instance's ports.
+    fn port_envs(self, port: u16) -> Vec<(String, String)> {
+        let p = port.to_string();
+        match self {
+            ServerKind::Redis => vec![("DISTLOCK_REDIS_PORT".into(), p)],
+            ServerKind::Etcd => vec![
+                ("DISTLOCK_ETCD_PORT".into(), p),
+                ("DISTLOCK_ETCD_PEER_PORT".into(), (port + 1).to_string()),
+            ],
+            ServerKind::Zk => vec![("DISTLOCK_ZK_PORT".into(), p)],
+            ServerKind::Pg => vec![("DISTLOCK_PG_PORT".into(), p)],
+        }
+    }
+}
+
+/// `scripts/backends.sh` (from `$DISTLOCK_BACKENDS_SH`, else the workspace's).
+pub fn backends_sh() -> PathBuf {
+    std::env::var_os("DISTLOCK_BACKENDS_SH")
+        .filter(|p| !p.is_empty())
+        .map_or_else(
+            || Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/backends.sh"),
+            PathBuf::from,
+        )
+}
+
+/// A port nothing listens on now (the kernel's pick; bound and released at once).
+///
+/// # Panics
+/// If no loopback port can be bound.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("bind a loopback port")
+        .port()
+}
+
+/// Runs `backends.sh ARGS` with `envs` and returns its output (a failure is the caller's to
+/// judge). `backends.sh` bounds each of its own waits (`DISTLOCK_BACKENDS_TIMEOUT`, 30 s).
+///
+/// # Panics
+/// If `backends.sh` cannot be run at all.
+pub fn backends_output(envs: &[(String, String)], args: &[&str]) -> Output {
+    Command::new(backends_sh())
+        .args(args)
+        .envs(envs.iter().cloned())
+        .output()
+        .expect("run backends.sh")
+}
+
+/// Runs `backends.sh ARGS` with `envs`; panics with its output unless it succeeds.
+///
+/// # Panics
+/// If it fails.
+pub fn backends_blocking(envs: &[(String, String)], args: &[&str]) {
+    let out = backends_output(envs, args);
+    assert!(
+        out.status.success(),
+        "backends.sh {args:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// [`backends_blocking`] from async code (off the runtime's worker), bounded at 90 s.
+///
+/// # Panics
+/// If it fails or takes longer.
+pub async fn backends(envs: &[(String, String)], args: &[&str]) {
+    let envs = envs.to_vec();
+    let owned: Vec<String> = args.iter().map(|&a| a.to_owned()).collect();
+    let run = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = owned.iter().map(String::as_str).collect();
+        backends_blocking(&envs, &args);
+    });
+    match tokio::time::timeout(Duration::from_secs(90), run).await {
+        Ok(joined) => joined.expect("backends.sh failed (see the panic above)"),
+        Err(_) => panic!("backends.sh {args:?} took more than 90 s"),
+    }
+}
+
+/// A server instance of our own (never a shared one): `backends.sh` with a private data
+/// directory and the given port. Stopped and deleted when dropped.
+#[derive(Debug)]
+pub struct PrivateServer {
+    /// What it runs.
+    pub kind: ServerKind,
+    /// Its client port.
+    pub port: u16,
+    dir: PathBuf,
+    envs: Vec<(String, String)>,
+}
+
+impl PrivateServer {
+    fn new(kind: ServerKind, port: u16) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "distlock-private-{}-{port}-{}-{:08x}",
+            kind.name(),
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        if let Err(e) = std::fs::create_dir_all(&dir) {
+            panic!("create {}: {e}", dir.display());
+        }
+        let mut envs = vec![(
+            "DISTLOCK_BACKENDS_DIR".to_owned(),
+            dir.display().to_string(),
+        )];
+        envs.extend(kind.port_envs(port));
+        Self {
+            kind,
+            port,
+            dir,
+            envs,
+        }
+    }
+
+    /// Starts `kind` on `port` (etcd's peer port: `port + 1`) and waits until it answers.
+    ///
+    /// # Panics
+    /// If it does not start.
+    pub async fn start(kind: ServerKind, port: u16) -> Self {
+        let server = Self::new(kind, port);
+        server.ctl("start").await;
+        server
+    }
+
+    /// [`PrivateServer::start`] for synchronous tests.
+    ///
+    /// # Panics
+    /// If it does not start.
+    pub fn start_blocking(kind: ServerKind, port: u16) -> Self {
+        let server = Self::new(kind, port);
+        server.ctl_blocking("start");
+        server
+    }
+
+    /// `backends.sh ACTION <instance>` (start, stop, kill, pause, resume).
+    ///
+    /// # Panics
+    /// If the action fails.
+    pub async fn ctl(&self, action: &str) {
+        backends(&self.envs, &[action, self.kind.name()]).await;
+    }
+
+    /// [`PrivateServer::ctl`] for synchronous tests.
+    ///
+    /// # Panics
+    /// If the action fails.
+    pub fn ctl_blocking(&self, action: &str) {
+        backends_blocking(&self.envs, &[action, self.kind.name()]);
+    }
+
+    /// The instance's URL, without options.
+    pub fn url(&self) -> String {
+        self.kind.url(self.port)
+    }
+
+    /// The instance's data directory (its logs are under it).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for PrivateServer {
+    fn drop(&mut self) {
+        let _ = backends_output(&self.envs, &["stop", self.kind.name()]);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
