@@ -1,16 +1,34 @@
-//! The etcd key layout of Go's `concurrency.Mutex`: `<prefix><name>/<lease id hex>`.
+//! The etcd key layout of Go's `concurrency.Mutex` and `concurrency.Election` (the same one):
+//! `<prefix><name>/<lease id hex>`.
 
 use lock_core::raw::{HolderIdentity, LockKey, OwnershipToken};
+
+/// The lock keys of elections: `lock_core::Election` campaigns on the lock `election/<name>`.
+const ELECTION_KEYS: &str = "election/";
 
 /// The range every contender of `key` writes under: `<prefix><escaped key>/`.
 ///
 /// Ordinary characters map verbatim (so `etcdctl lock <prefix>NAME` contends with the key `NAME`);
 /// `/` and `%` are percent-escaped, so no key's range contains another key's range (`"a"` never
 /// queues behind `"a/b"`) and the mapping is injective.
+///
+/// One exception, for interoperation with Go's `concurrency.Election`: the key of an election,
+/// `election/<name>`, keeps its first `/`, so its range is `<prefix>election/<escaped name>/` —
+/// the range `etcdctl elect <prefix>election/<escaped name>` campaigns in. Such a range is still
+/// no other key's (an escaped name has no `/`), and it lies inside the range of the key
+/// `election` only; that lock never counts it, because an election's keys are never shaped like
+/// its entries (see [`is_entry`]: they have a `/` after the range).
 pub(crate) fn name_prefix(prefix: &str, key: &LockKey) -> Vec<u8> {
     let mut out = String::with_capacity(prefix.len() + key.as_str().len() + 8);
     out.push_str(prefix);
-    for c in key.as_str().chars() {
+    let name = match key.as_str().strip_prefix(ELECTION_KEYS) {
+        Some(election) if !election.is_empty() => {
+            out.push_str(ELECTION_KEYS);
+            election
+        }
+        _ => key.as_str(),
+    };
+    for c in name.chars() {
         match c {
             '/' => out.push_str("%2F"),
             '%' => out.push_str("%25"),
@@ -61,15 +79,18 @@ pub(crate) fn entry_value(token: &OwnershipToken, identity: &HolderIdentity) -> 
 }
 
 /// Reads an entry's value back: the token and the identity when it is one of ours (the identity
-/// is `None` for the token-only value of an older distlock). A foreign value (`etcdctl lock` and
-/// Go's `concurrency.Mutex` put an empty one) gives neither.
+/// is `None` for the token-only value of an older distlock). A foreign value is shown as the
+/// holder's identity (sanitised by [`HolderIdentity::from_stored`]): the value a Go
+/// `concurrency.Election` campaigner (`etcdctl elect NAME VALUE`) proclaims; `etcdctl lock` and
+/// Go's `concurrency.Mutex` put an empty one, which gives none. A value that begins with what
+/// reads as a token is never shown (it could be one of ours in a form we do not know).
 pub(crate) fn parse_entry_value(value: &[u8]) -> (Option<OwnershipToken>, Option<HolderIdentity>) {
     let (hex, rest) = value.split_at(value.len().min(32));
     let Some(token) = std::str::from_utf8(hex)
         .ok()
         .and_then(|h| OwnershipToken::from_hex(h).ok())
     else {
-        return (None, None);
+        return (None, HolderIdentity::from_stored(value));
     };
     match rest.split_first() {
         None => (Some(token), None),
@@ -95,14 +116,31 @@ mod tests {
         let (t, h) = parse_entry_value(token.expose_hex().as_bytes());
         assert_eq!(t.map(|t| t.digest()), Some(token.digest()));
         assert_eq!(h, None);
-        // etcdctl lock / Go's mutex: empty; anything else foreign: neither.
-        for foreign in [&b""[..], b"x", b"\xff\xfe", &[b'a'; 40], &[b'a'; 32]] {
+        // etcdctl lock / Go's mutex: empty; unprintable or token-like: neither.
+        for foreign in [&b""[..], b"\xff\xfe", b" \n\t", &[b'a'; 40], &[b'a'; 32]] {
             let (t, h) = parse_entry_value(foreign);
             assert!(h.is_none(), "{foreign:?}");
             if foreign.len() != 32 {
                 assert!(t.is_none(), "{foreign:?}");
             }
         }
+        // Go's Election (etcdctl elect NAME VALUE): the value is the holder, sanitised.
+        for (foreign, shown) in [
+            (&b"web-1"[..], "web-1"),
+            (b"x", "x"),
+            (b"leader \x1b[1m\xffA\n", "leader [1mA"),
+            (
+                b"0123456789abcdef0123456789abcdeX tail",
+                "0123456789abcdef0123456789abcdeX tail",
+            ),
+        ] {
+            let (t, h) = parse_entry_value(foreign);
+            assert!(t.is_none(), "{foreign:?}");
+            assert_eq!(h.map(|h| h.as_str().to_owned()).as_deref(), Some(shown));
+        }
+        let long = vec![b'v'; 5000];
+        let (_, h) = parse_entry_value(&long);
+        assert_eq!(h.unwrap().as_str().len(), HolderIdentity::MAX_LEN);
         let mut tainted = token.expose_hex().into_bytes();
         tainted.extend_from_slice(b" host=a\n\x1b[1mpid=1");
         let (_, h) = parse_entry_value(&tainted);
@@ -124,15 +162,55 @@ mod tests {
 
     #[test]
     fn no_name_range_contains_another() {
-        let names = ["a", "a/b", "a/", "a%2Fb", "a%", "ab", "a b", "%", "/"];
+        let names = [
+            "a",
+            "a/b",
+            "a/",
+            "a%2Fb",
+            "a%",
+            "ab",
+            "a b",
+            "%",
+            "/",
+            "election",
+            "election/",
+            "election%2Fa",
+            "election/a",
+            "election/a/b",
+            "election/a%2Fb",
+            "election/a/",
+            "election/election/a",
+            "electiona",
+        ];
         for x in names {
             for y in names {
                 if x != y {
                     let (px, py) = (p("pre/", x), p("pre/", y));
+                    if x == "election" && y.starts_with("election/") && y.len() > 9 {
+                        // The one nesting: the lock `election` and the elections' ranges.
+                        assert!(py.starts_with(&px));
+                        let entry = entry_key(py.as_bytes(), 0xab);
+                        assert!(!is_entry(px.as_bytes(), &entry, 0xab), "{y:?}");
+                        continue;
+                    }
                     assert!(!py.starts_with(&px), "{x:?} -> {px} contains {y:?} -> {py}");
                 }
             }
         }
+    }
+
+    #[test]
+    fn an_election_maps_to_the_range_of_etcdctl_elect() {
+        // `etcdctl elect distlock/election/scheduler` campaigns under `distlock/election/scheduler/`.
+        assert_eq!(
+            p("distlock/", "election/scheduler"),
+            "distlock/election/scheduler/"
+        );
+        assert_eq!(p("", "election/a/b"), "election/a%2Fb/");
+        assert_eq!(p("x/", "election/100%"), "x/election/100%25/");
+        // Not an election's key: escaped as any other.
+        assert_eq!(p("x/", "election/"), "x/election%2F/");
+        assert_eq!(p("x/", "elections/a"), "x/elections%2Fa/");
     }
 
     #[test]
@@ -173,8 +251,12 @@ mod proptests {
     use super::*;
 
     fn key() -> impl Strategy<Value = LockKey> {
-        prop_oneof!["[ab/%2F5 .]{1,10}", "\\PC{1,30}"]
-            .prop_filter_map("valid key", |s| LockKey::new(s).ok())
+        prop_oneof![
+            "[ab/%2F5 .]{1,10}",
+            "(election/)?[ab/%2F5 .]{0,10}",
+            "\\PC{1,30}"
+        ]
+        .prop_filter_map("valid key", |s| LockKey::new(s).ok())
     }
 
     proptest! {
@@ -185,8 +267,13 @@ mod proptests {
             let ra = name_prefix(&prefix, &a);
             let rb = name_prefix(&prefix, &b);
             if a != b {
-                prop_assert!(!rb.starts_with(&ra), "{:?} contains {:?}", rb, ra);
-                prop_assert!(!entry_key(&rb, 0x694d_1234).starts_with(&ra));
+                if a.as_str() == "election" {
+                    // The lock `election` nests the elections' ranges, never counting their keys.
+                    prop_assert!(!is_entry(&ra, &entry_key(&rb, 0x694d_1234), 0x694d_1234));
+                } else {
+                    prop_assert!(!rb.starts_with(&ra), "{:?} contains {:?}", rb, ra);
+                    prop_assert!(!entry_key(&rb, 0x694d_1234).starts_with(&ra));
+                }
             }
         }
     }

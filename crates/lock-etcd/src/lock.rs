@@ -43,6 +43,12 @@ const MAX_LEASE_TTL_SECS: u64 = 9_000_000_000;
 /// revision holds the lock, and that create revision is the fencing token. `etcdctl lock
 /// <prefix>NAME` and this client exclude each other.
 ///
+/// Go's `concurrency.Election` uses the same layout, so an election (`lock_core::Election`,
+/// the lock `election/NAME`) is the election `etcdctl elect <prefix>election/NAME` campaigns in
+/// (`/` and `%` in NAME percent-escaped): each side waits for the other, and
+/// [`inspect`](lock_core::raw::Driver::inspect) reports a Go leader's proclaimed value as its
+/// holder and its key's create revision (its `Rev()`) as its fencing token.
+///
 /// All locks one client takes with the same TTL (in whole seconds) share one etcd lease (a
 /// session), so keeping N held locks alive costs about one keepalive per renewal round, not N,
 /// plus one batched read (up to 128 entries per txn) that proves each renewed entry still exists.
@@ -584,7 +590,7 @@ impl Driver for EtcdLock {
             return Ok(None);
         };
         // The owner entry's own value: its identity was written with it, so it can never be a
-        // previous holder's.
+        // previous holder's. A Go election's leader: the value it proclaimed.
         let (token, holder) = keys::parse_entry_value(kv.value());
         let token_digest = token.map(|t| t.digest());
         let ttl_remaining = if kv.lease() != 0 {
