@@ -157,6 +157,7 @@ cmd_install() {
   need etcd-server command -v etcd
   need etcd-client command -v etcdctl
   need zookeeper test -f /usr/share/java/zookeeper.jar
+  need libcurator-recipes-java test -f /usr/share/java/curator-recipes.jar
   need postgresql pg_bindir
   command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)
   need protobuf-compiler command -v protoc

@@ -29,6 +29,11 @@ use crate::{
 ///
 /// See the crate documentation for the recipe, the TTL rules and the failure semantics.
 /// Cloning is cheap; clones share the session.
+///
+/// An election (`lock_core::Election`, the lock `election/NAME`) is the election of Curator's
+/// `LeaderSelector` on the leader path `<root>/election/NAME` (an InterProcessMutex there, the
+/// participant id as each node's data): each side waits for the other, and `inspect` reports a
+/// Curator leader's participant id as its holder and its node's czxid as its fencing token.
 #[derive(Clone)]
 pub struct ZkLock {
     pub(crate) inner: Arc<Inner>,

@@ -7,6 +7,14 @@
 //! dots encoded. Everything else maps verbatim, so a Curator client locking `<root>/orders` and a
 //! distlock client locking the key `orders` contend for the same lock. Because `%` is always
 //! encoded, the mapping is injective: distinct keys never share a directory.
+//!
+//! One exception, for interoperation with Curator's `LeaderSelector` (which is an
+//! InterProcessMutex on its leader path, the participant id as each node's data): an election's
+//! key `election/<name>` (`lock_core::Election`) maps to the directory
+//! `<root>/election/<escaped name>`, the leader path a Curator client passes for it. In that
+//! segment `lock-` is also written `lock%2D`, so that no election directory is ever taken for a
+//! contender node of the lock `election` (whose directory holds them); `%2D` is never produced by
+//! the escaping otherwise, so the mapping stays injective.
 
 use lock_core::raw::{LockKey, OwnershipToken, TokenDigest};
 
@@ -15,9 +23,19 @@ const PROTECTED_PREFIX: &str = "_c_";
 /// Curator's InterProcessMutex lock name.
 pub(crate) const LOCK_NAME: &str = "lock-";
 
-/// The directory holding the contenders for `key`.
+/// The lock keys of elections: `lock_core::Election` campaigns on the lock `election/<name>`.
+const ELECTION_KEYS: &str = "election/";
+
+/// The directory holding the contenders for `key`: `<root>/<escaped key>`, or
+/// `<root>/election/<escaped name>` for an election's key (see the module docs).
 pub(crate) fn lock_dir(root: &str, key: &LockKey) -> String {
-    format!("{root}/{}", escape_segment(key.as_str()))
+    match key.as_str().strip_prefix(ELECTION_KEYS) {
+        Some(name) if !name.is_empty() => format!(
+            "{root}/{ELECTION_KEYS}{}",
+            escape_segment(name).replace(LOCK_NAME, "lock%2D")
+        ),
+        _ => format!("{root}/{}", escape_segment(key.as_str())),
+    }
 }
 
 /// `_c_<uuid>-lock-`: the name prefix of our contender node for one acquisition (ZooKeeper
@@ -140,6 +158,42 @@ mod tests {
         }
     }
 
+    fn dir(key: &str) -> String {
+        lock_dir("/distlock", &LockKey::new(key).unwrap())
+    }
+
+    #[test]
+    fn an_election_maps_to_the_leader_path_of_curator() {
+        // `new LeaderSelector(client, "/distlock/election/scheduler", listener)`.
+        assert_eq!(dir("election/scheduler"), "/distlock/election/scheduler");
+        assert_eq!(dir("election/a/b"), "/distlock/election/a%2Fb");
+        assert_eq!(dir("election/.."), "/distlock/election/%2E%2E");
+        assert_eq!(dir("election/my-lock-1"), "/distlock/election/my-lock%2D1");
+        assert_eq!(dir("election/lock%2D"), "/distlock/election/lock%252D");
+        // Not an election's key: one segment as any other.
+        assert_eq!(dir("election"), "/distlock/election");
+        assert_eq!(dir("election/"), "/distlock/election%2F");
+        assert_eq!(dir("elections/a"), "/distlock/elections%2Fa");
+    }
+
+    #[test]
+    fn no_election_directory_is_a_contender_of_the_lock_election() {
+        for name in [
+            "lock-",
+            "a-lock-1",
+            "lock-lock-",
+            "x",
+            "_c_00000000-0000-0000-0000-000000000000-lock-0000000001",
+        ] {
+            let path = dir(&format!("election/{name}"));
+            let child = path.strip_prefix("/distlock/election/").unwrap();
+            assert!(
+                sorted_contenders(vec![child.to_owned()]).is_empty(),
+                "{path}"
+            );
+        }
+    }
+
     #[test]
     fn node_names_follow_curator() {
         let t = OwnershipToken::generate();
@@ -174,8 +228,12 @@ mod proptests {
     use super::*;
 
     fn key() -> impl Strategy<Value = LockKey> {
-        prop_oneof!["[a/%.2EF ]{1,8}", "\\PC{1,30}"]
-            .prop_filter_map("valid key", |s| LockKey::new(s).ok())
+        prop_oneof![
+            "[a/%.2EF ]{1,8}",
+            "(election/)?[lock/%.2DEF -]{0,12}",
+            "\\PC{1,30}"
+        ]
+        .prop_filter_map("valid key", |s| LockKey::new(s).ok())
     }
 
     proptest! {
@@ -186,8 +244,18 @@ mod proptests {
             prop_assert!(!sa.is_empty() && !sa.contains('/') && sa != "." && sa != "..");
             let illegal = |c: char| c == '\0' || ('\u{e000}'..='\u{f8ff}').contains(&c) || c >= '\u{fff0}';
             prop_assert!(!sa.chars().any(illegal), "illegal character in {:?}", sa);
+            let dir = lock_dir("/distlock", &a);
+            let segments: Vec<&str> = dir.split('/').skip(2).collect();
+            prop_assert!(segments.len() <= 2, "{:?}", dir);
+            for s in &segments {
+                prop_assert!(!s.is_empty() && *s != "." && *s != ".." && !s.chars().any(illegal), "{:?}", dir);
+            }
+            if segments.len() == 2 {
+                // An election's directory is never a contender of the lock `election`.
+                prop_assert!(segments[0] == "election" && !segments[1].contains(LOCK_NAME), "{:?}", dir);
+            }
             if a != b {
-                prop_assert_ne!(lock_dir("/distlock", &a), lock_dir("/distlock", &b));
+                prop_assert_ne!(dir, lock_dir("/distlock", &b));
             }
         }
     }
