@@ -51,15 +51,27 @@
 //!
 //! [`Election::campaign`] / [`Leadership::resign`] / [`Election::leader`] / [`Election::observe`]
 //! map to etcd's `concurrency.Election` (`Campaign`, `Resign`, `Leader`, `Observe`) and to
-//! Apache Curator's `LeaderLatch` (`await`, `close`, `getLeader`, a listener). Unlike those (and
-//! client-go's `leaderelection`), every leadership has a term that fences by default: pass
-//! [`Leadership::term`] to the protected resource with each write, so that a leader that was
-//! paused past its lease and deposed has its late writes refused.
+//! Apache Curator's `LeaderSelector` (`start` until `takeLeadership` is called, returning from
+//! it, `getLeader`, a listener). Unlike those (and client-go's `leaderelection`), every
+//! leadership has a term that fences by default: pass [`Leadership::term`] to the protected
+//! resource with each write, so that a leader that was paused past its lease and deposed has its
+//! late writes refused.
 //!
-//! It does **not** interoperate with them: the election is our lock under the key
-//! `election/<name>` in each backend's lock layout, not etcd's election prefix (so not with
-//! `etcdctl elect`) nor a Curator recipe's nodes. `etcdctl lock` and Curator's
-//! `InterProcessMutex` on the same mapped name do exclude it, as with any of our locks.
+//! On etcd and ZooKeeper it **interoperates** with them: the drivers put the lock
+//! `election/<name>` where the native recipe keeps the election of that path, and that recipe
+//! is the same mutex as our lock, so each side waits for the other and [`Election::leader`]
+//! reports a foreign leader (its value as [`Leader::holder`], its create revision / czxid as the
+//! term):
+//!
+//! | backend | the election `<name>` is | a foreign leader's value |
+//! |---|---|---|
+//! | etcd, key prefix `P` (`distlock/`) | `etcdctl elect Pelection/<name>` (Go's `concurrency.Election` on that prefix) | what it proclaimed |
+//! | ZooKeeper, root `R` (`/distlock`) | Curator's `LeaderSelector` on the leader path `R/election/<name>` | its participant id |
+//!
+//! `/` and `%` in `<name>` are percent-escaped as in any lock key (and `lock-` is written
+//! `lock%2D` on ZooKeeper). Our leader's value as they see it is what our entry stores: on etcd
+//! `<token hex> <identity>`, on ZooKeeper the identity. Curator's `LeaderLatch` (its `latch-`
+//! nodes) does not interoperate. On Redis and PostgreSQL the election is our lock only.
 //!
 //! # What is not here
 //!
