@@ -260,6 +260,17 @@ mod proptests {
     }
 
     proptest! {
+        /// Any value under an election's range (a foreign campaigner's, any bytes) reads back
+        /// without a panic, as printable text of bounded length or nothing.
+        #[test]
+        fn any_entry_value_reads_back_safely(value in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let (_, holder) = parse_entry_value(&value);
+            if let Some(h) = holder {
+                prop_assert!(h.as_str().len() <= HolderIdentity::MAX_LEN);
+                prop_assert!(h.as_str().bytes().all(|b| b.is_ascii_graphic() || b == b' '));
+            }
+        }
+
         /// A key's contender range never contains (or equals) another key's range, so locks never
         /// collide or queue behind each other.
         #[test]
