@@ -58,8 +58,8 @@ Private distlock test servers on 127.0.0.1 (data, pids and logs under \$DISTLOCK
 now: $DIR).
 
 Commands:
-  install          apt-get install whatever is missing (redis, etcd, zookeeper, postgresql, java,
-                   protobuf-compiler + libprotobuf-dev, netcat-openbsd); never upgrades. Needs root
+  install          apt-get install whatever is missing (redis, etcd, zookeeper, curator, postgresql, a JDK,
+                   protobuf-compiler + libprotobuf-dev, netcat-openbsd, jq); never upgrades. Needs root
                    (or sudo) only when something is missing.
   up               start the single-node servers that are not running and wait until each answers:
                      redis  127.0.0.1:$REDIS_PORT   (Redis, no persistence)
@@ -159,7 +159,8 @@ cmd_install() {
   need zookeeper test -f /usr/share/java/zookeeper.jar
   need libcurator-recipes-java test -f /usr/share/java/curator-recipes.jar
   need postgresql pg_bindir
-  command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)
+  # java runs ZooKeeper; javac compiles lock-zk's Curator interop client (tests/curator_election.rs).
+  command -v java >/dev/null 2>&1 && command -v javac >/dev/null 2>&1 || missing+=(openjdk-17-jdk-headless)
   need protobuf-compiler command -v protoc
   need libprotobuf-dev test -f /usr/include/google/protobuf/descriptor.proto
   need netcat-openbsd command -v nc
