@@ -7,7 +7,7 @@
 //! - **with job mode** (`at_least` = 2.2 s, between the largest skew and the period): every
 //!   period runs exactly once — also the period in which the instance that got the lock dies
 //!   mid-job (its link blackholed: nothing it sends arrives, its release included), after which
-//!   it never fires again. Backends without `keep_until` (etcd and ZooKeeper today) must refuse
+//!   it never fires again. Backends without `keep_until` (ZooKeeper today) must refuse
 //!   `at_least` before any I/O; the drill says so and checks the refusal.
 //! - **without it** (plain skip-if-held): the duplicates the article starts from — the 100 ms
 //!   job is long released when the next instance's timer fires, so periods run more than once.

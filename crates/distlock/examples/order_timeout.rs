@@ -40,8 +40,8 @@
 //! cargo run -p distlock --example order_timeout -- --periodic --no-at-least  # the duplicates
 //! ```
 //!
-//! etcd and ZooKeeper do not keep a lease past its holder yet (`Capabilities::keep_until`
-//! false): there the at-least mode reports the coordinator's `Unsupported` error.
+//! ZooKeeper does not keep a lease past its holder (`Capabilities::keep_until` false): there the
+//! at-least mode reports the coordinator's `Unsupported` error.
 
 use std::{
     collections::hash_map::RandomState,

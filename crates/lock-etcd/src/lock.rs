@@ -108,6 +108,9 @@ impl EtcdLock {
             fair_queue: true,
             lost_notify: true,
             force_release: true,
+            // Job mode's at_least: the session lease is granted for at least at_least and kept
+            // alive once more when the job ends (README, "How this driver keeps the invariant").
+            keep_until: true,
             min_ttl,
             max_ttl: Duration::from_secs(MAX_LEASE_TTL_SECS),
             ttl_granularity: Duration::from_secs(1),

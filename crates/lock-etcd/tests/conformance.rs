@@ -67,5 +67,4 @@ async fn setup() -> Option<Harness> {
 
 conformance::conformance_tests!(setup; skip: {
     fences_stay_exact_across_2_pow_53_and_up_to_i64_max: "fences are etcd revisions, which cannot be set",
-    at_least_outlives_the_job_and_the_holders_exit: "keep_until not claimed: etcd leases are sessions shared by a client's locks and kept alive while it lives (a dedicated lease per kept lock is the way; not built yet)",
 });
