@@ -651,9 +651,17 @@ pub(crate) async fn renew(inner: &Inner, lease: &mut Lease, ttl: Duration) -> Re
         phase.base
     };
     let until = Instant::now() + inner.timeout();
+    // A keepalive sent up to a quarter TTL ago (a neighbour's) confirms this renewal too. A
+    // shorter ttl than the session's (job mode's keep_until: hold until `now + ttl` even if
+    // this process dies now) takes one sent at most `granted - ttl` ago, so that etcd keeps the
+    // entry until at least its send time + `granted` >= now + ttl.
+    let max_age = match held.session.granted.checked_sub(ttl) {
+        Some(spare) if !spare.is_zero() => spare.min(ttl / 4),
+        _ => ttl / 4,
+    };
     let base = match held
         .session
-        .keep_alive(ttl / 4, Some(previous), until)
+        .keep_alive(max_age, Some(previous), until)
         .await
     {
         Ok(base) => base,
