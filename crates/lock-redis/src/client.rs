@@ -187,7 +187,26 @@ impl Conn {
         }
     }
 
-    /// Whether this connection speaks to a Cluster (renewals are then grouped by slot).
+    /// On a Cluster: subscribes to the shard channel `channel` (`SSUBSCRIBE`) on the node
+    /// serving its slot; the cluster client subscribes again after a reconnect or a slot move
+    /// it learns of (a slot refresh), on the slot's node then.
+    pub(crate) async fn ssubscribe(&self, channel: &[u8]) -> RedisResult<()> {
+        match self {
+            Self::Cluster(c) => c.clone().ssubscribe(channel).await,
+            Self::Single(_) | Self::Sentinel(_) => Err(not_a_cluster()),
+        }
+    }
+
+    /// On a Cluster: ends the shard subscription `channel` (`SUNSUBSCRIBE`).
+    pub(crate) async fn sunsubscribe(&self, channel: &[u8]) -> RedisResult<()> {
+        match self {
+            Self::Cluster(c) => c.clone().sunsubscribe(channel).await,
+            Self::Single(_) | Self::Sentinel(_) => Err(not_a_cluster()),
+        }
+    }
+
+    /// Whether this connection speaks to a Cluster (renewals are then grouped by slot; wake-ups
+    /// go by sharded pub/sub).
     pub(crate) fn is_cluster(&self) -> bool {
         matches!(self, Self::Cluster(_))
     }
@@ -475,6 +494,15 @@ pub(crate) fn is_read_only(e: &RedisError) -> bool {
     e.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly)
         || e.to_string()
             .contains("READONLY You can't write against a read only replica")
+}
+
+/// Sharded pub/sub is used on a Cluster only (a single server would accept it, but the wake
+/// channel there is the client's own, subscribed once).
+fn not_a_cluster() -> RedisError {
+    RedisError::from((
+        ErrorKind::Client,
+        "sharded pub/sub is used on a Cluster connection only",
+    ))
 }
 
 /// A failure before anything reached the master: `Unavailable`, never an unknown outcome.

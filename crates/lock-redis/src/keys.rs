@@ -62,6 +62,14 @@ impl KeyNames {
         name.extend_from_slice(prefix.as_bytes());
         derived_key(&self.lock, &name)
     }
+
+    /// On a Cluster, the prefix of this lock's shard wake channels (`<prefix><client id>`, see
+    /// [`crate::wake`]): in the lock key's hash slot, so a release script may `SPUBLISH` to it
+    /// and a waiter `SSUBSCRIBE`s on the slot's own node. (Channels are not keys: the name
+    /// cannot collide with a lock.)
+    pub(crate) fn wake_prefix(&self) -> Vec<u8> {
+        derived_key(&self.lock, b"wake:")
+    }
 }
 
 /// A key belonging to the lock (`fence`, `waiters`), in the lock key's hash slot.
@@ -230,6 +238,10 @@ mod tests {
                 let undone = n.undone("0123456789abcdef0123456789abcdef:");
                 assert_eq!(key_slot(&undone), key_slot(&n.lock), "{ns:?} {key:?}");
                 assert!(seen.insert(undone), "undo marker {ns:?} {key:?}");
+                let mut wake = n.wake_prefix();
+                wake.extend_from_slice(b"0123456789abcdef");
+                assert_eq!(key_slot(&wake), key_slot(&n.lock), "{ns:?} {key:?}");
+                assert!(seen.insert(wake), "wake channel {ns:?} {key:?}");
             }
         }
     }
@@ -280,6 +292,7 @@ mod proptests {
             let na = KeyNames::new(&ns, &a);
             let nb = KeyNames::new(&ns, &b);
             prop_assert_eq!(key_slot(&na.lock), key_slot(&na.fence()));
+            prop_assert_eq!(key_slot(&na.lock), key_slot(&[na.wake_prefix(), b"0123abcd".to_vec()].concat()));
             prop_assert_ne!(&na.lock, &nb.fence());
             prop_assert_ne!(&na.fence(), &na.lock);
             prop_assert_ne!(&na.queue(), &nb.fence());

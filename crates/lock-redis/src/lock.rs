@@ -336,13 +336,13 @@ impl RedisLock {
             .run(
                 self.inner
                     .scripts
-                    .force_release
+                    .force_release(self.inner.conn.is_cluster())
                     .key(&names.lock)
                     .key(names.queue())
                     .key(names.fence())
                     .key(names.holder())
                     .arg(fence)
-                    .arg(WAKE_CHANNEL_PREFIX)
+                    .arg(wake_channel_prefix(&self.inner.conn, &names))
                     .invoke_async::<i64>(&mut self.inner.conn.clone()),
                 None,
             )
@@ -369,7 +369,10 @@ async fn release_by_prefix(
     marker: Option<Duration>,
     until: Option<Instant>,
 ) -> Result<bool, Failure> {
-    let mut invocation = inner.scripts.release.key(&names.lock);
+    let mut invocation = inner
+        .scripts
+        .release(inner.conn.is_cluster())
+        .key(&names.lock);
     invocation
         .key(names.queue())
         .key(names.fence())
@@ -379,7 +382,7 @@ async fn release_by_prefix(
     }
     invocation
         .arg(prefix)
-        .arg(WAKE_CHANNEL_PREFIX)
+        .arg(wake_channel_prefix(&inner.conn, names))
         .arg(marker.map_or(0, ttl_millis))
         .arg(leaving);
     let mut conn = inner.conn.clone();
@@ -389,6 +392,16 @@ async fn release_by_prefix(
     )
     .await
     .map(|n| n == 1)
+}
+
+/// The prefix of the wake channels a release of `names` publishes to (`<prefix><client id>`):
+/// the client-wide one, or on a Cluster the lock's shard channels (see [`crate::wake`]).
+fn wake_channel_prefix(conn: &Conn, names: &KeyNames) -> Vec<u8> {
+    if conn.is_cluster() {
+        names.wake_prefix()
+    } else {
+        WAKE_CHANNEL_PREFIX.to_vec()
+    }
 }
 
 /// What undoes one request whose grant (or registration) nobody will use: a compare-and-delete
@@ -533,7 +546,8 @@ impl Driver for RedisLock {
         }
     }
 
-    /// Tries at once; when the key is held, subscribes to the client's wake channel, tries
+    /// Tries at once; when the key is held, subscribes to the client's wake channel (on a
+    /// Cluster: the lock's shard channel, on the slot's node), tries
     /// again (registering in the lock's waiter queue; a release may have happened in between)
     /// and then sleeps until a release grants it the lock (returned from the grant message
     /// alone), the holder's TTL runs out, the jittered fallback poll fires or the deadline
@@ -563,6 +577,18 @@ impl Driver for RedisLock {
         let mut registration: Option<Registration> = None;
         let result = async {
             loop {
+                if let Some(r) = &registration {
+                    // On a Cluster, a shard subscription the server dropped (its slot moved) is
+                    // taken again before the attempt, so a release after it is heard.
+                    let until = request_until(&self.inner.config, Some(deadline));
+                    match timeout_at(until, r.watch.subscribe_shard()).await {
+                        Ok(Ok(())) => {}
+                        Err(_) if Instant::now() >= deadline => return Err(wait.timeout()),
+                        Ok(Err(_)) | Err(_) => {
+                            tracing::debug!(%key, "cannot subscribe to wake-ups again; polling");
+                        }
+                    }
+                }
                 let sent_at = Instant::now();
                 let waiting = registration.as_mut().map(|r| r.next_attempt(ttl));
                 let outcome = self.attempt(key, ttl, waiting.as_ref(), Some(deadline)).await;
@@ -606,7 +632,10 @@ impl Driver for RedisLock {
                 };
                 if !subscribed_once {
                     subscribed_once = true;
-                    match timeout_at(deadline, self.inner.wakeups.watch(&self.inner.conn)).await {
+                    let names = self.names(key);
+                    match timeout_at(deadline, self.inner.wakeups.watch(&self.inner.conn, &names))
+                        .await
+                    {
                         Ok(Ok(w)) => {
                             registration =
                                 Some(Registration::new(self.inner.clone(), self.names(key), ttl, w));

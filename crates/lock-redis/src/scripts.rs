@@ -115,8 +115,9 @@ return redis.call('PTTL', KEYS[1])
 ";
 
 /// Hands a just-freed lock to the oldest live waiter. Expects the locals `lock`, `queue`,
-/// `counter`, `holder` (key names) and `channel` (the wake channel prefix,
-/// `distlock\x1fwake:`).
+/// `counter`, `holder` (key names) and `channel` (the wake channel prefix: the client-wide
+/// `distlock\x1fwake:` with `PUBLISH`, or on a Cluster the lock's own prefix in its slot with
+/// `SPUBLISH`, see [`crate::wake`]; `$publish` names the command).
 ///
 /// Does nothing when the queue key is not a sorted set (none of our waiters can be queued
 /// there), so that a release that already deleted the lock never fails after it. Otherwise it
@@ -128,8 +129,9 @@ return redis.call('PTTL', KEYS[1])
 /// that message alone. An old-form member (or any member when the counter is unusable) gets
 /// the message `<waiter id>`, a wake-up, and tries by itself.
 macro_rules! grant_next {
-    () => {
-        r"
+    ($publish:literal) => {
+        concat!(
+            r"
   local first = {}
   if redis.call('TYPE', queue).ok == 'zset' then
     local now = redis.call('TIME')
@@ -166,13 +168,18 @@ macro_rules! grant_next {
         value = value .. ':w'
       end
       redis.call('SET', lock, value, 'PX', ttl)
-      redis.call('PUBLISH', channel .. client,
+      redis.call('",
+            $publish,
+            r"', channel .. client,
         waiter .. ':' .. seq .. ':' .. fence)
     elseif client then
-      redis.call('PUBLISH', channel .. client, waiter)
+      redis.call('",
+            $publish,
+            r"', channel .. client, waiter)
     end
   end
 "
+        )
     };
 }
 
@@ -208,8 +215,10 @@ return out
 /// The marker makes a clean-up final once answered: a request it undoes that reaches the
 /// server only afterwards (delayed on a connection the client has since replaced) finds the
 /// marker and does nothing, so one answer, on whichever connection, is enough.
-const RELEASE: &str = concat!(
-    r"
+macro_rules! release_script {
+    ($publish:literal) => {
+        concat!(
+            r"
 local lock, queue, counter, holder, channel = KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2]
 if KEYS[5] then
   redis.call('SET', KEYS[5], '1', 'PX', ARGV[3])
@@ -222,21 +231,30 @@ if type(value) == 'string' and string.sub(value, 1, #ARGV[1]) == ARGV[1] then
   redis.call('DEL', lock, holder)
   if string.sub(value, -2) == ':w' then
 ",
-    grant_next!(),
-    r"
+            grant_next!($publish),
+            r"
   end
   return 1
 end
 return 0
 "
-);
+        )
+    };
+}
+
+const RELEASE: &str = release_script!("PUBLISH");
+/// `RELEASE` with the Cluster's sharded `SPUBLISH` (the channel prefix ARGV[2] is then the
+/// lock's own, in its slot: see [`crate::wake`]).
+const RELEASE_SHARDED: &str = release_script!("SPUBLISH");
 
 /// KEYS: lock, waiter queue, fence counter, holder key. ARGV: the holder's fence (empty: any
 /// holder), wake channel prefix. The operator override: deletes whoever holds the lock (any client's value)
 /// — or, with a fence, only our grant with that fence — and hands it to the next waiter.
 /// Returns 1 when something was deleted.
-const FORCE_RELEASE: &str = concat!(
-    r"
+macro_rules! force_release_script {
+    ($publish:literal) => {
+        concat!(
+            r"
 local lock, queue, counter, holder, channel = KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2]
 if ARGV[1] ~= '' then
   local value = redis.pcall('GET', lock)
@@ -247,13 +265,19 @@ end
 if redis.call('DEL', lock) == 1 then
   redis.call('DEL', holder)
 ",
-    grant_next!(),
-    r"
+            grant_next!($publish),
+            r"
   return 1
 end
 return 0
 "
-);
+        )
+    };
+}
+
+const FORCE_RELEASE: &str = force_release_script!("PUBLISH");
+/// `FORCE_RELEASE` with the Cluster's sharded `SPUBLISH`.
+const FORCE_RELEASE_SHARDED: &str = force_release_script!("SPUBLISH");
 
 /// KEYS: lock, fence counter, waiter queue, holder key. Returns nil when free, else `{value,
 /// pttl, counter, waiters, holder}` (value is empty when the key is not a string, counter and
@@ -293,6 +317,9 @@ pub(crate) struct Scripts {
     pub(crate) release: Script,
     pub(crate) inspect: Script,
     pub(crate) force_release: Script,
+    /// On a Cluster: the same with `SPUBLISH` to the lock's shard channel.
+    pub(crate) release_sharded: Script,
+    pub(crate) force_release_sharded: Script,
 }
 
 impl Scripts {
@@ -303,6 +330,26 @@ impl Scripts {
             release: Script::new(RELEASE),
             inspect: Script::new(INSPECT),
             force_release: Script::new(FORCE_RELEASE),
+            release_sharded: Script::new(RELEASE_SHARDED),
+            force_release_sharded: Script::new(FORCE_RELEASE_SHARDED),
+        }
+    }
+
+    /// The release script for a connection (`sharded`: a Cluster's).
+    pub(crate) fn release(&self, sharded: bool) -> &Script {
+        if sharded {
+            &self.release_sharded
+        } else {
+            &self.release
+        }
+    }
+
+    /// The force-release script for a connection (`sharded`: a Cluster's).
+    pub(crate) fn force_release(&self, sharded: bool) -> &Script {
+        if sharded {
+            &self.force_release_sharded
+        } else {
+            &self.force_release
         }
     }
 }

@@ -1,14 +1,25 @@
 //! The coordinator's push channel: grant messages and wake-ups for waiting `acquire`s, one
 //! waiter per release, not a herd.
 //!
-//! Each client has a random id and subscribes (once, on its first wait) to its own wake channel
-//! `distlock\x1fwake:<client id>` on its one RESP3 connection (push messages, no extra
-//! connection). A waiting `acquire` gets a waiter id; its attempts register it in the lock's
-//! waiter queue (see the scripts for the member's form). A release pops the oldest live
-//! registration, hands it the lock and publishes `<waiter id>:<seq>:<fence>` on that client's
-//! channel (an old-form registration gets `<waiter id>`, a bare wake-up). A disconnect wakes
-//! every waiter of the client so each retries at once (an attempt also finds a grant whose
-//! message was lost); the connection manager re-subscribes after reconnecting.
+//! Each client has a random id. On one server or a Sentinel-managed master it subscribes (once,
+//! on its first wait) to its own wake channel `distlock\x1fwake:<client id>` on its one RESP3
+//! connection (push messages, no extra connection). On a Cluster the channel is the lock's:
+//! `<the lock's wake prefix><client id>` (e.g. `{distlock:orders}\x1fwake:<client id>`, see
+//! [`crate::keys::KeyNames::wake_prefix`]), in the lock key's hash slot, subscribed with
+//! sharded pub/sub (`SSUBSCRIBE`, Redis 7) on the node serving that slot while the client has a
+//! waiter of that lock, and unsubscribed (`SUNSUBSCRIBE`) when its last one ends; the release
+//! scripts `SPUBLISH` to it, so a wake-up travels only within the slot's shard instead of
+//! across the whole cluster bus.
+//!
+//! A waiting `acquire` gets a waiter id; its attempts register it in the lock's waiter queue
+//! (see the scripts for the member's form). A release pops the oldest live registration, hands
+//! it the lock and publishes `<waiter id>:<seq>:<fence>` on that client's channel (an old-form
+//! registration gets `<waiter id>`, a bare wake-up). A disconnect wakes every waiter of the
+//! client so each retries at once (an attempt also finds a grant whose message was lost); the
+//! connection manager (on a Cluster: the cluster client, on the slot's new master) subscribes
+//! again after reconnecting. A shard channel the server unsubscribed by itself (its slot moved
+//! to another node, a master demoted) wakes its waiters and is subscribed again, on the slot's
+//! current node, before their next attempt.
 
 use std::{
     collections::HashMap,
@@ -22,7 +33,7 @@ use lock_core::raw::handoff::{Grant, Message};
 use redis::{PushInfo, PushKind, Value};
 use tokio::sync::Notify;
 
-use crate::client::Conn;
+use crate::{client::Conn, keys::KeyNames};
 
 /// The prefix of every client's wake channel (the release script builds the same name).
 pub(crate) const WAKE_CHANNEL_PREFIX: &[u8] = b"distlock\x1fwake:";
@@ -36,7 +47,21 @@ pub(crate) struct Registry {
     waiters: Mutex<HashMap<u64, Arc<Slot>>>,
     /// Whether the wake channel subscription was confirmed (serialized: one SUBSCRIBE).
     subscribed: tokio::sync::Mutex<bool>,
+    /// On a Cluster: the shard channels of the locks this client waits for.
+    shards: Mutex<HashMap<Vec<u8>, Shard>>,
+    /// Serializes `SSUBSCRIBE` and `SUNSUBSCRIBE`, so that an unsubscription of a channel
+    /// whose last waiter left never overtakes the subscription of a new waiter.
+    shard_requests: tokio::sync::Mutex<()>,
     next_id: AtomicU64,
+}
+
+/// One shard channel of a Cluster client.
+#[derive(Debug, Default)]
+struct Shard {
+    /// The waiters of this lock in this client.
+    waiters: usize,
+    /// The server confirmed the subscription and has not unsubscribed it since.
+    subscribed: bool,
 }
 
 impl Default for Registry {
@@ -49,6 +74,8 @@ impl Default for Registry {
             channel,
             waiters: Mutex::default(),
             subscribed: tokio::sync::Mutex::new(false),
+            shards: Mutex::default(),
+            shard_requests: tokio::sync::Mutex::new(()),
             next_id: AtomicU64::new(1),
         }
     }
@@ -59,11 +86,19 @@ impl Registry {
         self.waiters.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    fn shards(&self) -> MutexGuard<'_, HashMap<Vec<u8>, Shard>> {
+        self.shards.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     fn dispatch(&self, info: PushInfo) {
         match info.kind {
-            PushKind::Message => {
+            PushKind::Message | PushKind::SMessage => {
                 if let [Value::BulkString(channel), Value::BulkString(payload), ..] = &info.data[..]
-                    && *channel == self.channel
+                    && (if info.kind == PushKind::Message {
+                        *channel == self.channel
+                    } else {
+                        self.shards().contains_key(channel)
+                    })
                     && let Some(message) = Message::parse(payload)
                     && let Some(slot) = self.waiters().get(&message.waiter())
                 {
@@ -71,6 +106,27 @@ impl Registry {
                         *slot.grant() = Some(grant);
                     }
                     slot.notify.notify_one();
+                }
+            }
+            // The server dropped a shard subscription (the slot moved, the node was demoted),
+            // or confirmed our own unsubscription: its waiters (if any) subscribe again on the
+            // slot's current node and try at once (a grant message may have been missed).
+            PushKind::SUnsubscribe => {
+                if let Some(Value::BulkString(channel)) = info.data.first() {
+                    let lost = match self.shards().get_mut(channel) {
+                        Some(shard) if shard.waiters > 0 => {
+                            shard.subscribed = false;
+                            true
+                        }
+                        _ => false,
+                    };
+                    if lost {
+                        tracing::debug!("a wake-up shard channel was unsubscribed by the server");
+                        self.waiters()
+                            .values()
+                            .filter(|s| s.shard.as_deref() == Some(channel.as_slice()))
+                            .for_each(|s| s.notify.notify_one());
+                    }
                 }
             }
             PushKind::Disconnection => self.wake_all(),
@@ -84,23 +140,98 @@ impl Registry {
         self.waiters().values().for_each(|s| s.notify.notify_one());
     }
 
-    /// Registers a waiter and makes sure the client's wake channel is subscribed: returns once
-    /// the server has confirmed the subscription, so a wake-up published afterwards is seen.
-    pub(crate) async fn watch(self: &Arc<Self>, conn: &Conn) -> redis::RedisResult<Watch> {
+    /// Registers a waiter of the lock `names` and makes sure its wake channel is subscribed
+    /// (on a Cluster, the lock's shard channel): returns once the server has confirmed the
+    /// subscription, so a wake-up published afterwards is seen.
+    pub(crate) async fn watch(
+        self: &Arc<Self>,
+        conn: &Conn,
+        names: &KeyNames,
+    ) -> redis::RedisResult<Watch> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let slot = Arc::new(Slot::default());
+        let shard = conn.is_cluster().then(|| {
+            let mut channel = names.wake_prefix();
+            channel.extend_from_slice(self.client_id.as_bytes());
+            self.shards().entry(channel.clone()).or_default().waiters += 1;
+            channel
+        });
+        let slot = Arc::new(Slot {
+            shard: shard.clone(),
+            ..Slot::default()
+        });
         self.waiters().insert(id, slot.clone());
+        // From here on, dropping the watch undoes the registration (and the shard's count).
         let watch = Watch {
             registry: self.clone(),
             id,
             slot,
+            conn: conn.clone(),
         };
-        let mut subscribed = self.subscribed.lock().await;
-        if !*subscribed {
-            conn.subscribe(&self.channel).await?;
-            *subscribed = true;
+        if shard.is_some() {
+            watch.subscribe_shard().await?;
+        } else {
+            let mut subscribed = self.subscribed.lock().await;
+            if !*subscribed {
+                conn.subscribe(&self.channel).await?;
+                *subscribed = true;
+            }
         }
         Ok(watch)
+    }
+
+    /// Subscribes `channel` unless it is (serialized with unsubscriptions).
+    async fn subscribe_shard(&self, conn: &Conn, channel: &[u8]) -> redis::RedisResult<()> {
+        let _one = self.shard_requests.lock().await;
+        if self.shards().get(channel).is_some_and(|s| s.subscribed) {
+            return Ok(());
+        }
+        conn.ssubscribe(channel).await?;
+        if let Some(shard) = self.shards().get_mut(channel) {
+            shard.subscribed = true;
+        }
+        Ok(())
+    }
+
+    /// A waiter of `channel` left: once it was the last one, unsubscribes in the background
+    /// (unless a new waiter came meanwhile).
+    fn leave_shard(self: &Arc<Self>, conn: &Conn, channel: &[u8]) {
+        {
+            let mut shards = self.shards();
+            let Some(shard) = shards.get_mut(channel) else {
+                return;
+            };
+            shard.waiters = shard.waiters.saturating_sub(1);
+            if shard.waiters > 0 {
+                return;
+            }
+            if !shard.subscribed {
+                shards.remove(channel);
+                return;
+            }
+        }
+        // Outside a runtime (a drop at shutdown) the subscription ends with the connection.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (registry, conn, channel) = (self.clone(), conn.clone(), channel.to_vec());
+        runtime.spawn(async move {
+            let _one = registry.shard_requests.lock().await;
+            let idle = {
+                let mut shards = registry.shards();
+                match shards.get(&channel) {
+                    Some(shard) if shard.waiters == 0 => {
+                        shards.remove(&channel);
+                        true
+                    }
+                    _ => false,
+                }
+            };
+            if idle && let Err(e) = conn.sunsubscribe(&channel).await {
+                // The subscription then lingers until the connection drops; a message on it
+                // names no waiter and is ignored.
+                tracing::debug!(error = %e, "cannot unsubscribe a wake-up shard channel");
+            }
+        });
     }
 }
 
@@ -114,6 +245,8 @@ impl redis::aio::AsyncPushSender for Registry {
 /// What the connection delivers to one waiter.
 #[derive(Debug, Default)]
 struct Slot {
+    /// On a Cluster: the lock's shard channel this waiter listens on.
+    shard: Option<Vec<u8>>,
     notify: Notify,
     /// The latest grant message (a later one replaces an earlier).
     grant: Mutex<Option<Grant>>,
@@ -127,14 +260,33 @@ impl Slot {
 
 /// One waiting `acquire`; dropping it stops its wake-ups (its queue registration is removed by
 /// the caller, see `queue.rs`).
-#[derive(Debug)]
 pub(crate) struct Watch {
     registry: Arc<Registry>,
     id: u64,
     slot: Arc<Slot>,
+    conn: Conn,
+}
+
+impl std::fmt::Debug for Watch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watch")
+            .field("id", &self.id)
+            .field("sharded", &self.slot.shard.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Watch {
+    /// On a Cluster, subscribes the lock's shard channel again when the server dropped it (see
+    /// [`Registry::dispatch`]); a no-op otherwise. Called before each attempt, so that a
+    /// release after the attempt is heard.
+    pub(crate) async fn subscribe_shard(&self) -> redis::RedisResult<()> {
+        match &self.slot.shard {
+            Some(channel) => self.registry.subscribe_shard(&self.conn, channel).await,
+            None => Ok(()),
+        }
+    }
+
     /// Completes when a release woke this waiter or granted it the lock (or the connection
     /// dropped) since the last call; a wake-up that arrived meanwhile is kept, never lost.
     pub(crate) async fn woken(&self) {
@@ -168,5 +320,8 @@ impl Watch {
 impl Drop for Watch {
     fn drop(&mut self) {
         self.registry.waiters().remove(&self.id);
+        if let Some(channel) = &self.slot.shard {
+            self.registry.leave_shard(&self.conn, channel);
+        }
     }
 }

@@ -1,15 +1,17 @@
 //! The whole conformance suite against a private Redis Cluster of 3 masters and 3 replicas
-//! (`support`), reached as `redis+cluster://seed1,seed2,seed3`.
+//! (`support`), reached as `redis+cluster://seed1,seed2,seed3`, and the proof that waiters on a
+//! Cluster are woken by sharded pub/sub on their lock's slot (same shared cluster).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed expectation is a failed test
 
 mod support;
 
 use std::{sync::Arc, time::Duration};
 
-use conformance::{Harness, TestBackend, backend_url};
-use lock_core::{DynLock, Lease, LockKey, Result};
+use conformance::{Harness, TestBackend, backend_url, fresh_key};
+use lock_core::{DistributedLock, DynLock, Lease, LockKey, Result};
 use lock_redis::{RedisLock, RedisLockConfig};
 use redis::cluster_async::ClusterConnection;
+use tokio::time::{Instant, sleep, timeout};
 
 struct Cluster {
     url: String,
@@ -87,3 +89,108 @@ async fn setup() -> Option<Harness> {
 conformance::conformance_tests!(setup; skip: {
     waiters_are_served_in_fifo_order: "fair_queue not claimed: the release grants the oldest live waiter, but a waiter that times out and re-queues loses its place",
 });
+
+/// The shard channels matching `pattern` on the node at `port`, and its classic channels
+/// matching it (`PUBSUB SHARDCHANNELS` / `PUBSUB CHANNELS`).
+async fn channels_on(port: u16, pattern: &[u8]) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    let mut c = redis::Client::open(format!("redis://127.0.0.1:{port}"))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let shard: Vec<Vec<u8>> = redis::cmd("PUBSUB")
+        .arg("SHARDCHANNELS")
+        .arg(pattern)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let classic: Vec<Vec<u8>> = redis::cmd("PUBSUB")
+        .arg("CHANNELS")
+        .arg(pattern)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    (shard, classic)
+}
+
+/// A waiter on a Cluster listens on its lock's shard channel (`SSUBSCRIBE`, on the master of
+/// the lock's slot only; no classic subscription anywhere) and the release's `SPUBLISH` there
+/// wakes it — promptly, although neither its fallback poll (30 s) nor the holder's TTL (60 s)
+/// would have within the test's window; the channel is unsubscribed when the wait ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_waiters_are_woken_by_their_locks_shard_channel() {
+    if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
+        return;
+    }
+    let cluster = tokio::task::spawn_blocking(support::shared_cluster)
+        .await
+        .unwrap();
+    let url = cluster.url("namespace=shard-wake:&max_poll_interval=30s");
+    let a = RedisLock::connect_url(&url).await.unwrap();
+    let b = RedisLock::connect_url(&url).await.unwrap();
+    let key = fresh_key("shard-wake");
+    let ttl = Duration::from_secs(60);
+    let lease = a.try_acquire(&key, ttl).await.unwrap().unwrap();
+    let waiter = {
+        let (b, key) = (b.clone(), key.clone());
+        tokio::spawn(async move {
+            let got = b
+                .acquire(&key, ttl, Instant::now() + Duration::from_secs(50))
+                .await;
+            (Instant::now(), got)
+        })
+    };
+    // Registered in the queue: its subscription was confirmed before that attempt.
+    let until = Instant::now() + Duration::from_secs(10);
+    while a.inspect(&key).await.unwrap().and_then(|h| h.waiters) != Some(1) {
+        assert!(Instant::now() < until, "the waiter never queued");
+        sleep(Duration::from_millis(10)).await;
+    }
+    let redis_key = a.redis_key(&key);
+    let pattern = format!("*{{{redis_key}}}*");
+    let master = cluster.master_of(redis_key.as_bytes()).unwrap();
+    let prefix = format!("{{{redis_key}}}\x1fwake:");
+    for node in &cluster.nodes {
+        let (shard, classic) = channels_on(node.port, pattern.as_bytes()).await;
+        assert!(
+            classic.is_empty(),
+            "a classic subscription on {}",
+            node.port
+        );
+        let (_, all_classic) = channels_on(node.port, b"*wake*").await;
+        assert!(
+            all_classic.is_empty(),
+            "a classic wake channel on {}",
+            node.port
+        );
+        if node.port == master {
+            assert_eq!(shard.len(), 1, "one shard channel on the slot's master");
+            assert!(shard[0].starts_with(prefix.as_bytes()), "{:?}", shard[0]);
+        } else {
+            assert!(
+                shard.is_empty(),
+                "a shard channel on {} (not the slot's master)",
+                node.port
+            );
+        }
+    }
+    let released_at = Instant::now();
+    assert!(a.release(&lease).await.unwrap());
+    let (granted_at, got) = timeout(Duration::from_secs(15), waiter)
+        .await
+        .expect("the release's SPUBLISH wakes the waiter (its poll is 30 s)")
+        .unwrap();
+    let got = got.unwrap();
+    assert!(granted_at >= released_at);
+    assert!(got.fencing_token().unwrap() > lease.fencing_token().unwrap());
+    // The wait is over: its shard channel is given up.
+    let until = Instant::now() + Duration::from_secs(10);
+    while !channels_on(master, pattern.as_bytes()).await.0.is_empty() {
+        assert!(
+            Instant::now() < until,
+            "the shard channel stayed subscribed"
+        );
+        sleep(Duration::from_millis(20)).await;
+    }
+    assert!(b.release(&got).await.unwrap());
+}
