@@ -569,8 +569,11 @@ impl Driver for RedisLock {
             Duration::from_millis(25),
             self.inner.config.max_poll_interval,
         );
-        let mut wait = AcquireWait::new(key, deadline, backoff)?;
+        let mut wait = AcquireWait::new(key, deadline, backoff.clone())?;
         let mut subscribed_once = false;
+        // After the server dropped the waiter's shard subscription (a Cluster failover), the
+        // fallback poll stays quick until then (see `Watch::take_dropped`).
+        let mut quick_until: Option<Instant> = None;
         // The wake-up subscription and queue entry: removes this waiter from the queue when
         // the call ends without the lock (timeout, error: before returning; a dropped future:
         // in the background); a grant removes it in the same script.
@@ -578,10 +581,15 @@ impl Driver for RedisLock {
         let result = async {
             loop {
                 if let Some(r) = &registration {
+                    if r.watch.take_dropped() {
+                        quick_until = Some(after(self.inner.config.max_poll_interval));
+                        wait.set_backoff(backoff.clone());
+                    }
                     // On a Cluster, a shard subscription the server dropped (its slot moved) is
                     // taken again before the attempt, so a release after it is heard.
                     let until = request_until(&self.inner.config, Some(deadline));
-                    match timeout_at(until, r.watch.subscribe_shard()).await {
+                    let again = quick_until.is_some_and(|t| Instant::now() < t);
+                    match timeout_at(until, r.watch.subscribe_shard(again)).await {
                         Ok(Ok(())) => {}
                         Err(_) if Instant::now() >= deadline => return Err(wait.timeout()),
                         Ok(Err(_)) | Err(_) => {
@@ -608,8 +616,11 @@ impl Driver for RedisLock {
                             // Registered: a release grants to or wakes this waiter, so the
                             // fallback poll (which also moves it back in the queue) need
                             // not be quick.
-                            let max = self.inner.config.max_poll_interval;
-                            wait.set_backoff(Backoff::new(max, max));
+                            if quick_until.is_none_or(|t| Instant::now() >= t) {
+                                quick_until = None;
+                                let max = self.inner.config.max_poll_interval;
+                                wait.set_backoff(Backoff::new(max, max));
+                            }
                         }
                         holder_ttl
                     }

@@ -25,7 +25,7 @@ use std::{
     collections::HashMap,
     sync::{
         Arc, Mutex, MutexGuard, PoisonError,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
 };
 
@@ -125,7 +125,10 @@ impl Registry {
                         self.waiters()
                             .values()
                             .filter(|s| s.shard.as_deref() == Some(channel.as_slice()))
-                            .for_each(|s| s.notify.notify_one());
+                            .for_each(|s| {
+                                s.dropped.store(true, Ordering::Release);
+                                s.notify.notify_one();
+                            });
                     }
                 }
             }
@@ -168,7 +171,7 @@ impl Registry {
             conn: conn.clone(),
         };
         if shard.is_some() {
-            watch.subscribe_shard().await?;
+            watch.subscribe_shard(false).await?;
         } else {
             let mut subscribed = self.subscribed.lock().await;
             if !*subscribed {
@@ -179,10 +182,16 @@ impl Registry {
         Ok(watch)
     }
 
-    /// Subscribes `channel` unless it is (serialized with unsubscriptions).
-    async fn subscribe_shard(&self, conn: &Conn, channel: &[u8]) -> redis::RedisResult<()> {
+    /// Subscribes `channel` unless it is (`again`: even then; serialized with
+    /// unsubscriptions).
+    async fn subscribe_shard(
+        &self,
+        conn: &Conn,
+        channel: &[u8],
+        again: bool,
+    ) -> redis::RedisResult<()> {
         let _one = self.shard_requests.lock().await;
-        if self.shards().get(channel).is_some_and(|s| s.subscribed) {
+        if !again && self.shards().get(channel).is_some_and(|s| s.subscribed) {
             return Ok(());
         }
         conn.ssubscribe(channel).await?;
@@ -247,6 +256,8 @@ impl redis::aio::AsyncPushSender for Registry {
 struct Slot {
     /// On a Cluster: the lock's shard channel this waiter listens on.
     shard: Option<Vec<u8>>,
+    /// The server dropped that subscription since the waiter last asked.
+    dropped: AtomicBool,
     notify: Notify,
     /// The latest grant message (a later one replaces an earlier).
     grant: Mutex<Option<Grant>>,
@@ -278,13 +289,27 @@ impl std::fmt::Debug for Watch {
 
 impl Watch {
     /// On a Cluster, subscribes the lock's shard channel again when the server dropped it (see
-    /// [`Registry::dispatch`]); a no-op otherwise. Called before each attempt, so that a
-    /// release after the attempt is heard.
-    pub(crate) async fn subscribe_shard(&self) -> redis::RedisResult<()> {
+    /// [`Registry::dispatch`]), or in any case with `again` (`SSUBSCRIBE` is idempotent; the
+    /// cluster client routes it by its current slot map, which catches up with a failover);
+    /// a no-op elsewhere. Called before each attempt, so that a release after the attempt is
+    /// heard.
+    pub(crate) async fn subscribe_shard(&self, again: bool) -> redis::RedisResult<()> {
         match &self.slot.shard {
-            Some(channel) => self.registry.subscribe_shard(&self.conn, channel).await,
+            Some(channel) => {
+                self.registry
+                    .subscribe_shard(&self.conn, channel, again)
+                    .await
+            }
             None => Ok(()),
         }
+    }
+
+    /// Whether the server dropped this waiter's shard subscription since the last call. Its
+    /// new subscription may have gone to the slot's previous node (the cluster client's slot
+    /// map lags a failover), where it can end without notice, so the waiter then polls quickly
+    /// for a while and subscribes again before each attempt.
+    pub(crate) fn take_dropped(&self) -> bool {
+        self.slot.dropped.swap(false, Ordering::AcqRel)
     }
 
     /// Completes when a release woke this waiter or granted it the lock (or the connection

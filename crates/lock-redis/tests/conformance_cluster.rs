@@ -115,8 +115,9 @@ async fn channels_on(port: u16, pattern: &[u8]) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) 
 
 /// A waiter on a Cluster listens on its lock's shard channel (`SSUBSCRIBE`, on the master of
 /// the lock's slot only; no classic subscription anywhere) and the release's `SPUBLISH` there
-/// wakes it — promptly, although neither its fallback poll (30 s) nor the holder's TTL (60 s)
-/// would have within the test's window; the channel is unsubscribed when the wait ends.
+/// wakes it — promptly, although neither its fallback poll (60 s, jittered: 30 s at the
+/// earliest) nor the holder's TTL (120 s) would have within the test's window; the channel is
+/// unsubscribed when the wait ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_waiters_are_woken_by_their_locks_shard_channel() {
     if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
@@ -125,11 +126,11 @@ async fn cluster_waiters_are_woken_by_their_locks_shard_channel() {
     let cluster = tokio::task::spawn_blocking(support::shared_cluster)
         .await
         .unwrap();
-    let url = cluster.url("namespace=shard-wake:&max_poll_interval=30s");
+    let url = cluster.url("namespace=shard-wake:&max_poll_interval=60s");
     let a = RedisLock::connect_url(&url).await.unwrap();
     let b = RedisLock::connect_url(&url).await.unwrap();
     let key = fresh_key("shard-wake");
-    let ttl = Duration::from_secs(60);
+    let ttl = Duration::from_secs(120);
     let lease = a.try_acquire(&key, ttl).await.unwrap().unwrap();
     let waiter = {
         let (b, key) = (b.clone(), key.clone());
@@ -178,7 +179,7 @@ async fn cluster_waiters_are_woken_by_their_locks_shard_channel() {
     assert!(a.release(&lease).await.unwrap());
     let (granted_at, got) = timeout(Duration::from_secs(15), waiter)
         .await
-        .expect("the release's SPUBLISH wakes the waiter (its poll is 30 s)")
+        .expect("the release's SPUBLISH wakes the waiter (its poll is 60 s, the first at 30 s at the earliest)")
         .unwrap();
     let got = got.unwrap();
     assert!(granted_at >= released_at);
