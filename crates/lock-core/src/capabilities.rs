@@ -44,6 +44,11 @@ pub struct Capabilities {
     /// client dies (server-side expiry of the lease alone). What job mode's
     /// [`crate::LockOptions::at_least`] needs; without it `at_least` is `Unsupported`.
     pub keep_until: bool,
+    /// The holder identity recorded beside a held grant can be replaced while the grant keeps
+    /// holding (compare on the grant, never a blind write): what
+    /// [`crate::Leadership::proclaim`] needs ([`crate::raw::relabel`]); without it, proclaim is
+    /// refused with `Unsupported` before any I/O.
+    pub relabel: bool,
     /// The smallest TTL the backend can honour (zero: no minimum).
     pub min_ttl: Duration,
     /// The largest TTL the backend can honour (zero: no maximum).

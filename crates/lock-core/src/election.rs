@@ -73,24 +73,41 @@
 //! `<token hex> <identity>`, on ZooKeeper the identity. Curator's `LeaderLatch` (its `latch-`
 //! nodes) does not interoperate. On Redis and PostgreSQL the election is our lock only.
 //!
+//! # Proclaim and push
+//!
+//! [`Leadership::proclaim`] is etcd's `Proclaim`: the leader changes its value (the label of
+//! its identity) while keeping its grant and term, by a write that compares on the grant
+//! ([`crate::raw::Driver::relabel`], [`crate::Capabilities::relabel`]); [`Election::leader`]
+//! and [`Election::observe`] then report the new value with the same term, and so does
+//! `etcdctl elect -l` / Curator's `getLeader()` on those backends.
+//!
+//! [`Election::observe`] re-reads the leader whenever the backend pushes that the holder may
+//! have changed ([`crate::raw::Driver::watch_holder`]), and polls at its interval as a safety
+//! net. Both need an election made with [`Election::with_driver`] (the user trait behind a
+//! [`DynLock`] does not carry them yet: [`Election::new`] proclaims nothing and polls).
+//!
+//! | backend | proclaim | observe |
+//! |---|---|---|
+//! | memory | yes | polls |
+//! | etcd | yes: a Txn on the entry's create revision, same lease | see the driver's docs |
+//! | ZooKeeper | yes: `setData` on our node with its version | see the driver's docs |
+//! | PostgreSQL | yes: an `UPDATE` guarded by the grant's owner token and fence | see the driver's docs |
+//! | Redis | not yet (`Unsupported`) | polls |
+//!
 //! # What is not here
 //!
-//! There is no `proclaim(value)`: the leader's value is the identity the connection records
-//! beside its grant, and changing it while holding the lock would need a driver operation that
-//! does not exist. Use a connection with the label you want (`label=` in its URL).
-//!
-//! [`Election::observe`] polls (no backend pushes leader changes through the lock interface): a
-//! term that begins and ends between two polls is not seen.
+//! A pushed observe still reads the leader after each push: a term that begins and ends within
+//! one read's round trip is not seen; a polled one misses a term shorter than its interval.
 
-use std::{fmt, time::Duration};
+use std::{fmt, sync::Arc, time::Duration};
 
-use futures::Stream;
+use futures::{Stream, StreamExt, stream::BoxStream};
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::{
     DistributedLockExt, DynLock, Error, FencingGuarantee, FencingToken, HolderIdentity, HolderInfo,
-    LockGuard, LockKey, LossReason, Result, TokenDigest,
+    LockGuard, LockKey, LossReason, Result, TokenDigest, raw::Driver,
 };
 
 /// The prefix of every election's lock key.
@@ -100,6 +117,10 @@ const PREFIX: &str = "election/";
 #[derive(Clone)]
 pub struct Election {
     lock: DynLock,
+    /// The same client as a driver, when the election was made with [`Election::with_driver`]:
+    /// what [`Leadership::proclaim`] and a pushed [`Election::observe`] need, which
+    /// [`DistributedLock`](crate::DistributedLock) does not carry.
+    driver: Option<Arc<dyn Driver>>,
     key: LockKey,
     ttl: Duration,
 }
@@ -114,14 +135,34 @@ impl Election {
     /// # Errors
     /// [`Error::InvalidKey`], without I/O, when `name` is not a valid [`LockKey`] or is too long
     /// once prefixed.
+    ///
+    /// An election made from a [`DynLock`] cannot proclaim ([`Leadership::proclaim`] answers
+    /// [`Error::Unsupported`]) and its [`Election::observe`] polls: the user trait does not
+    /// carry those driver operations. [`Election::with_driver`] has both where the backend does.
     pub fn new(lock: DynLock, name: &str) -> Result<Self> {
         LockKey::new(name)?;
         let key = LockKey::new(format!("{PREFIX}{name}"))?;
         Ok(Self {
             lock,
+            driver: None,
             key,
             ttl: Self::DEFAULT_TTL,
         })
+    }
+
+    /// [`Election::new`] on a driver's client (`Arc<EtcdLock>`, `Arc<InMemoryLock>`, …):
+    /// also [`Leadership::proclaim`] where the backend claims [`Capabilities::relabel`], and
+    /// an [`Election::observe`] pushed where the backend watches ([`Driver::watch_holder`]).
+    ///
+    /// [`Capabilities::relabel`]: crate::Capabilities::relabel
+    ///
+    /// # Errors
+    /// As [`Election::new`].
+    pub fn with_driver<D: Driver>(driver: Arc<D>, name: &str) -> Result<Self> {
+        let lock: DynLock = driver.clone();
+        let mut election = Self::new(lock, name)?;
+        election.driver = Some(driver);
+        Ok(election)
     }
 
     /// Sets the lease TTL of a leadership ([`Election::DEFAULT_TTL`] by default). The watchdog
@@ -208,6 +249,8 @@ impl Election {
     ) -> impl Stream<Item = Result<Option<Leader>>> + Send + 'static {
         let state = Observer {
             lock: self.lock.clone(),
+            driver: self.driver.clone(),
+            pushes: None,
             key: self.key.clone(),
             every,
             ticks: None,
@@ -241,7 +284,12 @@ impl Election {
                 source: None,
             });
         };
-        Ok(Some(Leadership { guard, term }))
+        Ok(Some(Leadership {
+            guard,
+            term,
+            driver: self.driver.clone(),
+            backend: self.lock.backend_name(),
+        }))
     }
 }
 
@@ -258,6 +306,9 @@ impl fmt::Debug for Election {
 /// The state of [`Election::observe`]'s stream.
 struct Observer {
     lock: DynLock,
+    driver: Option<Arc<dyn Driver>>,
+    /// The backend's pushes ([`Driver::watch_holder`]) while its watch is armed.
+    pushes: Option<BoxStream<'static, ()>>,
     key: LockKey,
     every: Duration,
     ticks: Option<tokio::time::Interval>,
@@ -285,7 +336,28 @@ impl Observer {
                 ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
                 ticks
             });
-            ticks.tick().await;
+            if let Some(pushes) = &mut self.pushes {
+                tokio::select! {
+                    _ = ticks.tick() => {}
+                    push = pushes.next() => if push.is_none() {
+                        // The watch broke: read now, arming it again first.
+                        self.pushes = None;
+                    },
+                }
+            } else {
+                ticks.tick().await;
+            }
+            if self.pushes.is_none()
+                && let Some(driver) = &self.driver
+                && let Some(mut pushes) = driver.watch_holder(&self.key)
+            {
+                // Its first item says the watch is armed: every change after the read below is
+                // pushed. A watch that is not armed within a poll interval is dropped (this
+                // round polls; the next arms again).
+                if let Ok(Some(())) = tokio::time::timeout(every, pushes.next()).await {
+                    self.pushes = Some(pushes);
+                }
+            }
             match self.lock.inspect(&self.key).await {
                 Err(e) => return Some((Err(e), self)),
                 Ok(info) => {
@@ -311,7 +383,14 @@ impl Observer {
             (None, None) => false,
             (None, Some(_)) => true,
             (Some(leader), _) => match (leader.term, self.highest) {
-                (Some(term), Some(highest)) => term > highest,
+                // A newer term, or the same leader proclaiming a new value.
+                (Some(term), Some(highest)) => {
+                    term > highest
+                        || (term == highest
+                            && last
+                                .as_ref()
+                                .is_some_and(|l| l.term == Some(term) && l.holder != leader.holder))
+                }
                 (Some(_), None) => true,
                 // No terms (a backend without fencing): a change of holder is news.
                 (None, _) => last.as_ref().is_none_or(|l| l.holder != leader.holder),
@@ -325,6 +404,8 @@ impl Observer {
 pub struct Leadership {
     guard: LockGuard,
     term: FencingToken,
+    driver: Option<Arc<dyn Driver>>,
+    backend: &'static str,
 }
 
 impl Leadership {
@@ -370,6 +451,36 @@ impl Leadership {
     /// A loggable digest of the leadership's ownership token.
     pub fn token_digest(&self) -> TokenDigest {
         self.guard.token_digest()
+    }
+
+    /// etcd's `Proclaim`: the leader changes its value without losing leadership. The value
+    /// recorded beside the grant becomes this process's identity with the label `value` (as a
+    /// connection with `label=<value>` records it), so [`Election::leader`] and
+    /// [`Election::observe`] report it, with the same term. The write compares on this grant
+    /// (never a blind write): a deposed leader's proclaim changes nothing.
+    ///
+    /// # Errors
+    /// Before any I/O: [`Error::Config`] when `value` is not a valid label (1 to 64 ASCII
+    /// letters, digits and `-_.:/@`, [`HolderIdentity::check_label`]); [`Error::Unsupported`]
+    /// when the backend does not claim [`Capabilities::relabel`] or the election was made from
+    /// a [`DynLock`] ([`Election::new`]: use [`Election::with_driver`]); [`Error::NotHeld`] when
+    /// leadership was already lost here. Then [`Error::NotHeld`] when the coordinator no longer
+    /// records this grant as the leader (nothing changed), [`Error::Indeterminate`] when the
+    /// reply was lost (the value may or may not have changed), `Unavailable`.
+    ///
+    /// [`Capabilities::relabel`]: crate::Capabilities::relabel
+    pub async fn proclaim(&self, value: &str) -> Result<HolderIdentity> {
+        HolderIdentity::check_label(value)?;
+        let Some(driver) = &self.driver else {
+            return Err(Error::unsupported(
+                self.backend,
+                "proclaim on an Election made from a DynLock (make it with Election::with_driver)",
+            ));
+        };
+        if self.is_lost() {
+            return Err(Error::not_held(self.key()));
+        }
+        crate::raw::relabel(driver.as_ref(), self.guard.granted_lease(), value).await
     }
 
     /// Resigns: releases the lock iff still ours, so that the next campaigner is granted
@@ -524,6 +635,8 @@ mod tests {
         let (_c, all) = elections(1);
         let mut observer = Observer {
             lock: all[0].lock.clone(),
+            driver: None,
+            pushes: None,
             key: all[0].key.clone(),
             every: Duration::from_millis(10),
             ticks: None,
@@ -694,6 +807,172 @@ mod tests {
         assert_eq!(lead.loss_reason(), Some(LossReason::DeadlinePassed));
         assert!(next.term() > lead.term());
         assert!(next.resign().await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn proclaim_changes_the_value_not_the_term_and_a_deposed_leader_changes_nothing() {
+        let coordinator = InMemoryLock::new();
+        let a = Election::with_driver(Arc::new(coordinator.client().with_label("a").unwrap()), "p")
+            .unwrap();
+        let b = Election::with_driver(Arc::new(coordinator.client().with_label("b").unwrap()), "p")
+            .unwrap();
+        let lead = a.campaign(WAIT).await.unwrap();
+        let shown = lead.proclaim("scheduler-2").await.unwrap();
+        assert!(shown.as_str().ends_with(" label=scheduler-2"), "{shown}");
+        let leader = b.leader().await.unwrap().expect("a leader");
+        assert_eq!(leader.term, Some(lead.term()));
+        assert_eq!(leader.holder.as_ref(), Some(&shown));
+        // Bad values are refused before any I/O.
+        let before = coordinator.requests();
+        for bad in ["", "two words", "new\nline", &"x".repeat(65)] {
+            assert!(
+                matches!(lead.proclaim(bad).await, Err(Error::Config(_))),
+                "{bad:?}"
+            );
+        }
+        assert_eq!(coordinator.requests(), before);
+        // Deposed (revoked): refused, and the new leader's value is untouched.
+        assert!(
+            DistributedLock::force_release(&coordinator, a.key())
+                .await
+                .unwrap()
+        );
+        let next = b.campaign(WAIT).await.unwrap();
+        let value = b.leader().await.unwrap().expect("b leads").holder;
+        assert!(matches!(
+            lead.proclaim("late").await,
+            Err(Error::NotHeld { .. })
+        ));
+        let after = b.leader().await.unwrap().expect("b leads");
+        assert_eq!((after.term, after.holder), (Some(next.term()), value));
+        assert!(next.resign().await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn proclaim_is_refused_before_io_without_the_capability_or_through_a_dyn_lock() {
+        let (coordinator, all) = elections(1);
+        let lead = all[0].campaign(WAIT).await.unwrap();
+        let before = coordinator.requests();
+        assert!(matches!(
+            lead.proclaim("x").await,
+            Err(Error::Unsupported { .. })
+        ));
+        lead.resign().await.unwrap();
+        let unfenced = Arc::new(NoRelabel(coordinator.client()));
+        let e = Election::with_driver(unfenced, "q").unwrap();
+        let lead = e.campaign(WAIT).await.unwrap();
+        let before_proclaim = coordinator.requests();
+        assert!(matches!(
+            lead.proclaim("x").await,
+            Err(Error::Unsupported { .. })
+        ));
+        assert_eq!(coordinator.requests(), before_proclaim);
+        assert!(before <= before_proclaim);
+        lead.resign().await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn observe_reports_a_proclaimed_value_with_the_same_term() {
+        let coordinator = InMemoryLock::new();
+        let a = Election::with_driver(Arc::new(coordinator.client()), "o").unwrap();
+        let mut changes = Box::pin(a.observe(Duration::from_millis(10)));
+        assert_eq!(changes.next().await.unwrap().unwrap(), None);
+        let lead = a.campaign(WAIT).await.unwrap();
+        let first = changes.next().await.unwrap().unwrap().expect("a leader");
+        let shown = lead.proclaim("v2").await.unwrap();
+        let second = changes.next().await.unwrap().unwrap().expect("a leader");
+        assert_eq!(first.term, second.term);
+        assert_eq!(second.holder, Some(shown));
+        lead.resign().await.unwrap();
+    }
+
+    /// The in-memory backend behind a watch the test pushes by hand, or one without `relabel`.
+    #[derive(Debug)]
+    struct Pushed(InMemoryLock, tokio::sync::broadcast::Sender<()>);
+
+    #[derive(Debug)]
+    struct NoRelabel(InMemoryLock);
+
+    macro_rules! forward {
+        ($t:ty, $name:literal, $caps:expr) => {
+            #[async_trait]
+            impl Driver for $t {
+                fn backend_name(&self) -> &'static str {
+                    $name
+                }
+                fn capabilities(&self) -> Capabilities {
+                    ($caps)(DistributedLock::capabilities(&self.0))
+                }
+                async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
+                    DistributedLock::try_acquire(&self.0, key, ttl).await
+                }
+                async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
+                    DistributedLock::renew(&self.0, lease, ttl).await
+                }
+                async fn release(&self, lease: &Lease) -> Result<bool> {
+                    DistributedLock::release(&self.0, lease).await
+                }
+                async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+                    DistributedLock::inspect(&self.0, key).await
+                }
+                async fn relabel(&self, lease: &Lease, holder: &HolderIdentity) -> Result<()> {
+                    Driver::relabel(&self.0, lease, holder).await
+                }
+                fn watch_holder(
+                    &self,
+                    key: &LockKey,
+                ) -> Option<futures::stream::BoxStream<'static, ()>> {
+                    self.pushes(key)
+                }
+            }
+        };
+    }
+    forward!(Pushed, "pushed", |c| c);
+    forward!(NoRelabel, "norelabel", |c| Capabilities {
+        relabel: false,
+        ..c
+    });
+
+    impl Pushed {
+        fn pushes(&self, _key: &LockKey) -> Option<futures::stream::BoxStream<'static, ()>> {
+            let rx = self.1.subscribe();
+            // The first item: armed.
+            let pushes = futures::stream::unfold(rx, |mut rx| async move {
+                rx.recv().await.ok().map(|()| ((), rx))
+            });
+            Some(Box::pin(futures::stream::once(async {}).chain(pushes)))
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn observe_rereads_on_a_push_long_before_its_poll_interval() {
+        let coordinator = InMemoryLock::new();
+        let (tx, _) = tokio::sync::broadcast::channel(16);
+        let pushed = Arc::new(Pushed(coordinator.client(), tx.clone()));
+        let a = Election::with_driver(pushed, "w").unwrap();
+        let b = Election::new(Arc::new(coordinator.client()), "w").unwrap();
+        let mut changes = Box::pin(a.observe(Duration::from_secs(30)));
+        assert_eq!(changes.next().await.unwrap().unwrap(), None);
+        let started = Instant::now();
+        let lead = b.campaign(WAIT).await.unwrap();
+        let _ = tx.send(()); // no receiver when the watch is not armed
+        let seen = changes.next().await.unwrap().unwrap().expect("a leader");
+        assert_eq!(seen.term, Some(lead.term()));
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "seen after {:?}: the push was not read",
+            started.elapsed()
+        );
+        // A broken watch (the sender gone) falls back to polling and still sees changes.
+        drop(tx);
+        assert!(lead.resign().await.unwrap());
+        assert_eq!(changes.next().await.unwrap().unwrap(), None);
+    }
+
+    impl NoRelabel {
+        fn pushes(&self, _key: &LockKey) -> Option<futures::stream::BoxStream<'static, ()>> {
+            None
+        }
     }
 
     #[tokio::test]

@@ -320,6 +320,7 @@ impl Driver for InMemoryLock {
             lost_notify: true,
             force_release: true,
             keep_until: true,
+            relabel: true,
             min_ttl: Duration::from_millis(1),
             ..Default::default()
         }
@@ -439,6 +440,15 @@ impl Driver for InMemoryLock {
     async fn force_release_grant(&self, key: &LockKey, holder: FencingToken) -> Result<bool> {
         drop(self.request("force_release")?);
         Ok(self.revoke(key, Some(holder)))
+    }
+
+    async fn relabel(&self, lease: &Lease, holder: &HolderIdentity) -> Result<()> {
+        let mut state = self.request("relabel")?;
+        let found = state
+            .holder_of(lease, Instant::now())
+            .ok_or_else(|| Error::not_held(lease.key()))?;
+        found.identity = Some(holder.clone());
+        Ok(())
     }
 
     fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {

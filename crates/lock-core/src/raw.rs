@@ -28,7 +28,7 @@
 
 use std::{fmt, time::Duration};
 
-use futures::future::BoxFuture;
+use futures::{future::BoxFuture, stream::BoxStream};
 use tokio::time::Instant;
 
 #[path = "batch.rs"]
@@ -102,6 +102,56 @@ pub trait Driver: Send + Sync + fmt::Debug + 'static {
         let _ = lease;
         Box::pin(std::future::pending())
     }
+
+    /// Replaces the holder identity recorded beside `lease`'s grant with `holder`, only while
+    /// that grant still holds the lock — a compare on the grant (ownership token, create
+    /// revision, node), never a blind write — keeping the grant, its fencing token and its
+    /// lease: what [`crate::Leadership::proclaim`] does. Call it through [`relabel`] (the check
+    /// layer's half: the value checked, [`Capabilities::relabel`] required, before any I/O).
+    /// The default answers [`Error::Unsupported`].
+    ///
+    /// # Errors
+    /// [`Error::NotHeld`] when the grant no longer holds the lock (nothing was changed);
+    /// [`Error::Indeterminate`] when the request was sent and its reply was lost; `Unavailable`
+    /// when it was not sent.
+    async fn relabel(&self, lease: &Lease, holder: &HolderIdentity) -> Result<()> {
+        let _ = (lease, holder);
+        Err(Error::unsupported(self.backend_name(), "relabel"))
+    }
+
+    /// Pushes from the coordinator that the holder of `key` may have changed (granted,
+    /// released, expired, relabelled): one item per push, possibly spurious, possibly several
+    /// per change. `None` (the default) when the backend cannot watch: the caller polls. The
+    /// watch is armed by the time the stream's first poll returns `Pending`, so a caller that
+    /// polls it once, then reads, misses no change made after its read. The stream ends when
+    /// the watch breaks (a lost connection or session); the caller reads again and re-arms.
+    /// [`crate::Election::observe`] re-reads the leader on every item and still polls as a
+    /// safety net.
+    fn watch_holder(&self, key: &LockKey) -> Option<BoxStream<'static, ()>> {
+        let _ = key;
+        None
+    }
+}
+
+/// The check layer's half of [`Driver::relabel`]: `label` checked as a holder label
+/// ([`HolderIdentity::check_label`]) and [`Capabilities::relabel`] required, before any I/O; then
+/// the grant of `lease` is relabelled to this process's identity with that label (what a
+/// connection with `label=<label>` records). Returns the identity now recorded.
+///
+/// # Errors
+/// [`Error::Config`] for a bad label and [`Error::Unsupported`] without `relabel`, both before
+/// any I/O; then [`Driver::relabel`]'s.
+pub async fn relabel<D: Driver + ?Sized>(
+    driver: &D,
+    lease: &Lease,
+    label: &str,
+) -> Result<HolderIdentity> {
+    let holder = HolderIdentity::process(Some(label))?;
+    if !driver.capabilities().relabel {
+        return Err(Error::unsupported(driver.backend_name(), "relabel"));
+    }
+    driver.relabel(lease, &holder).await?;
+    Ok(holder)
 }
 
 /// The check layer's rule for a renew's TTL: what [`Capabilities::check_ttl`] accepts, or —
