@@ -9,9 +9,10 @@ use std::{
 
 use async_trait::async_trait;
 use etcd_client::{
-    Client, Compare, CompareOp, GetOptions, KeyValue, SortOrder, SortTarget, Txn, TxnOp,
+    Client, Compare, CompareOp, GetOptions, KeyValue, PutOptions, SortOrder, SortTarget, Txn,
+    TxnOp, WatchOptions,
 };
-use futures::future::BoxFuture;
+use futures::{StreamExt, future::BoxFuture, stream::BoxStream};
 use lock_core::raw::{
     AcquireWait, Backoff, Batcher, Capabilities, Driver, Effect, Error, FencingGuarantee,
     FencingToken, HolderIdentity, HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result,
@@ -111,6 +112,7 @@ impl EtcdLock {
             // Job mode's at_least: the session lease is granted for at least at_least and kept
             // alive once more when the job ends (README, "How this driver keeps the invariant").
             keep_until: true,
+            relabel: true,
             min_ttl,
             max_ttl: Duration::from_secs(MAX_LEASE_TTL_SECS),
             ttl_granularity: Duration::from_secs(1),
@@ -624,6 +626,76 @@ impl Driver for EtcdLock {
 
     async fn force_release_grant(&self, key: &LockKey, holder: FencingToken) -> Result<bool> {
         force_release_if(&self.inner, key, Some(holder)).await
+    }
+
+    /// Go's `Proclaim`: a txn that puts the entry's new value (`<token hex> <identity>`, what
+    /// `etcdctl elect -l` prints) with the same lease, iff the entry still has the create
+    /// revision of this grant (so it still holds the lock: every other entry is younger).
+    async fn relabel(&self, lease: &Lease, holder: &HolderIdentity) -> Result<()> {
+        let not_held = || Error::not_held(lease.key());
+        let Some(held) = lease.backend_state::<Arc<Held>>().cloned() else {
+            return Err(not_held());
+        };
+        if held.is_finished() {
+            return Err(not_held());
+        }
+        let inner = &self.inner;
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                held.key.clone(),
+                CompareOp::Equal,
+                held.rev,
+            )])
+            .and_then([TxnOp::put(
+                held.key.clone(),
+                keys::entry_value(lease.token(), holder),
+                Some(PutOptions::new().with_lease(held.session.id)),
+            )]);
+        Counters::bump(&inner.counters.txn);
+        match client::request(inner.timeout(), inner.client.kv_client().txn(txn)).await {
+            Ok(resp) if resp.succeeded() => Ok(()),
+            Ok(_) => Err(not_held()),
+            // The session's lease is gone, so is the entry.
+            Err(e) if e.lease_not_found() => Err(not_held()),
+            Err(e) => Err(e.into_error(BACKEND, "relabel", lease.key(), Effect::Write)),
+        }
+    }
+
+    /// A watch on the lock's range (`<prefix><name>/`, every contender's entry): an item per
+    /// response with events (a grant's put, a release's or expiry's delete, a relabel), after
+    /// the first one, which says the watch is created on the server.
+    fn watch_holder(&self, key: &LockKey) -> Option<BoxStream<'static, ()>> {
+        let name = keys::name_prefix(&self.inner.config.prefix, key);
+        let client = self.inner.client.clone();
+        let counters = self.inner.counters.clone();
+        let timeout = self.inner.timeout();
+        let start = async move {
+            Counters::bump(&counters.watch);
+            let opts = WatchOptions::new().with_prefix();
+            let mut stream =
+                client::request(timeout, client.watch_client().watch(name, Some(opts)))
+                    .await
+                    .ok()?;
+            // The server's first answer: created (or refused).
+            match tokio::time::timeout(timeout, stream.message()).await {
+                Ok(Ok(Some(resp))) if resp.created() && !resp.canceled() => Some(((), stream)),
+                _ => None,
+            }
+        };
+        let armed = futures::stream::once(start).filter_map(std::future::ready);
+        Some(Box::pin(armed.flat_map(|((), stream)| {
+            let pushes = futures::stream::unfold(stream, |mut stream| async move {
+                loop {
+                    match stream.message().await {
+                        Ok(Some(resp)) if resp.canceled() => return None,
+                        Ok(Some(resp)) if !resp.events().is_empty() => return Some(((), stream)),
+                        Ok(Some(_)) => {} // progress, no change
+                        Ok(None) | Err(_) => return None,
+                    }
+                }
+            });
+            futures::stream::once(std::future::ready(())).chain(pushes)
+        })))
     }
 
     fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
