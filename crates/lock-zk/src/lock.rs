@@ -8,7 +8,7 @@ use std::{
     time::Duration,
 };
 
-use futures::future::BoxFuture;
+use futures::{future::BoxFuture, stream::BoxStream};
 use lock_core::raw::{
     AcquireWait, Backoff, Capabilities, Driver, Error, FencingGuarantee, FencingToken,
     HolderIdentity, HolderInfo, Lease, LockKey, LossReason, Result, async_trait,
@@ -214,6 +214,38 @@ impl ZkLock {
     }
 }
 
+impl ZkLock {
+    /// The watches of [`Driver::watch_holder`] on lock directory `dir`; `None` when they could
+    /// not be set (the stream then ends, and the caller polls and asks again).
+    async fn arm_holder_watch(&self, dir: &str) -> Option<Vec<zk::OneshotWatcher>> {
+        let session = self.session().await.ok()?;
+        let client = &session.client;
+        match self.call(client.list_and_watch_children(dir)).await {
+            Ok((children, on_children)) => {
+                let mut watchers = vec![on_children];
+                if let Some(first) = sorted_contenders(children).first() {
+                    match self
+                        .call(client.get_and_watch_data(&format!("{dir}/{first}")))
+                        .await
+                    {
+                        Ok((_, _, on_data)) => watchers.push(on_data),
+                        // Gone already (the child watch fires), or a foreign node we may not
+                        // read (its relabels are not pushed, its deletion is).
+                        Err(zk::Error::NoNode | zk::Error::NoAuth) => {}
+                        Err(_) => return None,
+                    }
+                }
+                Some(watchers)
+            }
+            Err(zk::Error::NoNode) => {
+                let (_, on_create) = self.call(client.check_and_watch_stat(dir)).await.ok()?;
+                Some(vec![on_create])
+            }
+            Err(_) => None,
+        }
+    }
+}
+
 /// What [`ZkLock::holder_node`] found.
 struct HolderNode {
     path: String,
@@ -238,6 +270,7 @@ impl Driver for ZkLock {
             fair_queue: true,
             lost_notify: true,
             force_release: true,
+            relabel: true,
             // The lease is the session: a TTL is honoured up to the session timeout the server
             // negotiated (it may lower the one asked for, to its maxSessionTimeout), so that is
             // the shortest TTL worth asking for; the configured one until a session exists.
@@ -441,6 +474,80 @@ impl Driver for ZkLock {
 
     async fn force_release_grant(&self, key: &LockKey, holder: FencingToken) -> Result<bool> {
         self.force_release_if(key, Some(holder)).await
+    }
+
+    /// `setData` on our own node with its version: the data is the holder identity (what a
+    /// Curator `getLeader()` reports as the participant id). A `BadVersion` is looked at: the
+    /// same node (czxid, our session as its ephemeral owner) is still ours (node paths are never
+    /// reused, and our node existing means it is still first), so it is written at its current
+    /// version; a missing node or an ended session is `NotHeld`.
+    async fn relabel(&self, lease: &Lease, holder: &HolderIdentity) -> Result<()> {
+        const OP: &str = "relabel";
+        let not_held = || Error::not_held(lease.key());
+        let Some(state) = lease.backend_state::<ZkLease>() else {
+            return Err(not_held());
+        };
+        let Some(session) = self.session_of(state) else {
+            return Err(not_held());
+        };
+        let client = &session.client;
+        let data = holder.as_str().as_bytes();
+        let mut version = state.version;
+        for _ in 0..4 {
+            match self
+                .call(client.set_data(&state.path, data, Some(version)))
+                .await
+            {
+                Ok(_) => return Ok(()),
+                Err(zk::Error::NoNode) => return Err(not_held()),
+                Err(e) if session_gone(&e) => return Err(not_held()),
+                Err(zk::Error::BadVersion) => match self.call(client.check_stat(&state.path)).await
+                {
+                    Ok(Some(stat))
+                        if stat.czxid == state.czxid && stat.ephemeral_owner == session.id =>
+                    {
+                        version = stat.version;
+                    }
+                    Ok(_) => return Err(not_held()),
+                    Err(e) if session_gone(&e) => return Err(not_held()),
+                    Err(e) => return Err(to_error(OP, e)),
+                },
+                Err(e) if outcome_unknown(&e) => {
+                    return Err(Error::Indeterminate {
+                        backend: BACKEND,
+                        op: OP,
+                        key: lease.key().as_str().to_owned(),
+                        message: format!("the setData of our node went unanswered ({e})"),
+                    });
+                }
+                Err(e) => return Err(to_error(OP, e)),
+            }
+        }
+        Err(Error::Unavailable {
+            backend: BACKEND,
+            op: OP,
+            message: "our node's data kept changing".into(),
+            source: None,
+        })
+    }
+
+    /// A child watch on the lock directory (a contender created or deleted) and a data watch on
+    /// its first contender (a relabel), both re-armed after each event; an exists watch on the
+    /// directory while it does not exist. Each item comes after the watches are armed again.
+    fn watch_holder(&self, key: &LockKey) -> Option<BoxStream<'static, ()>> {
+        let dir = lock_dir(self.inner.config.root(), key);
+        let state = (self.clone(), dir, None::<Vec<zk::OneshotWatcher>>);
+        Some(Box::pin(futures::stream::unfold(
+            state,
+            |(lock, dir, armed)| async move {
+                if let Some(watchers) = armed {
+                    let events = watchers.into_iter().map(|w| Box::pin(w.changed()));
+                    futures::future::select_all(events).await;
+                }
+                let watchers = lock.arm_holder_watch(&dir).await?;
+                Some(((), (lock, dir, Some(watchers))))
+            },
+        )))
     }
 
     // The node's deletion watch, the session's end and its vouched window's lapse: see
