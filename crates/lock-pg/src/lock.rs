@@ -594,6 +594,9 @@ impl Driver for PgLock {
         // `max_ttl`).
         Capabilities {
             wait_notify: self.inner.config.listen,
+            // Needs the table's holder columns: on an older table this role may not alter,
+            // `relabel` answers `Unsupported` (before any I/O).
+            relabel: true,
             ..server_expired_lease(FencingGuarantee::SingleNode)
         }
     }
@@ -783,6 +786,40 @@ impl Driver for PgLock {
     /// [`Driver::force_release_grant`]), so re-sending the second after a lost reply
     /// can never remove the grant the first run handed to the next waiter. A grant made
     /// between the two is left alone (`Ok(false)`).
+    /// An `UPDATE` of the row's holder identity guarded by name, owner token and fence (and a
+    /// live lease), as a release is; re-sent after a lost reply (it is idempotent).
+    async fn relabel(&self, lease: &Lease, holder: &HolderIdentity) -> Result<()> {
+        const OP: &str = "relabel";
+        let key = lease.key();
+        let Some(sql) = self.inner.sql().relabel.clone() else {
+            return Err(Error::unsupported(
+                BACKEND,
+                "relabel (the lease table has no holder columns and this role may not add them)",
+            ));
+        };
+        let fence = lease_fence(lease, OP)?;
+        let hex = lease.token().expose_hex();
+        let limit = self.inner.request_deadline();
+        let row = self
+            .inner
+            .fetch_idempotent(
+                || {
+                    sqlx::query(sql.clone())
+                        .bind(key.as_str())
+                        .bind(hex.clone())
+                        .bind(fence)
+                        .bind(holder.as_str())
+                },
+                limit,
+            )
+            .await
+            .map_err(|e| exec_error(OP, key, e))?;
+        match row {
+            Some(_) => Ok(()),
+            None => Err(Error::not_held(key)),
+        }
+    }
+
     async fn force_release(&self, key: &LockKey) -> Result<bool> {
         self.inner.force_release(key, None).await
     }

@@ -102,6 +102,10 @@ pub(crate) struct Statements {
     /// `$1` name, `$2` fence or NULL: the operator override, whoever holds it (or only the
     /// grant with that fence); the lock goes to the first waiter, as on a release.
     pub(crate) force_release: SqlStr,
+    /// `$1` name, `$2` owner, `$3` fence, `$4` holder identity → one row when the grant still
+    /// holds the lock and now records that identity (a relabel: `Leadership::proclaim`). `None`
+    /// without the holder columns.
+    pub(crate) relabel: Option<SqlStr>,
 }
 
 /// The `synchronous_commit` a grant, renewal or durable release commits with: the session's
@@ -478,7 +482,15 @@ impl Statements {
             false,
             holders,
         );
+        // Guarded like a release (name, owner token, fence, live): never a blind write. The
+        // fence is the grant's own, so `inspect` keeps showing it as this grant's identity.
+        let relabel = holders.then(|| {
+            sql(format!(
+                "UPDATE {t} AS l SET holder = $4::text, holder_fence = l.fence                  WHERE {owned} RETURNING l.fence"
+            ))
+        });
         Self {
+            relabel,
             create: sql(create),
             add_waiters: sql(add_waiters),
             add_holder: sql(add_holder),
