@@ -145,7 +145,8 @@ pub async fn leader(lock: DynLock, args: LeaderArgs) -> u8 {
 }
 
 /// `leader --watch`: a line now and one per change ([`Election::observe`]'s rule: a new term,
-/// greater than every term shown, or nobody leading after someone did), until a signal ends it
+/// greater than every term shown, a new value of the same leader (a foreign leader's proclaim),
+/// or nobody leading after someone did; polled, as the client is a [`DynLock`]), until a signal ends it
 /// (128 + N) or stdout is closed (141, as for SIGPIPE).
 async fn watch(election: &Election, args: &LeaderArgs) -> u8 {
     use futures::StreamExt as _;

@@ -89,9 +89,9 @@
 //! | backend | proclaim | observe |
 //! |---|---|---|
 //! | memory | yes | polls |
-//! | etcd | yes: a Txn on the entry's create revision, same lease | see the driver's docs |
-//! | ZooKeeper | yes: `setData` on our node with its version | see the driver's docs |
-//! | PostgreSQL | yes: an `UPDATE` guarded by the grant's owner token and fence | see the driver's docs |
+//! | etcd | yes: a txn on the entry's create revision, same lease (`etcdctl elect -l` shows it) | pushed: a watch on the election's range |
+//! | ZooKeeper | yes: `setData` on our node with its version (Curator's `getLeader()` shows it) | pushed: a child watch on the directory and a data watch on its first node, re-armed |
+//! | PostgreSQL | yes: an `UPDATE` guarded by the grant's owner token and fence | polls (its notifications go to queued waiters only, not to observers) |
 //! | Redis | not yet (`Unsupported`) | polls |
 //!
 //! # What is not here
@@ -234,13 +234,17 @@ impl Election {
         Ok(self.lock.inspect(&self.key).await?.map(Leader::from_info))
     }
 
-    /// A stream of leader changes, polled every `every`: the first item is the current leader
-    /// (or `None`), then one item each time it changes — `Some` for a new term, `None` when
-    /// nobody leads any more. Each `Some` item's term is greater than every earlier item's (a
-    /// poll that reads an older term than one already seen is not reported).
+    /// A stream of leader changes, read every `every` and on every push of the backend: the
+    /// first item is the current leader (or `None`), then one item each time it changes —
+    /// `Some` for a new term or for the same leader's proclaimed value, `None` when nobody
+    /// leads any more. Each `Some` item's term is at least every earlier item's, and greater
+    /// unless it is a proclaim (a read that shows an older term than one already seen is not
+    /// reported).
     ///
-    /// Polled, so a term that begins and ends between two polls is **not** seen; poll faster
-    /// than leaderships change to see every term. A failed poll yields its error and polling
+    /// Pushed where the backend watches and the election was made with
+    /// [`Election::with_driver`] (etcd, ZooKeeper: see the [module docs](self)), the interval
+    /// then only a safety net; polled otherwise, so a term that begins and ends between two
+    /// reads is **not** seen; read faster than leaderships change to see every term. A failed poll yields its error and polling
     /// goes on at the next tick (drop the stream to stop). A zero `every` yields one
     /// [`Error::Config`] and ends, without I/O.
     pub fn observe(
