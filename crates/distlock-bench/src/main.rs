@@ -3,12 +3,15 @@
 #![forbid(unsafe_code)]
 
 mod backends;
+mod contention;
 mod election;
+mod held;
 mod pools;
 mod report;
 mod scenario;
 mod stats;
 mod system;
+mod topologies;
 
 use std::{path::PathBuf, sync::Arc, time::Duration};
 
@@ -37,9 +40,13 @@ struct Args {
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u8).range(2..=16))]
     waiters: u8,
     /// Numbers of held locks for the watchdog measurement (default 1000,10000,100000, or 1000 with
-    /// --quick).
+    /// --quick; 100000 with --held-locks).
     #[arg(long, value_delimiter = ',')]
     held: Option<Vec<usize>>,
+    /// Lease TTL in seconds of the watchdog measurement, renewed every third of it (default 6,
+    /// 3 with --quick; 30 with --held-locks, so that 100,000 renewals fit in an interval).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    watchdog_ttl: Option<u64>,
     /// Use a tokio current-thread runtime instead of a multi-thread one with one worker per CPU.
     #[arg(long)]
     current_thread: bool,
@@ -55,6 +62,23 @@ struct Args {
     /// backend and `--backends`; writes election.md and election.json.
     #[arg(long)]
     election: bool,
+    /// Run only the Redis topology comparison: starts a private single server, Sentinel set
+    /// (1+2, 3 sentinels), 3+3 Cluster and three Redlock masters on loopback and measures the
+    /// uncontended cycle and the hand-off on each (with `replicas=1`), medians, p99s and ratios
+    /// to the single server; writes topologies.md and topologies.json.
+    #[arg(long)]
+    redis_topologies: bool,
+    /// Run only the held-locks measurement at scale: `--held` locks (default 100,000) held by
+    /// one client per backend, each size in a child process; writes held.md and held.json.
+    #[arg(long)]
+    held_locks: bool,
+    /// Run only the etcd contention probe: `--contenders` clients on one key, requests per
+    /// acquisition by kind and the serial path's timings, printed.
+    #[arg(long)]
+    contention: bool,
+    /// Clients in the contention probe (default 16).
+    #[arg(long, default_value_t = 16)]
+    contenders: usize,
     /// Concurrent tasks sharing one client in the pool comparison (default 8,32).
     #[arg(long, value_delimiter = ',', default_value = "8,32")]
     pool_tasks: Vec<usize>,
@@ -91,10 +115,21 @@ impl Plan {
             waiters: usize::from(args.waiters),
             clients: 16,
             window: Duration::from_millis(if quick { 1500 } else { 5000 }),
-            watchdog_ttl: Duration::from_secs(if quick { 3 } else { 6 }),
-            ticks: if quick { 2 } else { 3 },
+            watchdog_ttl: Duration::from_secs(args.watchdog_ttl.unwrap_or(if args.held_locks {
+                30
+            } else if quick {
+                3
+            } else {
+                6
+            })),
+            ticks: if quick || args.held_locks { 2 } else { 3 },
         }
     }
+}
+
+/// The watchdog measurement's TTL for `args` (what its children are told).
+fn plan_ttl(args: &Args) -> Duration {
+    Plan::new(args).watchdog_ttl
 }
 
 /// The lease TTL of every measurement except the watchdog's (long: nothing expires mid-run).
@@ -262,6 +297,11 @@ async fn watchdog_in_child(
     }
     if args.current_thread {
         cmd.arg("--current-thread");
+    }
+    cmd.arg(format!("--watchdog-ttl={}", plan_ttl(args).as_secs()));
+    if args.held_locks {
+        // The child measures as the held-locks mode plans (its TTL and ticks).
+        cmd.arg("--held-locks");
     }
     // A backend that cannot keep up is reported as such, not waited for indefinitely.
     // Taking and releasing 100,000 locks alone takes minutes on the slower backends.
@@ -462,6 +502,31 @@ fn main() -> std::process::ExitCode {
     }
     if args.election {
         return election_main(&args, &runtime);
+    }
+    if args.redis_topologies {
+        let out = args.out.clone().unwrap_or_else(default_out);
+        let waiters = usize::from(args.waiters);
+        return topologies::main(args.quick, args.cycles, waiters, out, &runtime, flavour);
+    }
+    if args.held_locks {
+        return held::main(&args, &runtime, flavour, machine);
+    }
+    if args.contention {
+        let Some(url) = env_url("DISTLOCK_TEST_ETCD_URL") else {
+            eprintln!("DISTLOCK_TEST_ETCD_URL is not set");
+            return std::process::ExitCode::FAILURE;
+        };
+        let window = Duration::from_secs(if args.quick { 2 } else { 5 });
+        return match runtime.block_on(contention::run(&url, args.contenders.max(2), window)) {
+            Ok(md) => {
+                println!("{md}");
+                std::process::ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("the contention probe failed: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        };
     }
     let started = std::time::SystemTime::now();
     let t0 = std::time::Instant::now();

@@ -1,11 +1,13 @@
 //! Redis: `RedisLock` vs `SET NX PX` + an `EVALSHA` compare-and-delete (no fence), vs the same
 //! guarantee as ours made bare (one `EVALSHA` granting with `SET NX PX` and minting the fence
-//! with `INCR`, one compare-and-delete `EVALSHA`), vs `rslock`.
+//! with `INCR`, one compare-and-delete `EVALSHA`), vs the same plus the other steps lock-redis's
+//! scripts take on an uncontended cycle (what those steps cost, apart from the driver's own
+//! client-side work), vs `rslock`.
 
 use std::{sync::Arc, time::Duration};
 
 use lock_core::raw::async_trait;
-use lock_core::{DynLock, LockKey, OwnershipToken};
+use lock_core::{DynLock, HolderIdentity, LockKey, OwnershipToken};
 use lock_redis::{RedisLock, RedisLockConfig};
 use redis::aio::MultiplexedConnection;
 
@@ -28,6 +30,39 @@ if redis.call('SET', KEYS[1], ARGV[1] .. ':' .. fence, 'NX', 'PX', ARGV[2]) then
   return fence
 end
 return false
+";
+
+/// [`FENCED_ACQUIRE`] with the other steps of lock-redis's acquire script on an uncontended
+/// grant: the undo-marker check, the fence read back as the counter's string (exact past 2^53),
+/// and the holder key (token, fence and identity) written beside the lock.
+const DRIVER_PATH_ACQUIRE: &str = r"
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  return redis.error_reply('a late attempt, already undone')
+end
+local incr = redis.pcall('INCR', KEYS[2])
+if type(incr) == 'table' then
+  return redis.error_reply('fence counter: ' .. tostring(incr.err))
+end
+local fence = redis.call('GET', KEYS[2])
+if redis.call('SET', KEYS[1], ARGV[1] .. fence, 'NX', 'PX', ARGV[2]) then
+  redis.call('SET', KEYS[4], ARGV[1] .. fence .. ' ' .. ARGV[3], 'PX', ARGV[2])
+  return fence
+end
+return redis.call('PTTL', KEYS[1])
+";
+
+/// [`COMPARE_DELETE`] as lock-redis's release runs it when nobody waits: compare the owner
+/// prefix, delete the lock and its holder key, look for a waiter's mark.
+const DRIVER_PATH_RELEASE: &str = r"
+local value = redis.pcall('GET', KEYS[1])
+if type(value) == 'string' and string.sub(value, 1, #ARGV[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1], KEYS[2])
+  if string.sub(value, -2) == ':w' then
+    return 2
+  end
+  return 1
+end
+return 0
 ";
 
 /// The Redis backend at a URL.
@@ -53,6 +88,44 @@ impl Redis {
         Ok(redis::Client::open(base)?
             .get_multiplexed_async_connection()
             .await?)
+    }
+}
+
+impl Redis {
+    /// A multiplexed connection speaking RESP3, as the driver's does.
+    async fn resp3(&self) -> Res<MultiplexedConnection> {
+        let base = self.url.split('?').next().unwrap_or(&self.url);
+        let info = redis::IntoConnectionInfo::into_connection_info(base)?;
+        let settings = info
+            .redis_settings()
+            .clone()
+            .set_protocol(redis::ProtocolVersion::RESP3);
+        Ok(redis::Client::open(info.set_redis_settings(settings))?
+            .get_multiplexed_async_connection()
+            .await?)
+    }
+
+    /// A `ConnectionManager` with lock-redis's settings (its `client.rs`: RESP3, connection and
+    /// response timeouts, reconnect retries and delays, a push sender, automatic resubscription).
+    async fn manager_as_driver(&self) -> Res<redis::aio::ConnectionManager> {
+        let c = RedisLockConfig::from_url(&self.url)?;
+        let base = self.url.split('?').next().unwrap_or(&self.url);
+        let info = redis::IntoConnectionInfo::into_connection_info(base)?;
+        let settings = info
+            .redis_settings()
+            .clone()
+            .set_protocol(redis::ProtocolVersion::RESP3);
+        let client = redis::Client::open(info.set_redis_settings(settings))?;
+        let (pushes, _) = tokio::sync::mpsc::unbounded_channel();
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(c.connect_timeout))
+            .set_response_timeout(Some(c.response_timeout))
+            .set_number_of_retries(c.reconnect_retries)
+            .set_min_delay(Duration::from_millis(50))
+            .set_max_delay(Duration::from_secs(1))
+            .set_push_sender(pushes)
+            .set_automatic_resubscription();
+        Ok(redis::aio::ConnectionManager::new_with_config(client, config).await?)
     }
 }
 
@@ -139,6 +212,91 @@ impl Cycle for BareFenced {
             return Err("the bare compare-and-delete found another token".into());
         }
         Ok(())
+    }
+}
+
+/// The connection a [`DriverPath`] cycle goes over.
+enum BareConn {
+    /// A plain `MultiplexedConnection` (RESP2 unless said otherwise).
+    Multiplexed(MultiplexedConnection),
+    /// A `ConnectionManager` set up as lock-redis sets up its own (RESP3, connection and
+    /// response timeouts, reconnect settings, a push sender, automatic resubscription).
+    Manager(redis::aio::ConnectionManager),
+}
+
+/// The server-side steps of lock-redis's scripts on an uncontended cycle, with the driver's
+/// key and argument shapes, sent by the redis crate without the driver: distlock ÷ this is the
+/// driver's own cost, this ÷ the same-guarantee bare protocol the cost of the extra steps
+/// inside the scripts. Variants differ in the connection and in the per-request budget.
+struct DriverPath {
+    conn: BareConn,
+    what: &'static str,
+    acquire: redis::Script,
+    release: redis::Script,
+    lock: String,
+    fence: String,
+    holder: String,
+    undone: String,
+    identity: String,
+    ttl_ms: u64,
+    /// Each request under `tokio::time::timeout_at` of this budget, as the driver sends it.
+    budget: Option<Duration>,
+}
+
+impl DriverPath {
+    async fn send<T: redis::FromRedisValue>(
+        budget: Option<Duration>,
+        request: impl Future<Output = redis::RedisResult<T>>,
+    ) -> Res<T> {
+        Ok(match budget {
+            Some(b) => tokio::time::timeout_at(tokio::time::Instant::now() + b, request)
+                .await
+                .map_err(|_| "no reply within the budget")??,
+            None => request.await?,
+        })
+    }
+
+    async fn cycle<C: redis::aio::ConnectionLike + Send>(&self, conn: &mut C) -> Res<()> {
+        let prefix = format!("{}:", OwnershipToken::generate().expose_hex());
+        let undone = format!("{}{prefix}", self.undone);
+        let mut acquire = self.acquire.key(&self.lock);
+        acquire
+            .key(&self.fence)
+            .key(undone)
+            .key(&self.holder)
+            .arg(&prefix)
+            .arg(self.ttl_ms)
+            .arg(&self.identity);
+        let fence: Option<String> = Self::send(self.budget, acquire.invoke_async(conn)).await?;
+        fence.ok_or("the driver-path key was held")?;
+        let mut release = self.release.key(&self.lock);
+        release.key(&self.holder).arg(&prefix);
+        let deleted: i64 = Self::send(self.budget, release.invoke_async(conn)).await?;
+        if deleted != 1 {
+            return Err("the driver-path compare-and-delete found another token".into());
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Cycle for DriverPath {
+    fn kind(&self) -> Kind {
+        Kind::Bare
+    }
+
+    fn label(&self) -> String {
+        format!(
+            "same guarantee + lock-redis's other uncontended steps (undo-marker check, fence read back, holder key), {}",
+            self.what
+        )
+    }
+
+    async fn run(&mut self) -> Res<()> {
+        match &self.conn {
+            BareConn::Multiplexed(c) => self.cycle(&mut c.clone()).await,
+            BareConn::Manager(c) => self.cycle(&mut c.clone()).await,
+        }
     }
 }
 
@@ -271,6 +429,30 @@ impl Backend for Redis {
         let ttl_ms = u64::try_from(ttl.as_millis())?;
         let manager =
             rslock::LockManager::new(vec![self.url.split('?').next().unwrap_or(&self.url)]);
+        // Keys shaped as the driver names them (lock-redis's keys.rs), in one slot.
+        let lock = format!("distlock:bench/{run}/driver-path");
+        let derived = |name: &str| format!("{{{lock}}}\x1f{name}");
+        let identity = HolderIdentity::process(None)?.as_str().to_owned();
+        let path = |conn, what, suffix: &str, budget| DriverPath {
+            conn,
+            what,
+            acquire: redis::Script::new(DRIVER_PATH_ACQUIRE),
+            release: redis::Script::new(DRIVER_PATH_RELEASE),
+            fence: derived(&format!("fence{suffix}")),
+            holder: derived(&format!("holder{suffix}")),
+            undone: derived(&format!("undone{suffix}:")),
+            lock: format!("{lock}{suffix}"),
+            identity: identity.clone(),
+            ttl_ms,
+            budget,
+        };
+        // About the driver's per-request budget (connection attempts plus the response timeout).
+        let c = RedisLockConfig::from_url(&self.url)?;
+        let attempts = u32::try_from(c.reconnect_retries.saturating_add(1)).unwrap_or(u32::MAX);
+        let budget = c
+            .connect_timeout
+            .saturating_mul(attempts)
+            .saturating_add(c.response_timeout);
         Ok(vec![
             Box::new(DistlockCycle {
                 lock: self.client().await?,
@@ -293,6 +475,24 @@ impl Backend for Redis {
                 counter: format!("distlock-bench:{{{run}}}:fenced:fence"),
                 ttl_ms,
             }),
+            Box::new(path(
+                BareConn::Multiplexed(self.connection().await?),
+                "redis crate MultiplexedConnection (RESP2)",
+                "",
+                None,
+            )),
+            Box::new(path(
+                BareConn::Multiplexed(self.resp3().await?),
+                "redis crate MultiplexedConnection, RESP3",
+                "-resp3",
+                None,
+            )),
+            Box::new(path(
+                BareConn::Manager(self.manager_as_driver().await?),
+                "redis crate ConnectionManager set up as lock-redis's (RESP3, timeouts, push sender) + its request budget (timeout_at)",
+                "-manager",
+                Some(budget),
+            )),
             Box::new(Peer {
                 manager,
                 key: format!("distlock-bench:{run}:rslock"),
