@@ -250,7 +250,7 @@ pub fn markdown(r: &Report) -> String {
     );
     let _ = writeln!(
         out,
-        "- uncontended: {} measured rounds after {} warm-up rounds; every round runs each variant once, in rotating order, in one process, so drift hits all alike. Latencies in µs; percentiles are nearest-rank.",
+        "- uncontended: {} measured rounds after {} warm-up rounds; every round runs each variant once, in a fresh random order, in one process, so drift hits all alike. Latencies in µs; percentiles are nearest-rank.",
         m.cycles, m.warmup
     );
     let _ = writeln!(

@@ -1,5 +1,6 @@
 //! The measurements that are the same for every backend.
 
+use rand::seq::SliceRandom;
 use std::{
     sync::{
         Arc, Mutex, PoisonError,
@@ -22,7 +23,7 @@ use crate::{
     system,
 };
 
-/// Runs every variant `warmup + rounds` times, one cycle of each per round in rotating order,
+/// Runs every variant `warmup + rounds` times, one cycle of each per round in a random order,
 /// and summarises the measured rounds. A variant that fails stops being run and reports why.
 pub async fn uncontended(
     variants: &mut [Box<dyn Cycle>],
@@ -32,9 +33,14 @@ pub async fn uncontended(
     let k = variants.len();
     let mut samples: Vec<Vec<Duration>> = vec![Vec::with_capacity(rounds); k];
     let mut errors: Vec<Option<String>> = vec![None; k];
+    let mut order: Vec<usize> = (0..k).collect();
     for round in 0..warmup + rounds {
-        for step in 0..k {
-            let i = (round + step) % k;
+        // A fresh order every round: with a fixed rotation every variant always ran right
+        // after the same one (the distlock variant right after the write floor, two steps after
+        // the idle floor's 2 ms sleep), so what the predecessor left behind (parked threads,
+        // an idle CPU) always hit the same variant.
+        order.shuffle(&mut rand::rng());
+        for &i in &order {
             if errors[i].is_some() {
                 continue;
             }

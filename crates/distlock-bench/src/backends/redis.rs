@@ -300,6 +300,38 @@ impl Cycle for DriverPath {
     }
 }
 
+/// `RedisLock` called through its driver interface (`lock_core::raw::Driver`) instead of the
+/// `DynLock` of the distlock variant: the difference is lock-core's check layer and the trait
+/// object.
+struct DriverDirect {
+    lock: Arc<RedisLock>,
+    key: LockKey,
+    ttl: Duration,
+}
+
+#[async_trait]
+impl Cycle for DriverDirect {
+    fn kind(&self) -> Kind {
+        Kind::Bare
+    }
+
+    fn label(&self) -> String {
+        "RedisLock try_acquire + release through lock_core::raw::Driver (no check layer, no DynLock)"
+            .into()
+    }
+
+    async fn run(&mut self) -> Res<()> {
+        use lock_core::raw::Driver;
+        let lease = Driver::try_acquire(self.lock.as_ref(), &self.key, self.ttl)
+            .await?
+            .ok_or("the driver-direct key was held")?;
+        if !Driver::release(self.lock.as_ref(), &lease).await? {
+            return Err("release reported the lease already lost".into());
+        }
+        Ok(())
+    }
+}
+
 struct Peer {
     manager: rslock::LockManager,
     key: String,
@@ -493,6 +525,11 @@ impl Backend for Redis {
                 "-manager",
                 Some(budget),
             )),
+            Box::new(DriverDirect {
+                lock: Arc::new(RedisLock::connect_url(&self.url).await?),
+                key: LockKey::new(format!("bench/{run}/driver-direct"))?,
+                ttl,
+            }),
             Box::new(Peer {
                 manager,
                 key: format!("distlock-bench:{run}:rslock"),
