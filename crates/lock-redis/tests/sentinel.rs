@@ -17,7 +17,7 @@ use conformance::{
 use lock_core::{DistributedLock, Error, FencedRegister, Lease};
 use lock_redis::RedisLock;
 use nix::sys::signal::Signal;
-use support::{SentinelSet, cli};
+use support::{SentinelSet, SignalServer, cli};
 use tokio::time::{Instant, sleep};
 
 /// Short timeouts so a request to the dead master fails fast and the client re-resolves.
