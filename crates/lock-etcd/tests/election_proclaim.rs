@@ -94,6 +94,13 @@ async fn proclaim_changes_the_value_etcdctl_sees_and_a_deposed_leader_changes_no
         );
     }
 
+    // Still the same grant, and not taken for lost: it renews (a data change fired our node's
+    // watch, which must not count as its deletion).
+    let mut lease = lead.granted_lease().clone();
+    let ttl = lease.ttl();
+    a.renew(&mut lease, ttl).await.unwrap();
+    assert!(!lead.is_lost(), "a proclaim made the leadership lost");
+
     // Deposed: its entry deleted by an operator while its session lease lives on; b leads.
     assert!(b.force_release(ea.key()).await.unwrap());
     let next = eb.campaign(SLACK).await.unwrap();

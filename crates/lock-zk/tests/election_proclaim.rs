@@ -74,6 +74,12 @@ async fn proclaim_changes_the_node_data_and_a_deposed_leader_changes_nothing() {
     let leader = eb.leader().await.unwrap().expect("a leads");
     assert_eq!(leader.term, Some(lead.term()));
     assert_eq!(leader.holder.as_ref(), Some(&shown));
+    // Still the same grant, and not taken for lost: it renews (a data change fired our node's
+    // watch, which must not count as its deletion).
+    let mut lease = lead.granted_lease().clone();
+    let ttl = lease.ttl();
+    a.renew(&mut lease, ttl).await.unwrap();
+    assert!(!lead.is_lost(), "a proclaim made the leadership lost");
 
     assert!(b.force_release(ea.key()).await.unwrap());
     let next = eb.campaign(SLACK).await.unwrap();
