@@ -244,9 +244,9 @@ impl Election {
     /// Pushed where the backend watches and the election was made with
     /// [`Election::with_driver`] (etcd, ZooKeeper: see the [module docs](self)), the interval
     /// then only a safety net; polled otherwise, so a term that begins and ends between two
-    /// reads is **not** seen; read faster than leaderships change to see every term. A failed poll yields its error and polling
-    /// goes on at the next tick (drop the stream to stop). A zero `every` yields one
-    /// [`Error::Config`] and ends, without I/O.
+    /// reads is **not** seen; read faster than leaderships change to see every term. A failed
+    /// read yields its error and reading goes on at the next tick or push (drop the stream to
+    /// stop). A zero `every` yields one [`Error::Config`] and ends, without I/O.
     pub fn observe(
         &self,
         every: Duration,
