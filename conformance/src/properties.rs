@@ -80,6 +80,7 @@ macro_rules! __conformance_properties {
         $callback!($setup, election_leader_agrees_with_the_handle);
         $callback!($setup, election_observe_reports_every_term_in_order);
         $callback!($setup, election_deposed_leader_is_fenced_out);
+        $callback!($setup, election_proclaim_changes_the_value_not_the_term);
     };
 }
 
@@ -1459,10 +1460,7 @@ pub async fn election_deposed_leader_is_fenced_out(h: Harness) -> Outcome {
 /// Leader election (issue 21): the leader proclaims a new value — `leader()`, asked through
 /// another client, shows it with the same term, twice over — and a deposed leader's proclaim
 /// (its lease expired, another leading) is refused and changes nothing. Skipped where the
-/// backend does not claim `relabel`, or the client (a `DynLock`) does not carry it.
-///
-/// Not in the suite's list yet: through a `DynLock` every backend skips it until
-/// `DistributedLock` carries the driver's `relabel` (see `Election::with_driver`).
+/// backend does not claim `relabel` (its proclaim is then refused before any I/O).
 pub async fn election_proclaim_changes_the_value_not_the_term(h: Harness) -> Outcome {
     let [a, b] = <[DynLock; 2]>::try_from(h.clients(2).await).ok().unwrap();
     let name = h.key("election-proclaim");
@@ -1477,12 +1475,12 @@ pub async fn election_proclaim_changes_the_value_not_the_term(h: Harness) -> Out
         let shown = match lead.proclaim(value).await {
             Ok(shown) => shown,
             Err(Error::Unsupported { .. }) => {
+                assert!(
+                    !a.capabilities().relabel,
+                    "relabel is claimed but proclaim answers Unsupported"
+                );
                 assert!(lead.resign().await.expect("resign"));
-                return Outcome::Skipped(if a.capabilities().relabel {
-                    "relabel claimed, but this client (a DynLock) does not carry it"
-                } else {
-                    "relabel not claimed: no proclaim"
-                });
+                return Outcome::Skipped("relabel not claimed: no proclaim");
             }
             Err(e) => panic!("the leader's proclaim failed: {e}"),
         };

@@ -83,8 +83,7 @@
 //!
 //! [`Election::observe`] re-reads the leader whenever the backend pushes that the holder may
 //! have changed ([`crate::raw::Driver::watch_holder`]), and polls at its interval as a safety
-//! net. Both need an election made with [`Election::with_driver`] (the user trait behind a
-//! [`DynLock`] does not carry them yet: [`Election::new`] proclaims nothing and polls).
+//! net.
 //!
 //! | backend | proclaim | observe |
 //! |---|---|---|
@@ -92,7 +91,7 @@
 //! | etcd | yes: a txn on the entry's create revision, same lease (`etcdctl elect -l` shows it) | pushed: a watch on the election's range |
 //! | ZooKeeper | yes: `setData` on our node with its version (Curator's `getLeader()` shows it) | pushed: a child watch on the directory and a data watch on its first node, re-armed |
 //! | PostgreSQL | yes: an `UPDATE` guarded by the grant's owner token and fence | polls (its notifications go to queued waiters only, not to observers) |
-//! | Redis | not yet (`Unsupported`) | polls |
+//! | Redis (single, Sentinel, Cluster) | yes: a script rewrites the holder key only while the lock holds this grant's token | polls |
 //!
 //! # What is not here
 //!
@@ -117,10 +116,6 @@ const PREFIX: &str = "election/";
 #[derive(Clone)]
 pub struct Election {
     lock: DynLock,
-    /// The same client as a driver, when the election was made with [`Election::with_driver`]:
-    /// what [`Leadership::proclaim`] and a pushed [`Election::observe`] need, which
-    /// [`DistributedLock`](crate::DistributedLock) does not carry.
-    driver: Option<Arc<dyn Driver>>,
     key: LockKey,
     ttl: Duration,
 }
@@ -135,34 +130,23 @@ impl Election {
     /// # Errors
     /// [`Error::InvalidKey`], without I/O, when `name` is not a valid [`LockKey`] or is too long
     /// once prefixed.
-    ///
-    /// An election made from a [`DynLock`] cannot proclaim ([`Leadership::proclaim`] answers
-    /// [`Error::Unsupported`]) and its [`Election::observe`] polls: the user trait does not
-    /// carry those driver operations. [`Election::with_driver`] has both where the backend does.
     pub fn new(lock: DynLock, name: &str) -> Result<Self> {
         LockKey::new(name)?;
         let key = LockKey::new(format!("{PREFIX}{name}"))?;
         Ok(Self {
             lock,
-            driver: None,
             key,
             ttl: Self::DEFAULT_TTL,
         })
     }
 
-    /// [`Election::new`] on a driver's client (`Arc<EtcdLock>`, `Arc<InMemoryLock>`, …):
-    /// also [`Leadership::proclaim`] where the backend claims [`Capabilities::relabel`], and
-    /// an [`Election::observe`] pushed where the backend watches ([`Driver::watch_holder`]).
-    ///
-    /// [`Capabilities::relabel`]: crate::Capabilities::relabel
+    /// [`Election::new`] on a driver's client (`Arc<EtcdLock>`, `Arc<InMemoryLock>`, …), kept
+    /// from when a [`DynLock`] did not carry `relabel` and `watch_holder`.
     ///
     /// # Errors
     /// As [`Election::new`].
     pub fn with_driver<D: Driver>(driver: Arc<D>, name: &str) -> Result<Self> {
-        let lock: DynLock = driver.clone();
-        let mut election = Self::new(lock, name)?;
-        election.driver = Some(driver);
-        Ok(election)
+        Self::new(driver, name)
     }
 
     /// Sets the lease TTL of a leadership ([`Election::DEFAULT_TTL`] by default). The watchdog
@@ -241,9 +225,8 @@ impl Election {
     /// unless it is a proclaim (a read that shows an older term than one already seen is not
     /// reported).
     ///
-    /// Pushed where the backend watches and the election was made with
-    /// [`Election::with_driver`] (etcd, ZooKeeper: see the [module docs](self)), the interval
-    /// then only a safety net; polled otherwise, so a term that begins and ends between two
+    /// Pushed where the backend watches (etcd, ZooKeeper: see the [module docs](self)), the
+    /// interval then only a safety net; polled otherwise, so a term that begins and ends between two
     /// reads is **not** seen; read faster than leaderships change to see every term. A failed
     /// read yields its error and reading goes on at the next tick or push (drop the stream to
     /// stop). A zero `every` yields one [`Error::Config`] and ends, without I/O.
@@ -253,7 +236,6 @@ impl Election {
     ) -> impl Stream<Item = Result<Option<Leader>>> + Send + 'static {
         let state = Observer {
             lock: self.lock.clone(),
-            driver: self.driver.clone(),
             pushes: None,
             key: self.key.clone(),
             every,
@@ -291,8 +273,7 @@ impl Election {
         Ok(Some(Leadership {
             guard,
             term,
-            driver: self.driver.clone(),
-            backend: self.lock.backend_name(),
+            lock: self.lock.clone(),
         }))
     }
 }
@@ -310,7 +291,6 @@ impl fmt::Debug for Election {
 /// The state of [`Election::observe`]'s stream.
 struct Observer {
     lock: DynLock,
-    driver: Option<Arc<dyn Driver>>,
     /// The backend's pushes ([`Driver::watch_holder`]) while its watch is armed.
     pushes: Option<BoxStream<'static, ()>>,
     key: LockKey,
@@ -352,8 +332,7 @@ impl Observer {
                 ticks.tick().await;
             }
             if self.pushes.is_none()
-                && let Some(driver) = &self.driver
-                && let Some(mut pushes) = driver.watch_holder(&self.key)
+                && let Some(mut pushes) = self.lock.watch_holder(&self.key)
             {
                 // Its first item says the watch is armed: every change after the read below is
                 // pushed. A watch that is not armed within a poll interval is dropped (this
@@ -408,8 +387,7 @@ impl Observer {
 pub struct Leadership {
     guard: LockGuard,
     term: FencingToken,
-    driver: Option<Arc<dyn Driver>>,
-    backend: &'static str,
+    lock: DynLock,
 }
 
 impl Leadership {
@@ -466,8 +444,7 @@ impl Leadership {
     /// # Errors
     /// Before any I/O: [`Error::Config`] when `value` is not a valid label (1 to 64 ASCII
     /// letters, digits and `-_.:/@`, [`HolderIdentity::check_label`]); [`Error::Unsupported`]
-    /// when the backend does not claim [`Capabilities::relabel`] or the election was made from
-    /// a [`DynLock`] ([`Election::new`]: use [`Election::with_driver`]); [`Error::NotHeld`] when
+    /// when the backend does not claim [`Capabilities::relabel`]; [`Error::NotHeld`] when
     /// leadership was already lost here. Then [`Error::NotHeld`] when the coordinator no longer
     /// records this grant as the leader (nothing changed), [`Error::Indeterminate`] when the
     /// reply was lost (the value may or may not have changed), `Unavailable`.
@@ -475,16 +452,10 @@ impl Leadership {
     /// [`Capabilities::relabel`]: crate::Capabilities::relabel
     pub async fn proclaim(&self, value: &str) -> Result<HolderIdentity> {
         HolderIdentity::check_label(value)?;
-        let Some(driver) = &self.driver else {
-            return Err(Error::unsupported(
-                self.backend,
-                "proclaim on an Election made from a DynLock (make it with Election::with_driver)",
-            ));
-        };
         if self.is_lost() {
             return Err(Error::not_held(self.key()));
         }
-        crate::raw::relabel(driver.as_ref(), self.guard.granted_lease(), value).await
+        crate::raw::relabel(self.lock.as_ref(), self.guard.granted_lease(), value).await
     }
 
     /// Resigns: releases the lock iff still ours, so that the next campaigner is granted
@@ -639,7 +610,6 @@ mod tests {
         let (_c, all) = elections(1);
         let mut observer = Observer {
             lock: all[0].lock.clone(),
-            driver: None,
             pushes: None,
             key: all[0].key.clone(),
             every: Duration::from_millis(10),
@@ -857,10 +827,8 @@ mod tests {
         let (coordinator, all) = elections(1);
         let lead = all[0].campaign(WAIT).await.unwrap();
         let before = coordinator.requests();
-        assert!(matches!(
-            lead.proclaim("x").await,
-            Err(Error::Unsupported { .. })
-        ));
+        // Through a DynLock (Election::new): it proclaims.
+        lead.proclaim("x").await.unwrap();
         lead.resign().await.unwrap();
         let unfenced = Arc::new(NoRelabel(coordinator.client()));
         let e = Election::with_driver(unfenced, "q").unwrap();

@@ -3,11 +3,11 @@
 use std::{fmt, sync::Arc, time::Duration};
 
 use async_trait::async_trait;
-use futures::future::BoxFuture;
+use futures::{future::BoxFuture, stream::BoxStream};
 use tokio::time::Instant;
 
 use crate::{
-    Capabilities, FencingToken, HolderInfo, Lease, LockKey, Result,
+    Capabilities, FencingToken, HolderIdentity, HolderInfo, Lease, LockKey, Result,
     raw::{AcquireWait, Backoff},
 };
 
@@ -123,6 +123,20 @@ pub trait DistributedLock: sealed::Sealed + Send + Sync + fmt::Debug + 'static {
     /// Backends that learn of a loss only through renewals return a future that never
     /// completes; the guard's watchdog and local deadline still detect the loss.
     fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, crate::LossReason>;
+
+    /// Replaces the holder identity recorded beside `lease`'s grant with `holder` while that
+    /// grant still holds the lock (compare on the grant, never a blind write): what
+    /// [`crate::Leadership::proclaim`] does.
+    ///
+    /// # Errors
+    /// [`crate::Error::Unsupported`] without [`Capabilities::relabel`], before any I/O;
+    /// [`crate::Error::NotHeld`] when the grant no longer holds it (nothing changed);
+    /// [`crate::Error::Indeterminate`] when the reply was lost.
+    async fn relabel(&self, lease: &Lease, holder: &HolderIdentity) -> Result<()>;
+
+    /// Pushes that the holder of `key` may have changed; `None` when the backend cannot watch
+    /// (see [`crate::raw::Driver::watch_holder`]).
+    fn watch_holder(&self, key: &LockKey) -> Option<BoxStream<'static, ()>>;
 }
 
 /// Seals [`DistributedLock`]: only the check layer implements it.

@@ -237,6 +237,15 @@ impl crate::raw::Driver for Observed {
     fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
         self.inner.watch_lost(lease)
     }
+
+    async fn relabel(&self, lease: &Lease, holder: &crate::HolderIdentity) -> Result<()> {
+        let span = tracing::debug_span!("distlock.relabel", backend = self.inner.backend_name(), key = %lease.key());
+        self.inner.relabel(lease, holder).instrument(span).await
+    }
+
+    fn watch_holder(&self, key: &LockKey) -> Option<futures::stream::BoxStream<'static, ()>> {
+        self.inner.watch_holder(key)
+    }
 }
 
 impl fmt::Debug for Observed {

@@ -141,16 +141,13 @@ pub trait Driver: Send + Sync + fmt::Debug + 'static {
 /// # Errors
 /// [`Error::Config`] for a bad label and [`Error::Unsupported`] without `relabel`, both before
 /// any I/O; then [`Driver::relabel`]'s.
-pub async fn relabel<D: Driver + ?Sized>(
+pub async fn relabel<D: DistributedLock + ?Sized>(
     driver: &D,
     lease: &Lease,
     label: &str,
 ) -> Result<HolderIdentity> {
     let holder = HolderIdentity::process(Some(label))?;
-    if !driver.capabilities().relabel {
-        return Err(Error::unsupported(driver.backend_name(), "relabel"));
-    }
-    driver.relabel(lease, &holder).await?;
+    DistributedLock::relabel(driver, lease, &holder).await?;
     Ok(holder)
 }
 
@@ -230,6 +227,17 @@ impl<T: Driver + ?Sized> DistributedLock for T {
 
     fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
         Driver::watch_lost(self, lease)
+    }
+
+    async fn relabel(&self, lease: &Lease, holder: &HolderIdentity) -> Result<()> {
+        if !Driver::capabilities(self).relabel {
+            return Err(Error::unsupported(Driver::backend_name(self), "relabel"));
+        }
+        Driver::relabel(self, lease, holder).await
+    }
+
+    fn watch_holder(&self, key: &LockKey) -> Option<BoxStream<'static, ()>> {
+        Driver::watch_holder(self, key)
     }
 }
 

@@ -128,6 +128,14 @@ mod without_renew {
         fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
             self.0.watch_lost(lease)
         }
+
+        async fn relabel(&self, lease: &Lease, holder: &lock_core::HolderIdentity) -> Result<()> {
+            self.0.relabel(lease, holder).await
+        }
+
+        fn watch_holder(&self, key: &LockKey) -> Option<futures::stream::BoxStream<'static, ()>> {
+            self.0.watch_holder(key)
+        }
     }
 
     struct MemoryWithoutRenew {
