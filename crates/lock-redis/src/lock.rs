@@ -533,6 +533,7 @@ impl Driver for RedisLock {
         // renews on its own.
         Capabilities {
             wait_notify: true,
+            relabel: true,
             ..server_expired_lease(FencingGuarantee::SingleNode)
         }
     }
@@ -757,6 +758,32 @@ impl Driver for RedisLock {
 
     async fn force_release_grant(&self, key: &LockKey, holder: FencingToken) -> Result<bool> {
         self.force_release_if(key, Some(holder)).await
+    }
+
+    /// One script (`RELABEL` in `scripts.rs`): the holder key is rewritten only while the lock's
+    /// value is this grant's. Not followed by `WAIT` under `replicas=N`: the holder identity is
+    /// what `inspect` and `leader()` show, not part of the grant or its fence.
+    async fn relabel(&self, lease: &Lease, holder: &HolderIdentity) -> Result<()> {
+        let names = self.names(lease.key());
+        let changed = self
+            .run(
+                self.inner
+                    .scripts
+                    .relabel
+                    .key(&names.lock)
+                    .key(names.holder())
+                    .arg(owner_prefix(lease.token()))
+                    .arg(holder.as_str())
+                    .invoke_async::<i64>(&mut self.inner.conn.clone()),
+                None,
+            )
+            .await
+            .map_err(|f| self.map_failure("relabel", lease.key(), f))?;
+        if changed == 1 {
+            Ok(())
+        } else {
+            Err(Error::not_held(lease.key()))
+        }
     }
 }
 

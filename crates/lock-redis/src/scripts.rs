@@ -309,6 +309,29 @@ end
 return {value, redis.call('PTTL', KEYS[1]), fence, waiters, holder}
 ";
 
+/// KEYS: lock, holder key. ARGV: the owner prefix (`<token hex>:`), the new holder identity.
+/// `Leadership::proclaim`'s relabel: only while the lock's value is this grant's (a compare on the
+/// ownership token) and it has a TTL, the holder key is rewritten as `<token hex>:<fence>
+/// <identity>` with the lock's remaining TTL; the grant, its fence and its TTL are untouched.
+/// Returns 1 when relabelled, 0 when the grant no longer holds the lock (nothing written).
+const RELABEL: &str = r"
+local lock, holder = KEYS[1], KEYS[2]
+local prefix, identity = ARGV[1], ARGV[2]
+local value = redis.pcall('GET', lock)
+if type(value) ~= 'string' or string.sub(value, 1, #prefix) ~= prefix then
+  return 0
+end
+local pttl = redis.call('PTTL', lock)
+if pttl <= 0 then
+  return 0
+end
+if string.sub(value, -2) == ':w' then
+  value = string.sub(value, 1, -3)
+end
+redis.call('SET', holder, value .. ' ' .. identity, 'PX', pttl)
+return 1
+";
+
 /// The compiled scripts (each carries its SHA1).
 #[derive(Debug)]
 pub(crate) struct Scripts {
@@ -320,6 +343,7 @@ pub(crate) struct Scripts {
     /// On a Cluster: the same with `SPUBLISH` to the lock's shard channel.
     pub(crate) release_sharded: Script,
     pub(crate) force_release_sharded: Script,
+    pub(crate) relabel: Script,
 }
 
 impl Scripts {
@@ -332,6 +356,7 @@ impl Scripts {
             force_release: Script::new(FORCE_RELEASE),
             release_sharded: Script::new(RELEASE_SHARDED),
             force_release_sharded: Script::new(FORCE_RELEASE_SHARDED),
+            relabel: Script::new(RELABEL),
         }
     }
 
