@@ -209,9 +209,10 @@ pub struct ElectArgs {
     /// Report what happens as JSON lines on stderr (elected, not_elected, lost, exit).
     #[arg(long)]
     pub json: bool,
-    /// The label in the leader's identity (as the URL's `label=` option; 1-64 ASCII letters,
-    /// digits and -_.:/@; not a secret).
-    #[arg(long, value_name = "LABEL")]
+    /// The leader's value: the label in its identity (as the URL's `label=` option; 1-64
+    /// ASCII letters, digits and -_.:/@; not a secret), what `leader` and `etcdctl elect -l`
+    /// show. `--value` is the same option, by etcd's name for it.
+    #[arg(long, visible_alias = "value", value_name = "LABEL")]
     pub label: Option<String>,
     /// The command and its arguments, after `--`.
     #[arg(required = true, last = true, value_name = "COMMAND")]

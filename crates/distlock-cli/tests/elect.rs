@@ -149,7 +149,7 @@ fn leader_without_one_says_so_with_exit_1_in_text_and_json() {
 fn bad_input_exits_2_before_any_io() {
     // Nothing listens on port 1: any I/O would end in 69, not 2.
     let url = "redis://127.0.0.1:1";
-    let cases: [&[&str]; 10] = [
+    let cases: [&[&str]; 11] = [
         &["elect", "", "--", "true"],
         &["elect", "x", "--ttl", "soon", "--", "true"],
         &["elect", "x", "--ttl", "500ms", "--", "true"],
@@ -165,6 +165,7 @@ fn bad_input_exits_2_before_any_io() {
             "true",
         ],
         &["elect", "x", "--label", "has space", "--", "true"],
+        &["elect", "x", "--value", "has space", "--", "true"],
         &["elect", "x"],
         &["leader", ""],
         &["leader", "x", "--watch", "--every", "0s"],
@@ -273,7 +274,7 @@ fn a_second_elect_waits_for_the_first_to_resign_and_leader_follows() {
     let b_script = format!("echo \"b $DISTLOCK_TERM\" >> {}", log.display());
     let b = on(&url)
         .args([
-            "elect", &name, "--ttl", "3s", "--wait", "20s", "--label", "elect-b", "--",
+            "elect", &name, "--ttl", "3s", "--wait", "20s", "--value", "elect-b", "--",
         ])
         .args(["sh", "-c", &b_script])
         .stdout(Stdio::null())
