@@ -231,15 +231,16 @@ impl ElectArgs {
 pub struct LeaderArgs {
     /// The election's name.
     pub name: String,
-    /// Follow the leader: a line now, then one each time a new term begins or nobody leads any
-    /// more, until interrupted.
+    /// Follow the leader: a line now, then one each time a new term begins, the leader
+    /// proclaims a new value, or nobody leads any more, until interrupted.
     #[arg(long)]
     pub watch: bool,
     /// One JSON object per line instead of text.
     #[arg(long)]
     pub json: bool,
-    /// With --watch: how often to ask the coordinator. A leadership that begins and ends between
-    /// two looks is not seen.
+    /// With --watch: how often to ask the coordinator. etcd and ZooKeeper also push changes (this
+    /// is then a safety net); elsewhere a leadership that begins and ends between two looks is
+    /// not seen.
     #[arg(long, default_value = "1s", value_parser = parse_duration, value_name = "DURATION", requires = "watch")]
     pub every: Duration,
 }
