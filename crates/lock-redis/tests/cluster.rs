@@ -183,21 +183,6 @@ async fn drill_cluster_master_of_the_locks_slot_killed_mid_hold_and_mid_wait() {
     );
 }
 
-/// The shard channels matching `pattern` on the node at `port` (`PUBSUB SHARDCHANNELS`).
-async fn shard_channels(port: u16, pattern: &str) -> Vec<Vec<u8>> {
-    let mut c = redis::Client::open(format!("redis://127.0.0.1:{port}"))
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
-    redis::cmd("PUBSUB")
-        .arg("SHARDCHANNELS")
-        .arg(pattern)
-        .query_async(&mut c)
-        .await
-        .unwrap()
-}
-
 /// A graceful failover (`CLUSTER FAILOVER` on the replica) of the lock's slot while a client
 /// waits: the old master, demoted, drops the waiter's shard subscription (and the redis crate's
 /// cluster client forgets it); the waiter subscribes again and the release on the new master
@@ -210,29 +195,15 @@ async fn a_waiter_follows_its_shard_channel_to_the_slots_new_master() {
     }
     let cluster = tokio::task::spawn_blocking(Cluster::start).await.unwrap();
     let url = cluster.url("namespace=shard-move:&max_poll_interval=60s");
-    let a = RedisLock::connect_url(&url).await.unwrap();
-    let b = RedisLock::connect_url(&url).await.unwrap();
-    let key = fresh_key("shard-move");
-    let ttl = Duration::from_secs(120);
-    let lease = a.try_acquire(&key, ttl).await.unwrap().unwrap();
-    let waiter = {
-        let (b, key) = (b.clone(), key.clone());
-        tokio::spawn(async move {
-            let got = b
-                .acquire(&key, ttl, Instant::now() + Duration::from_secs(50))
-                .await;
-            (Instant::now(), got)
-        })
-    };
-    let until = Instant::now() + Duration::from_secs(10);
-    while a.inspect(&key).await.unwrap().and_then(|h| h.waiters) != Some(1) {
-        assert!(Instant::now() < until, "the waiter never queued");
-        sleep(Duration::from_millis(10)).await;
-    }
-    let redis_key = a.redis_key(&key);
-    let pattern = format!("*{{{redis_key}}}*");
+    let q = support::QueuedWaiter::start(&url, "shard-move").await;
+    let (redis_key, pattern) = (q.redis_key.clone(), q.pattern.clone());
     let master = cluster.master_of(redis_key.as_bytes()).unwrap();
-    assert_eq!(shard_channels(master, &pattern).await.len(), 1);
+    assert_eq!(
+        support::pubsub_channels(master, "SHARDCHANNELS", pattern.as_bytes())
+            .await
+            .len(),
+        1
+    );
     let replica = cluster
         .nodes
         .iter()
@@ -259,7 +230,12 @@ async fn a_waiter_follows_its_shard_channel_to_the_slots_new_master() {
     let on = loop {
         let mut on = Vec::new();
         for n in &cluster.nodes {
-            on.push((n.port, shard_channels(n.port, &pattern).await.len()));
+            on.push((
+                n.port,
+                support::pubsub_channels(n.port, "SHARDCHANNELS", pattern.as_bytes())
+                    .await
+                    .len(),
+            ));
         }
         if on.iter().any(|(p, n)| *n > 0 && shard.contains(p)) || Instant::now() >= until {
             break on;
@@ -267,16 +243,10 @@ async fn a_waiter_follows_its_shard_channel_to_the_slots_new_master() {
         sleep(Duration::from_millis(20)).await;
     };
     eprintln!("after the failover {master} -> {replica}: shard channels per node {on:?}");
-    assert!(!waiter.is_finished());
-    let released_at = Instant::now();
+    assert!(!q.waiter.is_finished());
     // The grant was replicated before the failover (a graceful one waits for the replica).
-    assert!(a.release(&lease).await.unwrap());
-    let (granted_at, got) = timeout(Duration::from_secs(15), waiter)
-        .await
-        .expect("the SPUBLISH on the new master wakes the waiter (its poll is 60 s, the first at 30 s at the earliest)")
-        .unwrap();
-    let got = got.unwrap();
-    assert!(granted_at >= released_at);
-    assert!(got.fencing_token().unwrap() > lease.fencing_token().unwrap());
+    let (b, got) = q
+        .release_wakes_the_waiter("the SPUBLISH on the new master")
+        .await;
     assert!(b.release(&got).await.unwrap());
 }

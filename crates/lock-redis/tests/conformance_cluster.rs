@@ -7,11 +7,11 @@ mod support;
 
 use std::{sync::Arc, time::Duration};
 
-use conformance::{Harness, TestBackend, backend_url, fresh_key};
+use conformance::{Harness, TestBackend, backend_url};
 use lock_core::{DistributedLock, DynLock, Lease, LockKey, Result};
 use lock_redis::{RedisLock, RedisLockConfig};
 use redis::cluster_async::ClusterConnection;
-use tokio::time::{Instant, sleep, timeout};
+use tokio::time::{Instant, sleep};
 
 struct Cluster {
     url: String,
@@ -90,29 +90,6 @@ conformance::conformance_tests!(setup; skip: {
     waiters_are_served_in_fifo_order: "fair_queue not claimed: the release grants the oldest live waiter, but a waiter that times out and re-queues loses its place",
 });
 
-/// The shard channels matching `pattern` on the node at `port`, and its classic channels
-/// matching it (`PUBSUB SHARDCHANNELS` / `PUBSUB CHANNELS`).
-async fn channels_on(port: u16, pattern: &[u8]) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
-    let mut c = redis::Client::open(format!("redis://127.0.0.1:{port}"))
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
-    let shard: Vec<Vec<u8>> = redis::cmd("PUBSUB")
-        .arg("SHARDCHANNELS")
-        .arg(pattern)
-        .query_async(&mut c)
-        .await
-        .unwrap();
-    let classic: Vec<Vec<u8>> = redis::cmd("PUBSUB")
-        .arg("CHANNELS")
-        .arg(pattern)
-        .query_async(&mut c)
-        .await
-        .unwrap();
-    (shard, classic)
-}
-
 /// A waiter on a Cluster listens on its lock's shard channel (`SSUBSCRIBE`, on the master of
 /// the lock's slot only; no classic subscription anywhere) and the release's `SPUBLISH` there
 /// wakes it — promptly, although neither its fallback poll (60 s, jittered: 30 s at the
@@ -127,38 +104,20 @@ async fn cluster_waiters_are_woken_by_their_locks_shard_channel() {
         .await
         .unwrap();
     let url = cluster.url("namespace=shard-wake:&max_poll_interval=60s");
-    let a = RedisLock::connect_url(&url).await.unwrap();
-    let b = RedisLock::connect_url(&url).await.unwrap();
-    let key = fresh_key("shard-wake");
-    let ttl = Duration::from_secs(120);
-    let lease = a.try_acquire(&key, ttl).await.unwrap().unwrap();
-    let waiter = {
-        let (b, key) = (b.clone(), key.clone());
-        tokio::spawn(async move {
-            let got = b
-                .acquire(&key, ttl, Instant::now() + Duration::from_secs(50))
-                .await;
-            (Instant::now(), got)
-        })
-    };
     // Registered in the queue: its subscription was confirmed before that attempt.
-    let until = Instant::now() + Duration::from_secs(10);
-    while a.inspect(&key).await.unwrap().and_then(|h| h.waiters) != Some(1) {
-        assert!(Instant::now() < until, "the waiter never queued");
-        sleep(Duration::from_millis(10)).await;
-    }
-    let redis_key = a.redis_key(&key);
-    let pattern = format!("*{{{redis_key}}}*");
+    let q = support::QueuedWaiter::start(&url, "shard-wake").await;
+    let (redis_key, pattern) = (q.redis_key.clone(), q.pattern.clone());
     let master = cluster.master_of(redis_key.as_bytes()).unwrap();
     let prefix = format!("{{{redis_key}}}\x1fwake:");
     for node in &cluster.nodes {
-        let (shard, classic) = channels_on(node.port, pattern.as_bytes()).await;
+        let shard = support::pubsub_channels(node.port, "SHARDCHANNELS", pattern.as_bytes()).await;
+        let classic = support::pubsub_channels(node.port, "CHANNELS", pattern.as_bytes()).await;
         assert!(
             classic.is_empty(),
             "a classic subscription on {}",
             node.port
         );
-        let (_, all_classic) = channels_on(node.port, b"*wake*").await;
+        let all_classic = support::pubsub_channels(node.port, "CHANNELS", b"*wake*").await;
         assert!(
             all_classic.is_empty(),
             "a classic wake channel on {}",
@@ -175,18 +134,13 @@ async fn cluster_waiters_are_woken_by_their_locks_shard_channel() {
             );
         }
     }
-    let released_at = Instant::now();
-    assert!(a.release(&lease).await.unwrap());
-    let (granted_at, got) = timeout(Duration::from_secs(15), waiter)
-        .await
-        .expect("the release's SPUBLISH wakes the waiter (its poll is 60 s, the first at 30 s at the earliest)")
-        .unwrap();
-    let got = got.unwrap();
-    assert!(granted_at >= released_at);
-    assert!(got.fencing_token().unwrap() > lease.fencing_token().unwrap());
+    let (b, got) = q.release_wakes_the_waiter("the release's SPUBLISH").await;
     // The wait is over: its shard channel is given up.
     let until = Instant::now() + Duration::from_secs(10);
-    while !channels_on(master, pattern.as_bytes()).await.0.is_empty() {
+    while !support::pubsub_channels(master, "SHARDCHANNELS", pattern.as_bytes())
+        .await
+        .is_empty()
+    {
         assert!(
             Instant::now() < until,
             "the shard channel stayed subscribed"
