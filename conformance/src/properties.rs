@@ -94,7 +94,7 @@ use std::{
 
 use lock_core::{
     DistributedLockExt, DynLock, Election, Error, FencedRegister, FencingGuarantee, FencingToken,
-    Lease, LockKey, LockOptions,
+    HolderIdentity, Lease, LockKey, LockOptions,
 };
 use tokio::time::{Instant, sleep, timeout};
 
@@ -1496,6 +1496,13 @@ pub async fn election_proclaim_changes_the_value_not_the_term(h: Harness) -> Out
             "leader() does not show the proclaimed value"
         );
     }
+    // Still the same grant: it renews as before.
+    if a.capabilities().renew {
+        let mut lease = lead.granted_lease().clone();
+        a.renew(&mut lease, LONG_TTL)
+            .await
+            .expect("the proclaimed grant renews");
+    }
     h.force_expire(lead.granted_lease()).await;
     let next = eb.campaign(SLACK).await.expect("campaign after the expiry");
     let before = eb.leader().await.unwrap().map(|l| (l.term, l.holder));
@@ -1503,6 +1510,14 @@ pub async fn election_proclaim_changes_the_value_not_the_term(h: Harness) -> Out
     assert!(
         matches!(refused, Err(Error::NotHeld { .. })),
         "a deposed leader's proclaim: {refused:?}"
+    );
+    // The same through the client, past the handle's own check (a handle that already saw its
+    // loss refuses without asking the coordinator): the coordinator's compare must refuse it.
+    let deposed = HolderIdentity::process(Some("deposed")).expect("a valid label");
+    let refused = a.relabel(lead.granted_lease(), &deposed).await;
+    assert!(
+        matches!(refused, Err(Error::NotHeld { .. })),
+        "the coordinator let a deposed grant relabel: {refused:?}"
     );
     let after = eb.leader().await.unwrap().map(|l| (l.term, l.holder));
     assert_eq!(

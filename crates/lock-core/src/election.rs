@@ -98,7 +98,7 @@
 //! A pushed observe still reads the leader after each push: a term that begins and ends within
 //! one read's round trip is not seen; a polled one misses a term shorter than its interval.
 
-use std::{fmt, sync::Arc, time::Duration};
+use std::{fmt, time::Duration};
 
 use futures::{Stream, StreamExt, stream::BoxStream};
 use tokio::time::{Instant, MissedTickBehavior};
@@ -106,7 +106,7 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::{
     DistributedLockExt, DynLock, Error, FencingGuarantee, FencingToken, HolderIdentity, HolderInfo,
-    LockGuard, LockKey, LossReason, Result, TokenDigest, raw::Driver,
+    LockGuard, LockKey, LossReason, Result, TokenDigest,
 };
 
 /// The prefix of every election's lock key.
@@ -138,15 +138,6 @@ impl Election {
             key,
             ttl: Self::DEFAULT_TTL,
         })
-    }
-
-    /// [`Election::new`] on a driver's client (`Arc<EtcdLock>`, `Arc<InMemoryLock>`, …), kept
-    /// from when a [`DynLock`] did not carry `relabel` and `watch_holder`.
-    ///
-    /// # Errors
-    /// As [`Election::new`].
-    pub fn with_driver<D: Driver>(driver: Arc<D>, name: &str) -> Result<Self> {
-        Self::new(driver, name)
     }
 
     /// Sets the lease TTL of a leadership ([`Election::DEFAULT_TTL`] by default). The watchdog
@@ -291,7 +282,7 @@ impl fmt::Debug for Election {
 /// The state of [`Election::observe`]'s stream.
 struct Observer {
     lock: DynLock,
-    /// The backend's pushes ([`Driver::watch_holder`]) while its watch is armed.
+    /// The backend's pushes ([`DistributedLock::watch_holder`](crate::DistributedLock::watch_holder)) while its watch is armed.
     pushes: Option<BoxStream<'static, ()>>,
     key: LockKey,
     every: Duration,
@@ -786,10 +777,10 @@ mod tests {
     #[tokio::test]
     async fn proclaim_changes_the_value_not_the_term_and_a_deposed_leader_changes_nothing() {
         let coordinator = InMemoryLock::new();
-        let a = Election::with_driver(Arc::new(coordinator.client().with_label("a").unwrap()), "p")
-            .unwrap();
-        let b = Election::with_driver(Arc::new(coordinator.client().with_label("b").unwrap()), "p")
-            .unwrap();
+        let a =
+            Election::new(Arc::new(coordinator.client().with_label("a").unwrap()), "p").unwrap();
+        let b =
+            Election::new(Arc::new(coordinator.client().with_label("b").unwrap()), "p").unwrap();
         let lead = a.campaign(WAIT).await.unwrap();
         let shown = lead.proclaim("scheduler-2").await.unwrap();
         assert!(shown.as_str().ends_with(" label=scheduler-2"), "{shown}");
@@ -831,7 +822,7 @@ mod tests {
         lead.proclaim("x").await.unwrap();
         lead.resign().await.unwrap();
         let unfenced = Arc::new(NoRelabel(coordinator.client()));
-        let e = Election::with_driver(unfenced, "q").unwrap();
+        let e = Election::new(unfenced, "q").unwrap();
         let lead = e.campaign(WAIT).await.unwrap();
         let before_proclaim = coordinator.requests();
         assert!(matches!(
@@ -846,7 +837,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn observe_reports_a_proclaimed_value_with_the_same_term() {
         let coordinator = InMemoryLock::new();
-        let a = Election::with_driver(Arc::new(coordinator.client()), "o").unwrap();
+        let a = Election::new(Arc::new(coordinator.client()), "o").unwrap();
         let mut changes = Box::pin(a.observe(Duration::from_millis(10)));
         assert_eq!(changes.next().await.unwrap().unwrap(), None);
         let lead = a.campaign(WAIT).await.unwrap();
@@ -921,7 +912,7 @@ mod tests {
         let coordinator = InMemoryLock::new();
         let (tx, _) = tokio::sync::broadcast::channel(16);
         let pushed = Arc::new(Pushed(coordinator.client(), tx.clone()));
-        let a = Election::with_driver(pushed, "w").unwrap();
+        let a = Election::new(pushed, "w").unwrap();
         let b = Election::new(Arc::new(coordinator.client()), "w").unwrap();
         let mut changes = Box::pin(a.observe(Duration::from_secs(30)));
         assert_eq!(changes.next().await.unwrap().unwrap(), None);

@@ -45,8 +45,8 @@ async fn proclaim_changes_the_value_etcdctl_sees_and_a_deposed_leader_changes_no
     let Some(a) = client("a").await else { return };
     let b = client("b").await.unwrap();
     let name = fresh("proclaim");
-    let ea = Election::with_driver(a.clone(), &name).unwrap();
-    let eb = Election::with_driver(b.clone(), &name).unwrap();
+    let ea = Election::new(a.clone(), &name).unwrap();
+    let eb = Election::new(b.clone(), &name).unwrap();
     let lead = ea.campaign(SLACK).await.unwrap();
 
     let listener = etcdctl_installed().then(|| {
@@ -127,8 +127,8 @@ async fn observe_is_pushed_by_a_watch() {
     };
     let leader = client("leader").await.unwrap();
     let name = fresh("observe");
-    let observed = Election::with_driver(watcher, &name).unwrap();
-    let ours = Election::with_driver(leader, &name).unwrap();
+    let observed = Election::new(watcher, &name).unwrap();
+    let ours = Election::new(leader, &name).unwrap();
     let mut changes = Box::pin(observed.observe(Duration::from_secs(30)));
     let mut next = async || {
         let started = Instant::now();

@@ -62,8 +62,8 @@ async fn proclaim_changes_the_node_data_and_a_deposed_leader_changes_nothing() {
     let (a, b) = (&locks[0], &locks[1]);
     let name = fresh("proclaim");
     let dir = format!("{ROOT}/election/{name}");
-    let ea = Election::with_driver(a.clone(), &name).unwrap();
-    let eb = Election::with_driver(b.clone(), &name).unwrap();
+    let ea = Election::new(a.clone(), &name).unwrap();
+    let eb = Election::new(b.clone(), &name).unwrap();
     let lead = ea.campaign(SLACK).await.unwrap();
     assert!(first_data(&raw, &dir).await.ends_with(" label=a"));
     let shown = lead.proclaim("scheduler-2").await.unwrap();
@@ -104,8 +104,8 @@ async fn observe_is_pushed_by_watches() {
         return;
     };
     let name = fresh("observe");
-    let observed = Election::with_driver(locks[0].clone(), &name).unwrap();
-    let ours = Election::with_driver(locks[1].clone(), &name).unwrap();
+    let observed = Election::new(locks[0].clone(), &name).unwrap();
+    let ours = Election::new(locks[1].clone(), &name).unwrap();
     let mut changes = Box::pin(observed.observe(Duration::from_secs(30)));
     let mut next = async || {
         let started = Instant::now();
