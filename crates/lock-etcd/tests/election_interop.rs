@@ -1,11 +1,13 @@
 //! Our election and Go's `concurrency.Election` (`etcdctl elect`, v3.4) in one election, both
 //! orders, on a real etcd (`DISTLOCK_TEST_ETCD_URL`): the election `NAME` of a client with the
-//! prefix `distlock/` is `etcdctl elect distlock/election/NAME`.
+//! prefix `distlock/` is `etcdctl elect distlock/election/NAME`. Also `Leadership::proclaim`
+//! (the value `etcdctl elect -l` prints) and a pushed `Election::observe`.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation is a failed test
 
 use std::{process::Stdio, sync::Arc, time::Duration};
 
-use lock_core::{Election, FencingToken};
+use futures::StreamExt;
+use lock_core::{DistributedLock, Election, Error, FencingToken};
 use lock_etcd::{EtcdLock, EtcdLockConfig};
 use nix::{
     sys::signal::{Signal, kill},
@@ -14,7 +16,7 @@ use nix::{
 use tokio::{
     io::{AsyncBufReadExt, BufReader, Lines},
     process::{Child, ChildStdout, Command},
-    time::{sleep, timeout},
+    time::{Instant, sleep, timeout},
 };
 
 const LONG: Duration = Duration::from_secs(30);
@@ -49,13 +51,17 @@ async fn env() -> Option<Env> {
 }
 
 impl Env {
-    /// An election on a client of its own with the default prefix and `label`.
-    async fn election(&self, name: &str, label: &str) -> Election {
+    /// A client of its own with the default prefix and `label`.
+    async fn client(&self, label: &str) -> Arc<EtcdLock> {
         let mut cfg = EtcdLockConfig::from_url(&self.url).unwrap();
         assert_eq!(cfg.prefix, "distlock/");
         cfg.label = Some(label.to_owned());
-        let lock = Arc::new(EtcdLock::connect(cfg).await.unwrap());
-        Election::new(lock, name).unwrap()
+        Arc::new(EtcdLock::connect(cfg).await.unwrap())
+    }
+
+    /// An election on a client of its own with the default prefix and `label`.
+    async fn election(&self, name: &str, label: &str) -> Election {
+        Election::new(self.client(label).await, name).unwrap()
     }
 
     /// `etcdctl elect <args>`, its stdout as lines.
@@ -238,5 +244,89 @@ fn we_lead_and_etcdctl_elect_follows() {
         assert!(again.term() > leader.term.unwrap());
         assert!(child.wait().await.unwrap().success());
         assert!(again.resign().await.unwrap());
+    });
+}
+
+/// The leader proclaims: `leader()` and `etcdctl elect -l` show the new value with the same
+/// term; a deposed leader's proclaim (its entry deleted, its session lease alive) is refused by
+/// the compare and leaves no entry behind.
+#[test]
+fn proclaim_changes_the_value_etcdctl_sees_and_a_deposed_leader_changes_nothing() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let (a, b) = (env.client("a").await, env.client("b").await);
+        let name = fresh("proclaim");
+        let ea = Election::new(a.clone(), &name).unwrap();
+        let eb = Election::new(b.clone(), &name).unwrap();
+        let lead = ea.campaign(SLACK).await.unwrap();
+        let (_listener, mut out) = env.etcdctl_elect(&["-l", &format!("distlock/election/{name}")]);
+        let (_, value) = next_leader(&mut out).await;
+        assert!(value.ends_with(" label=a"), "not a's identity: {value}");
+
+        let shown = lead.proclaim("scheduler-2").await.unwrap();
+        assert!(shown.as_str().ends_with(" label=scheduler-2"), "{shown}");
+        let leader = eb.leader().await.unwrap().expect("a leads");
+        assert_eq!(leader.term, Some(lead.term()));
+        assert_eq!(leader.holder.as_ref(), Some(&shown));
+        let (_, value) = next_leader(&mut out).await;
+        assert!(
+            value.ends_with(shown.as_str()),
+            "etcdctl shows the old value: {value}"
+        );
+
+        // Still the same grant, and not taken for lost: it renews.
+        let mut lease = lead.granted_lease().clone();
+        let ttl = lease.ttl();
+        a.renew(&mut lease, ttl).await.unwrap();
+        assert!(!lead.is_lost(), "a proclaim made the leadership lost");
+
+        // Deposed: its entry deleted by an operator while its session lease lives on; b leads.
+        assert!(b.force_release(ea.key()).await.unwrap());
+        let next = eb.campaign(SLACK).await.unwrap();
+        let before = eb.leader().await.unwrap().map(|l| (l.term, l.holder));
+        // The driver's compare, whatever the leadership noticed locally.
+        let refused = lock_core::raw::relabel(a.as_ref(), lead.granted_lease(), "late").await;
+        assert!(matches!(refused, Err(Error::NotHeld { .. })), "{refused:?}");
+        let after = eb.leader().await.unwrap().map(|l| (l.term, l.holder));
+        assert_eq!(
+            after, before,
+            "a deposed leader's proclaim changed the leader"
+        );
+        assert!(next.resign().await.unwrap());
+        // No entry of a's came back to lead next.
+        assert_eq!(eb.leader().await.unwrap(), None);
+    });
+}
+
+/// With a 30 s poll interval, a grant, a proclaim and a resign are each observed within a
+/// few seconds: etcd pushes them (a watch on the election's range).
+#[test]
+fn observe_is_pushed_by_a_watch() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let name = fresh("observe");
+        let observed = env.election(&name, "watcher").await;
+        let ours = env.election(&name, "leader").await;
+        let mut changes = Box::pin(observed.observe(Duration::from_secs(30)));
+        let mut next = async || {
+            let started = Instant::now();
+            let item = timeout(SLACK, changes.next())
+                .await
+                .expect("observed before the 30 s poll: pushed")
+                .expect("the stream goes on")
+                .unwrap();
+            (item, started.elapsed())
+        };
+        assert_eq!(next().await.0, None);
+        let lead = ours.campaign(SLACK).await.unwrap();
+        let (seen, _) = next().await;
+        assert_eq!(seen.and_then(|l| l.term), Some(lead.term()));
+        lead.proclaim("v2").await.unwrap();
+        let (seen, _) = next().await;
+        let seen = seen.expect("a leader");
+        assert_eq!(seen.term, Some(lead.term()));
+        assert!(seen.holder.unwrap().as_str().ends_with(" label=v2"));
+        assert!(lead.resign().await.unwrap());
+        assert_eq!(next().await.0, None);
     });
 }
