@@ -6,12 +6,15 @@
 //! Each private server is started once per test, on free ports, and stopped when the test ends.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
 use std::{
     path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
     thread,
     time::{Duration, Instant},
 };
+use support::temp_dir;
 
 use conformance::servers::{PrivateServer, ServerKind, free_port};
 use distlock::Backend;
@@ -51,16 +54,6 @@ fn finding<'a>(report: &'a Value, name: &str) -> &'a Value {
         .as_array()
         .and_then(|f| f.iter().find(|f| f["check"] == name))
         .unwrap_or_else(|| panic!("no finding {name} in {report:#}"))
-}
-
-fn temp_dir(label: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "distlock-check-audit-{label}-{}-{:08x}",
-        std::process::id(),
-        rand::random::<u32>()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 /// A server process this test started: killed (by its own pid) and its directory removed

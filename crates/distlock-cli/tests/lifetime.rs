@@ -5,13 +5,16 @@
 //! parallel, and the in-memory backend under a pseudo-terminal (`script`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
 use std::{
     io::Write,
-    path::{Path, PathBuf},
+    path::Path,
     process::{Child, Command, Output, Stdio},
     thread,
     time::{Duration, Instant, SystemTime},
 };
+use support::{fresh_key, temp_dir};
 
 use distlock::Backend;
 use nix::{
@@ -56,20 +59,6 @@ fn on_every_backend(test: fn(Backend, String)) {
     for worker in workers {
         worker.join().unwrap();
     }
-}
-
-fn fresh_key(label: &str) -> String {
-    format!("distlock-cli-test/{label}/{:016x}", rand::random::<u64>())
-}
-
-fn temp_dir(label: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "distlock-cli-{label}-{}-{:08x}",
-        std::process::id(),
-        rand::random::<u32>()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 /// Waits for `path` (written with a rename, so complete) and returns its trimmed content.
