@@ -161,6 +161,27 @@ fn server_version() -> String {
         .unwrap_or_else(|e| format!("unknown ({e})"))
 }
 
+impl TopologyReport {
+    /// A report of a run that measured nothing: one row saying why.
+    fn not_measured(plan: &TopologyPlan, command: String, runtime: String, why: String) -> Self {
+        Self {
+            command,
+            runtime,
+            cycles: plan.cycles,
+            handoffs: plan.handoffs,
+            waiters: plan.waiters,
+            server: server_version(),
+            rows: vec![TopologyRow {
+                topology: "(none)".to_owned(),
+                url: String::new(),
+                cycle: None,
+                handoff: None,
+                notes: vec![why],
+            }],
+        }
+    }
+}
+
 /// Starts the servers, measures every topology and stops them.
 pub async fn run(
     plan: &TopologyPlan,
@@ -175,21 +196,8 @@ pub async fn run(
         Ok(s) => s,
         Err(e) => {
             // The start panicked (a missing redis-server, a cluster that did not form).
-            return TopologyReport {
-                command,
-                runtime,
-                cycles: plan.cycles,
-                handoffs: plan.handoffs,
-                waiters: plan.waiters,
-                server: server_version(),
-                rows: vec![TopologyRow {
-                    topology: "(none)".to_owned(),
-                    url: String::new(),
-                    cycle: None,
-                    handoff: None,
-                    notes: vec![format!("the servers could not be started: {e}")],
-                }],
-            };
+            let why = format!("the servers could not be started: {e}");
+            return TopologyReport::not_measured(plan, command, runtime, why);
         }
     };
     let topologies = servers.topologies();
@@ -395,20 +403,11 @@ async fn run_with_timeout(plan: &TopologyPlan, run_id: &str, flavour: String) ->
     let command = crate::command_line();
     match tokio::time::timeout(limit, run(plan, run_id, command.clone(), flavour.clone())).await {
         Ok(report) => report,
-        Err(_) => TopologyReport {
+        Err(_) => TopologyReport::not_measured(
+            plan,
             command,
-            runtime: flavour,
-            cycles: plan.cycles,
-            handoffs: plan.handoffs,
-            waiters: plan.waiters,
-            server: server_version(),
-            rows: vec![TopologyRow {
-                topology: "(none)".to_owned(),
-                url: String::new(),
-                cycle: None,
-                handoff: None,
-                notes: vec![format!("the run did not finish within {limit:?}")],
-            }],
-        },
+            flavour,
+            format!("the run did not finish within {limit:?}"),
+        ),
     }
 }
