@@ -325,8 +325,10 @@ fn locks_of_one_client_share_a_lease_and_release_independently() {
         assert!(leases.iter().all(|l| EtcdLock::lease_id(l) == Some(id)));
         assert_eq!(a.session_count(), 1);
 
-        // Renewing all of them at once costs one keepalive and at most two batched entry
-        // checks (a lone first one, then everything that queued behind it), not twenty.
+        // Renewing all of them at once costs one keepalive and a few batched entry checks, not
+        // twenty: a lone first one, then everything that queued behind it — and, when the
+        // machine is loaded, a third or fourth wave of renewals that reached the batcher only
+        // after the previous check was sent (seen once: 3 txns in a two-lane run on 2 cores).
         let before = a.request_counts();
         let renewals = leases.iter_mut().map(|l| {
             let a = a.clone();
@@ -337,11 +339,11 @@ fn locks_of_one_client_share_a_lease_and_release_independently() {
         }
         let after = a.request_counts();
         assert!(
-            after.total() - before.total() <= 3,
+            after.total() - before.total() <= 5,
             "{before:?} -> {after:?}"
         );
         assert_eq!(after.lease_keepalive - before.lease_keepalive, 1);
-        assert!(after.txn - before.txn <= 2, "{before:?} -> {after:?}");
+        assert!(after.txn - before.txn <= 4, "{before:?} -> {after:?}");
 
         // Releasing one deletes only its key; the lease lives on for the others.
         assert!(a.release(&leases[0]).await.unwrap());
