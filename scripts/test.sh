@@ -49,14 +49,15 @@ step() {
 }
 
 # run_tests: `cargo test --workspace --all-features --no-fail-fast`, with the test binaries run in
-# $DISTLOCK_TEST_LANES (default 2) lanes at once instead of one after another. Most binaries wait on
-# servers, leases and timers rather than on the CPU, so two lanes take about half the wall time on
-# two cores. Each binary runs the way cargo runs it (from its package's directory, with its
+# $DISTLOCK_TEST_LANES lanes at once (default 1: one after another). Most binaries wait on servers,
+# leases and timers rather than on the CPU, so two lanes take about half the wall time on two
+# cores — but the doubled load made three load-sensitive tests fail in seven two-lane runs, so two
+# lanes stay opt-in until those are hardened. Each binary runs the way cargo runs it (from its package's directory, with its
 # CARGO_MANIFEST_DIR), its output is kept and printed whole once it ends, and every binary runs even
 # after one fails, so one run shows every failure. The binaries that fault or audit the shared
 # 3-member clusters (EXCLUSIVE) run alone afterwards. Doc tests run last, through cargo.
 run_tests() {
-  local lanes=${DISTLOCK_TEST_LANES:-2} dir list rc=0 failed=() name
+  local lanes=${DISTLOCK_TEST_LANES:-1} dir list rc=0 failed=() name
   # Slowest first (from CI runs), so the lanes end close together.
   local -a first=(conformance_cmd drill_lost_replies drill_partition_zk conformance memory drill_periodic
     cancel_delayed conformance_cluster conformance_redlock redis backends conformance_sentinel
