@@ -371,6 +371,10 @@ write_zk_conf() {
     echo "maxClientCnxns=0"
     echo "admin.enableServer=false"
     echo "4lw.commands.whitelist=*"
+    # TTL nodes for job mode's keep markers (lock-zk's renew.rs) on the single servers; the
+    # three-member ensemble keeps ZooKeeper's default (off), so markers are persistent there and
+    # both kinds are tested (lock-zk/tests/keep.rs).
+    [[ -n $MEMBER ]] || echo "extendedTypesEnabled=true"
     if [[ -n $SECURE ]]; then
       # Every request of a session needs digest credentials (addauth); nodes created with the
       # "creator" ACL are then reachable only with the same user:password.
@@ -473,7 +477,7 @@ launch() {
       local cp
       cp=$(zk_classpath)
       (clean_exec setsid "$java" -Xms32m -Xmx256m -XX:+UseSerialGC -Djava.net.preferIPv4Stack=true \
-        -Dzookeeper.admin.enableServer=false -cp "$cp" \
+        -Dzookeeper.admin.enableServer=false -Dznode.container.checkIntervalMs=1000 -cp "$cp" \
         org.apache.zookeeper.server.quorum.QuorumPeerMain "$IDIR/conf/zoo.cfg") \
         </dev/null >>"$LOG" 2>&1 &
       echo $! >"$PIDFILE"

@@ -7,8 +7,8 @@
 //! - **with job mode** (`at_least` = 2.2 s, between the largest skew and the period): every
 //!   period runs exactly once — also the period in which the instance that got the lock dies
 //!   mid-job (its link blackholed: nothing it sends arrives, its release included), after which
-//!   it never fires again. Backends without `keep_until` (ZooKeeper today) must refuse
-//!   `at_least` before any I/O; the drill says so and checks the refusal.
+//!   it never fires again. A backend without `keep_until` must refuse `at_least` before any
+//!   I/O; the drill says so and checks the refusal (all five claim it).
 //! - **without it** (plain skip-if-held): the duplicates the article starts from — the 100 ms
 //!   job is long released when the next instance's timer fires, so periods run more than once.
 //! - **a crash** (with job mode): a holder *process* granted with `at_least` is SIGKILLed right

@@ -445,8 +445,8 @@ fn a_command_outlasting_its_ttl_is_not_terminated() {
 
 /// Job mode for cron lines (issue 21): `--at-least` keeps the lock after the command exited —
 /// the next run inside the window is not acquired (75), after it the key is free — and
-/// `--at-most` terminates a command that runs too long, as on a lost lease (76). Backends
-/// that cannot keep a lease alone (ZooKeeper) refuse `--at-least` before running anything (78).
+/// `--at-most` terminates a command that runs too long, as on a lost lease (76). On every
+/// backend (ZooKeeper through its keep marker).
 #[test]
 fn run_at_least_keeps_the_lock_after_the_command_and_at_most_stops_it() {
     for (backend, url) in backends() {
@@ -457,11 +457,6 @@ fn run_at_least_keeps_the_lock_after_the_command_and_at_most_stops_it() {
             .output()
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr).into_owned();
-        if backend == Backend::ZooKeeper {
-            assert_eq!(out.status.code(), Some(78), "{backend}: {err}");
-            assert!(err.contains("at_least"), "{backend}: {err}");
-            continue;
-        }
         assert_eq!(out.status.code(), Some(0), "{backend}: {err}");
         // The command is long gone; the lock is kept until 4 s after the grant.
         let out = run_true(&url, &key);

@@ -40,8 +40,8 @@
 //! cargo run -p distlock --example order_timeout -- --periodic --no-at-least  # the duplicates
 //! ```
 //!
-//! ZooKeeper does not keep a lease past its holder (`Capabilities::keep_until` false): there the
-//! at-least mode reports the coordinator's `Unsupported` error.
+//! Every backend keeps the lock until `at_least` (`Capabilities::keep_until`); ZooKeeper through
+//! a keep marker beside the lock (see the lock-zk README).
 
 use std::{
     collections::hash_map::RandomState,

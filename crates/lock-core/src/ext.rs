@@ -6,8 +6,8 @@ use tokio::time::Instant;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::{
-    Capabilities, DistributedLock, DynLock, Error, FencingGuarantee, FencingToken, LockGuard,
-    LockKey, Result, TokenDigest,
+    Capabilities, DistributedLock, DynLock, Error, FencingGuarantee, FencingToken, Lease,
+    LockGuard, LockKey, Result, TokenDigest,
 };
 
 /// How often the guard renews.
@@ -265,7 +265,10 @@ impl LockBuilder {
         let (key, interval) = self.prepare()?;
         let limits = self.limits();
         let lease = self.lock.try_acquire(&key, self.grant_ttl()).await?;
-        Ok(lease.map(|lease| LockGuard::start(self.lock, lease, interval, limits)))
+        match lease {
+            Some(lease) => Ok(Some(start_guard(self.lock, lease, interval, limits).await?)),
+            None => Ok(None),
+        }
     }
 
     /// Waits up to the configured wait ([`LockOptions::DEFAULT_WAIT`] when unset).
@@ -283,7 +286,7 @@ impl LockBuilder {
             .lock
             .acquire(&key, self.grant_ttl(), deadline_after(wait))
             .await?;
-        Ok(LockGuard::start(self.lock, lease, interval, limits))
+        start_guard(self.lock, lease, interval, limits).await
     }
 
     /// Runs `job` while holding the lock; see [`DistributedLockExt::run_exclusive`].
@@ -348,6 +351,25 @@ impl LockBuilder {
             }
         }
     }
+}
+
+/// The guard of a fresh grant. In job mode with `at_least`, the coordinator is first made to
+/// hold the grant that long whatever happens to this process
+/// ([`DistributedLock::hold_at_least`]; nothing is sent where the grant's TTL already does). The
+/// guard exists before that request, so an error — or the caller dropping this future — hands
+/// the grant back through the guard's drop.
+async fn start_guard(
+    lock: DynLock,
+    lease: Lease,
+    interval: Option<Duration>,
+    limits: crate::guard::JobLimits,
+) -> Result<LockGuard> {
+    let at_least = limits.at_least;
+    let guard = LockGuard::start(lock.clone(), lease, interval, limits);
+    if let Some(at_least) = at_least {
+        lock.hold_at_least(guard.granted_lease(), at_least).await?;
+    }
+    Ok(guard)
 }
 
 /// Job mode's limits, before any I/O: `at_least` needs `keep_until` and a TTL the backend

@@ -344,21 +344,17 @@ impl PendingRelease {
     }
 }
 
-/// Job mode's release before `at_least` has passed: the lease is renewed to end at `until`
-/// (at least the backend's minimum TTL from now) and left to the coordinator's expiry —
-/// nobody renews it any more, and it holds even if this process dies. `Ok(true)`: kept;
-/// `Ok(false)`: it was already lost.
+/// Job mode's release before `at_least` has passed: the coordinator keeps the grant until
+/// `until` ([`DistributedLock::keep`]: on most backends a renew to what is left, at least the
+/// minimum TTL) and frees it by itself — nobody renews it any more, and it holds even if this
+/// process dies. `Ok(true)`: kept; `Ok(false)`: it was already lost.
 async fn keep_until(lock: &DynLock, mut lease: Lease, until: Instant) -> Result<bool> {
-    let caps = lock.capabilities();
     let left = until.saturating_duration_since(Instant::now());
-    match lock.renew(&mut lease, left.max(caps.min_ttl)).await {
-        Ok(()) => {
-            tracing::debug!(key = %lease.key(), ?left, "kept until at_least instead of released");
-            Ok(true)
-        }
-        Err(Error::NotHeld { .. }) => Ok(false),
-        Err(e) => Err(e),
+    let kept = lock.keep(&mut lease, left).await?;
+    if kept {
+        tracing::debug!(key = %lease.key(), ?left, "kept until at_least instead of released");
     }
+    Ok(kept)
 }
 
 impl Drop for PendingRelease {

@@ -124,6 +124,27 @@ pub trait DistributedLock: sealed::Sealed + Send + Sync + fmt::Debug + 'static {
     /// completes; the guard's watchdog and local deadline still detect the loss.
     fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, crate::LossReason>;
 
+    /// Job mode ([`crate::LockOptions::at_least`]), right after a grant and before its job
+    /// starts: makes the coordinator hold `lease`'s grant until at least `at_least` from now by
+    /// its own clock, even if this process dies at once. Where the grant's TTL is the lease
+    /// (every backend but ZooKeeper), the grant — asked for with a TTL of at least `at_least` —
+    /// already does, and this sends nothing.
+    ///
+    /// # Errors
+    /// [`crate::Error::Unsupported`] without [`Capabilities::keep_until`], before any I/O; the
+    /// backend's errors (the grant then may or may not be held that long: release it).
+    async fn hold_at_least(&self, lease: &Lease, at_least: Duration) -> Result<()>;
+
+    /// Job mode's release before `at_least` has passed: instead of releasing, the coordinator
+    /// keeps `lease`'s grant for `left` more (at least the backend's `min_ttl`) with nobody
+    /// renewing it, and frees it by itself — even if this process dies. `Ok(true)`: kept;
+    /// `Ok(false)`: it was already lost.
+    ///
+    /// # Errors
+    /// [`crate::Error::Unsupported`] without [`Capabilities::keep_until`], before any I/O; the
+    /// backend's errors.
+    async fn keep(&self, lease: &mut Lease, left: Duration) -> Result<bool>;
+
     /// Replaces the holder identity recorded beside `lease`'s grant with `holder` while that
     /// grant still holds the lock (compare on the grant, never a blind write): what
     /// [`crate::Leadership::proclaim`] does.

@@ -238,6 +238,19 @@ impl crate::raw::Driver for Observed {
         self.inner.watch_lost(lease)
     }
 
+    async fn hold_at_least(&self, lease: &Lease, at_least: Duration) -> Result<()> {
+        let span = tracing::debug_span!("distlock.hold_at_least", backend = self.inner.backend_name(), key = %lease.key(), ?at_least);
+        self.inner
+            .hold_at_least(lease, at_least)
+            .instrument(span)
+            .await
+    }
+
+    async fn keep(&self, lease: &mut Lease, left: Duration) -> Result<bool> {
+        let span = tracing::debug_span!("distlock.keep", backend = self.inner.backend_name(), key = %lease.key(), ?left);
+        self.inner.keep(lease, left).instrument(span).await
+    }
+
     async fn relabel(&self, lease: &Lease, holder: &crate::HolderIdentity) -> Result<()> {
         let span = tracing::debug_span!("distlock.relabel", backend = self.inner.backend_name(), key = %lease.key());
         self.inner.relabel(lease, holder).instrument(span).await

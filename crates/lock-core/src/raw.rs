@@ -103,6 +103,28 @@ pub trait Driver: Send + Sync + fmt::Debug + 'static {
         Box::pin(std::future::pending())
     }
 
+    /// See [`DistributedLock::hold_at_least`]; only called with `keep_until` claimed. The
+    /// default sends nothing: the grant was asked for with a TTL of at least `at_least`, and a
+    /// driver whose lease expires by the coordinator's clock holds it that long already.
+    async fn hold_at_least(&self, lease: &Lease, at_least: Duration) -> Result<()> {
+        let _ = (lease, at_least);
+        Ok(())
+    }
+
+    /// See [`DistributedLock::keep`]; only called with `keep_until` claimed. The default is a
+    /// renew to `left` (at least `min_ttl`): nobody renews the lease after it, so the
+    /// coordinator expires it then by its own clock.
+    async fn keep(&self, lease: &mut Lease, left: Duration) -> Result<bool> {
+        let caps = Driver::capabilities(self);
+        let ttl = left.max(caps.min_ttl);
+        check_renew_ttl(&caps, lease, ttl)?;
+        match Driver::renew(self, lease, ttl).await {
+            Ok(()) => Ok(true),
+            Err(Error::NotHeld { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Replaces the holder identity recorded beside `lease`'s grant with `holder`, only while
     /// that grant still holds the lock — a compare on the grant (ownership token, create
     /// revision, node), never a blind write — keeping the grant, its fencing token and its
@@ -227,6 +249,22 @@ impl<T: Driver + ?Sized> DistributedLock for T {
 
     fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
         Driver::watch_lost(self, lease)
+    }
+
+    async fn hold_at_least(&self, lease: &Lease, at_least: Duration) -> Result<()> {
+        let caps = Driver::capabilities(self);
+        if !(caps.keep_until && caps.renew) {
+            return Err(Error::unsupported(Driver::backend_name(self), "keep_until"));
+        }
+        Driver::hold_at_least(self, lease, at_least).await
+    }
+
+    async fn keep(&self, lease: &mut Lease, left: Duration) -> Result<bool> {
+        let caps = Driver::capabilities(self);
+        if !(caps.keep_until && caps.renew) {
+            return Err(Error::unsupported(Driver::backend_name(self), "keep_until"));
+        }
+        Driver::keep(self, lease, left).await
     }
 
     async fn relabel(&self, lease: &Lease, holder: &HolderIdentity) -> Result<()> {

@@ -4,7 +4,7 @@
 
 use std::{
     fmt,
-    sync::{Arc, Mutex},
+    sync::{Arc, Mutex, atomic::AtomicBool},
     time::Duration,
 };
 
@@ -21,7 +21,9 @@ use crate::{
     BACKEND, ZkLockConfig,
     client::{Session, outcome_unknown, session_gone, to_error},
     path::{self, lock_dir, sorted_contenders},
-    queue::{Grant, Position, Waited, spawn_removal},
+    path::{KEEP_NODE, KeepMarker, keep_path},
+    queue::{Grant, Kept, Position, Waited, spawn_removal},
+    renew::KeptMarker,
     wake::NodeWatch,
 };
 
@@ -49,6 +51,9 @@ pub(crate) struct Inner {
     pub(crate) connecting: tokio::sync::Mutex<()>,
     /// Cancelled when the last clone is dropped: stops the session's heartbeat.
     pub(crate) stop: CancellationToken,
+    /// Keep markers are TTL nodes until the server refuses one (`Unimplemented`: its
+    /// `zookeeper.extendedTypesEnabled` is off); persistent nodes from then on.
+    pub(crate) ttl_markers: AtomicBool,
 }
 
 impl Drop for Inner {
@@ -67,6 +72,8 @@ pub(crate) struct ZkLease {
     /// The deletion watch on our node, shared by renewals and `watch_lost` (and armed while
     /// waiting, when the lock was waited for).
     pub(crate) watch: Arc<NodeWatch>,
+    /// The keep marker this grant wrote (job mode's `at_least`), if any.
+    pub(crate) kept: Mutex<Option<KeptMarker>>,
 }
 
 impl ZkLock {
@@ -84,6 +91,7 @@ impl ZkLock {
                 current: Mutex::new(None),
                 connecting: tokio::sync::Mutex::new(()),
                 stop: CancellationToken::new(),
+                ttl_markers: AtomicBool::new(true),
             }),
         })
     }
@@ -116,6 +124,73 @@ fn late_grant(op: &'static str) -> Error {
 }
 
 impl ZkLock {
+    /// Deletes our node (the grant of `lease`), compare on its version: `Ok(true)` deleted,
+    /// `Ok(false)` it was already gone.
+    pub(crate) async fn delete_own(&self, lease: &Lease, op: &'static str) -> Result<bool> {
+        let Some(state) = lease.backend_state::<ZkLease>() else {
+            return Ok(false);
+        };
+        let Some(session) = self.session_of(state) else {
+            return Ok(false);
+        };
+        let client = &session.client;
+        let mut version = state.version;
+        let mut lost_once = false;
+        for _ in 0..4 {
+            match self.call(client.delete(&state.path, Some(version))).await {
+                Ok(()) => {
+                    state.watch.set_lost(LossReason::Revoked);
+                    return Ok(true);
+                }
+                // After a lost reply, NoNode most likely means our own delete was applied.
+                Err(zk::Error::NoNode) => return Ok(lost_once),
+                // The session ended, taking our ephemeral node with it. If a delete of ours went
+                // unanswered first, we cannot tell whether it or the session end released it.
+                Err(e) if session_gone(&e) && lost_once => {
+                    return Err(Error::Indeterminate {
+                        backend: BACKEND,
+                        op,
+                        key: lease.key().as_str().to_owned(),
+                        message: format!(
+                            "the delete went unanswered and then the session ended ({e}); the node is gone with the session"
+                        ),
+                    });
+                }
+                Err(e) if session_gone(&e) => return Ok(false),
+                Err(zk::Error::BadVersion) => {
+                    // Somebody wrote to our node; it is still ours if it is the same node.
+                    match self.call(client.check_stat(&state.path)).await {
+                        Ok(Some(stat))
+                            if stat.czxid == state.czxid && stat.ephemeral_owner == session.id =>
+                        {
+                            version = stat.version;
+                        }
+                        Ok(_) => return Ok(false),
+                        Err(e) => return Err(to_error(op, e)),
+                    }
+                }
+                Err(e) if outcome_unknown(&e) => lost_once = true,
+                Err(e) => return Err(to_error(op, e)),
+            }
+        }
+        // Unreachable for now (a partition, a lapsed trust window): keep trying in the
+        // background, so the node does not block everyone once the session is back.
+        spawn_removal(
+            session.clone(),
+            state.path.clone(),
+            state.czxid,
+            self.inner.config.op_timeout,
+        );
+        Err(Error::Unavailable {
+            backend: BACKEND,
+            op,
+            message: "no reply to the delete; it is retried in the background until the node \
+                      or the session is gone"
+                .into(),
+            source: None,
+        })
+    }
+
     /// The operator override: removes the holder of `key` (any holder, or only the grant whose
     /// fencing token — its node's czxid — is `holder`).
     async fn force_release_if(&self, key: &LockKey, holder: Option<FencingToken>) -> Result<bool> {
@@ -123,7 +198,30 @@ impl ZkLock {
         let session = self.session().await?;
         let dir = lock_dir(self.inner.config.root(), key);
         for _ in 0..5 {
-            let Some(current) = self.holder_node(&session, &dir, OP).await? else {
+            let kept = self.keep_of(&session, &dir, OP).await?;
+            let current = self.holder_node(&session, &dir, OP).await?;
+            let fence_of = |m: &KeepMarker| u64::try_from(m.fence).ok().map(FencingToken);
+            // A keep marker of an earlier grant holds the lock (job mode's `at_least`): it is
+            // the holder to remove.
+            if let Some((marker, version)) = &kept
+                && current.as_ref().is_none_or(|c| c.fence != fence_of(marker))
+            {
+                if holder.is_some_and(|h| fence_of(marker) != Some(h)) {
+                    return Ok(false);
+                }
+                match self
+                    .call(session.client.delete(&keep_path(&dir), Some(*version)))
+                    .await
+                {
+                    Ok(()) => {
+                        tracing::warn!(%key, "kept lock (job mode's at_least) freed by force_release");
+                        return Ok(true);
+                    }
+                    Err(zk::Error::NoNode | zk::Error::BadVersion) => continue,
+                    Err(e) => return Err(to_error(OP, e)),
+                }
+            }
+            let Some(current) = current else {
                 return Ok(false);
             };
             // Node paths are never reused, so the grant confirmed by its czxid is removed by
@@ -140,6 +238,12 @@ impl ZkLock {
                 match self.call(session.client.delete(&current.path, None)).await {
                     Ok(()) => {
                         tracing::warn!(%key, digest = ?current.digest, "lock holder removed by force_release");
+                        // Its own keep marker (a job with `at_least`) would hold the lock on.
+                        if let Some((_, version)) = kept {
+                            let _ = self
+                                .call(session.client.delete(&keep_path(&dir), Some(version)))
+                                .await;
+                        }
                         return Ok(true);
                     }
                     Err(e) if outcome_unknown(&e) => unanswered = Some(e),
@@ -155,6 +259,29 @@ impl ZkLock {
             }
         }
         Ok(false)
+    }
+
+    /// The keep marker of lock directory `dir` and its version, if there is one (a marker we
+    /// cannot parse is an error: never taken for a free lock).
+    async fn keep_of(
+        &self,
+        session: &Session,
+        dir: &str,
+        op: &'static str,
+    ) -> Result<Option<(KeepMarker, i32)>> {
+        match self.call(session.client.get_data(&keep_path(dir))).await {
+            Ok((data, stat)) => match KeepMarker::decode(&data) {
+                Some(marker) => Ok(Some((marker, stat.version))),
+                None => Err(Error::Backend {
+                    backend: BACKEND,
+                    op,
+                    message: format!("{dir}/{KEEP_NODE} is not a distlock keep marker"),
+                    source: None,
+                }),
+            },
+            Err(zk::Error::NoNode) => Ok(None),
+            Err(e) => Err(to_error(op, e)),
+        }
     }
 
     /// The first contender of lock directory `dir` (the holder): its node, fencing token
@@ -271,6 +398,8 @@ impl Driver for ZkLock {
             lost_notify: true,
             force_release: true,
             relabel: true,
+            // A keep marker outlives the session (see `crate::renew::KeptMarker`).
+            keep_until: true,
             // The lease is the session: a TTL is honoured up to the session timeout the server
             // negotiated (it may lower the one asked for, to its maxSessionTimeout), so that is
             // the shortest TTL worth asking for; the configured one until a session exists.
@@ -289,13 +418,22 @@ impl Driver for ZkLock {
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
         let session = self.session().await?;
         let now = Instant::now();
-        let budget = self.inner.config.op_timeout.saturating_mul(2);
+        // A create and a listing; a keep marker's read, touch and delete when there is one.
+        let budget = self.inner.config.op_timeout.saturating_mul(5);
         let until = now
             .checked_add(budget)
             .unwrap_or(now + ZkLockConfig::MAX_TIMEOUT);
         let mut c = self.contender(session, key, Some(until));
         c.create("try_acquire").await?;
-        match c.position("try_acquire").await? {
+        let mut position = c.position("try_acquire").await?;
+        if matches!(position, Position::First) && c.keep_seen() {
+            match c.clear_keep(None).await? {
+                Kept::Free => {}
+                Kept::Held => position = Position::Behind(Vec::new()),
+                Kept::Gone => position = Position::Gone,
+            }
+        }
+        match position {
             Position::First => match c.grant(key, ttl) {
                 Grant::Lease(lease) => Ok(Some(lease)),
                 Grant::Late => {
@@ -353,6 +491,12 @@ impl Driver for ZkLock {
                     Err(e) => Err(e),
                 };
                 let step = match step {
+                    Ok(true) if c.keep_seen() => match c.clear_keep(Some(&mut wait)).await {
+                        Ok(Kept::Free) => continue, // list again: still first?
+                        Ok(Kept::Held) => Ok(()),
+                        Ok(Kept::Gone) => break,
+                        Err(e) => Err(e),
+                    },
                     Ok(true) => match c.grant(key, ttl) {
                         Grant::Lease(lease) => return Ok(lease),
                         Grant::Gone => break,
@@ -391,81 +535,52 @@ impl Driver for ZkLock {
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
-        let Some(state) = lease.backend_state::<ZkLease>() else {
-            return Ok(false);
-        };
-        let Some(session) = self.session_of(state) else {
-            return Ok(false);
-        };
-        let client = &session.client;
-        let mut version = state.version;
-        let mut lost_once = false;
-        for _ in 0..4 {
-            match self.call(client.delete(&state.path, Some(version))).await {
-                Ok(()) => {
-                    state.watch.set_lost(LossReason::Revoked);
-                    return Ok(true);
-                }
-                // After a lost reply, NoNode most likely means our own delete was applied.
-                Err(zk::Error::NoNode) => return Ok(lost_once),
-                // The session ended, taking our ephemeral node with it. If a delete of ours went
-                // unanswered first, we cannot tell whether it or the session end released it.
-                Err(e) if session_gone(&e) && lost_once => {
-                    return Err(Error::Indeterminate {
-                        backend: BACKEND,
-                        op: "release",
-                        key: lease.key().as_str().to_owned(),
-                        message: format!(
-                            "the delete went unanswered and then the session ended ({e}); the node is gone with the session"
-                        ),
-                    });
-                }
-                Err(e) if session_gone(&e) => return Ok(false),
-                Err(zk::Error::BadVersion) => {
-                    // Somebody wrote to our node; it is still ours if it is the same node.
-                    match self.call(client.check_stat(&state.path)).await {
-                        Ok(Some(stat))
-                            if stat.czxid == state.czxid && stat.ephemeral_owner == session.id =>
-                        {
-                            version = stat.version;
-                        }
-                        Ok(_) => return Ok(false),
-                        Err(e) => return Err(to_error("release", e)),
-                    }
-                }
-                Err(e) if outcome_unknown(&e) => lost_once = true,
-                Err(e) => return Err(to_error("release", e)),
-            }
+        if let Some(state) = lease.backend_state::<ZkLease>()
+            && let Some(session) = self.session_of(state)
+        {
+            self.drop_keep(state, &session).await;
         }
-        // Unreachable for now (a partition, a lapsed trust window): keep trying in the
-        // background, so the node does not block everyone once the session is back.
-        spawn_removal(
-            session.clone(),
-            state.path.clone(),
-            state.czxid,
-            self.inner.config.op_timeout,
-        );
-        Err(Error::Unavailable {
-            backend: BACKEND,
-            op: "release",
-            message: "no reply to the delete; it is retried in the background until the node \
-                      or the session is gone"
-                .into(),
-            source: None,
-        })
+        self.delete_own(lease, "release").await
+    }
+
+    async fn hold_at_least(&self, lease: &Lease, at_least: Duration) -> Result<()> {
+        self.write_keep(lease, at_least, "hold_at_least").await
+    }
+
+    async fn keep(&self, lease: &mut Lease, left: Duration) -> Result<bool> {
+        self.keep_lease(lease, left).await
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
         let session = self.session().await?;
         let dir = lock_dir(self.inner.config.root(), key);
+        let kept = self.keep_of(&session, &dir, "inspect").await?;
         let holder = self.holder_node(&session, &dir, "inspect").await?;
-        Ok(holder.map(|h| HolderInfo {
-            token_digest: h.digest,
-            fencing_token: h.fence,
-            ttl_remaining: None,
-            waiters: Some(h.queued),
-            holder: h.identity,
-        }))
+        let fence_of = |m: &KeepMarker| u64::try_from(m.fence).ok().map(FencingToken);
+        Ok(match (holder, kept) {
+            // A keep marker of an earlier grant holds the lock; the first contender waits for
+            // it. (A marker that has passed shows until the server deletes it as a TTL node
+            // or the next acquirer does: who is first in line tells the leader's time only
+            // by writing.)
+            (first, Some((marker, _)))
+                if first.as_ref().is_none_or(|f| f.fence != fence_of(&marker)) =>
+            {
+                Some(HolderInfo {
+                    token_digest: None,
+                    fencing_token: fence_of(&marker),
+                    ttl_remaining: None,
+                    waiters: Some(first.map_or(0, |f| f.queued + 1)),
+                    holder: HolderIdentity::from_stored(marker.holder.as_bytes()),
+                })
+            }
+            (first, _) => first.map(|h| HolderInfo {
+                token_digest: h.digest,
+                fencing_token: h.fence,
+                ttl_remaining: None,
+                waiters: Some(h.queued),
+                holder: h.identity,
+            }),
+        })
     }
 
     async fn force_release(&self, key: &LockKey) -> Result<bool> {

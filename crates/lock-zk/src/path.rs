@@ -26,6 +26,68 @@ pub(crate) const LOCK_NAME: &str = "lock-";
 /// The lock keys of elections: `lock_core::Election` campaigns on the lock `election/<name>`.
 const ELECTION_KEYS: &str = "election/";
 
+/// The child of a lock directory that keeps the lock held for job mode's `at_least` (see
+/// [`KeepMarker`]). A bare `%` followed by a non-hex letter is never produced by
+/// [`escape_segment`], so no election directory or escaped key can have this name, and it holds
+/// no `lock-`, so Curator and [`sorted_contenders`] never take it for a contender.
+pub(crate) const KEEP_NODE: &str = "%keep";
+
+/// The keep marker of lock directory `dir`.
+pub(crate) fn keep_path(dir: &str) -> String {
+    format!("{dir}/{KEEP_NODE}")
+}
+
+/// The lock directory of the contender node `path`.
+pub(crate) fn dir_of(path: &str) -> &str {
+    path.rsplit_once('/').map_or("", |(dir, _)| dir)
+}
+
+/// What a keep marker says: the lock is held until `hold` after the marker's last write
+/// (its `mtime`, the leader's clock), for the grant with fencing token `fence` whose holder was
+/// `holder`. Written as `distlock-keep/1 <hold ms> <fence>` and the holder on the next line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct KeepMarker {
+    pub(crate) hold: std::time::Duration,
+    pub(crate) fence: i64,
+    pub(crate) holder: String,
+}
+
+const KEEP_FORMAT: &str = "distlock-keep/1";
+
+impl KeepMarker {
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        format!(
+            "{KEEP_FORMAT} {} {}\n{}",
+            self.hold.as_millis(),
+            self.fence,
+            self.holder
+        )
+        .into_bytes()
+    }
+
+    /// `None` when `data` is not a marker of this format.
+    pub(crate) fn decode(data: &[u8]) -> Option<Self> {
+        let text = std::str::from_utf8(data).ok()?;
+        let (head, holder) = text.split_once('\n').unwrap_or((text, ""));
+        let mut words = head.split(' ');
+        (words.next()? == KEEP_FORMAT).then_some(())?;
+        let hold = std::time::Duration::from_millis(words.next()?.parse().ok()?);
+        let fence = words.next()?.parse().ok()?;
+        words.next().is_none().then_some(())?;
+        Some(Self {
+            hold,
+            fence,
+            holder: holder.to_owned(),
+        })
+    }
+
+    /// The leader-clock millisecond at which a marker last written at `mtime` stops holding.
+    pub(crate) fn expires_at(&self, mtime: i64) -> i64 {
+        let hold = i64::try_from(self.hold.as_millis()).unwrap_or(i64::MAX);
+        mtime.saturating_add(hold)
+    }
+}
+
 /// The directory holding the contenders for `key`: `<root>/<escaped key>`, or
 /// `<root>/election/<escaped name>` for an election's key (see the module docs).
 pub(crate) fn lock_dir(root: &str, key: &LockKey) -> String {
@@ -110,6 +172,35 @@ mod tests {
     use std::collections::HashSet;
 
     use super::*;
+
+    #[test]
+    fn keep_markers_round_trip_and_foreign_data_is_refused() {
+        let marker = KeepMarker {
+            hold: std::time::Duration::from_millis(2200),
+            fence: 4_294_967_301,
+            holder: "host-1/pid 42 label=a b".into(),
+        };
+        assert_eq!(KeepMarker::decode(&marker.encode()), Some(marker.clone()));
+        assert_eq!(marker.expires_at(1_000), 3_200);
+        assert_eq!(marker.expires_at(i64::MAX), i64::MAX);
+        for bad in [
+            &b""[..],
+            b"10.0.0.1",
+            b"distlock-keep/1 x 3",
+            b"distlock-keep/1 1 2 3",
+            b"distlock-keep/2 1 2",
+        ] {
+            assert_eq!(KeepMarker::decode(bad), None, "{bad:?}");
+        }
+        assert!(sorted_contenders(vec![KEEP_NODE.into()]).is_empty());
+        for name in ["keep", "%keep", "election/%keep", "x%keep"] {
+            assert_ne!(escape_segment(name), KEEP_NODE, "{name}");
+        }
+        assert_eq!(
+            dir_of("/distlock/orders/_c_x-lock-0000000001"),
+            "/distlock/orders"
+        );
+    }
 
     #[test]
     fn ordinary_names_map_verbatim_and_odd_ones_are_escaped() {

@@ -2,20 +2,31 @@
 //! lost reply), waits for its turn behind the contenders ahead of it, takes the grant when first,
 //! and leaves (its node deleted in the foreground or, failing that, in the background).
 
-use std::{future::poll_fn, sync::Arc, task::Poll, time::Duration};
+use std::{
+    future::poll_fn,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    task::Poll,
+    time::Duration,
+};
 
 use futures::{StreamExt, stream::FuturesUnordered};
 use lock_core::raw::{
     AcquireWait, Backoff, Error, FencingToken, Lease, LockKey, LossReason, OwnershipToken, Result,
 };
-use tokio::time::{Instant, sleep, timeout};
+use tokio::time::{Instant, sleep, sleep_until, timeout};
 use zookeeper_client as zk;
 
 use crate::{
     BACKEND, ZkLock, ZkLockConfig,
     client::{Session, ZkResult, call, call_until, outcome_unknown, session_gone, to_error},
     lock::ZkLease,
-    path::{lock_dir, node_prefix, protected_marker, sorted_contenders},
+    path::{
+        KEEP_NODE, KeepMarker, keep_path, lock_dir, node_prefix, protected_marker,
+        sorted_contenders,
+    },
     renew::lease_ttl,
     wake::{Change, Check, NodeWatch},
 };
@@ -71,7 +82,20 @@ pub(crate) struct Contender {
     /// belongs to: no request gets more than what is left of it (`None`: each request gets
     /// `op_timeout`).
     deadline: Option<Instant>,
+    /// The last listing (or watch) showed a keep marker in the directory: see
+    /// [`Contender::clear_keep`].
+    keep_seen: AtomicBool,
     done: bool,
+}
+
+/// What a keep marker in our way came to (see [`Contender::clear_keep`]).
+pub(crate) enum Kept {
+    /// No marker holds the lock any more (none was left, or it had passed and was deleted).
+    Free,
+    /// A marker still holds it (only without a wait: `try_acquire`).
+    Held,
+    /// Our node is gone.
+    Gone,
 }
 
 /// What taking the lease for a node that is first in line gave.
@@ -216,6 +240,8 @@ impl Contender {
             Err(e) => return Err(to_error(op, e)),
         };
         self.session.answered(probe);
+        self.keep_seen
+            .store(children.iter().any(|c| c == KEEP_NODE), Ordering::Relaxed);
         // Any other child with our token is an orphan of a create whose reply we lost: ours
         // (the uuid is this contender's), and it must not stay queued ahead of us or behind.
         let marker = protected_marker(&self.token);
@@ -286,6 +312,10 @@ impl Contender {
             .iter()
             .map(|path| client.check_and_watch_stat(path))
             .collect();
+        // A keep marker is written by a holder just after its grant and outlives its node: one
+        // that exists now, or is created while we wait, sends us back to a listing instead of
+        // the shortcut (which would not see it).
+        let arm_keep = exact.then(|| client.check_and_watch_stat(&keep_path(&self.dir)));
         if let Some(arm_own) = arm_own {
             match call_until(until, arm_own).await {
                 Ok((Some(stat), watcher))
@@ -299,12 +329,21 @@ impl Contender {
                 Err(_) => {}
             }
         }
+        let mut keep_event = None;
+        let mut keep_present = false;
         let mut events = FuturesUnordered::new();
         for arm in arm_ahead {
             match call_until(until, arm).await {
                 // Already gone.
                 Ok((None, _)) => {}
                 Ok((Some(_), watcher)) => events.push(watcher.changed()),
+                Err(e) => return Err(to_error("acquire", e)),
+            }
+        }
+        if let Some(arm) = arm_keep {
+            match call_until(until, arm).await {
+                Ok((Some(_), _)) => keep_present = true,
+                Ok((None, watcher)) => keep_event = Some(watcher.changed()),
                 Err(e) => return Err(to_error("acquire", e)),
             }
         }
@@ -326,21 +365,126 @@ impl Contender {
                 }
                 true
             };
+            let keep_created = async {
+                match keep_event {
+                    Some(event) => {
+                        event.await;
+                    }
+                    None => std::future::pending().await,
+                }
+            };
             wait.wait(async {
                 tokio::select! {
                     biased;
                     gone = ahead_gone => all_gone = gone,
                     () = own_lost => {}
+                    () = keep_created => keep_present = true,
                 }
             })
             .await?;
             all_gone
         };
-        Ok(if exact && all_gone {
+        Ok(if exact && all_gone && !keep_present {
             self.granted_when_first()
         } else {
             Waited::Relist
         })
+    }
+
+    /// The last listing showed a keep marker (job mode's `at_least`, see
+    /// [`crate::renew::KeptMarker`]).
+    pub(crate) fn keep_seen(&self) -> bool {
+        self.keep_seen.load(Ordering::Relaxed)
+    }
+
+    /// Our node is first in line and a keep marker was listed: the lock is ours only once the
+    /// leader's clock has passed the marker. The leader's "now" is the `mtime` of a write of
+    /// ours (our own node's data written again), compared with the marker's `mtime` plus its
+    /// hold: one clock on both sides, never ours. A marker that passed is deleted (compare on
+    /// its version); one that holds is waited out — until the deadline of `wait`, or not at
+    /// all without one (`Kept::Held`).
+    pub(crate) async fn clear_keep(&mut self, mut wait: Option<&mut AcquireWait>) -> Result<Kept> {
+        const OP: &str = "acquire";
+        let path = keep_path(&self.dir);
+        let session = self.session.clone();
+        let client = &session.client;
+        loop {
+            let (data, stat) = match self.call(client.get_data(&path)).await {
+                Ok(read) => read,
+                Err(zk::Error::NoNode) => {
+                    self.keep_seen.store(false, Ordering::Relaxed);
+                    return Ok(Kept::Free);
+                }
+                Err(e) if session_gone(&e) => return Ok(Kept::Gone),
+                Err(e) => return Err(to_error(OP, e)),
+            };
+            let Some(marker) = KeepMarker::decode(&data) else {
+                return Err(Error::Backend {
+                    backend: BACKEND,
+                    op: OP,
+                    message: format!(
+                        "{path} is not a distlock keep marker; delete it by hand if nothing of yours wrote it"
+                    ),
+                    source: None,
+                });
+            };
+            let Some(now) = self.touch().await.map_err(|e| to_error(OP, e))? else {
+                return Ok(Kept::Gone);
+            };
+            let expires = marker.expires_at(stat.mtime);
+            if now >= expires {
+                match self.call(client.delete(&path, Some(stat.version))).await {
+                    Ok(()) | Err(zk::Error::NoNode) => {
+                        self.keep_seen.store(false, Ordering::Relaxed);
+                        return Ok(Kept::Free);
+                    }
+                    // Rewritten (or our delete's reply was lost): look again.
+                    Err(zk::Error::BadVersion) => continue,
+                    Err(e) if outcome_unknown(&e) => continue,
+                    Err(e) if session_gone(&e) => return Ok(Kept::Gone),
+                    Err(e) => return Err(to_error(OP, e)),
+                }
+            }
+            let Some(wait) = wait.as_deref_mut() else {
+                return Ok(Kept::Held);
+            };
+            let left = Duration::from_millis(u64::try_from(expires - now).unwrap_or(u64::MAX));
+            tracing::debug!(dir = %self.dir, ?left, "first in line behind a keep marker; waiting it out");
+            let until = Instant::now()
+                .checked_add(left)
+                .map_or(wait.deadline(), |t| t.min(wait.deadline()));
+            sleep_until(until).await;
+            if Instant::now() >= wait.deadline() {
+                return Err(wait.timeout());
+            }
+        }
+    }
+
+    /// Writes our node's data again (unchanged): the leader's clock, as the write's `mtime`.
+    /// `None` when our node or session is gone. The node's new Stat is kept (its version is the
+    /// lease's).
+    async fn touch(&mut self) -> ZkResult<Option<i64>> {
+        let Some(own) = self.path() else {
+            return Ok(None);
+        };
+        let data = self.lock.inner.identity.as_str().as_bytes();
+        let probe = self.session.probe();
+        match self
+            .call(self.session.client.set_data(&own, data, None))
+            .await
+        {
+            Ok(stat) => {
+                self.session.answered(probe);
+                let mtime = stat.mtime;
+                if let Some((_, node)) = &mut self.node {
+                    *node = stat;
+                }
+                Ok(Some(mtime))
+            }
+            Err(zk::Error::NoNode) => Ok(None),
+            Err(e) if session_gone(&e) => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     /// Once every contender that was ahead of us is known to be gone: do we hold the lock
@@ -374,6 +518,7 @@ impl Contender {
             czxid: stat.czxid,
             version: stat.version,
             watch: self.watch.clone(),
+            kept: std::sync::Mutex::new(None),
         };
         let fencing = u64::try_from(stat.czxid).ok().map(FencingToken);
         let lease = Lease::new(
@@ -520,6 +665,7 @@ impl ZkLock {
             node: None,
             watch: Arc::new(NodeWatch::new()),
             deadline,
+            keep_seen: AtomicBool::new(false),
             done: false,
         }
     }

@@ -21,7 +21,7 @@
 
 use std::{
     collections::VecDeque,
-    sync::{Arc, Mutex, PoisonError},
+    sync::{Arc, Mutex, PoisonError, atomic::Ordering},
     time::Duration,
 };
 
@@ -35,8 +35,9 @@ use zookeeper_client as zk;
 
 use crate::{
     BACKEND, ZkLock,
-    client::{Probe, Session, session_gone, to_error},
+    client::{Probe, Session, outcome_unknown, session_gone, to_error},
     lock::ZkLease,
+    path::{KeepMarker, dir_of, keep_path},
     wake::Check,
 };
 
@@ -348,6 +349,130 @@ impl ZkLock {
             });
         }
         Ok(())
+    }
+}
+
+/// Job mode's `at_least` where the lease is the session (which lives as long as the client, and
+/// dies with it sooner than `at_least` may have passed): a *keep marker* ([`KeepMarker`], the
+/// child [`crate::path::KEEP_NODE`] of the lock directory) says "held until `hold` after my last
+/// write", by the leader's clock (the marker's `mtime`). It is written right after the grant,
+/// before the job starts (`hold_at_least`), and outlives both the holder's node and its session:
+/// an acquirer that is first in line waits until the leader's clock has passed it
+/// (`Contender::clear_keep`) and deletes it. Where the server allows TTL nodes
+/// (`zookeeper.extendedTypesEnabled=true`) the marker is one, with `hold` as its TTL, so the
+/// server deletes it by itself once nobody takes the lock again; elsewhere it is a persistent
+/// node, deleted by the next acquirer.
+pub(crate) struct KeptMarker {
+    version: i32,
+    /// Until when, on our clock, the marker holds the lock at least: the create's send time plus
+    /// `hold` (the leader stamped it later than that).
+    covers_until: Instant,
+}
+
+impl ZkLock {
+    /// Writes the keep marker of `lease`'s grant (replacing any earlier one: acquirers delete a
+    /// live marker only after it passed, so one still there when we were granted had passed)
+    /// and records it in the lease. `NotHeld` once our session (with our node) is gone.
+    pub(crate) async fn write_keep(
+        &self,
+        lease: &Lease,
+        hold: Duration,
+        op: &'static str,
+    ) -> Result<()> {
+        let not_held = || Error::not_held(lease.key());
+        let state = lease.backend_state::<ZkLease>().ok_or_else(not_held)?;
+        let session = self.session_of(state).ok_or_else(not_held)?;
+        let client = &session.client;
+        let path = keep_path(dir_of(&state.path));
+        let data = KeepMarker {
+            hold,
+            fence: state.czxid,
+            holder: self.inner.identity.as_str().to_owned(),
+        }
+        .encode();
+        for _ in 0..6 {
+            let ttl_nodes = self.inner.ttl_markers.load(Ordering::Relaxed);
+            let mut options = zk::CreateMode::Persistent.with_acls(self.acls());
+            if ttl_nodes {
+                options = options.with_ttl(hold.max(Duration::from_millis(1)));
+            }
+            let sent = Instant::now();
+            match self.call(client.create(&path, &data, &options)).await {
+                Ok((stat, _)) => {
+                    *state.kept.lock().unwrap_or_else(PoisonError::into_inner) = Some(KeptMarker {
+                        version: stat.version,
+                        covers_until: sent + hold,
+                    });
+                    return Ok(());
+                }
+                Err(zk::Error::Unimplemented) if ttl_nodes => {
+                    tracing::debug!("the server has no TTL nodes; keep markers are persistent");
+                    self.inner.ttl_markers.store(false, Ordering::Relaxed);
+                }
+                // An earlier grant's marker that had passed, or ours from a create whose reply
+                // was lost: replaced, so that its mtime and TTL are this write's.
+                Err(zk::Error::NodeExists) => match self.call(client.delete(&path, None)).await {
+                    Ok(()) | Err(zk::Error::NoNode) => {}
+                    Err(e) if session_gone(&e) => return Err(not_held()),
+                    Err(e) if outcome_unknown(&e) => {}
+                    Err(e) => return Err(to_error(op, e)),
+                },
+                Err(e) if session_gone(&e) => return Err(not_held()),
+                // Sent again: a create applied without our hearing of it is found as NodeExists.
+                Err(e) if outcome_unknown(&e) => {}
+                Err(e) => return Err(to_error(op, e)),
+            }
+        }
+        Err(Error::Unavailable {
+            backend: BACKEND,
+            op,
+            message: "the keep marker could not be written".into(),
+            source: None,
+        })
+    }
+
+    /// Job mode's early end: our node is deleted and the keep marker left to hold the lock for
+    /// `left` more. The marker written at the grant does when it covers that long (it always
+    /// does for the guard, whose `left` ends at grant + `at_least`); otherwise one for `left`
+    /// is written first. `Ok(false)`: the grant was already lost.
+    pub(crate) async fn keep_lease(&self, lease: &Lease, left: Duration) -> Result<bool> {
+        let Some(state) = lease.backend_state::<ZkLease>() else {
+            return Ok(false);
+        };
+        let covered = state
+            .kept
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .is_some_and(|k| Instant::now() + left <= k.covers_until);
+        if !covered {
+            match self.write_keep(lease, left, "keep").await {
+                Ok(()) => {}
+                Err(Error::NotHeld { .. }) => return Ok(false),
+                Err(e) => return Err(e),
+            }
+        }
+        self.delete_own(lease, "keep").await
+    }
+
+    /// The marker this grant wrote (if any), deleted before its release: the lock is free at
+    /// once rather than when the next acquirer looks. Best effort — one left behind has passed
+    /// (the release comes after `at_least`) and the next acquirer deletes it.
+    pub(crate) async fn drop_keep(&self, state: &ZkLease, session: &Session) {
+        let kept = state
+            .kept
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(kept) = kept {
+            let path = keep_path(dir_of(&state.path));
+            if let Err(e) = self
+                .call(session.client.delete(&path, Some(kept.version)))
+                .await
+            {
+                tracing::debug!(error = %e, "the keep marker was left to the next acquirer");
+            }
+        }
     }
 }
 

@@ -50,5 +50,4 @@ async fn setup() -> Option<Harness> {
 conformance::conformance_tests!(setup; skip: {
     lost_fires_at_the_local_deadline_before_anyone_else_is_granted: "lease_ttl not claimed: the lease is the session",
     fences_stay_exact_across_2_pow_53_and_up_to_i64_max: "fences are zxids, which cannot be set",
-    at_least_outlives_the_job_and_the_holders_exit: "keep_until not claimed: the lease is the session, which lives as long as the client (a TTL node or a persistent held-until marker is the way; not built yet)",
 });

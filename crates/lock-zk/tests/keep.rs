@@ -1,0 +1,152 @@
+//! Job mode's `at_least` on ZooKeeper, where the lease is the session: the keep marker
+//! (`crate::renew::KeptMarker` in lock-zk) as the servers hold it. On the single server of
+//! `backends.sh up` (`extendedTypesEnabled=true`) it is a TTL node the server deletes by itself;
+//! on the ensemble of `backends.sh up3` (ZooKeeper's default, no TTL nodes) a persistent node the
+//! next acquirer deletes once the leader's clock has passed it. Either way nobody is granted the
+//! key before `at_least` from the grant, with the holder's client gone.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed expectation is a failed test
+
+mod support;
+
+use support::{ROOT, SESSION, children, config, plain_key, raw_client};
+
+use std::{sync::Arc, time::Duration};
+
+use conformance::backend_url;
+use lock_core::{DistributedLock, DistributedLockExt, FencingToken, LockKey};
+use lock_zk::{ZkLock, ZkLockConfig};
+use tokio::time::{Instant, sleep};
+use zookeeper_client as zk;
+
+const AT_LEAST: Duration = Duration::from_secs(2);
+const SLACK: Duration = Duration::from_secs(10);
+/// The marker's name in the lock directory.
+const KEEP: &str = "%keep";
+
+/// The servers' `znode.container.checkIntervalMs` (`backends.sh`): how late after its TTL the
+/// leader deletes a TTL node.
+const CHECK_INTERVAL: Duration = Duration::from_secs(1);
+
+/// A job that ends at once under `at_least` on a client that is then dropped (its session
+/// closed, its node gone with it): returns the time the job was asked for.
+async fn kept_job(config: &ZkLockConfig, key: &LockKey, at_least: Duration) -> Instant {
+    let holder = Arc::new(ZkLock::connect(config.clone()).await.unwrap());
+    let start = Instant::now();
+    let ran = holder
+        .lock(key)
+        .ttl(SESSION)
+        .at_least(at_least)
+        .run(|_| async {})
+        .await
+        .unwrap();
+    assert_eq!(ran, Some(()));
+    drop(holder);
+    start
+}
+
+async fn marker(raw: &zk::Client, key: &LockKey) -> Option<zk::Stat> {
+    raw.check_stat(&format!("{ROOT}/{key}/{KEEP}"))
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_server_with_ttl_nodes_the_server_deletes_the_marker_itself() {
+    let Some(config) = config() else { return };
+    let raw = raw_client(&config).await;
+    let key = plain_key();
+    let start = kept_job(&config, &key, AT_LEAST).await;
+    // The holder's node went with its client; the marker alone holds the lock.
+    assert_eq!(children(&raw, &format!("{ROOT}/{key}")).await, [KEEP]);
+    let other = ZkLock::connect(config.clone()).await.unwrap();
+    let shown = other
+        .inspect(&key)
+        .await
+        .unwrap()
+        .expect("held by the marker");
+    assert!(shown.fencing_token.is_some(), "{shown:?}");
+    assert!(other.try_acquire(&key, SESSION).await.unwrap().is_none());
+    // Nobody asks again: the server alone removes it, never before at_least.
+    let gone = loop {
+        if marker(&raw, &key).await.is_none() {
+            break Instant::now();
+        }
+        assert!(
+            start.elapsed() < AT_LEAST + CHECK_INTERVAL + SLACK,
+            "the server kept the marker"
+        );
+        sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        gone >= start + AT_LEAST,
+        "deleted {:?} after the job",
+        gone - start
+    );
+    assert_eq!(other.inspect(&key).await.unwrap(), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_ttl_nodes_the_marker_stays_until_the_next_acquirer_deletes_it() {
+    let Some(url) = backend_url("DISTLOCK_TEST_ZK3_URL") else {
+        return;
+    };
+    let mut config = ZkLockConfig::from_url(&url).unwrap();
+    config.session_timeout = SESSION;
+    config.root = ROOT.into();
+    let raw = raw_client(&config).await;
+    let key = plain_key();
+    let start = kept_job(&config, &key, AT_LEAST).await;
+    assert!(
+        marker(&raw, &key).await.is_some(),
+        "no keep marker after the job"
+    );
+    let next = Arc::new(ZkLock::connect(config.clone()).await.unwrap());
+    assert!(next.try_acquire(&key, SESSION).await.unwrap().is_none());
+    // No TTL node: the marker is still there well after the leader's container checks would
+    // have deleted one (clients cannot tell the two kinds apart by their Stat).
+    sleep((start + AT_LEAST + CHECK_INTERVAL * 3).saturating_duration_since(Instant::now())).await;
+    assert!(
+        marker(&raw, &key).await.is_some(),
+        "the persistent marker was deleted"
+    );
+    let lease = next
+        .acquire(&key, SESSION, Instant::now() + SLACK)
+        .await
+        .unwrap();
+    assert!(
+        marker(&raw, &key).await.is_none(),
+        "the marker outlived the next grant"
+    );
+    assert!(next.release(&lease).await.unwrap());
+    // A release after at_least leaves no marker behind either.
+    let start = Instant::now();
+    let guard = next
+        .lock(&key)
+        .ttl(SESSION)
+        .at_least(Duration::from_millis(300))
+        .acquire()
+        .await
+        .unwrap();
+    assert!(
+        marker(&raw, &key).await.is_some(),
+        "no marker while the job runs"
+    );
+    sleep(Duration::from_millis(400).saturating_sub(start.elapsed())).await;
+    assert!(guard.release().await.unwrap());
+    assert!(marker(&raw, &key).await.is_none());
+    assert!(next.try_acquire(&key, SESSION).await.unwrap().is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn force_release_frees_a_kept_lock() {
+    let Some(config) = config() else { return };
+    let key = plain_key();
+    kept_job(&config, &key, Duration::from_secs(60)).await;
+    let admin = ZkLock::connect(config.clone()).await.unwrap();
+    let kept = admin.inspect(&key).await.unwrap().expect("kept");
+    let fence = kept.fencing_token.expect("the keeper's fencing token");
+    let other = FencingToken(fence.0 + 1);
+    assert!(!admin.force_release_grant(&key, other).await.unwrap());
+    assert!(admin.force_release_grant(&key, fence).await.unwrap());
+    assert!(admin.try_acquire(&key, SESSION).await.unwrap().is_some());
+}
