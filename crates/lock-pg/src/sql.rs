@@ -134,19 +134,45 @@ fn id(w: &str) -> String {
     format!("split_part({w}, ' ', 1)")
 }
 
-/// The `<channel>:<number>` of a well-formed entry: a channel `pg_notify` accepts (1 to 63
-/// ASCII letters, digits or `_`) and a waiter number.
-const ENTRY_ID: &str = "[A-Za-z0-9_]{1,63}:[0-9]{1,20}";
+/// The shape of a well-formed entry's `<channel>:<number>`: a channel `pg_notify` accepts (ASCII
+/// letters, digits or `_`; 1 to 63 of them, see [`within_bounds`]) and a waiter number.
+///
+/// No pattern here has a bounded repetition (`{1,63}`): PostgreSQL's regex engine spends about
+/// 0.3 ms on each match of one with such bounds (measured: 100 matches of the old entry pattern
+/// took 31–38 ms, of this one 1.2–1.9 ms), and a contended release matches each entry several
+/// times, which made it 1.5–2 ms of server time instead of 0.1–0.3 ms. The bounds are `length`
+/// checks of the fields beside the pattern ([`within_bounds`]); a fixed count (`{32}`) is cheap.
+const ENTRY_ID: &str = "[A-Za-z0-9_]+:[0-9]+";
 
 /// The optional sixth field of a queue entry: the waiting client's holder identity, hex of
-/// printable ASCII bytes (0x20 to 0x7f), at most `HolderIdentity::MAX_LEN` of them.
-const HOLDER_HEX: &str = "([2-7][0-9a-f]){1,200}";
+/// printable ASCII bytes (0x20 to 0x7f), at most `HolderIdentity::MAX_LEN` (200) of them (400
+/// hex digits, see [`within_bounds`]).
+const HOLDER_HEX: &str = "(?:[2-7][0-9a-f])+";
+
+/// The most characters of each field of a well-formed entry: the channel, the waiter number,
+/// the expiry (18 digits: always a `bigint`), the sequence, the TTL µs, and the holder hex.
+fn within_bounds(w: &str) -> String {
+    let field = |n: u8| format!("split_part({w}, ' ', {n})");
+    let (channel, number) = (
+        format!("split_part({}, ':', 1)", field(1)),
+        format!("split_part({}, ':', 2)", field(1)),
+    );
+    format!(
+        "length({channel}) <= 63 AND length({number}) <= 20 AND length({}) <= 18 \
+         AND length({}) <= 19 AND length({}) <= 14 AND length({}) <= 400",
+        field(2),
+        field(3),
+        field(4),
+        field(6)
+    )
+}
 
 /// A well-formed queue entry: an older client's two fields, or five (or six, with a holder
 /// identity) of ours; the expiry and the TTL short enough to be a `bigint`.
-fn well_formed() -> String {
+fn well_formed(w: &str) -> String {
     format!(
-        "^{ENTRY_ID} [0-9]{{1,18}}( [0-9]{{1,19}} [0-9]{{1,14}} [0-9a-f]{{32}}( {HOLDER_HEX})?)?$"
+        "({w} ~ '^{ENTRY_ID} [0-9]+( [0-9]+ [0-9]+ [0-9a-f]{{32}}( {HOLDER_HEX})?)?$' AND {})",
+        within_bounds(w)
     )
 }
 
@@ -156,8 +182,8 @@ fn well_formed() -> String {
 /// statements fail.
 fn expiry(w: &str) -> String {
     format!(
-        "CASE WHEN {w} ~ '{}' THEN split_part({w}, ' ', 2)::bigint ELSE 0 END",
-        well_formed()
+        "CASE WHEN {} THEN split_part({w}, ' ', 2)::bigint ELSE 0 END",
+        well_formed(w)
     )
 }
 
@@ -182,16 +208,18 @@ fn live_entries() -> String {
 /// fail on.
 fn grantable(w: &str) -> String {
     format!(
-        "{w} ~ '^{ENTRY_ID} [0-9]{{1,18}} [0-9]{{1,19}} [0-9]{{1,14}} [0-9a-f]{{32}}( {HOLDER_HEX})?$'"
+        "({w} ~ '^{ENTRY_ID} [0-9]+ [0-9]+ [0-9]+ [0-9a-f]{{32}}( {HOLDER_HEX})?$' AND {})",
+        within_bounds(w)
     )
 }
 
 /// The holder identity in the sixth field of queue entry `w`, decoded; NULL when it has none
 /// (checked first, so a malformed field never makes a release fail).
 fn entry_holder(w: &str) -> String {
+    let field = format!("split_part({w}, ' ', 6)");
     format!(
-        "CASE WHEN split_part({w}, ' ', 6) ~ '^{HOLDER_HEX}$' \
-             THEN convert_from(decode(split_part({w}, ' ', 6), 'hex'), 'UTF8') END"
+        "CASE WHEN {field} ~ '^{HOLDER_HEX}$' AND length({field}) <= 400 \
+             THEN convert_from(decode({field}, 'hex'), 'UTF8') END"
     )
 }
 

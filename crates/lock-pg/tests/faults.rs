@@ -505,6 +505,16 @@ async fn malformed_queue_entries_are_skipped_and_dropped() {
         format!("{}:1 {far}", "c".repeat(64)),
         format!("bad-channel:1 {far} 1 1000000 {}", "a".repeat(32)),
         format!("x:1 {far} 1 99999999999999999 {}", "a".repeat(32)),
+        // One past each bound (the patterns are unbounded; `length` checks bound the fields).
+        format!("x:{} {far}", "1".repeat(21)),
+        format!("x:1 1{far}{far}"),
+        format!("x:1 {far} {} 1000000 {}", "1".repeat(20), "a".repeat(32)),
+        format!(
+            "x:1 {far} 1 1000000 {} {}",
+            "a".repeat(32),
+            "41".repeat(201)
+        ),
+        format!("x:1 {far} 1 1000000 {} 4", "a".repeat(32)),
     ];
     let set_foreign = || {
         sqlx::query("UPDATE distlock_leases SET waiters = $2 || waiters WHERE name = $1")
