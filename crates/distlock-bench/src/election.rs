@@ -3,21 +3,21 @@
 //!
 //! Per backend, in one process: a plain write round trip (uncontended `try_acquire` + `release`,
 //! which is two writes), the hand-over (A resigns while B waits in `campaign`: from calling
-//! `resign` to B's `campaign` returning), the takeover (A's client is behind a local TCP
-//! forwarder that, at "death", stops forwarding in both directions and keeps the connections
-//! open and silent — nothing A does reaches the server any more, as for a SIGKILLed process whose
-//! packets are lost; from that instant to B's `campaign` returning) and job mode on backends that
-//! claim `keep_until`.
+//! `resign` to B's `campaign` returning; beside it the plain round trip once more, after the
+//! same idle pause as the hand-over's), the takeover (A is a child process of this binary,
+//! `--election-child`, SIGKILLed while it leads; from the kill to B's `campaign` returning) and
+//! job mode on backends that claim `keep_until`.
 
 use std::{
-    net::SocketAddr,
+    convert::Infallible,
+    process::Stdio,
     sync::Arc,
     time::{Duration, Instant},
 };
 
 use lock_core::{DistributedLockExt, DynLock, Election, InMemoryLock, LockOptions};
 use serde::Serialize;
-use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
+use tokio::io::{AsyncBufReadExt, BufReader};
 
 use crate::{
     backends::{self, Backend, Res},
@@ -69,16 +69,20 @@ impl ElectionPlan {
 pub struct ElectionReport {
     /// `memory`, `redis`, `etcd`, `zk` or `pg`.
     pub name: String,
-    /// Uncontended `try_acquire` + `release`: two write round trips.
+    /// Uncontended `try_acquire` + `release`: two write round trips, back to back.
     pub round_trip: Option<Summary>,
+    /// The same, each after the idle pause that precedes every hand-over ([`QUEUE_SETTLE`]):
+    /// what two write round trips cost in the hand-over's conditions.
+    pub idle_round_trip: Option<Summary>,
     /// From `resign` to the waiting campaigner's `campaign` returning.
     pub handover: Option<Summary>,
     /// The election TTL of the takeover measurement.
     pub ttl_ms: u128,
-    /// From the leader's death to the waiting campaigner's `campaign` returning.
+    /// From the SIGKILL of the leader's process to the waiting campaigner's `campaign`
+    /// returning.
     pub takeover: Option<Summary>,
-    /// Takeovers in which the dead leader's `lost()` fired before the new leader was granted.
-    pub lost_first: usize,
+    /// Takeovers whose new term was greater than the killed leader's.
+    pub terms_increased: usize,
     /// `run_exclusive` of an empty job.
     pub job_plain: Option<Summary>,
     /// The same with `at_least`.
@@ -118,97 +122,9 @@ fn build(name: &str, url: &str, ttl: Duration) -> Res<Box<dyn Backend>> {
     })
 }
 
-/// The one `host:port` of `url` (`scheme://[user[:pass]@]host:port[/…][?…]`) and the URL with
-/// that address replaced by `with`. Several hosts (a cluster list) or no port: an error.
-pub fn split_address(url: &str, with: &str) -> Result<(String, String), String> {
-    let start = url
-        .find("://")
-        .map(|i| i + 3)
-        .ok_or_else(|| "the URL has no scheme".to_owned())?;
-    let rest = &url[start..];
-    let end = start + rest.find(['/', '?']).unwrap_or(rest.len());
-    let authority = &url[start..end];
-    let host_start = start + authority.rfind('@').map_or(0, |i| i + 1);
-    let address = &url[host_start..end];
-    if address.contains(',') {
-        return Err("the URL names several hosts; the takeover needs one".to_owned());
-    }
-    match address.rsplit_once(':') {
-        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {}
-        _ => return Err("the URL's host has no port".to_owned()),
-    }
-    Ok((
-        address.to_owned(),
-        format!("{}{with}{}", &url[..host_start], &url[end..]),
-    ))
-}
-
 /// `a / b` for medians and for p99s.
 pub fn ratios(a: &Summary, b: &Summary) -> (Option<f64>, Option<f64>) {
     (ratio(a.median_us, b.median_us), ratio(a.p99_us, b.p99_us))
-}
-
-/// A local TCP forwarder whose [`Blackhole::kill`] stops all forwarding at once while keeping
-/// every connection open (no FIN, no RST): the client's requests and the server's replies are
-/// lost, as for a process that died and whose host went silent.
-struct Blackhole {
-    addr: SocketAddr,
-    state: watch::Sender<u8>,
-    accept: JoinHandle<()>,
-}
-
-const ALIVE: u8 = 0;
-const DEAD: u8 = 1;
-const CLOSED: u8 = 2;
-
-impl Blackhole {
-    async fn start(upstream: &str) -> Res<Self> {
-        let upstream: SocketAddr = tokio::net::lookup_host(upstream)
-            .await?
-            .next()
-            .ok_or("the server's address does not resolve")?;
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let (state, rx) = watch::channel(ALIVE);
-        let accept = tokio::spawn(async move {
-            while let Ok((mut inbound, _)) = listener.accept().await {
-                let mut rx = rx.clone();
-                tokio::spawn(async move {
-                    let mut outbound = None;
-                    if *rx.borrow() == ALIVE
-                        && let Ok(mut out) = tokio::net::TcpStream::connect(upstream).await
-                    {
-                        let _ = inbound.set_nodelay(true);
-                        let _ = out.set_nodelay(true);
-                        tokio::select! {
-                            _ = tokio::io::copy_bidirectional(&mut inbound, &mut out) => return,
-                            _ = rx.wait_for(|s| *s != ALIVE) => {}
-                        }
-                        outbound = Some(out);
-                    }
-                    // Dead: hold both ends open and silent until the forwarder is closed.
-                    let _ = rx.wait_for(|s| *s == CLOSED).await;
-                    drop((inbound, outbound));
-                });
-            }
-        });
-        Ok(Self {
-            addr,
-            state,
-            accept,
-        })
-    }
-
-    fn kill(&self) {
-        self.state.send_replace(DEAD);
-    }
-}
-
-impl Drop for Blackhole {
-    fn drop(&mut self) {
-        self.state.send_replace(CLOSED);
-        self.accept.abort();
-    }
 }
 
 async fn round_trips(client: &DynLock, key: &str, plan: &ElectionPlan) -> Res<Summary> {
@@ -239,10 +155,33 @@ fn patience(ttl: Duration) -> Duration {
 /// Lets B's campaign reach the server and queue (there is no event to await for that).
 const QUEUE_SETTLE: Duration = Duration::from_millis(50);
 
-async fn handovers(a: &Election, b: &Election, plan: &ElectionPlan) -> Res<Summary> {
+/// The hand-overs, and beside each (in the same conditions: after the same idle pause) one
+/// plain round trip of `client` on `rt_key`.
+async fn handovers(
+    a: &Election,
+    b: &Election,
+    client: &DynLock,
+    rt_key: &str,
+    plan: &ElectionPlan,
+) -> Res<(Summary, Summary)> {
     let mut samples = Vec::with_capacity(plan.handovers);
+    let mut idle = Vec::with_capacity(plan.handovers);
     let wait = patience(Duration::from_secs(30));
     for i in 0..plan.warmup.min(5) + plan.handovers {
+        tokio::time::sleep(QUEUE_SETTLE).await;
+        let t = Instant::now();
+        let guard = client
+            .lock(rt_key)
+            .ttl(Duration::from_secs(30))
+            .try_acquire()
+            .await?
+            .ok_or("the round-trip key was held")?;
+        if !guard.release().await? {
+            return Err("the round-trip lock was lost".into());
+        }
+        if i >= plan.warmup.min(5) {
+            idle.push(t.elapsed());
+        }
         let leader = a.campaign(wait).await?;
         let b = b.clone();
         let waiter = tokio::spawn(async move {
@@ -261,31 +200,58 @@ async fn handovers(a: &Election, b: &Election, plan: &ElectionPlan) -> Res<Summa
         }
         next.resign().await?;
     }
-    Summary::of(&mut samples).ok_or_else(|| "no samples".into())
+    match (Summary::of(&mut samples), Summary::of(&mut idle)) {
+        (Some(h), Some(r)) => Ok((h, r)),
+        _ => Err("no samples".into()),
+    }
+}
+
+/// The body of `--election-child`: campaigns in election `name` on `backend` (its URL from the
+/// environment), prints `leading <term>` once it leads, and leads until the process is killed.
+///
+/// # Errors
+/// When it cannot connect or campaign.
+pub async fn child(backend: &str, name: &str, ttl: Duration) -> Res<Infallible> {
+    let var = env_var(backend).ok_or("unknown backend")?;
+    let url = std::env::var(var).map_err(|_| format!("{var} is not set"))?;
+    let client = build(backend, &url, ttl)?.client().await?;
+    let leader = Election::new(client, name)?
+        .ttl(ttl)
+        .campaign(patience(ttl))
+        .await?;
+    println!("leading {}", leader.term().get());
+    leader.lost().await;
+    Err("the leadership was lost while nobody killed us".into())
 }
 
 async fn takeovers(
     name: &str,
-    url: &str,
     b: &Election,
     election: &str,
     ttl: Duration,
     plan: &ElectionPlan,
     report: &mut ElectionReport,
 ) -> Res<Summary> {
-    let (address, _) = split_address(url, "")?;
     let mut samples = Vec::with_capacity(plan.takeovers);
     for _ in 0..plan.takeovers {
-        let hole = Blackhole::start(&address).await?;
-        let (_, proxied) = split_address(url, &hole.addr.to_string())?;
-        let doomed = build(name, &proxied, ttl)?.client().await?;
-        let a = Election::new(doomed.clone(), election)?.ttl(ttl);
-        let leader = a.campaign(patience(ttl)).await?;
-        let lost = leader.lost();
-        let lost_at = tokio::spawn(async move {
-            lost.await;
-            Instant::now()
-        });
+        let mut leader = tokio::process::Command::new(std::env::current_exe()?)
+            .args(["--election-child", election, "--backends", name])
+            .arg(format!("--election-ttl-ms={}", ttl.as_millis()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()?;
+        let stdout = leader.stdout.take().ok_or("the child has no stdout")?;
+        let mut lines = BufReader::new(stdout).lines();
+        let line = tokio::time::timeout(patience(ttl), lines.next_line())
+            .await
+            .map_err(|_| "the child never led")??
+            .ok_or("the child exited before it led")?;
+        let old_term: u64 = line
+            .strip_prefix("leading ")
+            .and_then(|t| t.parse().ok())
+            .ok_or_else(|| format!("the child said {line:?}"))?;
         let b = b.clone();
         let wait = patience(ttl);
         let waiter = tokio::spawn(async move {
@@ -295,23 +261,16 @@ async fn takeovers(
         // Die at a random phase of the renewal period (every ttl/3).
         let phase = ttl.mul_f64(rand::random::<f64>() / 3.0);
         tokio::time::sleep(QUEUE_SETTLE + phase).await;
-        hole.kill();
+        leader.start_kill()?;
         let died = Instant::now();
+        leader.wait().await?;
         let (at, got) = waiter.await?;
         let next = got?;
         samples.push(at.saturating_duration_since(died));
-        if let Ok(Ok(lost)) = tokio::time::timeout(Duration::from_secs(1), lost_at).await
-            && lost <= at
-        {
-            report.lost_first += 1;
+        if next.term().get() > old_term {
+            report.terms_increased += 1;
         }
         next.resign().await?;
-        // The dead leader stays dead: nothing it sends reaches the server. Close the forwarder
-        // (its connections then end) and let the handle and client go in the background.
-        drop(hole);
-        drop(leader);
-        drop(a);
-        drop(doomed);
     }
     Summary::of(&mut samples).ok_or_else(|| "no samples".into())
 }
@@ -390,13 +349,21 @@ async fn one(name: &str, plan: &ElectionPlan, run: &str) -> ElectionReport {
         return report;
     };
     crate::progress(format!("election {name}: {} hand-overs", plan.handovers));
-    report.handover = note(&mut report, "hand-over", handovers(&ea, &eb, plan).await);
-    if let Some(url) = &url {
+    let rt_key = format!("bench/{run}/{name}/idle-rtt");
+    if let Some((handover, idle)) = note(
+        &mut report,
+        "hand-over",
+        handovers(&ea, &eb, &b, &rt_key, plan).await,
+    ) {
+        report.handover = Some(handover);
+        report.idle_round_trip = Some(idle);
+    }
+    if url.is_some() {
         crate::progress(format!(
             "election {name}: {} takeovers at a {ttl:?} TTL",
             plan.takeovers
         ));
-        let took = takeovers(name, url, &eb, &election, ttl, plan, &mut report).await;
+        let took = takeovers(name, &eb, &election, ttl, plan, &mut report).await;
         report.takeover = note(&mut report, "takeover", took);
     }
     if b.capabilities().keep_until {
@@ -459,20 +426,22 @@ pub fn markdown(run: &Run) -> String {
     let mut md = String::new();
     md.push_str("## Leader election and job mode\n\n");
     md.push_str(&format!("`{}`\n\n", run.command));
-    md.push_str("Times in ms as median / p99. Round trip: an uncontended `try_acquire` + `release` (two write round trips), so hand-over / round trip ≤ 1 meets the issue's goal of ≤ 2 write round trips.\n\n");
-    md.push_str("| backend | round trip | hand-over on resign | hand-over / round trip |\n|---|---|---|---|\n");
+    md.push_str("Times in ms as median / p99. Round trip: an uncontended `try_acquire` + `release` (two write round trips), back to back, and once more after the same idle pause that precedes each hand-over (50 ms: on an idle machine the first request after a pause pays for waking threads and CPUs, which is not a round trip of the protocol). Hand-over ÷ the round trip after the same pause ≤ 1 meets the issue's goal of ≤ 2 write round trips.\n\n");
+    md.push_str("| backend | round trip, back to back | round trip after the pause | hand-over on resign | hand-over / round trip after the pause | hand-over / back-to-back round trip |\n|---|---|---|---|---|---|\n");
     for b in &run.backends {
         md.push_str(&format!(
-            "| {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} |\n",
             b.name,
             pair(&b.round_trip),
+            pair(&b.idle_round_trip),
             pair(&b.handover),
+            ratio_pair(&b.handover, &b.idle_round_trip),
             ratio_pair(&b.handover, &b.round_trip)
         ));
     }
-    md.push_str("\nTakeover: the leader's client is behind a local TCP forwarder that at its death stops forwarding and keeps the connections open and silent (the leader's handle is not dropped before; nothing it sends arrives); from then to the waiting campaigner's `campaign` returning. The death falls at a random phase of the renewal period (TTL / 3).\n\n");
+    md.push_str("\nTakeover: the leader is a child process of the bench (`--election-child`) SIGKILLed while it leads, at a random phase of its renewal period (TTL / 3); from the kill to the waiting campaigner's `campaign` returning.\n\n");
     md.push_str(
-        "| backend | TTL | takeover | takeover / TTL (median / p99) | old leader's `lost()` first |\n|---|---|---|---|---|\n",
+        "| backend | TTL | takeover | takeover / TTL (median / p99) | new term > killed leader's |\n|---|---|---|---|---|\n",
     );
     for b in run.backends.iter().filter(|b| b.takeover.is_some()) {
         let ttl_us = b.ttl_ms as f64 * 1000.0;
@@ -487,7 +456,7 @@ pub fn markdown(run: &Run) -> String {
             pair(&b.takeover),
             f(m),
             f(p),
-            b.lost_first,
+            b.terms_increased,
             b.takeover.as_ref().map_or(0, |t| t.n)
         ));
     }
@@ -526,21 +495,6 @@ pub fn markdown(run: &Run) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn split_address_replaces_the_one_host() {
-        let (a, u) =
-            split_address("postgres://u:p@127.0.0.1:25432/distlock?x=1", "127.0.0.1:9").unwrap();
-        assert_eq!(a, "127.0.0.1:25432");
-        assert_eq!(u, "postgres://u:p@127.0.0.1:9/distlock?x=1");
-        let (a, u) = split_address("etcd://127.0.0.1:22379", "h:1").unwrap();
-        assert_eq!((a.as_str(), u.as_str()), ("127.0.0.1:22379", "etcd://h:1"));
-        let (_, u) = split_address("redis://127.0.0.1:26379/0", "h:1").unwrap();
-        assert_eq!(u, "redis://h:1/0");
-        assert!(split_address("zk://127.0.0.1:1,127.0.0.1:2", "h:1").is_err());
-        assert!(split_address("redis://127.0.0.1/0", "h:1").is_err());
-        assert!(split_address("127.0.0.1:1", "h:1").is_err());
-    }
 
     #[test]
     fn ratios_of_medians_and_p99s() {

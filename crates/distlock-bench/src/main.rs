@@ -90,6 +90,13 @@ struct Args {
     /// Internal: the run id (key prefix) a watchdog child uses.
     #[arg(long, hide = true)]
     run: Option<String>,
+    /// Internal: campaign in this election on the one backend of `--backends`, print the term
+    /// once leading, then lead until killed (the takeover measurement SIGKILLs it).
+    #[arg(long, hide = true)]
+    election_child: Option<String>,
+    /// Internal: the election child's TTL, in ms.
+    #[arg(long, hide = true, default_value_t = 2000)]
+    election_ttl_ms: u64,
 }
 
 /// The sizes of one run.
@@ -493,6 +500,20 @@ fn main() -> std::process::ExitCode {
             }
             Err(e) => {
                 eprintln!("cannot encode the watchdog result: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        };
+    }
+    if let Some(name) = &args.election_child {
+        let [backend] = args.backends.as_slice() else {
+            eprintln!("an election child takes exactly one backend");
+            return std::process::ExitCode::FAILURE;
+        };
+        let ttl = Duration::from_millis(args.election_ttl_ms);
+        return match runtime.block_on(election::child(backend.trim(), name, ttl)) {
+            Ok(never) => match never {},
+            Err(e) => {
+                eprintln!("election child: {e}");
                 std::process::ExitCode::FAILURE
             }
         };
