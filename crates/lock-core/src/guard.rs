@@ -65,8 +65,12 @@ pub struct LockGuard {
     keep_until: Option<Instant>,
 }
 
-/// Job mode ([`crate::LockOptions::at_least`], [`crate::LockOptions::at_most`]), counted
-/// from the grant (the lease's `acquired_at`).
+/// Job mode ([`crate::LockOptions::at_least`], [`crate::LockOptions::at_most`]). Each counts
+/// from the end of the grant that makes it safe: `at_most` from the lease's `acquired_at` (no
+/// later than the coordinator's grant, so the lock is never renewed past grant + `at_most`),
+/// `at_least` from the guard's start (no earlier than the grant, so the lock is never given up
+/// before grant + `at_least` — on ZooKeeper a lease's `acquired_at` is the session's vouched
+/// send time, which can be seconds before the grant).
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct JobLimits {
     pub(crate) at_least: Option<Duration>,
@@ -168,7 +172,7 @@ impl LockGuard {
             interval: watchdog,
             renew_until: limits.at_most.and_then(after_grant),
         };
-        let keep_until = limits.at_least.and_then(after_grant);
+        let keep_until = limits.at_least.and_then(|d| Instant::now().checked_add(d));
         let key = lease.key().clone();
         let digest = lease.token().digest();
         let fencing = lease.fencing_token();

@@ -150,3 +150,36 @@ async fn force_release_frees_a_kept_lock() {
     assert!(admin.force_release_grant(&key, fence).await.unwrap());
     assert!(admin.try_acquire(&key, SESSION).await.unwrap().is_some());
 }
+
+/// A lease's `acquired_at` on ZooKeeper is the session's vouched send time, up to about half a
+/// session timeout before the grant on an idle session: `at_least` still counts from the grant
+/// (the guard's start), so the job's lock is kept for all of it, not released at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_least_counts_from_the_grant_on_a_session_that_was_idle() {
+    let Some(mut config) = config() else { return };
+    config.session_timeout = Duration::from_secs(8);
+    let holder = Arc::new(ZkLock::connect(config.clone()).await.unwrap());
+    // Idle: the vouched send time falls behind (heartbeats every quarter timeout).
+    sleep(Duration::from_secs(3)).await;
+    let key = plain_key();
+    let start = Instant::now();
+    let guard = holder
+        .lock(&key)
+        .ttl(config.session_timeout)
+        .at_least(AT_LEAST)
+        .acquire()
+        .await
+        .unwrap();
+    let behind = start.saturating_duration_since(guard.granted_lease().acquired_at());
+    assert!(guard.release().await.unwrap());
+    let other = ZkLock::connect(config.clone()).await.unwrap();
+    let free = other
+        .try_acquire(&key, config.session_timeout)
+        .await
+        .unwrap();
+    assert!(
+        free.is_none() || start.elapsed() >= AT_LEAST,
+        "free {:?} after a job with at_least {AT_LEAST:?} (its lease counted from {behind:?} before the request)",
+        start.elapsed()
+    );
+}
