@@ -74,10 +74,12 @@ fn order_timeout_job_is_safe_on_every_backend() {
     }
 }
 
-/// `--periodic` on the in-memory coordinator: with at_least, one scan per period from three
-/// skewed timers; without it, the late timers scan again (both modes at once, 3 periods of 2 s:
-/// a timer may fire 0.4 s late on a loaded machine before a period could run twice; it runs
-/// beside the longer test above, so it adds no wall time).
+/// `--periodic`: with at_least, one scan per period from three skewed timers on every backend
+/// (ZooKeeper with its default 10 s session, on which a lease's `acquired_at` lags the grant by
+/// seconds: at_least must count from the grant); without it, on the in-memory coordinator, the
+/// late timers scan again. All at once, 3 periods of 2 s: a timer may fire 0.4 s late on a loaded
+/// machine before a period could run twice; it runs beside the longer test above, so it adds
+/// little wall time.
 #[test]
 fn periodic_scan_runs_once_per_period_with_at_least_only() {
     let setup = |at_least| order_timeout::Periodic {
@@ -85,21 +87,46 @@ fn periodic_scan_runs_once_per_period_with_at_least_only() {
         periods: 3,
         at_least,
     };
-    let url = format!("memory://periodic-{}", std::process::id());
+    let memory = format!("memory://periodic-{}", std::process::id());
     let without = {
-        let url = url.clone();
+        let url = memory.clone();
         std::thread::spawn(move || {
             order_timeout::run_periodic(&url, setup(false), order_timeout::Output::Quiet)
         })
     };
-    let with = order_timeout::run_periodic(&url, setup(true), order_timeout::Output::Quiet)
-        .unwrap_or_else(|e| panic!("{url}: {e}"));
-    assert!(
-        with.once_per_period(),
-        "with at_least: runs per period {:?}\n{}",
-        with.runs,
-        with.timeline.join("\n")
-    );
+    let mut urls = vec![memory];
+    for (backend, var) in [
+        (Backend::Redis, "DISTLOCK_TEST_REDIS_URL"),
+        (Backend::Etcd, "DISTLOCK_TEST_ETCD_URL"),
+        (Backend::ZooKeeper, "DISTLOCK_TEST_ZK_URL"),
+        (Backend::Postgres, "DISTLOCK_TEST_PG_URL"),
+    ] {
+        if backend.is_enabled()
+            && let Some(url) = conformance::backend_url(var)
+        {
+            urls.push(url);
+        }
+    }
+    let with: Vec<_> = urls
+        .into_iter()
+        .map(|url| {
+            std::thread::spawn(move || {
+                let report =
+                    order_timeout::run_periodic(&url, setup(true), order_timeout::Output::Quiet);
+                (url, report)
+            })
+        })
+        .collect();
+    for run in with {
+        let (url, report) = run.join().unwrap();
+        let with = report.unwrap_or_else(|e| panic!("{url}: {e}"));
+        assert!(
+            with.once_per_period(),
+            "{url}: with at_least: runs per period {:?}\n{}",
+            with.runs,
+            with.timeline.join("\n")
+        );
+    }
     let without = without.join().unwrap().unwrap_or_else(|e| panic!("{e}"));
     assert!(
         without.runs.iter().sum::<u32>() > 3,
