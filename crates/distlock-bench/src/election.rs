@@ -276,7 +276,9 @@ async fn takeovers(
 }
 
 async fn jobs(client: &DynLock, prefix: &str, plan: &ElectionPlan) -> Res<(Summary, Summary)> {
-    let plain = LockOptions::with_ttl(Duration::from_secs(10));
+    // At least the backend's smallest TTL (ZooKeeper's is its session timeout).
+    let ttl = Duration::from_secs(10).max(client.capabilities().min_ttl);
+    let plain = LockOptions::with_ttl(ttl);
     let kept = plain.at_least(Duration::from_secs(2));
     let (mut a, mut b) = (Vec::new(), Vec::new());
     for i in 0..plan.warmup + plan.jobs {
