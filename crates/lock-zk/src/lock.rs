@@ -136,14 +136,21 @@ impl ZkLock {
         let client = &session.client;
         let mut version = state.version;
         let mut lost_once = false;
+        // Past its local deadline the node may be gone for other reasons: the background
+        // removal of a lapsed lease (`spawn_removal`) or the session's expiry, after which
+        // somebody else may hold the lock. A NoNode is then never taken for our own delete.
+        let valid = lease.is_locally_valid();
         for _ in 0..4 {
             match self.call(client.delete(&state.path, Some(version))).await {
                 Ok(()) => {
                     state.watch.set_lost(LossReason::Revoked);
                     return Ok(true);
                 }
-                // After a lost reply, NoNode most likely means our own delete was applied.
-                Err(zk::Error::NoNode) => return Ok(lost_once),
+                // After a lost reply, NoNode most likely means our own delete was applied — if
+                // the lease was still ours when it was sent (the drill_soak history of seed
+                // 16464468869008735375: a lapsed lease's release said `true` after its node had
+                // been removed in the background and another client granted).
+                Err(zk::Error::NoNode) => return Ok(lost_once && valid),
                 // The session ended, taking our ephemeral node with it. If a delete of ours went
                 // unanswered first, we cannot tell whether it or the session end released it.
                 Err(e) if session_gone(&e) && lost_once => {
