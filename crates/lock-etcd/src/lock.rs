@@ -74,6 +74,8 @@ pub(crate) struct Inner {
     pub(crate) granting: tokio::sync::Mutex<()>,
     /// The deletion watches of held locks, on one stream.
     pub(crate) watches: WatchMux,
+    /// Queue watches kept for this client's next wait on the same lock.
+    pub(crate) parked: crate::queue::ParkedWatches,
     /// Renewals' proofs that their entries still exist, batched into one read-only txn.
     pub(crate) checks: Batcher<renew::Check, renew::CheckAnswer>,
     pub(crate) counters: Arc<Counters>,
@@ -128,6 +130,7 @@ impl EtcdLock {
                 sessions: Mutex::new(Vec::new()),
                 granting: tokio::sync::Mutex::new(()),
                 watches,
+                parked: crate::queue::ParkedWatches::default(),
                 checks: Batcher::new(MAX_TXN_OPS),
                 counters,
                 identity,
