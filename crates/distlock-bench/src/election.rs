@@ -127,21 +127,27 @@ pub fn ratios(a: &Summary, b: &Summary) -> (Option<f64>, Option<f64>) {
     (ratio(a.median_us, b.median_us), ratio(a.p99_us, b.p99_us))
 }
 
+/// One uncontended `try_acquire` + `release` of `key`: how long it took.
+async fn round_trip(client: &DynLock, key: &str) -> Res<Duration> {
+    let t = Instant::now();
+    let guard = client
+        .lock(key)
+        .ttl(Duration::from_secs(30))
+        .try_acquire()
+        .await?
+        .ok_or("the round-trip key was held")?;
+    if !guard.release().await? {
+        return Err("the round-trip lock was lost".into());
+    }
+    Ok(t.elapsed())
+}
+
 async fn round_trips(client: &DynLock, key: &str, plan: &ElectionPlan) -> Res<Summary> {
     let mut samples = Vec::with_capacity(plan.round_trips);
     for i in 0..plan.warmup + plan.round_trips {
-        let t = Instant::now();
-        let guard = client
-            .lock(key)
-            .ttl(Duration::from_secs(30))
-            .try_acquire()
-            .await?
-            .ok_or("the round-trip key was held")?;
-        if !guard.release().await? {
-            return Err("the round-trip lock was lost".into());
-        }
+        let took = round_trip(client, key).await?;
         if i >= plan.warmup {
-            samples.push(t.elapsed());
+            samples.push(took);
         }
     }
     Summary::of(&mut samples).ok_or_else(|| "no samples".into())
@@ -169,18 +175,9 @@ async fn handovers(
     let wait = patience(Duration::from_secs(30));
     for i in 0..plan.warmup.min(5) + plan.handovers {
         tokio::time::sleep(QUEUE_SETTLE).await;
-        let t = Instant::now();
-        let guard = client
-            .lock(rt_key)
-            .ttl(Duration::from_secs(30))
-            .try_acquire()
-            .await?
-            .ok_or("the round-trip key was held")?;
-        if !guard.release().await? {
-            return Err("the round-trip lock was lost".into());
-        }
+        let took = round_trip(client, rt_key).await?;
         if i >= plan.warmup.min(5) {
-            idle.push(t.elapsed());
+            idle.push(took);
         }
         let leader = a.campaign(wait).await?;
         let b = b.clone();

@@ -207,13 +207,14 @@ impl ZkLock {
         for _ in 0..5 {
             let kept = self.keep_of(&session, &dir, OP).await?;
             let current = self.holder_node(&session, &dir, OP).await?;
-            let fence_of = |m: &KeepMarker| u64::try_from(m.fence).ok().map(FencingToken);
             // A keep marker of an earlier grant holds the lock (job mode's `at_least`): it is
             // the holder to remove.
             if let Some((marker, version)) = &kept
-                && current.as_ref().is_none_or(|c| c.fence != fence_of(marker))
+                && current
+                    .as_ref()
+                    .is_none_or(|c| c.fence != marker.fence_token())
             {
-                if holder.is_some_and(|h| fence_of(marker) != Some(h)) {
+                if holder.is_some_and(|h| marker.fence_token() != Some(h)) {
                     return Ok(false);
                 }
                 match self
@@ -563,18 +564,19 @@ impl Driver for ZkLock {
         let dir = lock_dir(self.inner.config.root(), key);
         let kept = self.keep_of(&session, &dir, "inspect").await?;
         let holder = self.holder_node(&session, &dir, "inspect").await?;
-        let fence_of = |m: &KeepMarker| u64::try_from(m.fence).ok().map(FencingToken);
         Ok(match (holder, kept) {
             // A keep marker of an earlier grant holds the lock; the first contender waits for
             // it. (A marker that has passed shows until the server deletes it as a TTL node
             // or the next acquirer does: who is first in line tells the leader's time only
             // by writing.)
             (first, Some((marker, _)))
-                if first.as_ref().is_none_or(|f| f.fence != fence_of(&marker)) =>
+                if first
+                    .as_ref()
+                    .is_none_or(|f| f.fence != marker.fence_token()) =>
             {
                 Some(HolderInfo {
                     token_digest: None,
-                    fencing_token: fence_of(&marker),
+                    fencing_token: marker.fence_token(),
                     ttl_remaining: None,
                     waiters: Some(first.map_or(0, |f| f.queued + 1)),
                     holder: HolderIdentity::from_stored(marker.holder.as_bytes()),

@@ -81,6 +81,13 @@ impl KeepMarker {
         })
     }
 
+    /// The fencing token of the grant that wrote it (its node's czxid).
+    pub(crate) fn fence_token(&self) -> Option<lock_core::raw::FencingToken> {
+        u64::try_from(self.fence)
+            .ok()
+            .map(lock_core::raw::FencingToken)
+    }
+
     /// The leader-clock millisecond at which a marker last written at `mtime` stops holding.
     pub(crate) fn expires_at(&self, mtime: i64) -> i64 {
         let hold = i64::try_from(self.hold.as_millis()).unwrap_or(i64::MAX);
