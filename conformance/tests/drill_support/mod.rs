@@ -58,10 +58,10 @@ impl Backend {
     /// Short client-side timeouts, so a lost reply becomes an error within a drill's budget.
     pub fn options(self) -> &'static str {
         match self {
-            Backend::Redis => "response_timeout=500ms&connect_timeout=500ms",
-            Backend::Etcd => "request_timeout=500ms&dial_timeout=1s",
-            Backend::Zk => "session_timeout=1s&op_timeout=500ms&connect_timeout=1s",
-            Backend::Pg => "op_timeout=500ms&connect_timeout=1s",
+            Backend::Redis => "timeout=500ms&connect_timeout=500ms",
+            Backend::Etcd => "timeout=500ms&connect_timeout=1s",
+            Backend::Zk => "session_timeout=1s&timeout=500ms&connect_timeout=1s",
+            Backend::Pg => "timeout=500ms&connect_timeout=1s",
         }
     }
 

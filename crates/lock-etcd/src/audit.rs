@@ -42,7 +42,7 @@ impl Probe {
 pub async fn audit(config: &EtcdLockConfig) -> Result<AuditReport> {
     config.validate()?;
     let prefix = config.normalized_prefix();
-    let budget = config.dial_timeout.saturating_add(config.request_timeout);
+    let budget = config.connect_timeout.saturating_add(config.timeout);
     let scheme = if config.tls.is_some() {
         "https"
     } else {
@@ -168,8 +168,8 @@ pub async fn audit(config: &EtcdLockConfig) -> Result<AuditReport> {
 
 fn options(config: &EtcdLockConfig, with_user: bool) -> Result<ConnectOptions> {
     let mut options = ConnectOptions::new()
-        .with_connect_timeout(config.dial_timeout)
-        .with_timeout(config.request_timeout)
+        .with_connect_timeout(config.connect_timeout)
+        .with_timeout(config.timeout)
         .with_require_leader(true);
     if with_user && let Some(user) = &config.user {
         options = options.with_user(user.clone(), config.password.clone().unwrap_or_default());
@@ -181,7 +181,7 @@ fn options(config: &EtcdLockConfig, with_user: bool) -> Result<ConnectOptions> {
 }
 
 async fn connect(config: &EtcdLockConfig, url: &str, with_user: bool) -> Result<Client> {
-    let budget = config.dial_timeout.saturating_add(config.request_timeout);
+    let budget = config.connect_timeout.saturating_add(config.timeout);
     match timeout(
         budget,
         Client::connect([url.to_owned()], Some(options(config, with_user)?)),
@@ -430,7 +430,7 @@ async fn prefix_client(config: &EtcdLockConfig) -> Result<(Client, String)> {
         .iter()
         .map(|e| format!("{scheme}://{e}"))
         .collect();
-    let budget = config.dial_timeout.saturating_add(config.request_timeout);
+    let budget = config.connect_timeout.saturating_add(config.timeout);
     match timeout(
         budget,
         Client::connect(endpoints, Some(options(config, true)?)),
@@ -450,7 +450,7 @@ async fn prefix_client(config: &EtcdLockConfig) -> Result<(Client, String)> {
 /// [`Error::Config`] for an empty prefix; [`Error::Unavailable`] / [`Error::Backend`] otherwise.
 pub async fn namespace_size(config: &EtcdLockConfig) -> Result<usize> {
     let (mut client, prefix) = prefix_client(config).await?;
-    let budget = config.request_timeout;
+    let budget = config.timeout;
     let found = timeout(
         budget,
         client.get(
@@ -472,7 +472,7 @@ pub async fn namespace_size(config: &EtcdLockConfig) -> Result<usize> {
 /// [`Error::Config`] for an empty prefix; [`Error::Unavailable`] / [`Error::Backend`] otherwise.
 pub async fn purge_namespace(config: &EtcdLockConfig) -> Result<usize> {
     let (mut client, prefix) = prefix_client(config).await?;
-    let budget = config.request_timeout;
+    let budget = config.timeout;
     let deleted = timeout(
         budget,
         client.delete(prefix, Some(DeleteOptions::new().with_prefix())),

@@ -211,7 +211,7 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// timeout plus one request timeout.
 pub(crate) async fn connect(config: &EtcdLockConfig) -> Result<Client> {
     let mut options = ConnectOptions::new()
-        .with_connect_timeout(config.dial_timeout)
+        .with_connect_timeout(config.connect_timeout)
         .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
         // A member that has lost its leader refuses at once instead of serving stale
         // watches or stalling requests (review L4).
@@ -235,7 +235,7 @@ pub(crate) async fn connect(config: &EtcdLockConfig) -> Result<Client> {
         .map(|e| format!("{scheme}://{e}"))
         .collect();
     request(
-        config.dial_timeout.saturating_add(config.request_timeout),
+        config.connect_timeout.saturating_add(config.timeout),
         Client::connect(endpoints, Some(options)),
     )
     .await
@@ -318,16 +318,11 @@ pub(crate) async fn probe_min_ttl(
     counters: &Counters,
 ) -> Result<Duration> {
     Counters::bump(&counters.lease_grant);
-    let resp = request(config.request_timeout, client.lease_client().grant(1, None))
+    let resp = request(config.timeout, client.lease_client().grant(1, None))
         .await
         .map_err(|e| e.into_read_error("connect"))?;
     Counters::bump(&counters.lease_revoke);
-    if let Err(e) = request(
-        config.request_timeout,
-        client.lease_client().revoke(resp.id()),
-    )
-    .await
-    {
+    if let Err(e) = request(config.timeout, client.lease_client().revoke(resp.id())).await {
         tracing::debug!(error = %e.source, "revoking the probe lease failed; it expires by itself");
     }
     let secs = u64::try_from(resp.ttl()).unwrap_or(0).max(1);

@@ -24,10 +24,10 @@ pub struct EtcdLockConfig {
     pub prefix: String,
     /// Timeout for establishing a connection (default 3 s; at most
     /// [`EtcdLockConfig::MAX_TIMEOUT`]). URL option `connect_timeout`, alias `dial_timeout`.
-    pub dial_timeout: Duration,
+    pub connect_timeout: Duration,
     /// Timeout for each request (default 5 s; at most [`EtcdLockConfig::MAX_TIMEOUT`]). URL
     /// option `timeout`, alias `request_timeout`.
-    pub request_timeout: Duration,
+    pub timeout: Duration,
     /// The smallest lease TTL the cluster grants. `None` (default): asked from the server at
     /// connect (a 1 s lease is granted and revoked; etcd answers with the TTL it applies).
     /// Setting it skips that probe, so `connect` performs no I/O without credentials.
@@ -57,7 +57,7 @@ pub struct EtcdTlsConfig {
 impl EtcdLockConfig {
     /// The default lock name prefix.
     pub const DEFAULT_PREFIX: &'static str = "distlock/";
-    /// The longest `dial_timeout` or `request_timeout` accepted (1 hour).
+    /// The longest `connect_timeout` or `timeout` accepted (1 hour).
     pub const MAX_TIMEOUT: Duration = Duration::from_secs(3600);
     /// The longest prefix accepted, in bytes.
     pub const MAX_PREFIX_LEN: usize = 1024;
@@ -72,8 +72,8 @@ impl EtcdLockConfig {
             user: None,
             password: None,
             prefix: Self::DEFAULT_PREFIX.to_owned(),
-            dial_timeout: Duration::from_secs(3),
-            request_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(3),
+            timeout: Duration::from_secs(5),
             min_ttl: None,
             label: None,
         }
@@ -168,11 +168,11 @@ impl EtcdLockConfig {
             match &*name {
                 "prefix" => cfg.prefix = value.into_owned(),
                 "connect_timeout" | "dial_timeout" => {
-                    cfg.dial_timeout = lock_core::raw::parse_duration_option(&name, &value, None)?
+                    cfg.connect_timeout =
+                        lock_core::raw::parse_duration_option(&name, &value, None)?
                 }
                 "timeout" | "request_timeout" => {
-                    cfg.request_timeout =
-                        lock_core::raw::parse_duration_option(&name, &value, None)?
+                    cfg.timeout = lock_core::raw::parse_duration_option(&name, &value, None)?
                 }
                 "min_ttl" => {
                     cfg.min_ttl = Some(lock_core::raw::parse_duration_option(&name, &value, None)?)
@@ -242,8 +242,8 @@ impl EtcdLockConfig {
         check_durations(
             Self::MAX_TIMEOUT,
             &[
-                ("dial_timeout", self.dial_timeout),
-                ("request_timeout", self.request_timeout),
+                ("connect_timeout", self.connect_timeout),
+                ("timeout", self.timeout),
             ],
         )
         .map_err(config)?;
@@ -331,8 +331,8 @@ impl fmt::Debug for EtcdLockConfig {
             .field("user", &self.user)
             .field("password", &self.password.as_ref().map(|_| "<redacted>"))
             .field("prefix", &self.prefix)
-            .field("dial_timeout", &self.dial_timeout)
-            .field("request_timeout", &self.request_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("timeout", &self.timeout)
             .field("min_ttl", &self.min_ttl)
             .field("label", &self.label)
             .finish()
@@ -354,8 +354,8 @@ mod tests {
         assert_eq!(c.user.as_deref(), Some("al@ice"));
         assert_eq!(c.password.as_deref(), Some("p:ss"));
         assert_eq!(c.prefix, "");
-        assert_eq!(c.dial_timeout, Duration::from_millis(250));
-        assert_eq!(c.request_timeout, Duration::from_secs(2));
+        assert_eq!(c.connect_timeout, Duration::from_millis(250));
+        assert_eq!(c.timeout, Duration::from_secs(2));
         assert_eq!(c.min_ttl, Some(Duration::from_secs(1)));
         assert_eq!(c.label.as_deref(), Some("cron@web-1"));
         let tls = c.tls.unwrap();
@@ -390,9 +390,9 @@ mod tests {
         assert!(ok.validate().is_ok());
         type Set = Box<dyn Fn(&mut EtcdLockConfig)>;
         let bad: Vec<Set> = vec![
-            Box::new(|c| c.request_timeout = Duration::MAX),
-            Box::new(|c| c.dial_timeout = Duration::MAX),
-            Box::new(|c| c.request_timeout = Duration::ZERO),
+            Box::new(|c| c.timeout = Duration::MAX),
+            Box::new(|c| c.connect_timeout = Duration::MAX),
+            Box::new(|c| c.timeout = Duration::ZERO),
             Box::new(|c| c.min_ttl = Some(Duration::MAX)),
             Box::new(|c| c.endpoints = vec!["nonsense".into()]),
             Box::new(|c| c.prefix = "a\0b".into()),
@@ -448,16 +448,16 @@ mod tests {
     #[test]
     fn shared_timeout_names_and_their_aliases() {
         let c = EtcdLockConfig::from_url("etcd://h:1?connect_timeout=250ms&timeout=2s").unwrap();
-        assert_eq!(c.dial_timeout, Duration::from_millis(250));
-        assert_eq!(c.request_timeout, Duration::from_secs(2));
+        assert_eq!(c.connect_timeout, Duration::from_millis(250));
+        assert_eq!(c.timeout, Duration::from_secs(2));
         let c =
             EtcdLockConfig::from_url("etcd://h:1?dial_timeout=750ms&request_timeout=4s").unwrap();
-        assert_eq!(c.dial_timeout, Duration::from_millis(750));
-        assert_eq!(c.request_timeout, Duration::from_secs(4));
+        assert_eq!(c.connect_timeout, Duration::from_millis(750));
+        assert_eq!(c.timeout, Duration::from_secs(4));
         let c =
             EtcdLockConfig::from_url("etcd://h:1?connect_timeout=1s&request_timeout=3s").unwrap();
-        assert_eq!(c.dial_timeout, Duration::from_secs(1));
-        assert_eq!(c.request_timeout, Duration::from_secs(3));
+        assert_eq!(c.connect_timeout, Duration::from_secs(1));
+        assert_eq!(c.timeout, Duration::from_secs(3));
         conformance::config_errors::assert_config_errors(
             EtcdLockConfig::from_url,
             &[
@@ -538,7 +538,7 @@ mod config_proptests {
     /// Whatever `validate` accepts can be used without a panic: the client adds the timeouts
     /// to each other and to `Instant::now()`.
     fn usable(c: &EtcdLockConfig) {
-        let _ = tokio::time::Instant::now() + c.dial_timeout + c.request_timeout;
+        let _ = tokio::time::Instant::now() + c.connect_timeout + c.timeout;
         let _ = c.normalized_prefix();
     }
 
@@ -577,8 +577,8 @@ mod config_proptests {
         ) {
             let mut c = EtcdLockConfig::new(endpoints);
             c.prefix = prefix;
-            c.dial_timeout = dial;
-            c.request_timeout = request;
+            c.connect_timeout = dial;
+            c.timeout = request;
             c.min_ttl = min_ttl;
             c.user = user;
             c.label = label;
@@ -586,7 +586,7 @@ mod config_proptests {
                 Ok(()) => {
                     usable(&c);
                     if c.endpoints.iter().all(|e| e == "127.0.0.1:1") && c.min_ttl.is_some() {
-                        c.dial_timeout = c.dial_timeout.min(Duration::from_secs(1));
+                        c.connect_timeout = c.connect_timeout.min(Duration::from_secs(1));
                         connects(c);
                     }
                 }
@@ -617,7 +617,7 @@ mod config_proptests {
                     usable(&c);
                     prop_assert!(c.prefix.is_empty() || c.prefix.ends_with('/'));
                     prop_assert!(c.label.as_deref().is_some_and(|l| lock_core::raw::HolderIdentity::check_label(l).is_ok()));
-                    c.dial_timeout = c.dial_timeout.min(Duration::from_secs(1));
+                    c.connect_timeout = c.connect_timeout.min(Duration::from_secs(1));
                     connects(c);
                 }
                 Err(Error::Config(_)) => {}

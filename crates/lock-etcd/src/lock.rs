@@ -244,7 +244,7 @@ fn expired_on_arrival(op: &'static str) -> Error {
 
 impl Inner {
     pub(crate) fn timeout(&self) -> Duration {
-        self.config.request_timeout
+        self.config.timeout
     }
 
     /// The owner of `key` (its oldest contender entry) and how many entries wait behind it.
@@ -760,7 +760,7 @@ async fn delete_if_created_at(
     op: &'static str,
     key: &LockKey,
 ) -> Result<bool> {
-    // request_timeout is at most an hour (config), so this cannot overflow the clock.
+    // timeout is at most an hour (config), so this cannot overflow the clock.
     let until = Instant::now() + inner.timeout().saturating_mul(2);
     let mut backoff = Backoff::new(Duration::from_millis(25), Duration::from_millis(400));
     let mut maybe_applied = false;

@@ -71,7 +71,7 @@ pub(crate) struct Session {
     /// The TTL the server granted.
     pub(crate) granted: Duration,
     lease: LeaseClient,
-    request_timeout: Duration,
+    timeout: Duration,
     counters: Arc<Counters>,
     /// The keepalive stream, taken out by the one keepalive in flight.
     stream: Mutex<Option<(LeaseKeeper, LeaseKeepAliveStream)>>,
@@ -100,7 +100,7 @@ impl Session {
         grant: Grant,
         first_user: Vec<u8>,
         lease: LeaseClient,
-        request_timeout: Duration,
+        timeout: Duration,
         counters: Arc<Counters>,
     ) -> Self {
         Self {
@@ -109,7 +109,7 @@ impl Session {
             granted: grant.granted,
             ack: Mutex::new(grant.sent_at),
             lease,
-            request_timeout,
+            timeout,
             counters,
             stream: Mutex::new(None),
             inflight: Mutex::new(None),
@@ -266,7 +266,7 @@ impl Session {
         let taken = lock(&self.stream).take();
         let lease = self.lease.clone();
         let id = self.id;
-        let outcome = client::request(self.request_timeout, async move {
+        let outcome = client::request(self.timeout, async move {
             match taken {
                 None => {
                     // Opening the stream sends the first keepalive and waits for its answer

@@ -147,9 +147,7 @@ fn renew_after_force_release_is_not_held_while_the_neighbour_renews() {
 fn a_grant_confirmed_after_its_local_deadline_is_never_returned() {
     rt().block_on(async {
         let Some(env) = env().await else { return };
-        let (proxy, lock) = env
-            .proxied(|c| c.request_timeout = Duration::from_secs(20))
-            .await;
+        let (proxy, lock) = env.proxied(|c| c.timeout = Duration::from_secs(20)).await;
         let ttl = lock.capabilities().min_ttl;
         let key = fresh("s3-late");
         // Every chunk delayed: the lease grant and the put together take longer than the TTL.
@@ -221,7 +219,7 @@ fn a_put_whose_reply_was_lost_leaves_nothing_behind() {
     rt().block_on(async {
         let Some(env) = env().await else { return };
         let (proxy, lock) = env
-            .proxied(|c| c.request_timeout = Duration::from_millis(500))
+            .proxied(|c| c.timeout = Duration::from_millis(500))
             .await;
         let ttl = Duration::from_secs(20);
         // A session first, so the next attempt's only request is the put.
@@ -269,9 +267,7 @@ fn a_put_whose_reply_was_lost_leaves_nothing_behind() {
 fn acquire_against_a_stalled_server_returns_by_its_deadline() {
     rt().block_on(async {
         let Some(env) = env().await else { return };
-        let (proxy, lock) = env
-            .proxied(|c| c.request_timeout = Duration::from_secs(2))
-            .await;
+        let (proxy, lock) = env.proxied(|c| c.timeout = Duration::from_secs(2)).await;
         let ttl = Duration::from_secs(6);
         // One held lock: its session is what the next acquisitions keep alive first.
         let held = lock
@@ -505,9 +501,7 @@ fn keys_that_are_no_entries_never_block_a_lock() {
 fn a_release_whose_reply_is_lost_is_sent_again_and_says_it_does_not_know() {
     rt().block_on(async {
         let Some(env) = env().await else { return };
-        let (proxy, lock) = env
-            .proxied(|c| c.request_timeout = Duration::from_secs(1))
-            .await;
+        let (proxy, lock) = env.proxied(|c| c.timeout = Duration::from_secs(1)).await;
         let key = fresh("release-lost-reply");
         let lease = lock
             .try_acquire(&key, Duration::from_secs(20))

@@ -30,7 +30,7 @@ use crate::{PgLockConfig, lock::BACKEND};
 /// when the server cannot be reached or refuses the connection or a read.
 pub async fn audit(config: &PgLockConfig) -> Result<AuditReport> {
     config.validate()?;
-    let budget = config.op_timeout;
+    let budget = config.timeout;
     let mut conn = match timeout(
         config.connect_timeout,
         PgConnection::connect_with(config.connect_options()),
@@ -382,7 +382,7 @@ async fn listen(report: &mut AuditReport, config: &PgLockConfig, conn: &mut PgCo
             Ok(Err(e)) => Err(e.to_string()),
         }
     };
-    match timeout(wait + config.connect_timeout + config.op_timeout, outcome).await {
+    match timeout(wait + config.connect_timeout + config.timeout, outcome).await {
         Ok(Ok(true)) => {
             report.pass(
                 "listen",
@@ -445,13 +445,13 @@ pub async fn namespace_size(config: &PgLockConfig) -> Result<usize> {
     let mut conn = connect(config).await?;
     let name = config.table.quoted();
     let exists: Option<String> = timeout(
-        config.op_timeout,
+        config.timeout,
         sqlx::query_scalar("SELECT to_regclass($1)::text")
             .bind(&name)
             .fetch_one(&mut conn),
     )
     .await
-    .map_err(|_| timed_out("find the table", config.op_timeout))?
+    .map_err(|_| timed_out("find the table", config.timeout))?
     .map_err(|e| Error::backend(BACKEND, "count", e))?;
     if exists.is_none() {
         return Ok(0);
@@ -459,11 +459,11 @@ pub async fn namespace_size(config: &PgLockConfig) -> Result<usize> {
     // The name is a validated, quoted identifier (`TableName`), not user text.
     let count = format!("SELECT count(*) FROM {name}");
     let rows: i64 = timeout(
-        config.op_timeout,
+        config.timeout,
         sqlx::query_scalar(sqlx::AssertSqlSafe(count)).fetch_one(&mut conn),
     )
     .await
-    .map_err(|_| timed_out("count", config.op_timeout))?
+    .map_err(|_| timed_out("count", config.timeout))?
     .map_err(|e| Error::backend(BACKEND, "count", e))?;
     let _ = conn.close().await;
     Ok(usize::try_from(rows).unwrap_or(0))
@@ -485,11 +485,11 @@ pub async fn purge_namespace(config: &PgLockConfig) -> Result<usize> {
     let mut conn = connect(config).await?;
     let drop = format!("DROP TABLE IF EXISTS {}", config.table.quoted());
     timeout(
-        config.op_timeout,
+        config.timeout,
         sqlx::query(sqlx::AssertSqlSafe(drop)).execute(&mut conn),
     )
     .await
-    .map_err(|_| timed_out("drop the table", config.op_timeout))?
+    .map_err(|_| timed_out("drop the table", config.timeout))?
     .map_err(|e| Error::backend(BACKEND, "drop", e))?;
     let _ = conn.close().await;
     Ok(rows)

@@ -185,7 +185,7 @@ impl Inner {
                 let mut created = false;
                 let found: Look = loop {
                     let found: Look = timeout(
-                        self.config.op_timeout,
+                        self.config.timeout,
                         sqlx::query_as(look)
                             .bind(self.config.table.quoted())
                             .fetch_one(&mut *conn),
@@ -204,7 +204,7 @@ impl Inner {
                         )));
                     }
                     let outcome = timeout(
-                        self.config.op_timeout,
+                        self.config.timeout,
                         sqlx::query(self.sql.create.clone()).execute(&mut *conn),
                     )
                     .await
@@ -229,7 +229,7 @@ impl Inner {
                         )));
                     }
                     timeout(
-                        self.config.op_timeout,
+                        self.config.timeout,
                         sqlx::query(self.sql.add_waiters.clone()).execute(&mut *conn),
                     )
                     .await
@@ -246,7 +246,7 @@ impl Inner {
                 // that may not alter the table (not its owner) keeps working without
                 // identities: they are information, never needed for a grant.
                 let added = timeout(
-                    self.config.op_timeout,
+                    self.config.timeout,
                     sqlx::query(self.sql.add_holder.clone()).execute(&mut *conn),
                 )
                 .await
@@ -290,12 +290,12 @@ impl Inner {
         }
     }
 
-    /// `op_timeout` from now (saturating: a huge timeout cannot overflow the clock).
+    /// `timeout` from now (saturating: a huge timeout cannot overflow the clock).
     pub(crate) fn op_deadline(&self) -> Instant {
-        later(Instant::now(), self.config.op_timeout)
+        later(Instant::now(), self.config.timeout)
     }
 
-    /// Runs one statement on a pooled connection, bounded by `op_timeout` and by `limit` (the
+    /// Runs one statement on a pooled connection, bounded by `timeout` and by `limit` (the
     /// caller's deadline: waiting for a connection and the statement together never outlast
     /// it), and classifies the failure. A connection that failed mid-statement is closed,
     /// never reused.
@@ -341,7 +341,7 @@ impl Inner {
             }
             Err(_) => Err(ExecError::Unknown {
                 message: if until < limit {
-                    format!("no reply within {:?}", self.config.op_timeout)
+                    format!("no reply within {:?}", self.config.timeout)
                 } else {
                     "no reply by the deadline".to_owned()
                 },
@@ -353,7 +353,7 @@ impl Inner {
     /// Runs an idempotent statement, retrying on another connection when the connection died
     /// under it (e.g. the pool's idle connections were terminated), or at once when the server
     /// rolled it back to break a deadlock or a serialization conflict (nothing was applied),
-    /// up to once per pooled connection plus one, within `op_timeout` and `limit`. Also
+    /// up to once per pooled connection plus one, within `timeout` and `limit`. Also
     /// answers whether the statement was re-sent after a reply that was lost (the first one
     /// may have applied). Only for statements that are idempotent: running one twice must do
     /// what running it once does (never re-send one that could act on a later holder).
@@ -395,14 +395,14 @@ impl Inner {
             .map(|(rows, _)| rows.into_iter().next())
     }
 
-    /// `connect_timeout` + `op_timeout` from now: the bound of one request outside `acquire`
+    /// `connect_timeout` + `timeout` from now: the bound of one request outside `acquire`
     /// (a connection, then the statement).
     pub(crate) fn request_deadline(&self) -> Instant {
         later(
             Instant::now(),
             self.config
                 .connect_timeout
-                .saturating_add(self.config.op_timeout),
+                .saturating_add(self.config.timeout),
         )
     }
 }

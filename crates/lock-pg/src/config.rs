@@ -183,7 +183,7 @@ pub struct PgLockConfig {
     /// How long one statement may take before its outcome counts as unknown: the per-request
     /// timeout (`timeout=`, default 5 s; `op_timeout=` is accepted as its older name, and giving
     /// both is a configuration error).
-    pub op_timeout: Duration,
+    pub timeout: Duration,
     /// `LISTEN` for releases while waiting (`listen=`, default true). Turn it off behind a
     /// transaction-pooling proxy, where a session cannot keep listening; waiters then poll.
     pub listen: bool,
@@ -226,7 +226,7 @@ impl PgLockConfig {
             table: TableName::default(),
             pool_size: 8,
             connect_timeout: Duration::from_secs(5),
-            op_timeout: Duration::from_secs(5),
+            timeout: Duration::from_secs(5),
             listen: true,
             poll_interval: Duration::from_secs(1),
             async_release: true,
@@ -311,7 +311,7 @@ impl PgLockConfig {
                         lock_core::raw::parse_duration_option(&k, &v, Some(Duration::from_secs(1)))?
                 }
                 "timeout" | "op_timeout" => {
-                    config.op_timeout = lock_core::raw::parse_duration_option(&k, &v, None)?
+                    config.timeout = lock_core::raw::parse_duration_option(&k, &v, None)?
                 }
                 "poll_interval" => {
                     config.poll_interval = lock_core::raw::parse_duration_option(&k, &v, None)?
@@ -329,7 +329,7 @@ impl PgLockConfig {
 
     /// Checks every option against its bounds, however it was set (URL or field): a pool of 1
     /// to [`MAX_POOL_SIZE`](Self::MAX_POOL_SIZE) connections, and `connect_timeout`,
-    /// `op_timeout` and `poll_interval` between 1 ms and [`MAX_DURATION`](Self::MAX_DURATION),
+    /// `timeout` and `poll_interval` between 1 ms and [`MAX_DURATION`](Self::MAX_DURATION),
     /// so that no deadline computed from them can overflow the clock; and the `label`
     /// ([`lock_core::raw::HolderIdentity::check_label`]).
     /// [`crate::PgLock::connect`] and [`crate::PgLock::connect_lazy`] call it before any I/O.
@@ -348,7 +348,7 @@ impl PgLockConfig {
             Self::MAX_DURATION,
             &[
                 ("connect_timeout", self.connect_timeout),
-                ("timeout", self.op_timeout),
+                ("timeout", self.timeout),
                 ("poll_interval", self.poll_interval),
             ],
         )
@@ -362,7 +362,7 @@ impl PgLockConfig {
     /// The largest `pool_size`.
     pub const MAX_POOL_SIZE: u32 = 10_000;
 
-    /// The longest `connect_timeout`, `op_timeout` and `poll_interval`: one day.
+    /// The longest `connect_timeout`, `timeout` and `poll_interval`: one day.
     pub const MAX_DURATION: Duration = Duration::from_secs(24 * 3600);
 
     /// The connection options handed to `sqlx`.
@@ -385,7 +385,7 @@ impl fmt::Debug for PgLockConfig {
             .field("table", &self.table)
             .field("pool_size", &self.pool_size)
             .field("connect_timeout", &self.connect_timeout)
-            .field("op_timeout", &self.op_timeout)
+            .field("timeout", &self.timeout)
             .field("listen", &self.listen)
             .field("poll_interval", &self.poll_interval)
             .field("async_release", &self.async_release)
@@ -447,7 +447,7 @@ mod tests {
         assert_eq!(c.table.quoted(), "\"locks\".\"leases\"");
         assert_eq!(c.pool_size, 3);
         assert_eq!(c.connect_timeout, Duration::from_secs(2));
-        assert_eq!(c.op_timeout, Duration::from_millis(750));
+        assert_eq!(c.timeout, Duration::from_millis(750));
         assert!(!c.listen);
         assert_eq!(c.poll_interval, Duration::from_millis(200));
         assert!(!c.async_release);
@@ -465,7 +465,7 @@ mod tests {
             "postgres://h/db?op_timeout=750ms",
         ] {
             let c = PgLockConfig::from_url(url).unwrap();
-            assert_eq!(c.op_timeout, Duration::from_millis(750), "{url}");
+            assert_eq!(c.timeout, Duration::from_millis(750), "{url}");
         }
         conformance::config_errors::assert_config_errors(
             PgLockConfig::from_url,
@@ -550,7 +550,7 @@ mod tests {
         let base = PgLockConfig::from_url("postgres://h/db").unwrap();
         assert!(base.validate().is_ok());
         let mut c = base.clone();
-        c.op_timeout = Duration::MAX;
+        c.timeout = Duration::MAX;
         assert!(matches!(c.validate(), Err(Error::Config(_))));
         let mut c = base.clone();
         c.poll_interval = Duration::ZERO;

@@ -180,10 +180,10 @@ pub(crate) fn micros(ttl: Duration) -> i64 {
 
 impl Inner {
     /// Until when an attempt sent at `sent_at` whose outcome is unknown may still hold a
-    /// grant: the statement may run on the server for up to `op_timeout` after it was sent
+    /// grant: the statement may run on the server for up to `timeout` after it was sent
     /// (the server does not notice that its connection was closed), then its grant lasts `ttl`.
     fn undo_until(&self, sent_at: Instant, ttl: Duration) -> Instant {
-        later(later(sent_at, self.config.op_timeout), ttl)
+        later(later(sent_at, self.config.timeout), ttl)
     }
 
     /// One acquire statement (retried only when its connection died and the attempt was
@@ -862,7 +862,7 @@ mod tests {
         fn any_config_fields_give_a_typed_error_or_a_working_lock(
             pool_size in proptest::prelude::any::<u32>(),
             connect_timeout in duration(),
-            op_timeout in duration(),
+            timeout in duration(),
             poll_interval in duration(),
             ttl in duration(),
             label in proptest::option::of("[a-z]{0,3}[ \n.@]?[a-z0-9]{0,66}"),
@@ -872,7 +872,7 @@ mod tests {
             config.label = label;
             config.pool_size = pool_size;
             config.connect_timeout = connect_timeout;
-            config.op_timeout = op_timeout;
+            config.timeout = timeout;
             config.poll_interval = poll_interval;
             let valid = config.validate();
             let lock = match PgLock::connect_lazy(config) {

@@ -129,7 +129,7 @@ impl Drop for Queued {
             std::mem::take(&mut self.entry),
             self.grant_owner.expose_hex(),
         );
-        // Past this, the entry has lapsed (an attempt in flight writes it within op_timeout)
+        // Past this, the entry has lapsed (an attempt in flight writes it within timeout)
         // and any grant made from it has expired: there is nothing left to undo.
         let lifetime = Duration::from_millis(
             u64::try_from(inner.queue_entry_lifetime_ms()).unwrap_or(u64::MAX),

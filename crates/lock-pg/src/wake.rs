@@ -114,7 +114,7 @@ impl Notifier {
             pool,
             shared: shared.clone(),
             commands: rx,
-            op_timeout: config.op_timeout,
+            timeout: config.timeout,
             listener: None,
             backoff: Backoff::new(Duration::from_millis(50), Duration::from_secs(2)),
             retry_at: None,
@@ -200,7 +200,7 @@ struct ListenerTask {
     pool: PgPool,
     shared: Arc<Shared>,
     commands: mpsc::UnboundedReceiver<oneshot::Sender<bool>>,
-    op_timeout: Duration,
+    timeout: Duration,
     listener: Option<PgListener>,
     backoff: Backoff,
     /// While set, do not reconnect before this instant.
@@ -266,7 +266,7 @@ impl ListenerTask {
             listener.listen(&self.shared.channel).await?;
             Ok::<_, sqlx::Error>(listener)
         };
-        match timeout(self.op_timeout, connect).await {
+        match timeout(self.timeout, connect).await {
             Ok(Ok(listener)) => {
                 self.listener = Some(listener);
                 self.shared.listening.store(true, Ordering::Release);

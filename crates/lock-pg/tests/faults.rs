@@ -421,7 +421,7 @@ async fn an_unknown_outcome_that_commits_after_the_first_undo_is_still_undone() 
 /// L3: `acquire(deadline = now + 1 s)` against a server that stopped answering (the proxy
 /// blackholes every byte) returns `Timeout` by the deadline plus a small slack — both when the
 /// first attempt is stuck and when a queued waiter's leaving is — instead of a whole
-/// `op_timeout` per request.
+/// `timeout` per request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acquire_against_a_frozen_server_ends_by_its_deadline() {
     let Some(url) = backend_url("DISTLOCK_TEST_PG_URL") else {

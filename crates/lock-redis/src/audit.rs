@@ -88,9 +88,7 @@ pub async fn audit(config: &RedisLockConfig) -> Result<AuditReport> {
 /// The servers that hold locks: the one server, the master the sentinels name, or every
 /// master of the cluster.
 async fn servers(config: &RedisLockConfig) -> Result<Vec<(String, u16)>> {
-    let budget = config
-        .connect_timeout
-        .saturating_add(config.response_timeout);
+    let budget = config.connect_timeout.saturating_add(config.timeout);
     match &config.topology {
         RedisTopology::Sentinel {
             sentinels,
@@ -220,9 +218,7 @@ fn merge(reports: Vec<(String, AuditReport)>) -> AuditReport {
 /// The audit of one server.
 async fn audit_server(config: &RedisLockConfig, host: &str, port: u16) -> Result<AuditReport> {
     let mut conn = open_at(config, host, port).await?;
-    let budget = config
-        .connect_timeout
-        .saturating_add(config.response_timeout);
+    let budget = config.connect_timeout.saturating_add(config.timeout);
     let mut report = AuditReport::new(BACKEND);
 
     // Round trip: the best of a few PINGs (the first one may include a lazy setup).
@@ -262,10 +258,8 @@ async fn open_at(config: &RedisLockConfig, host: &str, port: u16) -> Result<Mult
     let client = crate::client::client_at(config, host, port)?;
     let settings = AsyncConnectionConfig::new()
         .set_connection_timeout(Some(config.connect_timeout))
-        .set_response_timeout(Some(config.response_timeout));
-    let budget = config
-        .connect_timeout
-        .saturating_add(config.response_timeout);
+        .set_response_timeout(Some(config.timeout));
+    let budget = config.connect_timeout.saturating_add(config.timeout);
     match timeout(
         budget,
         client.get_multiplexed_async_connection_with_config(&settings),
@@ -699,9 +693,7 @@ fn own_namespace(config: &RedisLockConfig) -> Result<()> {
 /// [`Error::Config`] for an empty namespace; as [`audit`] otherwise.
 pub async fn namespace_size(config: &RedisLockConfig) -> Result<usize> {
     own_namespace(config)?;
-    let budget = config
-        .connect_timeout
-        .saturating_add(config.response_timeout);
+    let budget = config.connect_timeout.saturating_add(config.timeout);
     let mut total = 0;
     for (host, port) in servers(config).await? {
         let mut conn = open_at(config, &host, port).await?;
@@ -721,9 +713,7 @@ pub async fn namespace_size(config: &RedisLockConfig) -> Result<usize> {
 /// [`Error::Config`] for an empty namespace; as [`audit`] otherwise.
 pub async fn purge_namespace(config: &RedisLockConfig) -> Result<usize> {
     own_namespace(config)?;
-    let budget = config
-        .connect_timeout
-        .saturating_add(config.response_timeout);
+    let budget = config.connect_timeout.saturating_add(config.timeout);
     // A cluster refuses a DEL of keys in different slots: one key per DEL there.
     let chunk = match config.topology {
         RedisTopology::Cluster { .. } => 1,

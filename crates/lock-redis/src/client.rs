@@ -86,12 +86,10 @@ pub(crate) fn client_at(config: &RedisLockConfig, host: &str, port: u16) -> Resu
 pub(crate) fn connect_lazy(config: &RedisLockConfig, wakeups: &Arc<Registry>) -> Result<Conn> {
     let client = client_at(config, &config.host, config.port)?;
     // A script's reply may also wait for its `WAIT` (replica acknowledgement).
-    let response_timeout = config
-        .response_timeout
-        .saturating_add(config.wait_allowance());
+    let timeout = config.timeout.saturating_add(config.wait_allowance());
     let manager_config = ConnectionManagerConfig::new()
         .set_connection_timeout(Some(config.connect_timeout))
-        .set_response_timeout(Some(response_timeout))
+        .set_response_timeout(Some(timeout))
         .set_number_of_retries(config.reconnect_retries)
         .set_min_delay(Duration::from_millis(50))
         .set_max_delay(Duration::from_secs(1))
@@ -111,7 +109,7 @@ pub(crate) fn connect_lazy(config: &RedisLockConfig, wakeups: &Arc<Registry>) ->
             redis_info: client.get_connection_info().redis_settings().clone(),
             manager_config,
             connect_timeout: config.connect_timeout,
-            response_timeout: config.response_timeout,
+            timeout: config.timeout,
             wakeups: wakeups.clone(),
         }))),
         RedisTopology::Cluster { nodes } => {
@@ -123,7 +121,7 @@ pub(crate) fn connect_lazy(config: &RedisLockConfig, wakeups: &Arc<Registry>) ->
             )
             .use_protocol(ProtocolVersion::RESP3)
             .connection_timeout(config.connect_timeout)
-            .response_timeout(response_timeout)
+            .response_timeout(timeout)
             // Redirects (MOVED/ASK) and a failover's reconnects use these retries too; a re-sent
             // request is harmless (see the scripts: an attempt finds its own grant, the rest
             // compare tokens or fences). Our own deadline still bounds each request.
@@ -140,7 +138,7 @@ pub(crate) fn connect_lazy(config: &RedisLockConfig, wakeups: &Arc<Registry>) ->
                 .map_err(|e| Error::Config(format!("cluster settings: {e}")))?;
             let cluster_config = redis::cluster::ClusterConfig::new()
                 .set_connection_timeout(config.connect_timeout)
-                .set_response_timeout(response_timeout);
+                .set_response_timeout(timeout);
             Conn::Cluster(cluster.get_pending_async_connection_with_config(cluster_config))
         }
     };
@@ -282,7 +280,7 @@ pub(crate) struct SentinelConn {
     db: i64,
     manager_config: ConnectionManagerConfig,
     connect_timeout: Duration,
-    response_timeout: Duration,
+    timeout: Duration,
     /// The master's address and its connection; `None` until the first request.
     current: Mutex<Option<(String, u16, ConnectionManager)>>,
     /// Set by an answer that suggests a failover: the next request asks the sentinels again.
@@ -301,7 +299,7 @@ pub(crate) struct SentinelSettings {
     pub(crate) redis_info: RedisConnectionInfo,
     pub(crate) manager_config: ConnectionManagerConfig,
     pub(crate) connect_timeout: Duration,
-    pub(crate) response_timeout: Duration,
+    pub(crate) timeout: Duration,
     pub(crate) wakeups: Arc<Registry>,
 }
 
@@ -314,7 +312,7 @@ impl SentinelConn {
             redis_info: s.redis_info,
             manager_config: s.manager_config,
             connect_timeout: s.connect_timeout,
-            response_timeout: s.response_timeout,
+            timeout: s.timeout,
             current: Mutex::new(None),
             stale: AtomicBool::new(false),
             resolving: tokio::sync::Mutex::new(()),
@@ -417,7 +415,7 @@ impl SentinelConn {
         .await
         .map_err(|_| refused("sentinel connect timed out"))??;
         let reply: Option<(String, String)> = timeout(
-            self.response_timeout,
+            self.timeout,
             redis::cmd("SENTINEL")
                 .arg("get-master-addr-by-name")
                 .arg(&self.master_name)
@@ -443,12 +441,9 @@ impl SentinelConn {
         )
         .await
         .map_err(|_| refused("master connect timed out"))??;
-        let role: Value = timeout(
-            self.response_timeout,
-            redis::cmd("ROLE").query_async(&mut c),
-        )
-        .await
-        .map_err(|_| refused("no answer to ROLE"))??;
+        let role: Value = timeout(self.timeout, redis::cmd("ROLE").query_async(&mut c))
+            .await
+            .map_err(|_| refused("no answer to ROLE"))??;
         match role {
             Value::Array(parts) if matches!(parts.first(), Some(Value::BulkString(r)) if r == b"master") => {
                 Ok(())

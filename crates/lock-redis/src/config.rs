@@ -21,7 +21,7 @@ use lock_core::raw::{Error, Result, check_durations};
 /// |---|---|---|
 /// | `namespace` | `distlock:` | prefix of every lock key (may be empty: `namespace=`) |
 /// | `connect_timeout` | `1s` | one TCP connect + handshake attempt |
-/// | `timeout` | `1s` | per request: a sent command without a reply is "outcome unknown" after this ([`RedisLockConfig::response_timeout`]) |
+/// | `timeout` | `1s` | per request: a sent command without a reply is "outcome unknown" after this ([`RedisLockConfig::timeout`]) |
 /// | `response_timeout` | | an alias of `timeout` (its name before the drivers shared one vocabulary); giving both is an [`Error::Config`] |
 /// | `reconnect_retries` | `2` | connection attempts retried per (re)connect before a request fails (at most 5) |
 /// | `max_poll_interval` | `500ms` | cap of the jittered fallback poll of a waiting `acquire` |
@@ -61,7 +61,7 @@ pub struct RedisLockConfig {
     pub connect_timeout: Duration,
     /// Time a sent command may wait for its reply before its outcome is unknown (the URL
     /// option `timeout`, or its alias `response_timeout`).
-    pub response_timeout: Duration,
+    pub timeout: Duration,
     /// How many times a failed (re)connection is retried before requests fail with
     /// `Unavailable` (the next request starts a new attempt).
     pub reconnect_retries: usize,
@@ -110,7 +110,7 @@ impl RedisLockConfig {
     /// The default namespace.
     pub const DEFAULT_NAMESPACE: &'static str = "distlock:";
 
-    /// The longest `connect_timeout`, `response_timeout` and `max_poll_interval` accepted (one
+    /// The longest `connect_timeout`, `timeout` and `max_poll_interval` accepted (one
     /// hour), from a URL or set on the fields.
     pub const MAX_DURATION: Duration = Duration::from_secs(3600);
 
@@ -304,7 +304,10 @@ impl RedisLockConfig {
                 self.connect_timeout = lock_core::raw::parse_duration_option(name, value, None)?
             }
             "timeout" | "response_timeout" => {
-                self.response_timeout = lock_core::raw::parse_duration_option(name, value, None)?
+                let timeout = lock_core::raw::parse_duration_option(name, value, None)?;
+                // Bounded here too, so an error names the option as the URL gave it.
+                check_durations(Self::MAX_DURATION, &[(name, timeout)]).map_err(config_err)?;
+                self.timeout = timeout;
             }
             "max_poll_interval" => {
                 self.max_poll_interval = lock_core::raw::parse_duration_option(name, value, None)?
@@ -367,7 +370,7 @@ impl RedisLockConfig {
             Self::MAX_DURATION,
             &[
                 ("connect_timeout", self.connect_timeout),
-                ("response_timeout", self.response_timeout),
+                ("timeout", self.timeout),
                 ("max_poll_interval", self.max_poll_interval),
                 ("replica_timeout", self.replica_timeout),
             ],
@@ -442,12 +445,12 @@ impl RedisLockConfig {
         let attempts = u32::try_from(self.reconnect_retries.saturating_add(1)).unwrap_or(u32::MAX);
         self.connect_timeout
             .saturating_mul(attempts)
-            .saturating_add(self.response_timeout)
+            .saturating_add(self.timeout)
             .saturating_add(self.wait_allowance())
             .saturating_add(Duration::from_millis(200))
     }
 
-    /// What a reply may take beyond `response_timeout`: the `WAIT` for the replicas.
+    /// What a reply may take beyond `timeout`: the `WAIT` for the replicas.
     pub(crate) fn wait_allowance(&self) -> Duration {
         if self.replicas > 0 {
             self.replica_timeout
@@ -469,7 +472,7 @@ impl Default for RedisLockConfig {
             ca_file: None,
             namespace: Self::DEFAULT_NAMESPACE.to_owned(),
             connect_timeout: Duration::from_secs(1),
-            response_timeout: Duration::from_secs(1),
+            timeout: Duration::from_secs(1),
             reconnect_retries: 2,
             max_poll_interval: Duration::from_millis(500),
             label: None,
@@ -492,7 +495,7 @@ impl fmt::Debug for RedisLockConfig {
             .field("ca_file", &self.ca_file)
             .field("namespace", &self.namespace)
             .field("connect_timeout", &self.connect_timeout)
-            .field("response_timeout", &self.response_timeout)
+            .field("timeout", &self.timeout)
             .field("reconnect_retries", &self.reconnect_retries)
             .field("max_poll_interval", &self.max_poll_interval)
             .field("label", &self.label)
@@ -548,7 +551,7 @@ mod tests {
         assert_eq!(c.password.as_deref(), Some("s@cret"));
         assert_eq!(c.namespace, "app:locks:");
         assert_eq!(c.connect_timeout, Duration::from_millis(250));
-        assert_eq!(c.response_timeout, Duration::from_secs(2));
+        assert_eq!(c.timeout, Duration::from_secs(2));
         assert_eq!(c.reconnect_retries, 5);
         assert_eq!(c.max_poll_interval, Duration::from_secs(60));
         assert_eq!(c.label, None);
@@ -568,7 +571,7 @@ mod tests {
         assert_eq!(
             RedisLockConfig::from_url("redis://h?response_timeout=1500ms")
                 .unwrap()
-                .response_timeout,
+                .timeout,
             Duration::from_millis(1500)
         );
     }
@@ -675,11 +678,11 @@ mod tests {
         assert!(!shown.contains("hunter2"), "{shown}");
     }
 
-    /// One vocabulary across drivers: `timeout` is the per-request option, `response_timeout`
+    /// One vocabulary across drivers: `timeout` is the per-request option, `timeout`
     /// stays accepted as its alias, and giving both is refused rather than one silently winning.
     #[test]
     fn timeout_and_its_alias_response_timeout_set_the_request_timeout_and_not_both() {
-        let by = |url: &str| RedisLockConfig::from_url(url).map(|c| c.response_timeout);
+        let by = |url: &str| RedisLockConfig::from_url(url).map(|c| c.timeout);
         assert_eq!(
             by("redis://h?timeout=250ms").unwrap(),
             Duration::from_millis(250)
@@ -724,7 +727,7 @@ mod tests {
             crate::RedlockConfig::from_url("redlock://a,b,c?timeout=700ms")
                 .unwrap()
                 .nodes[0]
-                .response_timeout,
+                .timeout,
             Duration::from_millis(700)
         );
     }

@@ -229,7 +229,7 @@ impl RedlockLock {
                 let client = redis::Client::open(info).map_err(|e| Error::Config(e.to_string()))?;
                 let manager_config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(node.connect_timeout))
-                    .set_response_timeout(Some(node.response_timeout))
+                    .set_response_timeout(Some(node.timeout))
                     .set_number_of_retries(node.reconnect_retries)
                     .set_min_delay(Duration::from_millis(50))
                     .set_max_delay(Duration::from_secs(1));

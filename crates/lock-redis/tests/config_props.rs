@@ -70,7 +70,7 @@ proptest! {
     #[test]
     fn any_field_values_give_a_client_or_a_config_error(
         connect_timeout in duration(),
-        response_timeout in duration(),
+        timeout in duration(),
         max_poll_interval in duration(),
         reconnect_retries in prop_oneof![0usize..6, Just(6usize), Just(100usize), any::<usize>()],
         db in prop_oneof![0i64..16, any::<i64>(), Just(i64::MAX), Just(i64::MIN)],
@@ -80,7 +80,7 @@ proptest! {
     ) {
         let mut config = RedisLockConfig::from_url("redis://127.0.0.1:1").unwrap();
         config.connect_timeout = connect_timeout;
-        config.response_timeout = response_timeout;
+        config.timeout = timeout;
         config.max_poll_interval = max_poll_interval;
         config.reconnect_retries = reconnect_retries;
         config.db = db;

@@ -77,7 +77,7 @@ pub async fn audit(config: &ZkLockConfig) -> Result<AuditReport> {
     let mut best: Option<Duration> = None;
     for _ in 0..5 {
         let sent = Instant::now();
-        if timeout(config.op_timeout, client.check_stat("/"))
+        if timeout(config.timeout, client.check_stat("/"))
             .await
             .is_ok_and(|r| r.is_ok())
         {
@@ -88,7 +88,7 @@ pub async fn audit(config: &ZkLockConfig) -> Result<AuditReport> {
     report.round_trip = best;
 
     grade_version(&mut report, &members);
-    let ensemble = match timeout(config.op_timeout, client.get_config()).await {
+    let ensemble = match timeout(config.timeout, client.get_config()).await {
         Ok(Ok((data, _))) => String::from_utf8_lossy(&data)
             .lines()
             .filter(|l| l.starts_with("server."))
@@ -387,8 +387,8 @@ async fn auth(report: &mut AuditReport, config: &ZkLockConfig) {
             return;
         }
     };
-    let listed = timeout(config.op_timeout, anonymous.list_children(root)).await;
-    let acl = timeout(config.op_timeout, anonymous.get_acl(root)).await;
+    let listed = timeout(config.timeout, anonymous.list_children(root)).await;
+    let acl = timeout(config.timeout, anonymous.get_acl(root)).await;
     match (listed, acl) {
         (Ok(Err(zk::Error::NoAuth | zk::Error::AuthFailed)), _)
         | (Ok(Err(zk::Error::SessionExpired | zk::Error::ConnectionLoss)), _) => {
@@ -458,11 +458,11 @@ async fn auth(report: &mut AuditReport, config: &ZkLockConfig) {
 pub async fn namespace_size(config: &ZkLockConfig) -> Result<usize> {
     let root = own_root(config)?;
     let client = session(config, true).await?;
-    match timeout(config.op_timeout, client.count_descendants_number(&root)).await {
+    match timeout(config.timeout, client.count_descendants_number(&root)).await {
         Ok(Ok(n)) => Ok(n),
         Ok(Err(zk::Error::NoNode)) => Ok(0),
         Ok(Err(e)) => Err(Error::backend(BACKEND, "count", e)),
-        Err(_) => Err(no_answer(BACKEND, "count", config.op_timeout)),
+        Err(_) => Err(no_answer(BACKEND, "count", config.timeout)),
     }
 }
 
@@ -480,19 +480,19 @@ pub async fn purge_namespace(config: &ZkLockConfig) -> Result<usize> {
     let mut stack = vec![(root, false)];
     while let Some((path, expanded)) = stack.pop() {
         if expanded {
-            match timeout(config.op_timeout, client.delete(&path, None)).await {
+            match timeout(config.timeout, client.delete(&path, None)).await {
                 Ok(Ok(())) => deleted += 1,
                 Ok(Err(zk::Error::NoNode)) => {}
                 Ok(Err(e)) => return Err(Error::backend(BACKEND, "delete", e)),
-                Err(_) => return Err(no_answer(BACKEND, "delete", config.op_timeout)),
+                Err(_) => return Err(no_answer(BACKEND, "delete", config.timeout)),
             }
             continue;
         }
-        let children = match timeout(config.op_timeout, client.list_children(&path)).await {
+        let children = match timeout(config.timeout, client.list_children(&path)).await {
             Ok(Ok(children)) => children,
             Ok(Err(zk::Error::NoNode)) => continue,
             Ok(Err(e)) => return Err(Error::backend(BACKEND, "list", e)),
-            Err(_) => return Err(no_answer(BACKEND, "list", config.op_timeout)),
+            Err(_) => return Err(no_answer(BACKEND, "list", config.timeout)),
         };
         stack.push((path.clone(), true));
         for child in children {

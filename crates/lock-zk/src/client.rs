@@ -365,7 +365,7 @@ impl ZkLock {
     }
 
     pub(crate) async fn call<T>(&self, fut: impl Future<Output = ZkResult<T>>) -> ZkResult<T> {
-        call(self.inner.config.op_timeout, fut).await
+        call(self.inner.config.timeout, fut).await
     }
 }
 

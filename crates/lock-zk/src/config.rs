@@ -27,7 +27,7 @@ pub enum ZkAcl {
 /// |---|---|---|
 /// | `session_timeout` | `10s` | session timeout asked of the server; also the smallest TTL accepted (see the crate docs) |
 /// | `connect_timeout` | `5s` | bound on establishing a session (at most 24 h) |
-/// | `timeout` | `5s` | bound on each request while connected or reconnecting (at most 24 h; an `acquire`'s requests also end by its deadline); sets [`ZkLockConfig::op_timeout`] |
+/// | `timeout` | `5s` | bound on each request while connected or reconnecting (at most 24 h; an `acquire`'s requests also end by its deadline); sets [`ZkLockConfig::timeout`] |
 /// | `op_timeout` | | the older name of `timeout`, still accepted (giving both is an error) |
 /// | `root` | `/distlock` | parent of every lock directory (`<root>/<escaped key>/_c_<uuid>-lock-<seq>`) |
 /// | `acl` | `open` | `open` (world:anyone) or `creator` (needs `user:password@`) |
@@ -52,7 +52,7 @@ pub struct ZkLockConfig {
     /// Bound on establishing a session.
     pub connect_timeout: Duration,
     /// Bound on each request (the URL option `timeout`, or its older name `op_timeout`).
-    pub op_timeout: Duration,
+    pub timeout: Duration,
     /// `digest` credentials: user and password.
     pub auth: Option<(String, String)>,
     /// ACL of the lock nodes.
@@ -67,7 +67,7 @@ impl ZkLockConfig {
     pub const DEFAULT_ROOT: &'static str = "/distlock";
     /// The default session timeout.
     pub const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(10);
-    /// The longest `connect_timeout` and `op_timeout` accepted (a day): longer ones are
+    /// The longest `connect_timeout` and `timeout` accepted (a day): longer ones are
     /// refused rather than overflowing an instant.
     pub const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 
@@ -79,7 +79,7 @@ impl ZkLockConfig {
             root: Self::DEFAULT_ROOT.to_owned(),
             session_timeout: Self::DEFAULT_SESSION_TIMEOUT,
             connect_timeout: Duration::from_secs(5),
-            op_timeout: Duration::from_secs(5),
+            timeout: Duration::from_secs(5),
             auth: None,
             acl: ZkAcl::Open,
             label: None,
@@ -152,7 +152,7 @@ impl ZkLockConfig {
                         )));
                     }
                     timeout_given = Some(given);
-                    cfg.op_timeout = lock_core::raw::parse_duration_option(&name, &value, None)?
+                    cfg.timeout = lock_core::raw::parse_duration_option(&name, &value, None)?
                 }
                 "root" => cfg.root = value.into_owned(),
                 "acl" => {
@@ -202,7 +202,7 @@ impl ZkLockConfig {
             Self::MAX_TIMEOUT,
             &[
                 ("connect_timeout", self.connect_timeout),
-                ("timeout", self.op_timeout),
+                ("timeout", self.timeout),
             ],
         )
         .map_err(config)?;
@@ -283,7 +283,7 @@ impl fmt::Debug for ZkLockConfig {
             .field("root", &self.root)
             .field("session_timeout", &self.session_timeout)
             .field("connect_timeout", &self.connect_timeout)
-            .field("op_timeout", &self.op_timeout)
+            .field("timeout", &self.timeout)
             .field(
                 "auth",
                 &self.auth.as_ref().map(|(user, _)| (user, "<redacted>")),
@@ -309,7 +309,7 @@ mod tests {
         assert_eq!(c.connect_string(), "h1:2181,h2:2182/app/x");
         assert_eq!(c.session_timeout, Duration::from_millis(1500));
         assert_eq!(c.connect_timeout, Duration::from_secs(2));
-        assert_eq!(c.op_timeout, Duration::from_millis(3));
+        assert_eq!(c.timeout, Duration::from_millis(3));
         assert_eq!(c.root(), "/locks/r");
         assert_eq!(c.acl, ZkAcl::Creator);
         assert_eq!(c.auth, Some(("bob".into(), "s@cret".into())));
@@ -324,14 +324,14 @@ mod tests {
     #[test]
     fn timeout_is_the_per_request_bound_and_op_timeout_its_alias() {
         let c = ZkLockConfig::from_url("zk://h:1?timeout=750ms&connect_timeout=2s").unwrap();
-        assert_eq!(c.op_timeout, Duration::from_millis(750));
+        assert_eq!(c.timeout, Duration::from_millis(750));
         assert_eq!(c.connect_timeout, Duration::from_secs(2));
         // The older name still works.
         let c = ZkLockConfig::from_url("zk://h:1?op_timeout=750ms").unwrap();
-        assert_eq!(c.op_timeout, Duration::from_millis(750));
+        assert_eq!(c.timeout, Duration::from_millis(750));
         // The same name twice is not a conflict (the last one counts, as for every option).
         let c = ZkLockConfig::from_url("zk://h:1?timeout=1s&timeout=750ms").unwrap();
-        assert_eq!(c.op_timeout, Duration::from_millis(750));
+        assert_eq!(c.timeout, Duration::from_millis(750));
         // Both names at once: one would be ignored, so neither is guessed.
         conformance::config_errors::assert_config_errors(
             ZkLockConfig::from_url,

@@ -186,7 +186,7 @@ impl ZkLock {
             session.clone(),
             state.path.clone(),
             state.czxid,
-            self.inner.config.op_timeout,
+            self.inner.config.timeout,
         );
         Err(Error::Unavailable {
             backend: BACKEND,
@@ -421,13 +421,13 @@ impl Driver for ZkLock {
         }
     }
 
-    // Bounded as a whole: twice `op_timeout` (a create and a listing) for everything after the
+    // Bounded as a whole: twice `timeout` (a create and a listing) for everything after the
     // session, however many times the create is retried or looked for.
     async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
         let session = self.session().await?;
         let now = Instant::now();
         // A create and a listing; a keep marker's read, touch and delete when there is one.
-        let budget = self.inner.config.op_timeout.saturating_mul(5);
+        let budget = self.inner.config.timeout.saturating_mul(5);
         let until = now
             .checked_add(budget)
             .unwrap_or(now + ZkLockConfig::MAX_TIMEOUT);
@@ -445,13 +445,13 @@ impl Driver for ZkLock {
             Position::First => match c.grant(key, ttl) {
                 Grant::Lease(lease) => Ok(Some(lease)),
                 Grant::Late => {
-                    c.remove(self.inner.config.op_timeout).await;
+                    c.remove(self.inner.config.timeout).await;
                     Err(late_grant("try_acquire"))
                 }
                 Grant::Gone => Err(vanished("try_acquire")),
             },
             Position::Behind { .. } => {
-                c.remove(self.inner.config.op_timeout).await;
+                c.remove(self.inner.config.timeout).await;
                 Ok(None)
             }
             Position::Gone => Err(vanished("try_acquire")),

@@ -80,7 +80,7 @@ pub(crate) struct Contender {
     watch: Arc<NodeWatch>,
     /// The deadline of the `acquire` (or the bound of the `try_acquire`) this contender
     /// belongs to: no request gets more than what is left of it (`None`: each request gets
-    /// `op_timeout`).
+    /// `timeout`).
     deadline: Option<Instant>,
     /// The last listing (or watch) showed a keep marker in the directory: see
     /// [`Contender::clear_keep`].
@@ -112,13 +112,13 @@ impl Contender {
         self.node.as_ref().map(|(n, _)| format!("{}/{n}", self.dir))
     }
 
-    /// When the next request must be answered by: `op_timeout` from now, and never after the
+    /// When the next request must be answered by: `timeout` from now, and never after the
     /// acquire's deadline.
     fn until(&self) -> Instant {
         let now = Instant::now();
-        // `op_timeout` is validated, but never let a sum panic.
+        // `timeout` is validated, but never let a sum panic.
         let by_op = now
-            .checked_add(self.lock.inner.config.op_timeout)
+            .checked_add(self.lock.inner.config.timeout)
             .unwrap_or(now + ZkLockConfig::MAX_TIMEOUT);
         self.deadline.map_or(by_op, |d| d.min(by_op))
     }
@@ -301,7 +301,7 @@ impl Contender {
         };
         let session = &self.session;
         let client = &session.client;
-        // One bound for the whole pipelined batch (not one op_timeout per request).
+        // One bound for the whole pipelined batch (not one timeout per request).
         let until = self.until();
         // Every request is queued on the connection when created, ours first.
         let states = client.state_watcher();
@@ -605,7 +605,7 @@ impl Drop for Contender {
         let dir = self.dir.clone();
         let marker = protected_marker(&self.token);
         let node = self.node.as_ref().map(|(n, _)| n.clone());
-        let limit = self.lock.inner.config.op_timeout;
+        let limit = self.lock.inner.config.timeout;
         lock_core::raw::cleanup::spawn(async move {
             // Until the session ends (which deletes the node anyway) or the node is gone.
             let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));

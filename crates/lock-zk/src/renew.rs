@@ -302,7 +302,7 @@ impl ZkLock {
         if let Check::Lost(_) = before {
             return Err(not_held());
         }
-        match session.check_in(self.inner.config.op_timeout).await {
+        match session.check_in(self.inner.config.timeout).await {
             Ok(()) => {}
             Err(e) if session_gone(&e) => return Err(not_held()),
             Err(e) => return Err(to_error("renew", e)),

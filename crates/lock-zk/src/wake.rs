@@ -245,7 +245,7 @@ impl ZkLock {
         // lock (taken before the check below, so a lapse in between cancels it).
         let lapse = session.lapse_token();
         let (watch, path, czxid) = (state.watch.clone(), state.path.clone(), state.czxid);
-        let limit = self.inner.config.op_timeout;
+        let limit = self.inner.config.timeout;
         if session.vouched_until() <= Instant::now() {
             // The session can no longer be vouched for: it may have expired on the server.
             // If it did not, our node must not outlive the loss (see `spawn_removal`).

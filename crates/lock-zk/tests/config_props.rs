@@ -57,7 +57,7 @@ fn config() -> impl Strategy<Value = ZkLockConfig> {
                 c.root = root;
                 c.session_timeout = session;
                 c.connect_timeout = connect;
-                c.op_timeout = op;
+                c.timeout = op;
                 // A password no other field can contain by chance, to look for it in `Debug`.
                 c.auth = auth.map(|(user, password)| (user, format!("Zq9~{password}~pw")));
                 c.acl = if creator { ZkAcl::Creator } else { ZkAcl::Open };
@@ -124,7 +124,7 @@ proptest! {
                 }
                 prop_assert!(lock.capabilities().max_ttl == lock_core::Capabilities::MAX_TTL);
                 prop_assert!(lock.capabilities().min_ttl == c.session_timeout);
-                prop_assert!(c.op_timeout <= ZkLockConfig::MAX_TIMEOUT);
+                prop_assert!(c.timeout <= ZkLockConfig::MAX_TIMEOUT);
                 prop_assert!(c.connect_timeout <= ZkLockConfig::MAX_TIMEOUT);
             }
             Err(Error::Config(_)) => prop_assert!(validated.is_err()),
@@ -169,7 +169,7 @@ fn struct_set_bounds_are_checked() {
         c
     };
     for bad in [
-        with(&|c| c.op_timeout = Duration::MAX),
+        with(&|c| c.timeout = Duration::MAX),
         with(&|c| c.connect_timeout = ZkLockConfig::MAX_TIMEOUT + Duration::from_secs(1)),
         with(&|c| c.chroot = Some("relative".into())),
         with(&|c| c.hosts = "h:1,,h:2".into()),

@@ -118,7 +118,7 @@ async fn partitioned_holder_loses_before_its_session_expires_and_the_next_token_
     let proxy = Proxy::start(config.hosts.split(',').next().unwrap().to_owned()).await;
     let mut via_proxy = config.clone();
     via_proxy.hosts = format!("127.0.0.1:{}", proxy.port);
-    via_proxy.op_timeout = SESSION;
+    via_proxy.timeout = SESSION;
     let a = Arc::new(ZkLock::connect(via_proxy).await.unwrap());
     let b = Arc::new(ZkLock::connect(config.clone()).await.unwrap());
     let key = fresh_key("partition");

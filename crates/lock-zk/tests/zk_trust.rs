@@ -94,7 +94,7 @@ async fn client_behind_leaderless_proxy(config: &ZkLockConfig) -> (Arc<ZkLock>, 
     let (port, cut) = leaderless_proxy(config.hosts.split(',').next().unwrap().to_owned()).await;
     let mut via = config.clone();
     via.hosts = format!("127.0.0.1:{port}");
-    via.op_timeout = SESSION / 2;
+    via.timeout = SESSION / 2;
     (Arc::new(ZkLock::connect(via).await.unwrap()), cut)
 }
 
@@ -300,7 +300,7 @@ async fn a_create_whose_reply_is_lost_leaves_exactly_one_node() {
     let Some(config) = config() else { return };
     let (proxy, mut via) = proxied(&config).await;
     via.session_timeout = Duration::from_secs(4);
-    via.op_timeout = Duration::from_secs(1);
+    via.timeout = Duration::from_secs(1);
     let a = Arc::new(ZkLock::connect(via).await.unwrap());
     let raw = raw_client(&config).await;
     let key = plain_key();
@@ -351,7 +351,7 @@ async fn every_other_node_carrying_our_token_is_deleted() {
     let Some(config) = config() else { return };
     let (proxy, mut via) = proxied(&config).await;
     via.session_timeout = Duration::from_secs(4);
-    via.op_timeout = Duration::from_secs(1);
+    via.timeout = Duration::from_secs(1);
     let a = Arc::new(ZkLock::connect(via).await.unwrap());
     let raw = raw_client(&config).await;
     let key = plain_key();
@@ -439,13 +439,13 @@ async fn leases_count_the_negotiated_session_timeout() {
 }
 
 /// L3: `try_acquire` against a server that stopped answering is bounded as a whole (twice
-/// `op_timeout`, whatever it retries), and fails with a temporary error.
+/// `timeout`, whatever it retries), and fails with a temporary error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn try_acquire_against_a_frozen_server_is_bounded() {
     let Some(config) = config() else { return };
     let (proxy, mut via) = proxied(&config).await;
     via.session_timeout = Duration::from_secs(10);
-    via.op_timeout = Duration::from_millis(500);
+    via.timeout = Duration::from_millis(500);
     let a = ZkLock::connect(via).await.unwrap();
     let key = plain_key();
     proxy.blackhole();
@@ -458,7 +458,7 @@ async fn try_acquire_against_a_frozen_server_is_bounded() {
     proxy.pass();
     eprintln!("{err} after {took:?}");
     assert!(err.is_temporary(), "{err}");
-    // 2 × op_timeout, plus scheduling on a loaded machine.
+    // 2 × timeout, plus scheduling on a loaded machine.
     assert!(
         took < Duration::from_millis(1500),
         "try_acquire took {took:?}"
@@ -479,7 +479,7 @@ async fn force_release_whose_delete_reply_is_lost_does_not_say_nothing_happened(
     let (proxy, mut via) = proxied(&config).await;
     // Long sessions: heartbeats (the client's pings, the driver's syncs) come seconds apart.
     via.session_timeout = Duration::from_secs(20);
-    via.op_timeout = Duration::from_secs(2);
+    via.timeout = Duration::from_secs(2);
     let forcer = ZkLock::connect(via).await.unwrap();
     let mut direct = config.clone();
     direct.session_timeout = Duration::from_secs(20);

@@ -119,7 +119,7 @@ impl Redis {
         let (pushes, _) = tokio::sync::mpsc::unbounded_channel();
         let config = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(c.connect_timeout))
-            .set_response_timeout(Some(c.response_timeout))
+            .set_response_timeout(Some(c.timeout))
             .set_number_of_retries(c.reconnect_retries)
             .set_min_delay(Duration::from_millis(50))
             .set_max_delay(Duration::from_secs(1))
@@ -484,7 +484,7 @@ impl Backend for Redis {
         let budget = c
             .connect_timeout
             .saturating_mul(attempts)
-            .saturating_add(c.response_timeout);
+            .saturating_add(c.timeout);
         Ok(vec![
             Box::new(DistlockCycle {
                 lock: self.client().await?,
