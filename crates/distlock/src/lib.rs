@@ -20,7 +20,7 @@ pub use lock_core::{
     AuditReport, BoxError, BoxedFuture, Capabilities, DistributedLock, DistributedLockExt, DynLock,
     Error, FencedRegister, FencingGuarantee, FencingToken, Finding, HolderIdentity, HolderInfo,
     InMemoryLock, JobContext, Lease, LockBuilder, LockGuard, LockKey, LockOptions, LossReason,
-    Observed, OwnershipToken, Result, StaleFencingToken, TokenDigest, Verdict, Watchdog,
+    Observed, OwnershipToken, Result, Secret, StaleFencingToken, TokenDigest, Verdict, Watchdog,
     drift_margin, finish_background_releases, record_fencing_rejection,
 };
 /// Leader election over the lock, on every backend that mints fencing tokens: see

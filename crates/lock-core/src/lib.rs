@@ -16,6 +16,7 @@ mod memory;
 pub mod observe;
 mod options;
 pub mod raw;
+mod secret;
 mod token;
 
 pub use audit::{AuditReport, Finding, Verdict};
@@ -30,6 +31,7 @@ pub use lease::{HolderIdentity, HolderInfo, Lease, drift_margin};
 pub use lock::{DistributedLock, DynLock, LossReason};
 pub use memory::InMemoryLock;
 pub use observe::{Observed, record_fencing_rejection};
+pub use secret::Secret;
 pub use token::{FencingToken, OwnershipToken, TokenDigest};
 
 /// Before a process exits: waits until the background clean-ups this process started — a

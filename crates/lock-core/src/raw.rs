@@ -45,7 +45,7 @@ pub use failure::{Effect, Failure, RequestFailure, within};
 
 pub use crate::{
     AuditReport, BoxError, Capabilities, Error, FencingGuarantee, FencingToken, Finding,
-    HolderIdentity, HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result,
+    HolderIdentity, HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result, Secret,
     StaleFencingToken, TokenDigest, Verdict, audit,
     backoff::{AcquireWait, Backoff},
     drift_margin,

@@ -1,12 +1,12 @@
 //! Connection settings, parsed from a URL.
 
-use std::{fmt, path::PathBuf, time::Duration};
+use std::{path::PathBuf, time::Duration};
 
-use lock_core::raw::{Error, Result, check_durations};
+use lock_core::raw::{Error, Result, Secret, check_durations};
 
 /// Everything [`crate::EtcdLock::connect`] needs. Every field can be set from the URL
 /// ([`EtcdLockConfig::from_url`]).
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct EtcdLockConfig {
     /// `host:port` of each cluster member (at least one).
@@ -16,7 +16,7 @@ pub struct EtcdLockConfig {
     /// User name for etcd authentication.
     pub user: Option<String>,
     /// Password for etcd authentication (never shown by `Debug`).
-    pub password: Option<String>,
+    pub password: Option<Secret>,
     /// Prepended to every lock's name; may be empty. Default `"distlock/"`, so the lock `NAME` is
     /// the one `etcdctl lock distlock/NAME` takes. A non-empty prefix is used with a trailing
     /// `/` (added when missing: `locks` is `locks/`), so `locks` + `a` and `lock` + `sa` never
@@ -136,7 +136,8 @@ impl EtcdLockConfig {
             cfg.user = Some(lock_core::raw::decode_url_credential(user)?);
             cfg.password = password
                 .map(lock_core::raw::decode_url_credential)
-                .transpose()?;
+                .transpose()?
+                .map(Secret::from);
         }
         let mut tls_cfg = EtcdTlsConfig::default();
         let mut seen = Vec::new();
@@ -323,22 +324,6 @@ fn parse_endpoint(hostport: &str) -> Result<String> {
     Ok(format!("{host}:{port}"))
 }
 
-impl fmt::Debug for EtcdLockConfig {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("EtcdLockConfig")
-            .field("endpoints", &self.endpoints)
-            .field("tls", &self.tls)
-            .field("user", &self.user)
-            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
-            .field("prefix", &self.prefix)
-            .field("connect_timeout", &self.connect_timeout)
-            .field("timeout", &self.timeout)
-            .field("min_ttl", &self.min_ttl)
-            .field("label", &self.label)
-            .finish()
-    }
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
@@ -352,7 +337,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.endpoints, ["h1:2379", "10.0.0.2:2380"]);
         assert_eq!(c.user.as_deref(), Some("al@ice"));
-        assert_eq!(c.password.as_deref(), Some("p:ss"));
+        assert_eq!(c.password.as_ref().map(Secret::expose), Some("p:ss"));
         assert_eq!(c.prefix, "");
         assert_eq!(c.connect_timeout, Duration::from_millis(250));
         assert_eq!(c.timeout, Duration::from_secs(2));

@@ -165,12 +165,10 @@ pub(crate) fn check_identifier(part: &str) -> Result<()> {
 ///
 /// Every option can be given in the URL's query string (see [`PgLockConfig::from_url`]); the
 /// fields can also be set directly. `Debug` never shows the password.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct PgLockConfig {
-    connect: PgConnectOptions,
-    /// The URL with its password replaced, for `Debug` and errors.
-    display: String,
+    connect: Connection,
     /// The lease table (`table=`, default `distlock_leases`).
     pub table: TableName,
     /// Maximum connections of the client's pool (`pool_size=`, default 8). The LISTEN
@@ -221,8 +219,10 @@ impl PgLockConfig {
             connect.get_database().unwrap_or_default()
         );
         Self {
-            connect,
-            display,
+            connect: Connection {
+                options: connect,
+                url: display,
+            },
             table: TableName::default(),
             pool_size: 8,
             connect_timeout: Duration::from_secs(5),
@@ -295,7 +295,7 @@ impl PgLockConfig {
             ));
         }
         let mut config = Self::new(connect);
-        config.display = redact(&parsed);
+        config.connect.url = redact(&parsed);
         for (k, v) in driver {
             match k.as_str() {
                 "table" => config.table = TableName::new(&v)?,
@@ -367,7 +367,7 @@ impl PgLockConfig {
 
     /// The connection options handed to `sqlx`.
     pub fn connect_options(&self) -> &PgConnectOptions {
-        &self.connect
+        &self.connect.options
     }
 }
 
@@ -378,20 +378,17 @@ impl FromStr for PgLockConfig {
     }
 }
 
-impl fmt::Debug for PgLockConfig {
+/// Where a client connects: sqlx's options (which hold the password) and the URL without its
+/// password, which is all `Debug` shows.
+#[derive(Clone)]
+struct Connection {
+    options: PgConnectOptions,
+    url: String,
+}
+
+impl fmt::Debug for Connection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PgLockConfig")
-            .field("url", &self.display)
-            .field("table", &self.table)
-            .field("pool_size", &self.pool_size)
-            .field("connect_timeout", &self.connect_timeout)
-            .field("timeout", &self.timeout)
-            .field("listen", &self.listen)
-            .field("poll_interval", &self.poll_interval)
-            .field("async_release", &self.async_release)
-            .field("create_table", &self.create_table)
-            .field("label", &self.label)
-            .finish()
+        fmt::Debug::fmt(&self.url, f)
     }
 }
 

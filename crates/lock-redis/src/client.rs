@@ -43,7 +43,7 @@ pub(crate) fn client_at(config: &RedisLockConfig, host: &str, port: u16) -> Resu
         redis_info = redis_info.set_username(user);
     }
     if let Some(password) = &config.password {
-        redis_info = redis_info.set_password(password);
+        redis_info = redis_info.set_password(password.expose());
     }
     let addr = if config.tls {
         // Verified TLS only: `insecure: false`, no plaintext fallback.
@@ -131,7 +131,7 @@ pub(crate) fn connect_lazy(config: &RedisLockConfig, wakeups: &Arc<Registry>) ->
                 builder = builder.username(user);
             }
             if let Some(password) = &config.password {
-                builder = builder.password(password);
+                builder = builder.password(password.expose());
             }
             let cluster = builder
                 .build()

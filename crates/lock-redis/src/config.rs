@@ -1,9 +1,9 @@
 //! The config: [`RedisLockConfig`] and [`RedisTopology`] (connection and driver options) and
 //! the parsing of `redis://`, `rediss://`, `redis+sentinel://` and `redis+cluster://` URLs.
 
-use std::{fmt, path::PathBuf, time::Duration};
+use std::{path::PathBuf, time::Duration};
 
-use lock_core::raw::{Error, Result, check_durations};
+use lock_core::raw::{Error, Result, Secret, check_durations};
 
 /// How to reach Redis and how the driver behaves.
 ///
@@ -38,7 +38,7 @@ use lock_core::raw::{Error, Result, check_durations};
 /// certificate is verified against `ca` (or the system roots) and the host name, with no
 /// plaintext fallback. `user:password@` is sent with `AUTH` (an ACL user, or only a password
 /// for `requirepass`).
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedisLockConfig {
     /// Server host name or IP address.
@@ -50,7 +50,7 @@ pub struct RedisLockConfig {
     /// ACL user name.
     pub username: Option<String>,
     /// Password (redacted in `Debug`).
-    pub password: Option<String>,
+    pub password: Option<Secret>,
     /// TLS (`rediss://`): the connection is encrypted and the server certificate verified.
     pub tls: bool,
     /// PEM file of the CA certificate(s) to trust for TLS instead of the system roots (`ca=`).
@@ -173,7 +173,7 @@ impl RedisLockConfig {
             config.username = Some(decode(parsed.username(), "user name")?);
         }
         if let Some(password) = parsed.password() {
-            config.password = Some(decode(password, "password")?);
+            config.password = Some(decode(password, "password")?.into());
         }
         // The name each aliased option was given under, to refuse an alias next to its option.
         let mut given: Vec<(&str, String)> = Vec::new();
@@ -483,29 +483,6 @@ impl Default for RedisLockConfig {
     }
 }
 
-impl fmt::Debug for RedisLockConfig {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedisLockConfig")
-            .field("host", &self.host)
-            .field("port", &self.port)
-            .field("db", &self.db)
-            .field("username", &self.username)
-            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
-            .field("tls", &self.tls)
-            .field("ca_file", &self.ca_file)
-            .field("namespace", &self.namespace)
-            .field("connect_timeout", &self.connect_timeout)
-            .field("timeout", &self.timeout)
-            .field("reconnect_retries", &self.reconnect_retries)
-            .field("max_poll_interval", &self.max_poll_interval)
-            .field("label", &self.label)
-            .field("topology", &self.topology)
-            .field("replicas", &self.replicas)
-            .field("replica_timeout", &self.replica_timeout)
-            .finish()
-    }
-}
-
 fn config_err(message: impl Into<String>) -> Error {
     Error::Config(message.into())
 }
@@ -548,7 +525,7 @@ mod tests {
         assert_eq!(c.port, 7000);
         assert_eq!(c.db, 3);
         assert_eq!(c.username.as_deref(), Some("alice"));
-        assert_eq!(c.password.as_deref(), Some("s@cret"));
+        assert_eq!(c.password.as_ref().map(Secret::expose), Some("s@cret"));
         assert_eq!(c.namespace, "app:locks:");
         assert_eq!(c.connect_timeout, Duration::from_millis(250));
         assert_eq!(c.timeout, Duration::from_secs(2));
@@ -636,7 +613,7 @@ mod tests {
         );
         assert_eq!((c.db, c.replicas), (2, 1));
         assert_eq!(c.replica_timeout, Duration::from_millis(250));
-        assert_eq!(c.password.as_deref(), Some("p@ss"));
+        assert_eq!(c.password.as_ref().map(Secret::expose), Some("p@ss"));
         assert_eq!(c.namespace, "x:");
         let c = RedisLockConfig::from_url("redis+sentinel://s1/m").unwrap();
         assert_eq!(c.db, 0);

@@ -220,7 +220,7 @@ impl RedlockLock {
                     settings = settings.set_username(user);
                 }
                 if let Some(password) = &node.password {
-                    settings = settings.set_password(password);
+                    settings = settings.set_password(password.expose());
                 }
                 let info = ConnectionAddr::Tcp(node.host.clone(), node.port)
                     .into_connection_info()

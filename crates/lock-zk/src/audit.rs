@@ -118,7 +118,8 @@ async fn session(config: &ZkLockConfig, with_auth: bool) -> Result<zk::Client> {
         .with_session_timeout(config.session_timeout)
         .with_fail_eagerly();
     if with_auth && let Some((user, password)) = &config.auth {
-        connector = connector.with_auth("digest", format!("{user}:{password}").as_bytes());
+        connector =
+            connector.with_auth("digest", format!("{user}:{}", password.expose()).as_bytes());
     }
     match timeout(
         config.connect_timeout,

@@ -85,7 +85,8 @@ impl Session {
             .with_session_timeout(config.session_timeout)
             .with_fail_eagerly();
         if let Some((user, password)) = &config.auth {
-            connector = connector.with_auth("digest", format!("{user}:{password}").as_bytes());
+            connector =
+                connector.with_auth("digest", format!("{user}:{}", password.expose()).as_bytes());
         }
         // zookeeper-client gives the handshake only a share of the *requested* session timeout
         // (see `handshake_budget`), and the server's reply waits for the createSession

@@ -1,8 +1,8 @@
 //! `ZkLockConfig`: everything the driver needs, parseable from one URL.
 
-use std::{fmt, time::Duration};
+use std::time::Duration;
 
-use lock_core::raw::{Error, HolderIdentity, Result, check_durations};
+use lock_core::raw::{Error, HolderIdentity, Result, Secret, check_durations};
 
 /// Who may touch the lock nodes this client creates.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -38,7 +38,7 @@ pub enum ZkAcl {
 ///
 /// Build one with [`ZkLockConfig::new`] or [`ZkLockConfig::from_url`] and set fields on it (the
 /// struct is `#[non_exhaustive]`: it may gain fields).
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ZkLockConfig {
     /// Comma-separated `host:port` list.
@@ -54,7 +54,7 @@ pub struct ZkLockConfig {
     /// Bound on each request (the URL option `timeout`, or its older name `op_timeout`).
     pub timeout: Duration,
     /// `digest` credentials: user and password.
-    pub auth: Option<(String, String)>,
+    pub auth: Option<(String, Secret)>,
     /// ACL of the lock nodes.
     pub acl: ZkAcl,
     /// A label added to the holder identity this client stores next to its grants (see
@@ -119,7 +119,7 @@ impl ZkLockConfig {
                 .ok_or_else(|| config("credentials must be user:password"))?;
             cfg.auth = Some((
                 lock_core::raw::decode_url_credential(user)?,
-                lock_core::raw::decode_url_credential(password)?,
+                lock_core::raw::decode_url_credential(password)?.into(),
             ));
         }
         cfg.chroot = match chroot {
@@ -272,25 +272,6 @@ fn validate_path(what: &str, path: &str) -> Result<String> {
         Err(config(format!(
             "{what} {path:?} is not an absolute ZooKeeper path"
         )))
-    }
-}
-
-impl fmt::Debug for ZkLockConfig {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ZkLockConfig")
-            .field("hosts", &self.hosts)
-            .field("chroot", &self.chroot)
-            .field("root", &self.root)
-            .field("session_timeout", &self.session_timeout)
-            .field("connect_timeout", &self.connect_timeout)
-            .field("timeout", &self.timeout)
-            .field(
-                "auth",
-                &self.auth.as_ref().map(|(user, _)| (user, "<redacted>")),
-            )
-            .field("acl", &self.acl)
-            .field("label", &self.label)
-            .finish()
     }
 }
 

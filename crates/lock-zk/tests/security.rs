@@ -34,14 +34,16 @@ fn secure() -> Option<Secure> {
         .auth
         .clone()
         .expect("credentials in the secure URL")
-        .1;
+        .1
+        .expose()
+        .to_owned();
     Some(Secure { config, password })
 }
 
 fn with_password(config: &ZkLockConfig, password: &str) -> ZkLockConfig {
     let mut config = config.clone();
     let user = config.auth.as_ref().unwrap().0.clone();
-    config.auth = Some((user, password.to_owned()));
+    config.auth = Some((user, password.into()));
     config
 }
 
