@@ -18,7 +18,12 @@ use std::{
     time::Duration,
 };
 
-use tokio::{sync::Notify, time::Instant};
+use tokio::{
+    sync::Notify,
+    time::{Instant, sleep_until},
+};
+
+use crate::raw::Backoff;
 
 static PENDING: AtomicUsize = AtomicUsize::new(0);
 
@@ -77,6 +82,86 @@ pub async fn finish(limit: Duration) -> bool {
     }
 }
 
+/// The pacing of a background clean-up's attempts, one policy for every driver: the first
+/// attempt at once, then a jittered backoff from [`Retries::FIRST_PAUSE`] growing to
+/// [`Retries::LONGEST_PAUSE`], never sleeping past the end, and no attempt once the end has
+/// passed. Most clean-ups end where the grant they undo would have expired anyway; those bound by
+/// something else (a session that deletes what they would delete when it ends) run
+/// [`Retries::unbounded`] and stop themselves.
+///
+/// ```
+/// # use lock_core::raw::cleanup::Retries;
+/// # use tokio::time::{Duration, Instant};
+/// # async fn undo() -> bool { true }
+/// # async fn demo() {
+/// let mut retries = Retries::until(Instant::now() + Duration::from_secs(30));
+/// while retries.next().await {
+///     if undo().await {
+///         break;
+///     }
+/// }
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct Retries {
+    until: Option<Instant>,
+    backoff: Backoff,
+    started: bool,
+}
+
+impl Retries {
+    /// The pause after the first failed attempt (about; jittered).
+    pub const FIRST_PAUSE: Duration = Duration::from_millis(50);
+    /// The longest pause between two attempts.
+    pub const LONGEST_PAUSE: Duration = Duration::from_secs(1);
+
+    /// Attempts until `until`.
+    pub fn until(until: Instant) -> Self {
+        Self::new(Some(until))
+    }
+
+    /// Attempts until the caller stops.
+    pub fn unbounded() -> Self {
+        Self::new(None)
+    }
+
+    fn new(until: Option<Instant>) -> Self {
+        Self {
+            until,
+            backoff: Backoff::new(Self::FIRST_PAUSE, Self::LONGEST_PAUSE),
+            started: false,
+        }
+    }
+
+    /// When this clean-up ends, if it has an end.
+    pub fn end(&self) -> Option<Instant> {
+        self.until
+    }
+
+    /// Waits before the next attempt (not before the first) and says whether one is due:
+    /// `false` once the end has passed.
+    pub async fn next(&mut self) -> bool {
+        self.next_or(std::future::pending::<()>()).await
+    }
+
+    /// As [`Retries::next`], but the pause also ends when `early` completes (a session that
+    /// came back, a push that says to look again).
+    pub async fn next_or(&mut self, early: impl Future<Output = ()>) -> bool {
+        if self.started {
+            let mut wake = Instant::now() + self.backoff.next_delay();
+            if let Some(until) = self.until {
+                wake = wake.min(until);
+            }
+            tokio::select! {
+                () = sleep_until(wake) => {}
+                () = early => {}
+            }
+        }
+        self.started = true;
+        self.until.is_none_or(|until| Instant::now() < until)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -97,6 +182,41 @@ mod tests {
         tx.send(()).unwrap();
         assert!(finish(Duration::from_secs(10)).await);
         done_rx.await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retries_start_at_once_pause_within_the_policy_and_stop_at_the_end() {
+        let start = Instant::now();
+        let mut retries = Retries::until(start + Duration::from_secs(3));
+        assert!(retries.next().await);
+        assert_eq!(Instant::now(), start, "the first attempt does not wait");
+        let mut last = Instant::now();
+        let mut attempts = 1;
+        while retries.next().await {
+            let pause = Instant::now() - last;
+            assert!(pause >= Retries::FIRST_PAUSE / 2, "{pause:?}");
+            assert!(pause <= Retries::LONGEST_PAUSE, "{pause:?}");
+            last = Instant::now();
+            attempts += 1;
+        }
+        assert!(
+            Instant::now() <= start + Duration::from_secs(3),
+            "never sleeps past the end"
+        );
+        assert!((4..60).contains(&attempts), "{attempts} attempts in 3 s");
+        assert!(!retries.next().await, "no attempt after the end");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pause_ends_early_when_told() {
+        let start = Instant::now();
+        let mut retries = Retries::unbounded();
+        assert!(retries.next().await);
+        for _ in 0..20 {
+            assert!(retries.next_or(std::future::ready(())).await);
+        }
+        assert_eq!(Instant::now(), start);
+        assert_eq!(retries.end(), None);
     }
 
     #[test]

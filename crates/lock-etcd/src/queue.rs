@@ -12,7 +12,9 @@ use etcd_client::{
     Compare, CompareOp, EventType, GetOptions, KeyValue, PutOptions, SortOrder, SortTarget, Txn,
     TxnOp, WatchFilterType, WatchOptions, WatchResponse, WatchStream,
 };
-use lock_core::raw::{AcquireWait, Backoff, Error, LockKey, OwnershipToken, Result};
+use lock_core::raw::{
+    AcquireWait, Backoff, Error, LockKey, OwnershipToken, Result, cleanup::Retries,
+};
 use tokio::{
     sync::oneshot,
     task::JoinHandle,
@@ -287,8 +289,9 @@ impl Target {
 
 pub(crate) fn spawn_cleanup(inner: Weak<Inner>, target: Target) {
     let spawned = lock_core::raw::cleanup::spawn(async move {
-        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
-        loop {
+        // Until the entry is deleted or its session ends (which deletes it with the lease).
+        let mut retries = Retries::unbounded();
+        while retries.next_or(target.session.gone.cancelled()).await {
             if target.session.gone.is_cancelled() {
                 if let Some(inner) = inner.upgrade() {
                     inner.drop_user(&target.session, &target.name).await;
@@ -318,10 +321,6 @@ pub(crate) fn spawn_cleanup(inner: Weak<Inner>, target: Target) {
                 }
             }
             drop(inner);
-            tokio::select! {
-                () = sleep(backoff.next_delay()) => {}
-                () = target.session.gone.cancelled() => {}
-            }
         }
     });
     if !spawned {

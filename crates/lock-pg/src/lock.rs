@@ -14,7 +14,7 @@ use std::{
 use lock_core::raw::{
     AcquireWait, Backoff, Batcher, Capabilities, Driver, Error, FencingGuarantee, FencingToken,
     HolderIdentity, HolderInfo, Lease, LockKey, OwnershipToken, Result, async_trait,
-    handoff::Registered, server_expired_lease,
+    cleanup::Retries, handoff::Registered, server_expired_lease,
 };
 use sqlx::{PgPool, Row, postgres::PgRow};
 use tokio::{
@@ -354,8 +354,8 @@ impl Inner {
             let (inner, lease) = (self.clone(), lease.clone());
             let until = later(Instant::now(), lease.ttl());
             lock_core::raw::cleanup::spawn(async move {
-                let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
-                while Instant::now() < until {
+                let mut retries = Retries::until(until);
+                while retries.next().await {
                     let limit = inner.request_deadline().min(until);
                     if inner
                         .release_by(&lease, &inner.sql().release, limit)
@@ -364,12 +364,6 @@ impl Inner {
                     {
                         return;
                     }
-                    sleep(
-                        backoff
-                            .next_delay()
-                            .min(until.saturating_duration_since(Instant::now())),
-                    )
-                    .await;
                 }
             });
         }
@@ -381,19 +375,13 @@ impl Inner {
     /// on the server behind a row lock, or still in flight on a dead connection).
     fn undo_in_background(self: Arc<Self>, key: LockKey, token: OwnershipToken, until: Instant) {
         lock_core::raw::cleanup::spawn(async move {
-            let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
-            while Instant::now() < until {
+            let mut retries = Retries::until(until);
+            while retries.next().await {
                 let limit = self.request_deadline().min(until);
                 if let Ok(true) = self.release_token(&key, token, limit).await {
                     tracing::debug!(%key, token = %token.digest(), "undid an acquire of unknown outcome");
                     return;
                 }
-                sleep(
-                    backoff
-                        .next_delay()
-                        .min(until.saturating_duration_since(Instant::now())),
-                )
-                .await;
             }
             tracing::debug!(%key, token = %token.digest(), "stopped undoing an acquire of unknown outcome: any grant it made has expired");
         });

@@ -7,9 +7,9 @@ use std::{
     time::Duration,
 };
 
-use lock_core::raw::{Backoff, Lease, LockKey, OwnershipToken, handoff::Registered};
+use lock_core::raw::{Lease, LockKey, OwnershipToken, cleanup::Retries, handoff::Registered};
 use sqlx::postgres::PgRow;
-use tokio::time::{Instant, sleep};
+use tokio::time::Instant;
 
 use crate::{
     client::{ExecError, Failure},
@@ -136,29 +136,23 @@ impl Drop for Queued {
         );
         let until = later(later(inner.op_deadline(), lifetime), self.ttl);
         lock_core::raw::cleanup::spawn(async move {
-            let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
-            loop {
+            let mut retries = Retries::until(until);
+            while retries.next().await {
                 let limit = inner.request_deadline().min(until);
                 let Err(e) = inner.dequeue(&key, &entry, &grant_owner, limit).await else {
                     return;
                 };
                 let failure = Failure::from(e);
-                let now = Instant::now();
-                if failure.is_refused() || now >= until {
-                    // The entry lapses by itself within two poll intervals; a grant made to it
-                    // meanwhile holds the lock until its TTL runs out.
+                if failure.is_refused() {
                     tracing::debug!(%key, error = ?failure, "could not leave the wait queue");
                     return;
                 }
                 // The server is unreachable: a grant to this waiter would block the lock after
                 // it comes back, so keep trying (dequeueing twice is harmless).
-                sleep(
-                    backoff
-                        .next_delay()
-                        .min(until.saturating_duration_since(now)),
-                )
-                .await;
             }
+            // The entry lapses by itself within two poll intervals; a grant made to it
+            // meanwhile holds the lock until its TTL runs out.
+            tracing::debug!(%key, "could not leave the wait queue in time");
         });
     }
 }

@@ -8,9 +8,9 @@ use std::{fmt, future::Future, sync::Arc, time::Duration};
 use lock_core::raw::{
     AcquireWait, Backoff, Batcher, Capabilities, Driver, Error, FencingGuarantee, FencingToken,
     HolderIdentity, HolderInfo, Lease, LockKey, OwnershipToken, Result, TokenDigest, async_trait,
-    server_expired_lease,
+    cleanup::Retries, server_expired_lease,
 };
-use tokio::time::{Instant, sleep, sleep_until, timeout_at};
+use tokio::time::{Instant, sleep, timeout_at};
 
 use crate::{
     RedisLockConfig,
@@ -429,8 +429,8 @@ pub(crate) fn spawn_undo(
 ) -> tokio::sync::oneshot::Receiver<()> {
     let (answered, rx) = tokio::sync::oneshot::channel();
     lock_core::raw::cleanup::spawn(async move {
-        let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(1));
-        loop {
+        let mut retries = Retries::until(until);
+        while retries.next().await {
             let outcome = release_by_prefix(
                 &inner,
                 &undo.names,
@@ -463,16 +463,11 @@ pub(crate) fn spawn_undo(
                 }
                 Err(Failure::NotSent(_) | Failure::Unknown(_)) => {}
             }
-            let next = Instant::now() + backoff.next_delay();
-            if next >= until {
-                tracing::debug!(
-                    lock = %String::from_utf8_lossy(&undo.names.lock),
-                    "a clean-up got no answer in time; the grant expires by its TTL"
-                );
-                return;
-            }
-            sleep_until(next).await;
         }
+        tracing::debug!(
+            lock = %String::from_utf8_lossy(&undo.names.lock),
+            "a clean-up got no answer in time; the grant expires by its TTL"
+        );
     });
     rx
 }

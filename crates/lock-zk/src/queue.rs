@@ -14,9 +14,10 @@ use std::{
 
 use futures::{StreamExt, stream::FuturesUnordered};
 use lock_core::raw::{
-    AcquireWait, Backoff, Error, FencingToken, Lease, LockKey, LossReason, OwnershipToken, Result,
+    AcquireWait, Error, FencingToken, Lease, LockKey, LossReason, OwnershipToken, Result,
+    cleanup::Retries,
 };
-use tokio::time::{Instant, sleep, sleep_until, timeout};
+use tokio::time::{Instant, sleep_until, timeout};
 use zookeeper_client as zk;
 
 use crate::{
@@ -578,8 +579,9 @@ pub(crate) async fn delete_node(session: &Session, path: &str, limit: Duration) 
 /// lives.
 pub(crate) fn spawn_removal(session: Arc<Session>, path: String, czxid: i64, limit: Duration) {
     lock_core::raw::cleanup::spawn(async move {
-        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
-        while session.wait_vouched().await {
+        // Until the node is gone or the session ends (which deletes it).
+        let mut retries = Retries::unbounded();
+        while retries.next().await && session.wait_vouched().await {
             match call(limit, session.client.check_stat(&path)).await {
                 Ok(Some(stat)) if stat.czxid == czxid && stat.ephemeral_owner == session.id => {
                     if delete_node(&session, &path, limit).await.is_ok() {
@@ -591,7 +593,6 @@ pub(crate) fn spawn_removal(session: Arc<Session>, path: String, czxid: i64, lim
                 Err(e) if session_gone(&e) => return,
                 Err(_) => {}
             }
-            sleep(backoff.next_delay()).await;
         }
     });
 }
@@ -608,8 +609,8 @@ impl Drop for Contender {
         let limit = self.lock.inner.config.timeout;
         lock_core::raw::cleanup::spawn(async move {
             // Until the session ends (which deletes the node anyway) or the node is gone.
-            let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
-            while !session.is_ended() {
+            let mut retries = Retries::unbounded();
+            while retries.next().await && !session.is_ended() {
                 let names = match &node {
                     Some(n) => vec![n.clone()],
                     // Every child with our token is ours (a create may have been applied more
@@ -622,15 +623,9 @@ impl Drop for Contender {
                                 .filter(|c| c.starts_with(&marker))
                                 .collect(),
                             Err(zk::Error::NoNode) => Vec::new(),
-                            Err(_) => {
-                                sleep(backoff.next_delay()).await;
-                                continue;
-                            }
+                            Err(_) => continue,
                         },
-                        Err(_) => {
-                            sleep(backoff.next_delay()).await;
-                            continue;
-                        }
+                        Err(_) => continue,
                     },
                 };
                 let mut failed = false;
@@ -642,7 +637,6 @@ impl Drop for Contender {
                 if !failed {
                     return;
                 }
-                sleep(backoff.next_delay()).await;
             }
         });
     }
