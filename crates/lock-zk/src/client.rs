@@ -144,7 +144,7 @@ impl Session {
             id: client.session_id().0,
             timeout: negotiated,
             client: client.clone(),
-            trust: Mutex::new(Trust::new(sent)),
+            trust: Mutex::new(Trust::new(sent, lag(negotiated))),
             connection: Mutex::new((client.state_watcher(), 0)),
             vouched,
             lapse: lapse.clone(),

@@ -45,6 +45,8 @@ use crate::{
 pub(crate) struct Trust {
     base: Instant,
     answered: VecDeque<Answered>,
+    /// Candidates are kept at least this far apart in send time (see [`Trust::record`]).
+    granule: Duration,
 }
 
 #[derive(Clone, Copy)]
@@ -55,20 +57,39 @@ pub(crate) struct Answered {
 }
 
 /// How many answered requests are kept as candidates (the oldest are dropped first, which only
-/// makes a promotion more conservative).
+/// makes a promotion more conservative). With candidates a granule (lag / 64) apart, a lag's
+/// worth takes about 64 of them, so this bound is never what drops a useful one.
 const MAX_CANDIDATES: usize = 1024;
 
+/// Candidates per lag: a promotion's base is at most lag / this older than it could be.
+const CANDIDATES_PER_LAG: u32 = 64;
+
 impl Trust {
-    /// No candidates yet; `base` is a send time the leader is known to have heard of.
-    pub(crate) fn new(base: Instant) -> Self {
+    /// No candidates yet; `base` is a send time the leader is known to have heard of; `lag` as
+    /// [`lag`] of the session's timeout.
+    pub(crate) fn new(base: Instant, lag: Duration) -> Self {
         Self {
             base,
             answered: VecDeque::new(),
+            granule: lag / CANDIDATES_PER_LAG,
         }
     }
 
     /// A request answered by the member we are connected to: a candidate, nothing more.
+    ///
+    /// One whose send time is within a granule of the newest candidate's (same connection) is
+    /// not kept: the newest one stands for it, and promoting that one instead only makes the base
+    /// up to a granule older (conservative). Without this, a busy session (thousands of requests
+    /// answered per lag, as when a client takes tens of thousands of locks) would push every
+    /// candidate answered a lag ago out of the bounded list, no `sync` could promote any, and the
+    /// vouched window would lapse with every lock of the session.
     fn record(&mut self, answered: Answered) {
+        if let Some(newest) = self.answered.back()
+            && newest.connection == answered.connection
+            && answered.sent < newest.sent + self.granule
+        {
+            return;
+        }
         if self.answered.len() >= MAX_CANDIDATES {
             self.answered.pop_front();
         }
@@ -490,15 +511,49 @@ mod tests {
         }
     }
 
-    fn trust(t0: Instant) -> Trust {
-        Trust {
-            base: t0,
-            answered: VecDeque::new(),
-        }
-    }
-
     /// With a 1 s session the lag is 250 ms.
     const LAG: Duration = Duration::from_millis(250);
+
+    fn trust(t0: Instant) -> Trust {
+        Trust::new(t0, LAG)
+    }
+
+    /// The bench's 30,000 held locks on ZooKeeper lost every one: thousands of requests answered
+    /// per lag had pushed every candidate old enough out of the list, so no sync promoted any.
+    #[test]
+    fn a_busy_session_is_still_vouched_for() {
+        let t0 = Instant::now();
+        let mut t = trust(t0);
+        let micros = |us: u64| t0 + Duration::from_micros(us);
+        // A request answered every 50 µs (20,000 per second) for 1.5 s, each taking 200 µs.
+        for i in 0..30_000 {
+            let sent = micros(i * 50);
+            t.record(Answered {
+                sent,
+                at: sent + Duration::from_micros(200),
+                connection: 0,
+            });
+        }
+        assert!(t.answered.len() <= MAX_CANDIDATES);
+        // A sync sent at 1.5 s proves what was answered by 1.25 s, to within one granule.
+        let base = t.promote(at(t0, 1500, 1501, 0), LAG);
+        assert!(base <= t0 + MS * 1250, "{:?}", base - t0);
+        assert!(
+            base + LAG / CANDIDATES_PER_LAG + MS >= t0 + MS * 1250,
+            "the base lags the cutoff by {:?}",
+            (t0 + MS * 1250) - base
+        );
+        // And the next sync, a lag later, moves it on again.
+        for i in 30_000..35_000 {
+            let sent = micros(i * 50);
+            t.record(Answered {
+                sent,
+                at: sent + Duration::from_micros(200),
+                connection: 0,
+            });
+        }
+        assert!(t.promote(at(t0, 1750, 1751, 0), LAG) >= t0 + MS * 1490);
+    }
 
     #[test]
     fn answered_reads_alone_never_move_the_base() {
