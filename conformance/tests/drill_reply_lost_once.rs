@@ -124,7 +124,7 @@ async fn force_release_retried_after_commit(url: String) {
     let (proxy, proxied) = Proxy::start_for_url(&url).await.expect("start a proxy");
     let operator = drill_support::client(&with_query(
         &proxied,
-        &format!("op_timeout=10s&connect_timeout=10s&pool_size=1&application_name={app}"),
+        &format!("timeout=10s&connect_timeout=10s&pool_size=1&application_name={app}"),
     ))
     .await;
     let forced = tokio::spawn({
