@@ -50,9 +50,43 @@ ZK_TICK_MS=100
 ZK_MIN_SESSION_MS=200
 ZK_MAX_SESSION_MS=60000
 
-SINGLES=(redis etcd zk pg)
-CLUSTER=(etcd3-1 etcd3-2 etcd3-3 zk3-1 zk3-2 zk3-3 redis-replica)
-SECURED=(redis-secure etcd-secure zk-secure pg-secure)
+# The instances, one row each: name, backend (KIND), client port, peer
+# port, cluster member number, secured (1), pid file under the instance's directory (default
+# NAME.pid) and set (single: up, cluster: up3, secured: up-secure); "-" is none. The sets' commands
+# and status take the instances in this order. A backend has at most one cluster: its members
+# are the rows of its kind with a member number.
+INSTANCE_TABLE="
+# name        kind  port                 peer port                 member secure pid file            set
+redis         redis $REDIS_PORT          -                         -      -      -                   single
+etcd          etcd  $ETCD_PORT           $ETCD_PEER_PORT           -      -      -                   single
+zk            zk    $ZK_PORT             -                         -      -      -                   single
+pg            pg    $PG_PORT             -                         -      -      data/postmaster.pid single
+etcd3-1       etcd  ${ETCD3_PORTS[0]}    ${ETCD3_PEER_PORTS[0]}    1      -      -                   cluster
+etcd3-2       etcd  ${ETCD3_PORTS[1]}    ${ETCD3_PEER_PORTS[1]}    2      -      -                   cluster
+etcd3-3       etcd  ${ETCD3_PORTS[2]}    ${ETCD3_PEER_PORTS[2]}    3      -      -                   cluster
+zk3-1         zk    ${ZK3_PORTS[0]}      -                         1      -      -                   cluster
+zk3-2         zk    ${ZK3_PORTS[1]}      -                         2      -      -                   cluster
+zk3-3         zk    ${ZK3_PORTS[2]}      -                         3      -      -                   cluster
+redis-replica redis $REDIS_REPLICA_PORT  -                         -      -      -                   cluster
+redis-secure  redis $REDIS_SECURE_PORT   -                         -      1      -                   secured
+etcd-secure   etcd  $ETCD_SECURE_PORT    $ETCD_SECURE_PEER_PORT    -      1      -                   secured
+zk-secure     zk    $ZK_SECURE_PORT      -                         -      1      -                   secured
+pg-secure     pg    $PG_SECURE_PORT      -                         -      1      data/postmaster.pid secured
+"
+INSTANCES=()               # every instance name, in table order
+declare -A INSTANCE_ROW=() # name -> "kind port peer-port member secure pid-file"
+SINGLES=() CLUSTER=() SECURED=()
+while read -r _n _kind _port _peer _member _secure _pidfile _set; do
+  [[ -n $_n && $_n != \#* ]] || continue
+  INSTANCES+=("$_n")
+  INSTANCE_ROW[$_n]="$_kind $_port $_peer $_member $_secure $_pidfile"
+  case $_set in
+    single) SINGLES+=("$_n") ;;
+    cluster) CLUSTER+=("$_n") ;;
+    secured) SECURED+=("$_n") ;;
+  esac
+done <<<"$INSTANCE_TABLE"
+unset _n _kind _port _peer _member _secure _pidfile _set
 
 IS_ROOT=0
 [[ $(id -u) -eq 0 ]] && IS_ROOT=1
@@ -201,41 +235,23 @@ cmd_install() {
 # ---------------------------------------------------------------------------------------------
 # instances
 
-# inst NAME: set the globals describing instance NAME.
+# inst NAME: set the globals describing instance NAME (its row of INSTANCE_TABLE): NAME, KIND,
+# PORT, PEER_PORT, MEMBER, SECURE (empty when none), IDIR, LOG, PIDFILE.
 inst() {
   NAME=$1
   IDIR=$DIR/$NAME
   LOG=$IDIR/$NAME.log
-  PIDFILE=$IDIR/$NAME.pid
-  PEER_PORT=
-  MEMBER=
-  SECURE=
-  case $NAME in
-    redis) KIND=redis PORT=$REDIS_PORT ;;
-    redis-replica) KIND=redis PORT=$REDIS_REPLICA_PORT ;;
-    etcd) KIND=etcd PORT=$ETCD_PORT PEER_PORT=$ETCD_PEER_PORT ;;
-    etcd3-[123])
-      MEMBER=${NAME#etcd3-}
-      KIND=etcd PORT=${ETCD3_PORTS[MEMBER - 1]} PEER_PORT=${ETCD3_PEER_PORTS[MEMBER - 1]}
-      ;;
-    zk) KIND=zk PORT=$ZK_PORT ;;
-    zk3-[123])
-      MEMBER=${NAME#zk3-}
-      KIND=zk PORT=${ZK3_PORTS[MEMBER - 1]}
-      ;;
-    pg)
-      KIND=pg PORT=$PG_PORT
-      PIDFILE=$IDIR/data/postmaster.pid
-      ;;
-    redis-secure) KIND=redis PORT=$REDIS_SECURE_PORT SECURE=1 ;;
-    etcd-secure) KIND=etcd PORT=$ETCD_SECURE_PORT PEER_PORT=$ETCD_SECURE_PEER_PORT SECURE=1 ;;
-    zk-secure) KIND=zk PORT=$ZK_SECURE_PORT SECURE=1 ;;
-    pg-secure)
-      KIND=pg PORT=$PG_SECURE_PORT SECURE=1
-      PIDFILE=$IDIR/data/postmaster.pid
-      ;;
-    *) die "unknown instance '$NAME' (one of: ${SINGLES[*]} ${CLUSTER[*]} ${SECURED[*]})" ;;
-  esac
+  local n row="" pidfile
+  for n in "${INSTANCES[@]}"; do
+    if [[ $n == "$NAME" ]]; then row=${INSTANCE_ROW[$n]}; fi
+  done
+  [[ -n $row ]] || die "unknown instance '$NAME' (one of: ${SINGLES[*]} ${CLUSTER[*]} ${SECURED[*]})"
+  read -r KIND PORT PEER_PORT MEMBER SECURE pidfile <<<"$row"
+  [[ $PEER_PORT != - ]] || PEER_PORT=
+  [[ $MEMBER != - ]] || MEMBER=
+  [[ $SECURE != - ]] || SECURE=
+  [[ $pidfile != - ]] || pidfile=$NAME.pid
+  PIDFILE=$IDIR/$pidfile
 }
 
 recorded_pid() {
