@@ -6,6 +6,14 @@
 # The system services (if a package's postinst started any) are never used or touched.
 # Processes are only ever signalled by the pid this script recorded, after checking /proc/PID/cmdline.
 # Run `scripts/backends.sh --help` for the commands.
+#
+# Layout: the instances are data (INSTANCE_TABLE below: name, backend, ports, cluster member,
+# secured, pid file, set); each backend is one family of functions in its own section (redis_*,
+# etcd_*, zk_*, pg_*: how to launch it, recognise its process, probe it, ...; the hooks are listed
+# above `hook`), which the generic lifecycle (launch, ensure_up, do_stop, signal, state_of) and the
+# commands call through `hook NAME` for the current instance's backend. Adding a backend: rows in
+# INSTANCE_TABLE, a KIND_* family with at least the required hooks (checked at every start), its
+# URL in cmd_env, its packages in cmd_install and its lines in usage.
 set -euo pipefail
 
 SCRIPT_PATH=$(readlink -f "${BASH_SOURCE[0]}")
@@ -50,7 +58,7 @@ ZK_TICK_MS=100
 ZK_MIN_SESSION_MS=200
 ZK_MAX_SESSION_MS=60000
 
-# The instances, one row each: name, backend (KIND), client port, peer
+# The instances, one row each: name, backend (KIND: the prefix of its functions), client port, peer
 # port, cluster member number, secured (1), pid file under the instance's directory (default
 # NAME.pid) and set (single: up, cluster: up3, secured: up-secure); "-" is none. The sets' commands
 # and status take the instances in this order. A backend has at most one cluster: its members
@@ -170,22 +178,6 @@ now_ms() { date +%s%3N; }
 
 pkg_installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
 
-pg_bindir() {
-  local d
-  if [[ -n ${DISTLOCK_PG_BINDIR:-} ]]; then
-    printf '%s\n' "$DISTLOCK_PG_BINDIR"
-    return
-  fi
-  d=$(find /usr/lib/postgresql -mindepth 2 -maxdepth 2 -name bin -type d 2>/dev/null | sort -V | tail -n 1)
-  if [[ -n $d && -x $d/pg_ctl ]]; then
-    printf '%s\n' "$d"
-  elif command -v pg_ctl >/dev/null 2>&1; then
-    dirname "$(readlink -f "$(command -v pg_ctl)")"
-  else
-    return 1
-  fi
-}
-
 cmd_install() {
   local -a missing=()
   need() { # need PACKAGE TEST...: PACKAGE is missing unless installed or TEST succeeds
@@ -233,7 +225,7 @@ cmd_install() {
 }
 
 # ---------------------------------------------------------------------------------------------
-# instances
+# instances: the current instance (inst) and what every backend shares
 
 # inst NAME: set the globals describing instance NAME (its row of INSTANCE_TABLE): NAME, KIND,
 # PORT, PEER_PORT, MEMBER, SECURE (empty when none), IDIR, LOG, PIDFILE.
@@ -254,6 +246,46 @@ inst() {
   PIDFILE=$IDIR/$pidfile
 }
 
+# The backends' hooks, each called for the current instance (the globals inst sets):
+#   KIND_cmdline_ok CMD      required: is CMD (/proc/PID/cmdline, NULs as spaces) our process?
+#   KIND_probe               required: does the instance answer?
+#   KIND_launch              required: start its process, its pid in $PIDFILE (the ports are checked
+#                            free and $IDIR made before; does not wait for it to answer)
+#   KIND_member_serving PORT required if the backend has cluster members: does the member on PORT
+#                            serve (i.e. is it part of a quorum)?
+#   KIND_ready               optional: what it needs once it answers (database, users); default none
+#   KIND_stop                optional: graceful stop; default SIGTERM then SIGCONT (if paused)
+#   KIND_also_signal SIG PID optional: more pids to send SIG along with PID; default none
+REQUIRED_HOOKS=(cmdline_ok probe launch)
+
+# hook NAME ARGS...: the current instance's backend's NAME hook (KIND_NAME), or default_NAME if the
+# backend has none.
+hook() {
+  local hook_fn=${KIND}_$1
+  declare -F "$hook_fn" >/dev/null || hook_fn=default_$1
+  shift
+  "$hook_fn" "$@"
+}
+
+default_ready() { :; }
+default_stop() {
+  signal TERM || true
+  signal CONT || true
+}
+default_also_signal() { :; }
+
+# check_backends: every backend of the table has its required hooks.
+check_backends() {
+  local n kind member h
+  for n in "${INSTANCES[@]}"; do
+    read -r kind _ _ member _ <<<"${INSTANCE_ROW[$n]}"
+    for h in "${REQUIRED_HOOKS[@]}" member_serving; do
+      [[ $h != member_serving || $member != - ]] || continue
+      declare -F "${kind}_$h" >/dev/null || die "backend $kind (instance $n) has no ${kind}_$h"
+    done
+  done
+}
+
 recorded_pid() {
   local pid=
   if [[ -r $PIDFILE ]]; then read -r pid <"$PIDFILE" 2>/dev/null || true; fi
@@ -265,12 +297,7 @@ cmdline_ok() {
   local pid=$1 cmd
   [[ -r /proc/$pid/cmdline ]] || return 1
   cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
-  case $KIND in
-    redis) [[ $cmd == *redis-server*"127.0.0.1:$PORT"* ]] ;; # redis rewrites its title to bind:port
-    etcd) [[ $cmd == *etcd*"--data-dir $IDIR/data "* ]] ;;
-    zk) [[ $cmd == *QuorumPeerMain*"$IDIR/conf/zoo.cfg"* ]] ;;
-    pg) [[ $cmd == *postgres*"-D $IDIR/data"* ]] ;;
-  esac
+  hook cmdline_ok "$cmd"
 }
 
 # proc_field PID N: field N (3 = state, 5 = process group) of /proc/PID/stat, empty if gone.
@@ -295,39 +322,7 @@ running_pid() {
   printf '%s\n' "$pid"
 }
 
-probe() { # does the current instance answer?
-  case $KIND in
-    redis)
-      if [[ -n $SECURE ]]; then # TLS only, and the default user is off: ask as the ACL user
-        [[ $(REDISCLI_AUTH=$(secret distlock) timeout 2 redis-cli --tls --cacert "$SEC/ca.pem" \
-          -h 127.0.0.1 -p "$PORT" --user distlock ping 2>/dev/null) == PONG ]]
-      else
-        [[ $(timeout 2 redis-cli -h 127.0.0.1 -p "$PORT" ping 2>/dev/null) == PONG ]]
-      fi
-      ;;
-    etcd)
-      if [[ -n $SECURE ]]; then # with auth on, health needs a user; status needs none
-        ETCDCTL_API=3 timeout 3 etcdctl --endpoints="https://127.0.0.1:$PORT" --cacert="$SEC/ca.pem" \
-          --dial-timeout=1s --command-timeout=2s endpoint status >/dev/null 2>&1
-      elif [[ -n $MEMBER ]]; then # a cluster member answers status even without quorum
-        ETCDCTL_API=3 timeout 3 etcdctl --endpoints="http://127.0.0.1:$PORT" --dial-timeout=1s \
-          --command-timeout=2s endpoint status >/dev/null 2>&1
-      else
-        ETCDCTL_API=3 timeout 3 etcdctl --endpoints="http://127.0.0.1:$PORT" --dial-timeout=1s \
-          --command-timeout=2s endpoint health >/dev/null 2>&1
-      fi
-      ;;
-    zk)
-      [[ $(zk4 ruok) == imok ]] || return 1
-      # A standalone server must also serve (srvr shows a Mode); an ensemble member without quorum
-      # answers imok but not srvr, and that is fine for a member.
-      [[ -n $MEMBER ]] || [[ $(zk4 srvr) == *"Mode: "* ]]
-      ;;
-    pg) timeout 3 "$(pg_bindir)/pg_isready" -q -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -t 2 ;;
-  esac
-}
-
-zk4() { printf '%s' "$1" | timeout 3 nc -w 2 127.0.0.1 "$PORT" 2>/dev/null || true; }
+probe() { hook probe; } # does the current instance answer?
 
 port_taken() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
@@ -367,61 +362,6 @@ clean_exec() {
   exec "$@"
 }
 
-as_pg() { # run a command as the owner of the PostgreSQL data (postgres when we are root)
-  (
-    cd "$IDIR" # postgres may not be allowed into the caller's working directory
-    if [[ $IS_ROOT -eq 1 ]]; then clean_exec runuser -u postgres -- "$@"; else clean_exec "$@"; fi
-  )
-}
-
-zk_classpath() {
-  local cp=$IDIR/conf j
-  for j in /usr/share/java/zookeeper.jar /usr/share/java/slf4j-log4j12.jar /usr/share/java/log4j-1.2.jar; do
-    [[ -f $j ]] && cp+=:$j
-  done
-  printf '%s\n' "$cp"
-}
-
-write_zk_conf() {
-  mkdir -p "$IDIR/conf" "$IDIR/data"
-  {
-    echo "tickTime=$ZK_TICK_MS"
-    echo "initLimit=50"
-    echo "syncLimit=20"
-    echo "dataDir=$IDIR/data"
-    echo "clientPort=$PORT"
-    echo "clientPortAddress=127.0.0.1"
-    echo "minSessionTimeout=$ZK_MIN_SESSION_MS"
-    echo "maxSessionTimeout=$ZK_MAX_SESSION_MS"
-    echo "maxClientCnxns=0"
-    echo "admin.enableServer=false"
-    echo "4lw.commands.whitelist=*"
-    # TTL nodes for job mode's keep markers (lock-zk's renew.rs) on the single servers; the
-    # three-member ensemble keeps ZooKeeper's default (off), so markers are persistent there and
-    # both kinds are tested (lock-zk/tests/keep.rs).
-    [[ -n $MEMBER ]] || echo "extendedTypesEnabled=true"
-    if [[ -n $SECURE ]]; then
-      # Every request of a session needs digest credentials (addauth); nodes created with the
-      # "creator" ACL are then reachable only with the same user:password.
-      echo "enforce.auth.enabled=true"
-      echo "enforce.auth.schemes=digest"
-    fi
-    if [[ -n $MEMBER ]]; then
-      local i
-      for i in 1 2 3; do
-        echo "server.$i=127.0.0.1:${ZK3_QUORUM_PORTS[i - 1]}:${ZK3_ELECTION_PORTS[i - 1]}"
-      done
-    fi
-  } >"$IDIR/conf/zoo.cfg"
-  [[ -z $MEMBER ]] || echo "$MEMBER" >"$IDIR/data/myid"
-  cat >"$IDIR/conf/log4j.properties" <<'EOF'
-log4j.rootLogger=INFO, CONSOLE
-log4j.appender.CONSOLE=org.apache.log4j.ConsoleAppender
-log4j.appender.CONSOLE.layout=org.apache.log4j.PatternLayout
-log4j.appender.CONSOLE.layout.ConversionPattern=%d{ISO8601} [myid:%X{myid}] %-5p [%t] %c{1}@%L - %m%n
-EOF
-}
-
 # launch: start the current instance's process (does not wait for it to answer).
 launch() {
   mkdir -p "$IDIR"
@@ -431,164 +371,11 @@ launch() {
       die "$NAME: port $p is already in use by a process this script did not start"
     fi
   done
-  case $KIND in
-    redis)
-      local -a extra=()
-      [[ $NAME == redis-replica ]] && extra=(--replicaof 127.0.0.1 "$REDIS_PORT")
-      local -a listen=(--port "$PORT")
-      if [[ -n $SECURE ]]; then
-        # TLS only (no plaintext port), no client certificates; the default user is off and the
-        # ACL user "distlock" may touch only the driver's keys and channels (redis.conf, 0600).
-        listen=(--port 0 --tls-port "$PORT" --tls-cert-file "$SEC/server.pem"
-          --tls-key-file "$SEC/server.key" --tls-ca-cert-file "$SEC/ca.pem" --tls-auth-clients no)
-        (
-          umask 077
-          printf '%s\n' 'user default off' \
-            "user distlock on >$(secret distlock) resetkeys ~distlock:* ~{distlock:* resetchannels &distlock:* +@all -@dangerous" \
-            >"$IDIR/redis.conf"
-        )
-        extra+=(--include "$IDIR/redis.conf")
-      fi
-      rm -f "$PIDFILE"
-      # shellcheck disable=SC2094 # redis writes its log itself once up; early errors go to stderr
-      (clean_exec redis-server --bind 127.0.0.1 "${listen[@]}" --save '' --appendonly no \
-        --dir "$IDIR" --daemonize yes --pidfile "$PIDFILE" --logfile "$LOG" \
-        --repl-diskless-sync yes --repl-diskless-sync-delay 0 \
-        --enable-debug-command local "${extra[@]}") </dev/null >>"$LOG" 2>&1 ||
-        {
-          log_tail
-          die "$NAME: redis-server failed to start"
-        }
-      local _
-      for _ in $(seq 50); do # the daemon writes its pidfile right after forking
-        [[ -s $PIDFILE ]] && break
-        sleep 0.05
-      done
-      ;;
-    etcd)
-      local cluster token
-      if [[ -n $MEMBER ]]; then
-        local i
-        cluster=
-        for i in 1 2 3; do cluster+=${cluster:+,}etcd3-$i=http://127.0.0.1:${ETCD3_PEER_PORTS[i - 1]}; done
-        token=distlock-etcd3
-      else
-        cluster=$NAME=http://127.0.0.1:$PEER_PORT
-        token=distlock-etcd
-      fi
-      local client_scheme=http
-      local -a tls=()
-      if [[ -n $SECURE ]]; then # clients: TLS only (server certificate, no client certificates)
-        client_scheme=https
-        tls=(--cert-file "$SEC/server.pem" --key-file "$SEC/server.key")
-      fi
-      mkdir -p "$IDIR/data"
-      chmod 700 "$IDIR/data"
-      # The trailing "--logger zap" keeps "--data-dir DIR " followed by a space in the cmdline.
-      (clean_exec setsid etcd --name "$NAME" --data-dir "$IDIR/data" --logger zap --log-outputs stderr \
-        --listen-client-urls "$client_scheme://127.0.0.1:$PORT" \
-        --advertise-client-urls "$client_scheme://127.0.0.1:$PORT" "${tls[@]}" \
-        --listen-peer-urls "http://127.0.0.1:$PEER_PORT" \
-        --initial-advertise-peer-urls "http://127.0.0.1:$PEER_PORT" \
-        --initial-cluster "$cluster" --initial-cluster-token "$token" --initial-cluster-state new \
-        "${ETCD_TIMING[@]}") </dev/null >>"$LOG" 2>&1 &
-      echo $! >"$PIDFILE"
-      ;;
-    zk)
-      local java
-      java=$(command -v java) || die "java not found (run: $PROG install)"
-      [[ -f /usr/share/java/zookeeper.jar ]] || die "ZooKeeper not installed (run: $PROG install)"
-      write_zk_conf
-      local cp
-      cp=$(zk_classpath)
-      (clean_exec setsid "$java" -Xms32m -Xmx256m -XX:+UseSerialGC -Djava.net.preferIPv4Stack=true \
-        -Dzookeeper.admin.enableServer=false -Dznode.container.checkIntervalMs=1000 -cp "$cp" \
-        org.apache.zookeeper.server.quorum.QuorumPeerMain "$IDIR/conf/zoo.cfg") \
-        </dev/null >>"$LOG" 2>&1 &
-      echo $! >"$PIDFILE"
-      ;;
-    pg) launch_pg ;;
-  esac
-}
-
-launch_pg() {
-  local bin
-  bin=$(pg_bindir) || die "PostgreSQL not installed (run: $PROG install)"
-  if [[ $IS_ROOT -eq 1 ]]; then
-    chown postgres: "$IDIR"
-    runuser -u postgres -- test -w "$IDIR" ||
-      die "pg: user postgres cannot write $IDIR; set DISTLOCK_BACKENDS_DIR to a directory it can reach"
-  fi
-  if [[ ! -f $IDIR/data/PG_VERSION ]]; then
-    rm -rf "$IDIR/data"
-    as_pg "$bin/initdb" -D "$IDIR/data" -U postgres -A trust -E UTF8 --locale=C --no-sync \
-      >"$IDIR/initdb.log" 2>&1 || {
-      tail -n 40 "$IDIR/initdb.log" >&2
-      die "pg: initdb failed"
-    }
-    cat >>"$IDIR/data/postgresql.conf" <<EOF
-
-# distlock test instance (scripts/backends.sh)
-listen_addresses = '127.0.0.1'
-port = $PORT
-unix_socket_directories = '$IDIR'
-max_connections = 300
-EOF
-    if [[ -n $SECURE ]]; then
-      # TLS with the test CA's server certificate; over TCP only hostssl + scram-sha-256 for the
-      # user distlock (no plaintext host line at all). The admin uses the Unix socket in $IDIR.
-      install -m 600 "$SEC/server.key" "$IDIR/data/server.key"
-      install -m 644 "$SEC/server.pem" "$IDIR/data/server.crt"
-      [[ $IS_ROOT -eq 0 ]] || chown postgres: "$IDIR/data/server.key" "$IDIR/data/server.crt"
-      cat >>"$IDIR/data/postgresql.conf" <<EOF
-ssl = on
-ssl_cert_file = 'server.crt'
-ssl_key_file = 'server.key'
-password_encryption = 'scram-sha-256'
-EOF
-      cat >"$IDIR/data/pg_hba.conf" <<EOF
-# distlock secured test instance (scripts/backends.sh up-secure)
-# TYPE   DATABASE  USER      ADDRESS       METHOD
-local    all       postgres                trust
-hostssl  distlock  distlock  127.0.0.1/32  scram-sha-256
-EOF
-    fi
-  fi
-  # After a crash (kill) the dead postmaster may linger as a zombie (an init that reaps late), and
-  # postgres then refuses its lock files as "already exists". They are stale when the pid they
-  # name is gone or a zombie (anything else alive: let postgres judge).
-  local old st=
-  old=$(recorded_pid) && st=$(proc_state "$old")
-  if [[ -f $PIDFILE && (-z $st || $st == Z || $st == X) ]]; then
-    say "pg: removing stale lock files ($PIDFILE, socket lock)"
-    rm -f "$PIDFILE" "$IDIR/.s.PGSQL.$PORT.lock" "$IDIR/.s.PGSQL.$PORT"
-  fi
-  # The old server's children may need a moment to go away: retry.
-  local deadline=$(($(now_ms) + TIMEOUT * 1000))
-  until as_pg "$bin/pg_ctl" -D "$IDIR/data" -l "$LOG" -w -t "$TIMEOUT" start >>"$IDIR/pg_ctl.log" 2>&1; do
-    if (($(now_ms) > deadline)); then
-      log_tail
-      die "pg: pg_ctl start failed"
-    fi
-    sleep 0.5
-  done
-}
-
-pg_ensure_db() {
-  local bin
-  bin=$(pg_bindir)
-  if [[ -n $SECURE ]]; then
-    pg_secure_setup
-    return
-  fi
-  if [[ $("$bin/psql" -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -XtAq \
-    -c "SELECT 1 FROM pg_database WHERE datname = 'distlock'") != 1 ]]; then
-    "$bin/psql" -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -Xq -c 'CREATE DATABASE distlock' >/dev/null
-  fi
+  hook launch
 }
 
 # ---------------------------------------------------------------------------------------------
-# secured instances: certificates, passwords, users
+# secured instances: certificates, passwords
 
 # secret NAME: the generated password NAME (distlock, or etcd-root), created on first use.
 secret() {
@@ -667,6 +454,111 @@ EOF
   say "certificates: new test CA, server certificate and wrong CA in $SEC"
 }
 
+# ---------------------------------------------------------------------------------------------
+# redis: redis-server, daemonized (it writes its own pid file)
+
+redis_cmdline_ok() { [[ $1 == *redis-server*"127.0.0.1:$PORT"* ]]; } # redis rewrites its title to bind:port
+
+redis_probe() {
+  if [[ -n $SECURE ]]; then # TLS only, and the default user is off: ask as the ACL user
+    [[ $(REDISCLI_AUTH=$(secret distlock) timeout 2 redis-cli --tls --cacert "$SEC/ca.pem" \
+      -h 127.0.0.1 -p "$PORT" --user distlock ping 2>/dev/null) == PONG ]]
+  else
+    [[ $(timeout 2 redis-cli -h 127.0.0.1 -p "$PORT" ping 2>/dev/null) == PONG ]]
+  fi
+}
+
+redis_launch() {
+  local -a extra=()
+  [[ $NAME == redis-replica ]] && extra=(--replicaof 127.0.0.1 "$REDIS_PORT")
+  local -a listen=(--port "$PORT")
+  if [[ -n $SECURE ]]; then
+    # TLS only (no plaintext port), no client certificates; the default user is off and the
+    # ACL user "distlock" may touch only the driver's keys and channels (redis.conf, 0600).
+    listen=(--port 0 --tls-port "$PORT" --tls-cert-file "$SEC/server.pem"
+      --tls-key-file "$SEC/server.key" --tls-ca-cert-file "$SEC/ca.pem" --tls-auth-clients no)
+    (
+      umask 077
+      printf '%s\n' 'user default off' \
+        "user distlock on >$(secret distlock) resetkeys ~distlock:* ~{distlock:* resetchannels &distlock:* +@all -@dangerous" \
+        >"$IDIR/redis.conf"
+    )
+    extra+=(--include "$IDIR/redis.conf")
+  fi
+  rm -f "$PIDFILE"
+  # shellcheck disable=SC2094 # redis writes its log itself once up; early errors go to stderr
+  (clean_exec redis-server --bind 127.0.0.1 "${listen[@]}" --save '' --appendonly no \
+    --dir "$IDIR" --daemonize yes --pidfile "$PIDFILE" --logfile "$LOG" \
+    --repl-diskless-sync yes --repl-diskless-sync-delay 0 \
+    --enable-debug-command local "${extra[@]}") </dev/null >>"$LOG" 2>&1 ||
+    {
+      log_tail
+      die "$NAME: redis-server failed to start"
+    }
+  local _
+  for _ in $(seq 50); do # the daemon writes its pidfile right after forking
+    [[ -s $PIDFILE ]] && break
+    sleep 0.05
+  done
+}
+
+# redis_replica_linked: the replica (up3) has its link to the main redis up.
+redis_replica_linked() {
+  inst redis-replica
+  timeout 2 redis-cli -h 127.0.0.1 -p "$PORT" info replication 2>/dev/null |
+    grep -q '^master_link_status:up'
+}
+
+# ---------------------------------------------------------------------------------------------
+# etcd: single members and the 3-member cluster (up3)
+
+etcd_cmdline_ok() { [[ $1 == *etcd*"--data-dir $IDIR/data "* ]]; }
+
+etcd_probe() {
+  if [[ -n $SECURE ]]; then # with auth on, health needs a user; status needs none
+    ETCDCTL_API=3 timeout 3 etcdctl --endpoints="https://127.0.0.1:$PORT" --cacert="$SEC/ca.pem" \
+      --dial-timeout=1s --command-timeout=2s endpoint status >/dev/null 2>&1
+  elif [[ -n $MEMBER ]]; then # a cluster member answers status even without quorum
+    ETCDCTL_API=3 timeout 3 etcdctl --endpoints="http://127.0.0.1:$PORT" --dial-timeout=1s \
+      --command-timeout=2s endpoint status >/dev/null 2>&1
+  else
+    ETCDCTL_API=3 timeout 3 etcdctl --endpoints="http://127.0.0.1:$PORT" --dial-timeout=1s \
+      --command-timeout=2s endpoint health >/dev/null 2>&1
+  fi
+}
+
+etcd_launch() {
+  local cluster token
+  if [[ -n $MEMBER ]]; then
+    local i
+    cluster=
+    for i in 1 2 3; do cluster+=${cluster:+,}etcd3-$i=http://127.0.0.1:${ETCD3_PEER_PORTS[i - 1]}; done
+    token=distlock-etcd3
+  else
+    cluster=$NAME=http://127.0.0.1:$PEER_PORT
+    token=distlock-etcd
+  fi
+  local client_scheme=http
+  local -a tls=()
+  if [[ -n $SECURE ]]; then # clients: TLS only (server certificate, no client certificates)
+    client_scheme=https
+    tls=(--cert-file "$SEC/server.pem" --key-file "$SEC/server.key")
+  fi
+  mkdir -p "$IDIR/data"
+  chmod 700 "$IDIR/data"
+  # The trailing "--logger zap" keeps "--data-dir DIR " followed by a space in the cmdline.
+  (clean_exec setsid etcd --name "$NAME" --data-dir "$IDIR/data" --logger zap --log-outputs stderr \
+    --listen-client-urls "$client_scheme://127.0.0.1:$PORT" \
+    --advertise-client-urls "$client_scheme://127.0.0.1:$PORT" "${tls[@]}" \
+    --listen-peer-urls "http://127.0.0.1:$PEER_PORT" \
+    --initial-advertise-peer-urls "http://127.0.0.1:$PEER_PORT" \
+    --initial-cluster "$cluster" --initial-cluster-token "$token" --initial-cluster-state new \
+    "${ETCD_TIMING[@]}") </dev/null >>"$LOG" 2>&1 &
+  echo $! >"$PIDFILE"
+}
+
+etcd_ready() { [[ -z $SECURE ]] || etcd_ensure_auth; }
+
 # etcd_ensure_auth: users root and distlock, role distlock (read/write on the key prefix
 # "distlock/" only), then auth enable. Done once per data dir.
 etcd_ensure_auth() {
@@ -694,6 +586,216 @@ etcd_ensure_auth() {
   touch "$IDIR/auth-enabled"
 }
 
+etcd_member_serving() {
+  ETCDCTL_API=3 timeout 3 etcdctl --endpoints="http://127.0.0.1:$1" --dial-timeout=1s \
+    --command-timeout=2s endpoint health >/dev/null 2>&1
+}
+
+# etcd_cluster_healthy: every endpoint of the 3-member cluster (up3) reports healthy.
+etcd_cluster_healthy() {
+  local i eps=
+  for i in 0 1 2; do eps+=${eps:+,}http://127.0.0.1:${ETCD3_PORTS[i]}; done
+  ETCDCTL_API=3 timeout 5 etcdctl --endpoints="$eps" --dial-timeout=1s --command-timeout=2s \
+    endpoint health >/dev/null 2>&1
+}
+
+# ---------------------------------------------------------------------------------------------
+# zk: ZooKeeper standalone servers and the 3-server ensemble (up3), each a JVM of its own
+
+zk_cmdline_ok() { [[ $1 == *QuorumPeerMain*"$IDIR/conf/zoo.cfg"* ]]; }
+
+zk_probe() {
+  [[ $(zk4 ruok) == imok ]] || return 1
+  # A standalone server must also serve (srvr shows a Mode); an ensemble member without quorum
+  # answers imok but not srvr, and that is fine for a member.
+  [[ -n $MEMBER ]] || [[ $(zk4 srvr) == *"Mode: "* ]]
+}
+
+zk4() { printf '%s' "$1" | timeout 3 nc -w 2 127.0.0.1 "$PORT" 2>/dev/null || true; }
+
+zk_classpath() {
+  local cp=$IDIR/conf j
+  for j in /usr/share/java/zookeeper.jar /usr/share/java/slf4j-log4j12.jar /usr/share/java/log4j-1.2.jar; do
+    [[ -f $j ]] && cp+=:$j
+  done
+  printf '%s\n' "$cp"
+}
+
+write_zk_conf() {
+  mkdir -p "$IDIR/conf" "$IDIR/data"
+  {
+    echo "tickTime=$ZK_TICK_MS"
+    echo "initLimit=50"
+    echo "syncLimit=20"
+    echo "dataDir=$IDIR/data"
+    echo "clientPort=$PORT"
+    echo "clientPortAddress=127.0.0.1"
+    echo "minSessionTimeout=$ZK_MIN_SESSION_MS"
+    echo "maxSessionTimeout=$ZK_MAX_SESSION_MS"
+    echo "maxClientCnxns=0"
+    echo "admin.enableServer=false"
+    echo "4lw.commands.whitelist=*"
+    # TTL nodes for job mode's keep markers (lock-zk's renew.rs) on the single servers; the
+    # three-member ensemble keeps ZooKeeper's default (off), so markers are persistent there and
+    # both kinds are tested (lock-zk/tests/keep.rs).
+    [[ -n $MEMBER ]] || echo "extendedTypesEnabled=true"
+    if [[ -n $SECURE ]]; then
+      # Every request of a session needs digest credentials (addauth); nodes created with the
+      # "creator" ACL are then reachable only with the same user:password.
+      echo "enforce.auth.enabled=true"
+      echo "enforce.auth.schemes=digest"
+    fi
+    if [[ -n $MEMBER ]]; then
+      local i
+      for i in 1 2 3; do
+        echo "server.$i=127.0.0.1:${ZK3_QUORUM_PORTS[i - 1]}:${ZK3_ELECTION_PORTS[i - 1]}"
+      done
+    fi
+  } >"$IDIR/conf/zoo.cfg"
+  [[ -z $MEMBER ]] || echo "$MEMBER" >"$IDIR/data/myid"
+  cat >"$IDIR/conf/log4j.properties" <<'EOF'
+log4j.rootLogger=INFO, CONSOLE
+log4j.appender.CONSOLE=org.apache.log4j.ConsoleAppender
+log4j.appender.CONSOLE.layout=org.apache.log4j.PatternLayout
+log4j.appender.CONSOLE.layout.ConversionPattern=%d{ISO8601} [myid:%X{myid}] %-5p [%t] %c{1}@%L - %m%n
+EOF
+}
+
+zk_launch() {
+  local java
+  java=$(command -v java) || die "java not found (run: $PROG install)"
+  [[ -f /usr/share/java/zookeeper.jar ]] || die "ZooKeeper not installed (run: $PROG install)"
+  write_zk_conf
+  local cp
+  cp=$(zk_classpath)
+  (clean_exec setsid "$java" -Xms32m -Xmx256m -XX:+UseSerialGC -Djava.net.preferIPv4Stack=true \
+    -Dzookeeper.admin.enableServer=false -Dznode.container.checkIntervalMs=1000 -cp "$cp" \
+    org.apache.zookeeper.server.quorum.QuorumPeerMain "$IDIR/conf/zoo.cfg") \
+    </dev/null >>"$LOG" 2>&1 &
+  echo $! >"$PIDFILE"
+}
+
+zk_member_serving() { [[ $(PORT=$1 zk4 srvr) == *"Mode: "* ]]; }
+
+# zk_cluster_healthy: the ensemble (up3) has one leader and two followers.
+zk_cluster_healthy() {
+  local n mode leaders=0 followers=0
+  for n in zk3-1 zk3-2 zk3-3; do
+    inst "$n"
+    mode=$(zk4 srvr | sed -n 's/^Mode: //p')
+    [[ $mode == leader ]] && leaders=$((leaders + 1))
+    [[ $mode == follower ]] && followers=$((followers + 1))
+  done
+  [[ $leaders -eq 1 && $followers -eq 2 ]]
+}
+
+# ---------------------------------------------------------------------------------------------
+# pg: PostgreSQL clusters (initdb) run by pg_ctl as the user postgres when we are root
+
+pg_bindir() {
+  local d
+  if [[ -n ${DISTLOCK_PG_BINDIR:-} ]]; then
+    printf '%s\n' "$DISTLOCK_PG_BINDIR"
+    return
+  fi
+  d=$(find /usr/lib/postgresql -mindepth 2 -maxdepth 2 -name bin -type d 2>/dev/null | sort -V | tail -n 1)
+  if [[ -n $d && -x $d/pg_ctl ]]; then
+    printf '%s\n' "$d"
+  elif command -v pg_ctl >/dev/null 2>&1; then
+    dirname "$(readlink -f "$(command -v pg_ctl)")"
+  else
+    return 1
+  fi
+}
+
+pg_cmdline_ok() { [[ $1 == *postgres*"-D $IDIR/data"* ]]; }
+
+pg_probe() { timeout 3 "$(pg_bindir)/pg_isready" -q -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -t 2; }
+
+as_pg() { # run a command as the owner of the PostgreSQL data (postgres when we are root)
+  (
+    cd "$IDIR" # postgres may not be allowed into the caller's working directory
+    if [[ $IS_ROOT -eq 1 ]]; then clean_exec runuser -u postgres -- "$@"; else clean_exec "$@"; fi
+  )
+}
+
+pg_launch() {
+  local bin
+  bin=$(pg_bindir) || die "PostgreSQL not installed (run: $PROG install)"
+  if [[ $IS_ROOT -eq 1 ]]; then
+    chown postgres: "$IDIR"
+    runuser -u postgres -- test -w "$IDIR" ||
+      die "pg: user postgres cannot write $IDIR; set DISTLOCK_BACKENDS_DIR to a directory it can reach"
+  fi
+  if [[ ! -f $IDIR/data/PG_VERSION ]]; then
+    rm -rf "$IDIR/data"
+    as_pg "$bin/initdb" -D "$IDIR/data" -U postgres -A trust -E UTF8 --locale=C --no-sync \
+      >"$IDIR/initdb.log" 2>&1 || {
+      tail -n 40 "$IDIR/initdb.log" >&2
+      die "pg: initdb failed"
+    }
+    cat >>"$IDIR/data/postgresql.conf" <<EOF
+
+# distlock test instance (scripts/backends.sh)
+listen_addresses = '127.0.0.1'
+port = $PORT
+unix_socket_directories = '$IDIR'
+max_connections = 300
+EOF
+    if [[ -n $SECURE ]]; then
+      # TLS with the test CA's server certificate; over TCP only hostssl + scram-sha-256 for the
+      # user distlock (no plaintext host line at all). The admin uses the Unix socket in $IDIR.
+      install -m 600 "$SEC/server.key" "$IDIR/data/server.key"
+      install -m 644 "$SEC/server.pem" "$IDIR/data/server.crt"
+      [[ $IS_ROOT -eq 0 ]] || chown postgres: "$IDIR/data/server.key" "$IDIR/data/server.crt"
+      cat >>"$IDIR/data/postgresql.conf" <<EOF
+ssl = on
+ssl_cert_file = 'server.crt'
+ssl_key_file = 'server.key'
+password_encryption = 'scram-sha-256'
+EOF
+      cat >"$IDIR/data/pg_hba.conf" <<EOF
+# distlock secured test instance (scripts/backends.sh up-secure)
+# TYPE   DATABASE  USER      ADDRESS       METHOD
+local    all       postgres                trust
+hostssl  distlock  distlock  127.0.0.1/32  scram-sha-256
+EOF
+    fi
+  fi
+  # After a crash (kill) the dead postmaster may linger as a zombie (an init that reaps late), and
+  # postgres then refuses its lock files as "already exists". They are stale when the pid they
+  # name is gone or a zombie (anything else alive: let postgres judge).
+  local old st=
+  old=$(recorded_pid) && st=$(proc_state "$old")
+  if [[ -f $PIDFILE && (-z $st || $st == Z || $st == X) ]]; then
+    say "pg: removing stale lock files ($PIDFILE, socket lock)"
+    rm -f "$PIDFILE" "$IDIR/.s.PGSQL.$PORT.lock" "$IDIR/.s.PGSQL.$PORT"
+  fi
+  # The old server's children may need a moment to go away: retry.
+  local deadline=$(($(now_ms) + TIMEOUT * 1000))
+  until as_pg "$bin/pg_ctl" -D "$IDIR/data" -l "$LOG" -w -t "$TIMEOUT" start >>"$IDIR/pg_ctl.log" 2>&1; do
+    if (($(now_ms) > deadline)); then
+      log_tail
+      die "pg: pg_ctl start failed"
+    fi
+    sleep 0.5
+  done
+}
+
+# pg_ready: the database distlock (secured: pg_secure_setup's role and database).
+pg_ready() {
+  local bin
+  bin=$(pg_bindir)
+  if [[ -n $SECURE ]]; then
+    pg_secure_setup
+    return
+  fi
+  if [[ $("$bin/psql" -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -XtAq \
+    -c "SELECT 1 FROM pg_database WHERE datname = 'distlock'") != 1 ]]; then
+    "$bin/psql" -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -Xq -c 'CREATE DATABASE distlock' >/dev/null
+  fi
+}
+
 # pg_secure_setup: the login role distlock (scram-sha-256 password) owning the database distlock.
 pg_secure_setup() {
   local bin pw
@@ -712,14 +814,14 @@ SELECT 'CREATE DATABASE distlock OWNER distlock'
 EOF
 }
 
-# secure_setup: what a secured instance needs once it answers.
-secure_setup() {
-  case $KIND in
-    etcd) etcd_ensure_auth ;;
-    pg) pg_secure_setup ;;
-  esac
-  return 0
+# pg_stop: pg_ctl's fast shutdown (a paused server is resumed first so that it can obey).
+pg_stop() {
+  signal CONT || true
+  as_pg "$(pg_bindir)/pg_ctl" -D "$IDIR/data" -m fast -w -t "$TIMEOUT" stop >>"$IDIR/pg_ctl.log" 2>&1 || true
 }
+
+# pg_also_signal SIG PID: the postmaster's children, for any signal but a graceful TERM or INT.
+pg_also_signal() { [[ $1 == TERM || $1 == INT ]] || child_pids "$2"; }
 
 # child_pids PID: the processes whose parent is PID. (PostgreSQL's children each call setsid(),
 # so the postmaster's process group holds only the postmaster itself.)
@@ -736,18 +838,20 @@ child_pids() {
   done
 }
 
-# signal SIG: send SIG to the current instance's live process. For PostgreSQL the postmaster is
-# signalled first (so that it cannot fork replacements), then its children: pausing or killing
-# "pg" pauses or crashes the whole server, not just the postmaster.
+# ---------------------------------------------------------------------------------------------
+# lifecycle of the current instance
+
+# signal SIG: send SIG to the current instance's live process, then to the pids its backend's
+# also_signal names. For PostgreSQL the postmaster is signalled first (so that it cannot fork
+# replacements), then its children: pausing or killing "pg" pauses or crashes the whole server,
+# not just the postmaster.
 signal() {
   local sig=$1 pid
   pid=$(running_pid) || return 1
   kill -s "$sig" "$pid" 2>/dev/null || true
-  if [[ $KIND == pg && $sig != TERM && $sig != INT ]]; then
-    local -a kids
-    mapfile -t kids < <(child_pids "$pid")
-    [[ ${#kids[@]} -eq 0 ]] || kill -s "$sig" "${kids[@]}" 2>/dev/null || true
-  fi
+  local -a more
+  mapfile -t more < <(hook also_signal "$sig" "$pid")
+  [[ ${#more[@]} -eq 0 ]] || kill -s "$sig" "${more[@]}" 2>/dev/null || true
   return 0
 }
 
@@ -774,34 +878,25 @@ ensure_up() {
     launch
   fi
   wait_answers || return 1
-  if [[ $KIND == pg ]]; then pg_ensure_db; fi
-  if [[ $KIND == etcd && -n $SECURE ]]; then etcd_ensure_auth; fi
+  hook ready
   if [[ -n $MEMBER ]]; then wait_rejoined || return 1; fi
   return 0
 }
 
-# member_serving PORT: does the etcd/ZooKeeper member on PORT serve (i.e. is part of a quorum)?
-member_serving() {
-  case $KIND in
-    etcd)
-      ETCDCTL_API=3 timeout 3 etcdctl --endpoints="http://127.0.0.1:$1" --dial-timeout=1s \
-        --command-timeout=2s endpoint health >/dev/null 2>&1
-      ;;
-    zk) [[ $(PORT=$1 zk4 srvr) == *"Mode: "* ]] ;;
-    *) return 0 ;;
-  esac
-}
+# member_serving PORT: does the member of the current instance's cluster on PORT serve?
+member_serving() { hook member_serving "$1"; }
 
 # wait_rejoined: a restarted cluster member answers before it has rejoined. If the rest of its
-# cluster has a quorum, wait (bounded) until the member serves too; without one, answering is all
-# that can be expected.
+# cluster (the table's members of its backend) has a quorum, wait (bounded) until the member serves
+# too; without one, answering is all that can be expected.
 wait_rejoined() {
-  local -a ports
-  case $KIND in
-    etcd) ports=("${ETCD3_PORTS[@]}") ;;
-    zk) ports=("${ZK3_PORTS[@]}") ;;
-    *) return 0 ;;
-  esac
+  local -a ports=()
+  local n kind port member
+  for n in "${INSTANCES[@]}"; do
+    read -r kind port _ member _ <<<"${INSTANCE_ROW[$n]}"
+    if [[ $kind == "$KIND" && $member != - ]]; then ports+=("$port"); fi
+  done
+  [[ ${#ports[@]} -gt 0 ]] || return 0
   member_serving "$PORT" && return 0
   local p quorum=0
   for p in "${ports[@]}"; do
@@ -826,13 +921,7 @@ wait_rejoined() {
 do_stop() { # graceful stop of the current instance, escalating to SIGKILL
   local pid
   pid=$(running_pid) || return 0
-  if [[ $KIND == pg ]]; then
-    signal CONT || true
-    as_pg "$(pg_bindir)/pg_ctl" -D "$IDIR/data" -m fast -w -t "$TIMEOUT" stop >>"$IDIR/pg_ctl.log" 2>&1 || true
-  else
-    signal TERM || true
-    signal CONT || true
-  fi
+  hook stop
   if ! wait_gone "$pid" "$TIMEOUT"; then
     say "$NAME (pid $pid) did not stop within ${TIMEOUT}s: SIGKILL"
     signal KILL || true
@@ -898,7 +987,7 @@ cmd_up() {
   for n in "${SINGLES[@]}"; do
     inst "$n"
     if [[ -n ${launched[$n]:-} ]]; then
-      wait_answers && { [[ $KIND != pg ]] || pg_ensure_db; } || rc=1
+      wait_answers && hook ready || rc=1
     else
       ensure_up || rc=1
     fi
@@ -909,7 +998,7 @@ cmd_up() {
 
 cmd_up3() {
   take_lock
-  local t0 n i
+  local t0 n
   t0=$(now_ms)
   inst redis
   ensure_up || die "up3: the main redis (master of the replica) is not up"
@@ -930,23 +1019,12 @@ cmd_up3() {
     fi
   done
   touch "$DIR/.up3"
-  local deadline=$(($(now_ms) + TIMEOUT * 1000)) ok eps=
-  for i in 0 1 2; do eps+=${eps:+,}http://127.0.0.1:${ETCD3_PORTS[i]}; done
+  local deadline=$(($(now_ms) + TIMEOUT * 1000)) ok
   while :; do
     ok=1
-    ETCDCTL_API=3 timeout 5 etcdctl --endpoints="$eps" --dial-timeout=1s --command-timeout=2s \
-      endpoint health >/dev/null 2>&1 || ok=0
-    local leaders=0 followers=0 mode
-    for n in zk3-1 zk3-2 zk3-3; do
-      inst "$n"
-      mode=$(zk4 srvr | sed -n 's/^Mode: //p')
-      [[ $mode == leader ]] && leaders=$((leaders + 1))
-      [[ $mode == follower ]] && followers=$((followers + 1))
-    done
-    [[ $leaders -eq 1 && $followers -eq 2 ]] || ok=0
-    inst redis-replica
-    timeout 2 redis-cli -h 127.0.0.1 -p "$PORT" info replication 2>/dev/null |
-      grep -q '^master_link_status:up' || ok=0
+    etcd_cluster_healthy || ok=0
+    zk_cluster_healthy || ok=0
+    redis_replica_linked || ok=0
     [[ $ok -eq 1 ]] && break
     if (($(now_ms) > deadline)); then
       say "up3: not healthy within ${TIMEOUT}s (etcd health / zk leader+2 followers / replica link)"
@@ -975,7 +1053,7 @@ cmd_up_secure() {
   for n in "${SECURED[@]}"; do
     inst "$n"
     if [[ -n ${launched[$n]:-} ]]; then
-      { wait_answers && secure_setup; } || rc=1
+      { wait_answers && hook ready; } || rc=1
     else
       ensure_up || rc=1
     fi
@@ -1133,6 +1211,7 @@ cmd_one() { # cmd_one ACTION NAME
 
 main() {
   local cmd=${1:-}
+  check_backends
   [[ $# -gt 0 ]] && shift
   case $cmd in
     install) cmd_install ;;
