@@ -16,6 +16,7 @@ mod memory;
 pub mod observe;
 mod options;
 pub mod raw;
+mod renewer;
 mod secret;
 mod token;
 

@@ -1,0 +1,739 @@
+//! One renewal scheduler per client: every [`crate::LockGuard`] of a client is a slot in one
+//! shared structure — its lease, its next renewal, its local deadline — served by one task with
+//! one timer, instead of a task, a timer and a pair of cancellation tokens per guard.
+//!
+//! The task sleeps until the earliest instant any slot needs (a renewal, a local deadline, job
+//! mode's `at_most`) or until a slot's future is woken. A renewal is still one
+//! [`DistributedLock::renew`](crate::DistributedLock::renew) per lease — the drivers batch the
+//! renewals that reach them together ([`crate::raw::Batcher`]) — but its future is polled by this
+//! task through a per-slot waker, so a tick of N held locks costs N small polls, not N task
+//! wake-ups and N timers. The same goes for each lease's
+//! [`watch_lost`](crate::DistributedLock::watch_lost) future.
+//!
+//! Per slot, the rules are the old per-guard watchdog's, unchanged: a renewal starts at
+//! [`next_renewal`]; while it is in flight the slot waits for its local deadline (a renewal
+//! that has not answered by then loses the lease); a success moves the deadline (counted by the
+//! driver from when the request was sent), a temporary failure retries after a backoff, a
+//! permanent one or a pushed loss loses the lease at once. A panic in a driver's future loses
+//! that slot alone (its lease is released in the background, after `lost()` has fired); the
+//! task dying (its runtime shut down) loses every slot it serves the same way.
+//!
+//! The task runs on the runtime of the first guard it serves and ends when no slot needs it;
+//! the next guard starts it again. A client is tied to one runtime anyway (its connections are).
+
+use std::{
+    collections::{BTreeSet, HashMap},
+    panic::{AssertUnwindSafe, catch_unwind},
+    sync::{
+        Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    task::{Context, Poll, Wake, Waker},
+    time::Duration,
+};
+
+use futures::future::BoxFuture;
+use tokio::{
+    sync::{Notify, oneshot},
+    time::Instant,
+};
+use tokio_util::sync::CancellationToken;
+
+use crate::{DynLock, Error, Lease, LossReason, Result, raw::Backoff};
+
+/// How many slots the task serves before it yields to the runtime's other tasks.
+const CHUNK: usize = 256;
+
+/// What a guard, its jobs and its slot share: the local deadline, the renewal count and the
+/// loss reason. Read without the scheduler's lock.
+#[derive(Debug)]
+pub(crate) struct Status {
+    deadline: Mutex<Instant>,
+    reason: Mutex<Option<LossReason>>,
+    renewals: AtomicU64,
+}
+
+impl Status {
+    pub(crate) fn new(deadline: Instant) -> Self {
+        Self {
+            deadline: Mutex::new(deadline),
+            reason: Mutex::new(None),
+            renewals: AtomicU64::new(0),
+        }
+    }
+
+    /// The current conservative local deadline.
+    pub(crate) fn deadline(&self) -> Instant {
+        *locked(&self.deadline)
+    }
+
+    /// The loss reason recorded, if any.
+    pub(crate) fn reason(&self) -> Option<LossReason> {
+        *locked(&self.reason)
+    }
+
+    /// Successful renewals.
+    pub(crate) fn renewals(&self) -> u64 {
+        self.renewals.load(Ordering::Acquire)
+    }
+}
+
+fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Marks a guard lost once: records the reason and the metric, logs, cancels the token.
+pub(crate) fn mark_lost(
+    status: &Status,
+    lost: &CancellationToken,
+    backend: &'static str,
+    lease: &Lease,
+    reason: LossReason,
+) {
+    {
+        let mut slot = locked(&status.reason);
+        if slot.is_some() || lost.is_cancelled() {
+            return;
+        }
+        *slot = Some(reason);
+    }
+    crate::observe::record_loss(backend, reason);
+    tracing::warn!(key = %lease.key(), token = %lease.token(), fencing = ?lease.fencing_token(), %reason, "lock ownership lost");
+    lost.cancel();
+}
+
+/// When to renew next: `renewal_time(now, interval)`, but never so late that the renewal has
+/// less than a quarter TTL (or, for a lease with less than that left, half of what is left)
+/// to get through before the local deadline: a lease that started old (a direct grant counts
+/// from its waiter's request) or an interval close to the TTL would otherwise renew only after
+/// the deadline and be lost for nothing.
+pub(crate) fn next_renewal(
+    now: Instant,
+    interval: Duration,
+    deadline: Instant,
+    ttl: Duration,
+) -> Instant {
+    let remaining = deadline.saturating_duration_since(now);
+    let latest = (now + remaining / 2).max(deadline.checked_sub(ttl / 4).unwrap_or(now));
+    renewal_time(now, interval).min(latest)
+}
+
+/// When to renew next: `interval` after `now`, moved *earlier* onto a process-wide grid of
+/// `interval / 4`, so that every guard of the process with the same interval renews at the
+/// same instants and a driver can batch them ([`crate::raw::Batcher`]): a tick of any number of
+/// held locks then costs a few round trips instead of one per lock. Renewing early is always
+/// safe; the gap between renewals stays between ¾ and 1 interval.
+fn renewal_time(now: Instant, interval: Duration) -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    let nominal = now + interval;
+    let grid = interval / 4;
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    let Some(since) = nominal.checked_duration_since(epoch) else {
+        return nominal;
+    };
+    if grid.is_zero() {
+        return nominal;
+    }
+    let aligned = since.as_nanos() - since.as_nanos() % grid.as_nanos();
+    match u64::try_from(aligned) {
+        Ok(nanos) => epoch + Duration::from_nanos(nanos),
+        Err(_) => nominal,
+    }
+}
+
+/// The renewal scheduler of one client (one [`DynLock`]).
+pub(crate) struct Scheduler {
+    lock: DynLock,
+    state: Mutex<State>,
+    ready: Arc<Ready>,
+}
+
+impl std::fmt::Debug for Scheduler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = locked(&self.state);
+        f.debug_struct("Scheduler")
+            .field("backend", &self.lock.backend_name())
+            .field("slots", &(state.slots.len() - state.free.len()))
+            .field("active", &state.active)
+            .field("running", &state.running)
+            .finish()
+    }
+}
+
+/// Slots whose futures were woken, and the task's wake-up.
+struct Ready {
+    woken: Mutex<Vec<usize>>,
+    notify: Notify,
+}
+
+/// A slot's waker: queues the slot's index for a poll (once until it is polled) and wakes the
+/// task. A waker outliving its slot can only cause a spurious poll of whatever slot takes the
+/// index next, which is harmless.
+struct SlotWaker {
+    ready: Arc<Ready>,
+    index: usize,
+    queued: AtomicBool,
+}
+
+impl Wake for SlotWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        if !self.queued.swap(true, Ordering::AcqRel) {
+            locked(&self.ready.woken).push(self.index);
+            self.ready.notify.notify_one();
+        }
+    }
+}
+
+struct State {
+    slots: Vec<Option<Slot>>,
+    free: Vec<usize>,
+    /// Every running slot sits here once, under its next wake-up.
+    timers: BTreeSet<(Instant, usize)>,
+    /// Running slots (the task ends when there are none).
+    active: usize,
+    next_id: u64,
+    /// Whether the task is alive.
+    running: bool,
+}
+
+impl State {
+    fn slot(&mut self, at: SlotRef) -> Option<&mut Slot> {
+        self.slots
+            .get_mut(at.index)?
+            .as_mut()
+            .filter(|s| s.id == at.id)
+    }
+
+    fn unschedule(&mut self, index: usize, slot: &mut Slot) {
+        if let Some(at) = slot.wake.take() {
+            self.timers.remove(&(at, index));
+        }
+    }
+
+    /// Moves a running slot to its next wake-up in the timer set.
+    fn reschedule(&mut self, index: usize) {
+        let Self { slots, timers, .. } = self;
+        let slot = slot_mut(slots, index);
+        if let Some(at) = slot.wake.take() {
+            timers.remove(&(at, index));
+        }
+        let wake = slot.next_wake();
+        slot.wake = Some(wake);
+        timers.insert((wake, index));
+    }
+}
+
+/// Where a guard's slot is.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SlotRef {
+    index: usize,
+    id: u64,
+}
+
+type Renewal = BoxFuture<'static, (Lease, Result<()>)>;
+
+struct Slot {
+    id: u64,
+    /// The lease as last renewed.
+    lease: Lease,
+    status: Arc<Status>,
+    lost: CancellationToken,
+    interval: Option<Duration>,
+    /// Job mode's `at_most`: no renewal after this, and the guard is lost then.
+    renew_until: Option<Instant>,
+    next_renew: Option<Instant>,
+    retry: Backoff,
+    /// The instant under which the slot sits in the timer set.
+    wake: Option<Instant>,
+    waker: Arc<SlotWaker>,
+    watch: Option<BoxFuture<'static, LossReason>>,
+    renewing: Option<Renewal>,
+    end: End,
+}
+
+enum End {
+    Running,
+    /// Lost: nothing renews or watches it any more; the lease waits for the guard's release.
+    Lost,
+    /// A future of the slot panicked (or the task died): its lease is being released in the
+    /// background, which answers here.
+    Died(Option<oneshot::Receiver<Result<bool>>>),
+}
+
+/// What a guard's release takes out of its slot.
+pub(crate) enum Taken {
+    /// The lease as last renewed, still to be released.
+    Lease(Lease),
+    /// The slot died and a background release of this lease started (its answer, if it could
+    /// be started).
+    Died(Option<oneshot::Receiver<Result<bool>>>, Lease),
+}
+
+impl Slot {
+    fn next_wake(&self) -> Instant {
+        let deadline = self.lease.local_deadline();
+        let mut wake = deadline;
+        if self.renewing.is_none()
+            && let Some(t) = self.next_renew
+        {
+            wake = wake.min(t);
+        }
+        self.renew_until.map_or(wake, |t| t.min(wake))
+    }
+}
+
+/// The scheduler of `lock`, created on first use; one per client for as long as any of its
+/// guards lives.
+pub(crate) fn for_lock(lock: &DynLock) -> Arc<Scheduler> {
+    /// Each client's scheduler by the client's address, and the map's size at its last sweep.
+    type Registry = (HashMap<usize, Weak<Scheduler>>, usize);
+    static REGISTRY: OnceLock<Mutex<Registry>> = OnceLock::new();
+    let key = Arc::as_ptr(lock).cast::<()>() as usize;
+    let mut registry = locked(REGISTRY.get_or_init(Default::default));
+    let (map, swept_at) = &mut *registry;
+    if let Some(found) = map.get(&key).and_then(Weak::upgrade) {
+        return found;
+    }
+    // A live scheduler holds its client, so the address cannot have been reused by another
+    // client while the entry was alive: a dead entry is simply replaced.
+    let scheduler = Arc::new(Scheduler {
+        lock: lock.clone(),
+        state: Mutex::new(State {
+            slots: Vec::new(),
+            free: Vec::new(),
+            timers: BTreeSet::new(),
+            active: 0,
+            next_id: 0,
+            running: false,
+        }),
+        ready: Arc::new(Ready {
+            woken: Mutex::new(Vec::new()),
+            notify: Notify::new(),
+        }),
+    });
+    map.insert(key, Arc::downgrade(&scheduler));
+    if map.len() > 2 * (*swept_at).max(16) {
+        map.retain(|_, w| w.strong_count() > 0);
+        *swept_at = map.len();
+    }
+    scheduler
+}
+
+/// What a new slot is given.
+pub(crate) struct NewSlot {
+    pub(crate) lease: Lease,
+    pub(crate) status: Arc<Status>,
+    pub(crate) lost: CancellationToken,
+    pub(crate) interval: Option<Duration>,
+    pub(crate) renew_until: Option<Instant>,
+}
+
+impl Scheduler {
+    /// The client this scheduler renews with.
+    pub(crate) fn client(&self) -> &DynLock {
+        &self.lock
+    }
+
+    /// Adds a guard's lease. A lease already lost (its `lost` token cancelled) gets a slot that
+    /// only keeps it for the release.
+    pub(crate) fn register(self: &Arc<Self>, new: NewSlot) -> SlotRef {
+        let running = !new.lost.is_cancelled();
+        let watch = running.then(|| self.lock.watch_lost(&new.lease));
+        let next_renew = new.interval.filter(|_| running).map(|i| {
+            next_renewal(
+                Instant::now(),
+                i,
+                new.lease.local_deadline(),
+                new.lease.ttl(),
+            )
+        });
+        let retry = new
+            .interval
+            .map(|i| Backoff::new(i / 8, i / 2))
+            .unwrap_or_default();
+        let (at, spawn) = {
+            let mut state = locked(&self.state);
+            let index = match state.free.pop() {
+                Some(i) => i,
+                None => {
+                    state.slots.push(None);
+                    state.slots.len() - 1
+                }
+            };
+            let id = state.next_id;
+            state.next_id += 1;
+            let mut slot = Slot {
+                id,
+                lease: new.lease,
+                status: new.status,
+                lost: new.lost,
+                interval: new.interval,
+                renew_until: new.renew_until,
+                next_renew,
+                retry,
+                wake: None,
+                waker: Arc::new(SlotWaker {
+                    ready: self.ready.clone(),
+                    index,
+                    queued: AtomicBool::new(false),
+                }),
+                watch,
+                renewing: None,
+                end: if running { End::Running } else { End::Lost },
+            };
+            let mut spawn = false;
+            if running {
+                let wake = slot.next_wake();
+                slot.wake = Some(wake);
+                state.timers.insert((wake, index));
+                state.active += 1;
+                spawn = !std::mem::replace(&mut state.running, true);
+            }
+            let waker = slot.waker.clone();
+            state.slots[index] = Some(slot);
+            drop(state);
+            if running {
+                // The task polls the watch once, which registers its waker.
+                waker.wake_by_ref();
+            }
+            (SlotRef { index, id }, spawn)
+        };
+        if spawn {
+            let task = TaskRun {
+                scheduler: self.clone(),
+                armed: true,
+            };
+            tokio::spawn(tokio::task::unconstrained(task.run()));
+        }
+        at
+    }
+
+    /// Removes a guard's slot (stopping its renewals: a renewal in flight is dropped, as a
+    /// stopped watchdog's was) and hands back its lease.
+    pub(crate) fn take(&self, at: SlotRef) -> Option<Taken> {
+        let slot = {
+            let mut state = locked(&self.state);
+            let mut slot = state.slots.get_mut(at.index)?.take_if(|s| s.id == at.id)?;
+            state.unschedule(at.index, &mut slot);
+            state.free.push(at.index);
+            if matches!(slot.end, End::Running) {
+                state.active -= 1;
+            }
+            slot
+        };
+        // Its futures are dropped here, outside the lock.
+        let Slot { lease, end, .. } = slot;
+        Some(match end {
+            End::Died(rx) => Taken::Died(rx, lease),
+            End::Running | End::Lost => Taken::Lease(lease),
+        })
+    }
+
+    /// Polls a slot's futures (its watch, its renewal in flight) and applies what they answer.
+    fn poll_slot(&self, index: usize) {
+        let (at, mut watch, mut renewing, waker) = {
+            let mut state = locked(&self.state);
+            let Some(Some(slot)) = state.slots.get_mut(index) else {
+                return;
+            };
+            if !matches!(slot.end, End::Running) {
+                return;
+            }
+            slot.waker.queued.store(false, Ordering::Release);
+            (
+                SlotRef { index, id: slot.id },
+                slot.watch.take(),
+                slot.renewing.take(),
+                slot.waker.clone(),
+            )
+        };
+        let waker = Waker::from(waker);
+        let mut cx = Context::from_waker(&waker);
+        let mut panicked = false;
+        let mut pushed = None;
+        if let Some(f) = watch.as_mut() {
+            match catch_unwind(AssertUnwindSafe(|| f.as_mut().poll(&mut cx))) {
+                Ok(Poll::Ready(reason)) => pushed = Some(reason),
+                Ok(Poll::Pending) => {}
+                Err(_) => panicked = true,
+            }
+        }
+        let mut renewed = None;
+        if !panicked
+            && pushed.is_none()
+            && let Some(f) = renewing.as_mut()
+        {
+            match catch_unwind(AssertUnwindSafe(|| f.as_mut().poll(&mut cx))) {
+                Ok(Poll::Ready(answer)) => renewed = Some(answer),
+                Ok(Poll::Pending) => {}
+                Err(_) => panicked = true,
+            }
+        }
+        let mut state = locked(&self.state);
+        let Some(slot) = state.slot(at) else {
+            // Released meanwhile: its futures go with it.
+            drop(state);
+            return;
+        };
+        if panicked {
+            self.die(&mut state, index);
+            return;
+        }
+        if let Some(reason) = pushed {
+            self.lose(&mut state, index, reason);
+            return;
+        }
+        slot.watch = watch;
+        if let Some((lease, result)) = renewed {
+            self.renewed(&mut state, index, lease, result);
+        } else {
+            slot.renewing = renewing;
+        }
+    }
+
+    /// A slot's timer is due: lose it at its deadline or `at_most`, else start its renewal.
+    /// Returns whether a renewal started (to be polled).
+    fn fire(&self, state: &mut State, index: usize, now: Instant) -> bool {
+        let Some(Some(slot)) = state.slots.get_mut(index) else {
+            return false;
+        };
+        if !matches!(slot.end, End::Running) {
+            return false;
+        }
+        if now >= slot.lease.local_deadline() {
+            self.lose(state, index, LossReason::DeadlinePassed);
+            return false;
+        }
+        if slot.renew_until.is_some_and(|t| now >= t) {
+            self.lose(state, index, LossReason::HeldTooLong);
+            return false;
+        }
+        let started = if slot.renewing.is_none() && slot.next_renew.is_some_and(|t| now >= t) {
+            let mut lease = slot.lease.clone();
+            let ttl = lease.ttl();
+            let client = self.lock.clone();
+            slot.renewing = Some(Box::pin(async move {
+                let result = client.renew(&mut lease, ttl).await;
+                (lease, result)
+            }));
+            true
+        } else {
+            false
+        };
+        state.reschedule(index);
+        started
+    }
+
+    /// A renewal answered.
+    fn renewed(&self, state: &mut State, index: usize, lease: Lease, result: Result<()>) {
+        let slot = slot_mut(&mut state.slots, index);
+        // The lease as the renewal left it (as the watchdog always kept it).
+        slot.lease = lease;
+        let now = Instant::now();
+        match result {
+            Ok(()) => {
+                *locked(&slot.status.deadline) = slot.lease.local_deadline();
+                slot.status.renewals.fetch_add(1, Ordering::AcqRel);
+                slot.retry.reset();
+                let interval = slot.interval.unwrap_or(slot.lease.ttl() / 3);
+                slot.next_renew = Some(next_renewal(
+                    now,
+                    interval,
+                    slot.lease.local_deadline(),
+                    slot.lease.ttl(),
+                ));
+            }
+            Err(e) if e.is_temporary() => {
+                tracing::warn!(key = %slot.lease.key(), error = %e, "lease renewal failed; retrying until the local deadline");
+                slot.next_renew = Some(now + slot.retry.next_delay());
+            }
+            Err(e) => {
+                let reason = if matches!(e, Error::NotHeld { .. }) {
+                    LossReason::NotHeld
+                } else {
+                    LossReason::RenewFailed
+                };
+                tracing::warn!(key = %slot.lease.key(), error = %e, "lease renewal refused");
+                self.lose(state, index, reason);
+                return;
+            }
+        }
+        state.reschedule(index);
+    }
+
+    /// The slot is lost: nothing renews or watches it any more.
+    fn lose(&self, state: &mut State, index: usize, reason: LossReason) {
+        let State {
+            slots,
+            timers,
+            active,
+            ..
+        } = state;
+        let slot = slot_mut(slots, index);
+        slot.end = End::Lost;
+        slot.watch = None;
+        slot.renewing = None;
+        if let Some(at) = slot.wake.take() {
+            timers.remove(&(at, index));
+        }
+        *active -= 1;
+        mark_lost(
+            &slot.status,
+            &slot.lost,
+            self.lock.backend_name(),
+            &slot.lease,
+            reason,
+        );
+    }
+
+    /// A future of the slot panicked, or the task died: nothing renews the lease any more, so
+    /// nobody may go on trusting it — and nobody gains by keeping it until its TTL runs out, so
+    /// it is released in the background at once (after `lost()` has fired: the release waits
+    /// for the token, so no other client can be granted the key while this guard still looks
+    /// held).
+    fn die(&self, state: &mut State, index: usize) {
+        let slot = slot_mut(&mut state.slots, index);
+        tracing::error!(key = %slot.lease.key(), "the lock watchdog stopped unexpectedly; releasing the lease");
+        let (tx, rx) = oneshot::channel();
+        let (client, lost, latest) = (self.lock.clone(), slot.lost.clone(), slot.lease.clone());
+        // Queued before the loss wakes anyone, so that on a single-threaded runtime the key is
+        // free by the time a waiter on `lost()` looks.
+        let spawned = crate::raw::cleanup::spawn(async move {
+            lost.cancelled().await;
+            let _ = tx.send(client.release(&latest).await);
+        });
+        self.lose(state, index, LossReason::RenewFailed);
+        slot_mut(&mut state.slots, index).end = End::Died(spawned.then_some(rx));
+    }
+}
+
+fn slot_mut(slots: &mut [Option<Slot>], index: usize) -> &mut Slot {
+    match slots.get_mut(index) {
+        Some(Some(slot)) => slot,
+        // Callers look the slot up first, under the same lock.
+        _ => unreachable!("a slot looked up under the same lock"),
+    }
+}
+
+/// The task. Dropped unfinished (a panic of its own, its runtime shutting down), it loses
+/// every slot it served as a panicking slot is lost, and marks itself stopped so that the next
+/// guard starts a new one.
+struct TaskRun {
+    scheduler: Arc<Scheduler>,
+    /// Cleared when the task ends by itself (under the lock that also clears `running`, after
+    /// which a new task may start and must not be disturbed by this one's drop).
+    armed: bool,
+}
+
+impl Drop for TaskRun {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let s = &self.scheduler;
+        let mut state = locked(&s.state);
+        state.running = false;
+        for index in 0..state.slots.len() {
+            if matches!(&state.slots[index], Some(slot) if matches!(slot.end, End::Running)) {
+                s.die(&mut state, index);
+            }
+        }
+    }
+}
+
+impl TaskRun {
+    async fn run(mut self) {
+        let s = self.scheduler.clone();
+        let sleep = tokio::time::sleep_until(Instant::now() + Duration::from_secs(3600));
+        tokio::pin!(sleep);
+        let mut woken = Vec::new();
+        let mut due = Vec::new();
+        loop {
+            // Woken futures first: renewals that answered move their slots' timers.
+            std::mem::swap(&mut woken, &mut *locked(&s.ready.woken));
+            for chunk in woken.chunks(CHUNK) {
+                for &index in chunk {
+                    s.poll_slot(index);
+                }
+                if woken.len() > CHUNK {
+                    tokio::task::yield_now().await;
+                }
+            }
+            woken.clear();
+            // Then every slot whose time has come.
+            let now = Instant::now();
+            loop {
+                {
+                    let mut state = locked(&s.state);
+                    while due.len() < CHUNK {
+                        match state.timers.first() {
+                            Some(&(at, index)) if at <= now => {
+                                state.timers.pop_first();
+                                if let Some(Some(slot)) = state.slots.get_mut(index) {
+                                    slot.wake = None;
+                                }
+                                if s.fire(&mut state, index, now) {
+                                    due.push(index);
+                                }
+                            }
+                            _ => break,
+                        }
+                    }
+                }
+                if due.is_empty() {
+                    break;
+                }
+                // The renewals that started are polled once, which sends them.
+                for &index in &due {
+                    s.poll_slot(index);
+                }
+                due.clear();
+                tokio::task::yield_now().await;
+            }
+            let next = {
+                let mut state = locked(&s.state);
+                if state.active == 0 {
+                    state.running = false;
+                    self.armed = false;
+                    return;
+                }
+                state.timers.first().map(|&(at, _)| at)
+            };
+            if !locked(&s.ready.woken).is_empty() {
+                continue;
+            }
+            if let Some(at) = next {
+                sleep.as_mut().reset(at);
+            }
+            tokio::select! {
+                () = s.ready.notify.notified() => {}
+                () = &mut sleep, if next.is_some() => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renewal_times_share_a_grid_and_are_never_late() {
+        let interval = Duration::from_millis(2000);
+        let base = Instant::now();
+        let mut seen = std::collections::BTreeSet::new();
+        for offset_ms in (0..2000).step_by(7) {
+            let now = base + Duration::from_millis(offset_ms);
+            let at = renewal_time(now, interval);
+            assert!(at <= now + interval, "never later than one interval");
+            assert!(at > now + interval * 3 / 4, "at most a quarter early");
+            seen.insert(at);
+        }
+        // 2 s of acquisition times land on at most 5 distinct renewal instants.
+        assert!(seen.len() <= 5, "{} distinct renewal times", seen.len());
+    }
+}
