@@ -46,7 +46,6 @@ use crate::{
 pub struct LockGuard {
     granted: Lease,
     status: Arc<Status>,
-    lost: CancellationToken,
     /// The guard's slot in its client's renewal scheduler; `None` once released.
     slot: Option<(Arc<Scheduler>, SlotRef)>,
     /// Job mode's `at_least`: a release before this renews the lease to end then instead.
@@ -76,7 +75,9 @@ pub(crate) struct LossView {
 
 impl LossView {
     pub(crate) fn is_lost(&self) -> bool {
-        self.lost.is_cancelled() || Instant::now() >= self.status.deadline()
+        self.lost.is_cancelled()
+            || self.status.is_marked_lost()
+            || Instant::now() >= self.status.deadline()
     }
 
     pub(crate) fn token(&self) -> &CancellationToken {
@@ -99,11 +100,9 @@ impl LockGuard {
         limits: JobLimits,
     ) -> Self {
         let status = Arc::new(Status::new(lease.local_deadline()));
-        let lost = CancellationToken::new();
         if !lease.is_locally_valid() {
             mark_lost(
                 &status,
-                &lost,
                 lock.backend_name(),
                 &lease,
                 LossReason::DeadlinePassed,
@@ -117,14 +116,12 @@ impl LockGuard {
         let slot = scheduler.register(NewSlot {
             lease: lease.clone(),
             status: status.clone(),
-            lost: lost.clone(),
             interval: watchdog,
             renew_until,
         });
         Self {
             granted: lease,
             status,
-            lost,
             slot: Some((scheduler, slot)),
             keep_until,
         }
@@ -170,7 +167,7 @@ impl LockGuard {
     /// `true` once ownership can no longer be trusted: `lost()` fired, or the local deadline
     /// has passed (even if the watchdog has not yet run to say so).
     pub fn is_lost(&self) -> bool {
-        self.lost.is_cancelled() || Instant::now() >= self.status.deadline()
+        self.status.is_marked_lost() || Instant::now() >= self.status.deadline()
     }
 
     /// Why ownership was lost, once it was.
@@ -182,20 +179,20 @@ impl LockGuard {
 
     pub(crate) fn loss_view(&self) -> LossView {
         LossView {
-            lost: self.lost.child_token(),
+            lost: self.status.lost_token().child_token(),
             status: self.status.clone(),
         }
     }
 
     /// Completes when ownership is lost. Never completes after a clean release.
     pub fn lost(&self) -> WaitForCancellationFutureOwned {
-        self.lost.clone().cancelled_owned()
+        self.status.lost_token().cancelled_owned()
     }
 
     /// A token cancelled when ownership is lost, for handing to spawned work. Cancelling it
     /// yourself does not affect the guard.
     pub fn lost_token(&self) -> CancellationToken {
-        self.lost.child_token()
+        self.status.lost_token().child_token()
     }
 
     /// Stops the watchdog and releases the lease iff it is still ours.

@@ -22,7 +22,7 @@
 //! the next guard starts it again. A client is tied to one runtime anyway (its connections are).
 
 use std::{
-    collections::{BTreeSet, HashMap},
+    collections::{BTreeSet, HashMap, VecDeque},
     panic::{AssertUnwindSafe, catch_unwind},
     sync::{
         Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak,
@@ -44,32 +44,80 @@ use crate::{DynLock, Error, Lease, LossReason, Result, raw::Backoff};
 /// How many slots the task serves before it yields to the runtime's other tasks.
 const CHUNK: usize = 256;
 
-/// What a guard, its jobs and its slot share: the local deadline, the renewal count and the
-/// loss reason. Read without the scheduler's lock.
+/// At most this many renewals of one client in flight; the rest wait their turn in the order
+/// they came due. Locks taken together come due together (the renewal grid), and each renewal
+/// in flight holds a few hundred bytes (its lease, the driver's request, the batcher's slot):
+/// 100,000 at once would be most of a held lock's memory. The drivers batch what reaches them
+/// (Redis 500 keys per script call, PostgreSQL 1,000 per statement, etcd 128 checks per txn), so
+/// this many in flight keeps every batch full. Waiting does not touch safety: a lease's
+/// deadline moves only from a renewal's send time, and a slot that waits past its local
+/// deadline is lost then, as one whose renewal did not answer.
+const MAX_IN_FLIGHT: usize = 4096;
+
+/// What a guard, its jobs and its slot share: the local deadline, the renewal count, the loss
+/// reason and the `lost()` token. Read without the scheduler's lock.
 #[derive(Debug)]
 pub(crate) struct Status {
-    deadline: Mutex<Instant>,
-    reason: Mutex<Option<LossReason>>,
+    inner: Mutex<StatusInner>,
     renewals: AtomicU64,
+}
+
+#[derive(Debug)]
+struct StatusInner {
+    deadline: Instant,
+    reason: Option<LossReason>,
+    /// Made on first use (`lost()`, `lost_token()`, a job's view), cancelled once a reason is
+    /// recorded: a guard nobody waits on never carries one (a token is ~120 bytes, most of a
+    /// held lock's cost where locks are held per entity).
+    lost: Option<CancellationToken>,
 }
 
 impl Status {
     pub(crate) fn new(deadline: Instant) -> Self {
         Self {
-            deadline: Mutex::new(deadline),
-            reason: Mutex::new(None),
+            inner: Mutex::new(StatusInner {
+                deadline,
+                reason: None,
+                lost: None,
+            }),
             renewals: AtomicU64::new(0),
         }
     }
 
     /// The current conservative local deadline.
     pub(crate) fn deadline(&self) -> Instant {
-        *locked(&self.deadline)
+        locked(&self.inner).deadline
     }
 
     /// The loss reason recorded, if any.
     pub(crate) fn reason(&self) -> Option<LossReason> {
-        *locked(&self.reason)
+        locked(&self.inner).reason
+    }
+
+    /// Whether a loss was recorded (the `lost()` token is, or would be, cancelled).
+    pub(crate) fn is_marked_lost(&self) -> bool {
+        locked(&self.inner).reason.is_some()
+    }
+
+    /// The token cancelled on loss (made now if nobody asked before; cancelled at once if the
+    /// loss was already recorded).
+    pub(crate) fn lost_token(&self) -> CancellationToken {
+        let mut inner = locked(&self.inner);
+        let lost = inner.reason.is_some();
+        inner
+            .lost
+            .get_or_insert_with(|| {
+                let token = CancellationToken::new();
+                if lost {
+                    token.cancel();
+                }
+                token
+            })
+            .clone()
+    }
+
+    fn set_deadline(&self, deadline: Instant) {
+        locked(&self.inner).deadline = deadline;
     }
 
     /// Successful renewals.
@@ -83,23 +131,20 @@ fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// Marks a guard lost once: records the reason and the metric, logs, cancels the token.
-pub(crate) fn mark_lost(
-    status: &Status,
-    lost: &CancellationToken,
-    backend: &'static str,
-    lease: &Lease,
-    reason: LossReason,
-) {
-    {
-        let mut slot = locked(&status.reason);
-        if slot.is_some() || lost.is_cancelled() {
+pub(crate) fn mark_lost(status: &Status, backend: &'static str, lease: &Lease, reason: LossReason) {
+    let token = {
+        let mut inner = locked(&status.inner);
+        if inner.reason.is_some() {
             return;
         }
-        *slot = Some(reason);
-    }
+        inner.reason = Some(reason);
+        inner.lost.clone()
+    };
     crate::observe::record_loss(backend, reason);
     tracing::warn!(key = %lease.key(), token = %lease.token(), fencing = ?lease.fencing_token(), %reason, "lock ownership lost");
-    lost.cancel();
+    if let Some(token) = token {
+        token.cancel();
+    }
 }
 
 /// When to renew next: `renewal_time(now, interval)`, but never so late that the renewal has
@@ -195,6 +240,11 @@ struct State {
     timers: BTreeSet<(Instant, usize)>,
     /// Running slots (the task ends when there are none).
     active: usize,
+    /// Renewals in flight (at most [`MAX_IN_FLIGHT`]).
+    in_flight: usize,
+    /// Slots due for a renewal while [`MAX_IN_FLIGHT`] were in flight, in the order they came
+    /// due.
+    waiting: VecDeque<SlotRef>,
     next_id: u64,
     /// Whether the task is alive.
     running: bool,
@@ -241,18 +291,31 @@ struct Slot {
     /// The lease as last renewed.
     lease: Lease,
     status: Arc<Status>,
-    lost: CancellationToken,
     interval: Option<Duration>,
     /// Job mode's `at_most`: no renewal after this, and the guard is lost then.
     renew_until: Option<Instant>,
     next_renew: Option<Instant>,
-    retry: Backoff,
+    /// Only while renewals fail temporarily.
+    retry: Option<Box<Backoff>>,
     /// The instant under which the slot sits in the timer set.
     wake: Option<Instant>,
     waker: Arc<SlotWaker>,
     watch: Option<BoxFuture<'static, LossReason>>,
+    /// The renewal in flight (taken out while the task polls it).
     renewing: Option<Renewal>,
+    phase: Phase,
     end: End,
+}
+
+/// Where a running slot's renewal stands.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Waits for `next_renew`.
+    Idle,
+    /// Due, in [`State::waiting`] for a place in flight.
+    Waiting,
+    /// In flight.
+    InFlight,
 }
 
 enum End {
@@ -277,7 +340,7 @@ impl Slot {
     fn next_wake(&self) -> Instant {
         let deadline = self.lease.local_deadline();
         let mut wake = deadline;
-        if self.renewing.is_none()
+        if self.phase == Phase::Idle
             && let Some(t) = self.next_renew
         {
             wake = wake.min(t);
@@ -307,6 +370,8 @@ pub(crate) fn for_lock(lock: &DynLock) -> Arc<Scheduler> {
             free: Vec::new(),
             timers: BTreeSet::new(),
             active: 0,
+            in_flight: 0,
+            waiting: VecDeque::new(),
             next_id: 0,
             running: false,
         }),
@@ -327,7 +392,6 @@ pub(crate) fn for_lock(lock: &DynLock) -> Arc<Scheduler> {
 pub(crate) struct NewSlot {
     pub(crate) lease: Lease,
     pub(crate) status: Arc<Status>,
-    pub(crate) lost: CancellationToken,
     pub(crate) interval: Option<Duration>,
     pub(crate) renew_until: Option<Instant>,
 }
@@ -338,10 +402,10 @@ impl Scheduler {
         &self.lock
     }
 
-    /// Adds a guard's lease. A lease already lost (its `lost` token cancelled) gets a slot that
-    /// only keeps it for the release.
+    /// Adds a guard's lease. A lease already lost (its loss recorded) gets a slot that only
+    /// keeps it for the release.
     pub(crate) fn register(self: &Arc<Self>, new: NewSlot) -> SlotRef {
-        let running = !new.lost.is_cancelled();
+        let running = !new.status.is_marked_lost();
         let watch = running.then(|| self.lock.watch_lost(&new.lease));
         let next_renew = new.interval.filter(|_| running).map(|i| {
             next_renewal(
@@ -351,10 +415,6 @@ impl Scheduler {
                 new.lease.ttl(),
             )
         });
-        let retry = new
-            .interval
-            .map(|i| Backoff::new(i / 8, i / 2))
-            .unwrap_or_default();
         let (at, spawn) = {
             let mut state = locked(&self.state);
             let index = match state.free.pop() {
@@ -370,11 +430,10 @@ impl Scheduler {
                 id,
                 lease: new.lease,
                 status: new.status,
-                lost: new.lost,
                 interval: new.interval,
                 renew_until: new.renew_until,
                 next_renew,
-                retry,
+                retry: None,
                 wake: None,
                 waker: Arc::new(SlotWaker {
                     ready: self.ready.clone(),
@@ -383,6 +442,7 @@ impl Scheduler {
                 }),
                 watch,
                 renewing: None,
+                phase: Phase::Idle,
                 end: if running { End::Running } else { End::Lost },
             };
             let mut spawn = false;
@@ -422,6 +482,9 @@ impl Scheduler {
             state.free.push(at.index);
             if matches!(slot.end, End::Running) {
                 state.active -= 1;
+            }
+            if slot.phase == Phase::InFlight {
+                state.in_flight -= 1;
             }
             slot
         };
@@ -512,20 +575,51 @@ impl Scheduler {
             self.lose(state, index, LossReason::HeldTooLong);
             return false;
         }
-        let started = if slot.renewing.is_none() && slot.next_renew.is_some_and(|t| now >= t) {
-            let mut lease = slot.lease.clone();
-            let ttl = lease.ttl();
-            let client = self.lock.clone();
-            slot.renewing = Some(Box::pin(async move {
-                let result = client.renew(&mut lease, ttl).await;
-                (lease, result)
-            }));
-            true
-        } else {
-            false
-        };
+        let mut started = false;
+        if slot.phase == Phase::Idle && slot.next_renew.is_some_and(|t| now >= t) {
+            if state.in_flight < MAX_IN_FLIGHT {
+                self.start_renewal(state, index);
+                started = true;
+            } else {
+                slot.phase = Phase::Waiting;
+                let id = slot.id;
+                state.waiting.push_back(SlotRef { index, id });
+            }
+        }
         state.reschedule(index);
         started
+    }
+
+    /// Starts the renewal of a running slot (to be polled, which sends it).
+    fn start_renewal(&self, state: &mut State, index: usize) {
+        let slot = slot_mut(&mut state.slots, index);
+        let mut lease = slot.lease.clone();
+        let ttl = lease.ttl();
+        let client = self.lock.clone();
+        slot.renewing = Some(Box::pin(async move {
+            let result = client.renew(&mut lease, ttl).await;
+            (lease, result)
+        }));
+        slot.phase = Phase::InFlight;
+        state.in_flight += 1;
+        state.reschedule(index);
+    }
+
+    /// Starts the renewals that waited for a place in flight, as places free up. Returns the
+    /// slots to poll.
+    fn start_waiting(&self, state: &mut State, out: &mut Vec<usize>) {
+        while state.in_flight < MAX_IN_FLIGHT && out.len() < CHUNK {
+            let Some(at) = state.waiting.pop_front() else {
+                return;
+            };
+            if state
+                .slot(at)
+                .is_some_and(|s| s.phase == Phase::Waiting && matches!(s.end, End::Running))
+            {
+                self.start_renewal(state, at.index);
+                out.push(at.index);
+            }
+        }
     }
 
     /// A renewal answered.
@@ -533,12 +627,14 @@ impl Scheduler {
         let slot = slot_mut(&mut state.slots, index);
         // The lease as the renewal left it (as the watchdog always kept it).
         slot.lease = lease;
+        slot.phase = Phase::Idle;
+        state.in_flight -= 1;
         let now = Instant::now();
         match result {
             Ok(()) => {
-                *locked(&slot.status.deadline) = slot.lease.local_deadline();
+                slot.status.set_deadline(slot.lease.local_deadline());
                 slot.status.renewals.fetch_add(1, Ordering::AcqRel);
-                slot.retry.reset();
+                slot.retry = None;
                 let interval = slot.interval.unwrap_or(slot.lease.ttl() / 3);
                 slot.next_renew = Some(next_renewal(
                     now,
@@ -549,7 +645,15 @@ impl Scheduler {
             }
             Err(e) if e.is_temporary() => {
                 tracing::warn!(key = %slot.lease.key(), error = %e, "lease renewal failed; retrying until the local deadline");
-                slot.next_renew = Some(now + slot.retry.next_delay());
+                let interval = slot.interval;
+                let retry = slot.retry.get_or_insert_with(|| {
+                    Box::new(
+                        interval
+                            .map(|i| Backoff::new(i / 8, i / 2))
+                            .unwrap_or_default(),
+                    )
+                });
+                slot.next_renew = Some(now + retry.next_delay());
             }
             Err(e) => {
                 let reason = if matches!(e, Error::NotHeld { .. }) {
@@ -571,23 +675,23 @@ impl Scheduler {
             slots,
             timers,
             active,
+            in_flight,
             ..
         } = state;
         let slot = slot_mut(slots, index);
         slot.end = End::Lost;
         slot.watch = None;
         slot.renewing = None;
+        slot.retry = None;
+        if slot.phase == Phase::InFlight {
+            *in_flight -= 1;
+        }
+        slot.phase = Phase::Idle;
         if let Some(at) = slot.wake.take() {
             timers.remove(&(at, index));
         }
         *active -= 1;
-        mark_lost(
-            &slot.status,
-            &slot.lost,
-            self.lock.backend_name(),
-            &slot.lease,
-            reason,
-        );
+        mark_lost(&slot.status, self.lock.backend_name(), &slot.lease, reason);
     }
 
     /// A future of the slot panicked, or the task died: nothing renews the lease any more, so
@@ -599,7 +703,11 @@ impl Scheduler {
         let slot = slot_mut(&mut state.slots, index);
         tracing::error!(key = %slot.lease.key(), "the lock watchdog stopped unexpectedly; releasing the lease");
         let (tx, rx) = oneshot::channel();
-        let (client, lost, latest) = (self.lock.clone(), slot.lost.clone(), slot.lease.clone());
+        let (client, lost, latest) = (
+            self.lock.clone(),
+            slot.status.lost_token(),
+            slot.lease.clone(),
+        );
         // Queued before the loss wakes anyone, so that on a single-threaded runtime the key is
         // free by the time a waiter on `lost()` looks.
         let spawned = crate::raw::cleanup::spawn(async move {
@@ -664,6 +772,18 @@ impl TaskRun {
                 }
             }
             woken.clear();
+            // Renewals that waited for the places those answers freed.
+            loop {
+                locked_start_waiting(&s, &mut due);
+                if due.is_empty() {
+                    break;
+                }
+                for &index in &due {
+                    s.poll_slot(index);
+                }
+                due.clear();
+                tokio::task::yield_now().await;
+            }
             // Then every slot whose time has come.
             let now = Instant::now();
             loop {
@@ -706,6 +826,13 @@ impl TaskRun {
             if !locked(&s.ready.woken).is_empty() {
                 continue;
             }
+            let more_to_start = {
+                let state = locked(&s.state);
+                state.in_flight < MAX_IN_FLIGHT && !state.waiting.is_empty()
+            };
+            if more_to_start {
+                continue;
+            }
             if let Some(at) = next {
                 sleep.as_mut().reset(at);
             }
@@ -715,6 +842,11 @@ impl TaskRun {
             }
         }
     }
+}
+
+fn locked_start_waiting(s: &Scheduler, out: &mut Vec<usize>) {
+    let mut state = locked(&s.state);
+    s.start_waiting(&mut state, out);
 }
 
 #[cfg(test)]

@@ -3,11 +3,19 @@
 //! loss — a neighbour's loss, release or renewal never touches another slot.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed expectation is a failed test
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
 
 use futures::{StreamExt, TryStreamExt, stream};
+use lock_core::raw::async_trait;
 use lock_core::{
-    DistributedLock, DistributedLockExt, DynLock, InMemoryLock, LockGuard, LossReason,
+    Capabilities, DistributedLock, DistributedLockExt, DynLock, HolderInfo, InMemoryLock, Lease,
+    LockGuard, LockKey, LossReason, Result,
 };
 use tokio::time::{Instant, sleep, timeout};
 
@@ -166,5 +174,69 @@ async fn each_slot_is_lost_at_its_own_deadline() {
             at.checked_duration_since(deadline)
         );
         assert_eq!(g.loss_reason(), Some(LossReason::DeadlinePassed));
+    }
+}
+
+/// The in-memory coordinator behind renewals that take 50 ms, counting how many are in flight
+/// at once.
+#[derive(Debug)]
+struct SlowRenewals {
+    inner: InMemoryLock,
+    in_flight: AtomicUsize,
+    most: AtomicUsize,
+}
+
+#[async_trait]
+impl lock_core::raw::Driver for SlowRenewals {
+    fn backend_name(&self) -> &'static str {
+        "slow-renewals"
+    }
+    fn capabilities(&self) -> Capabilities {
+        DistributedLock::capabilities(&self.inner)
+    }
+    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
+        DistributedLock::try_acquire(&self.inner, key, ttl).await
+    }
+    async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
+        let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most.fetch_max(now, Ordering::SeqCst);
+        sleep(Duration::from_millis(50)).await;
+        let result = DistributedLock::renew(&self.inner, lease, ttl).await;
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        result
+    }
+    async fn release(&self, lease: &Lease) -> Result<bool> {
+        DistributedLock::release(&self.inner, lease).await
+    }
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        DistributedLock::inspect(&self.inner, key).await
+    }
+}
+
+/// 10,000 locks taken at once come due at once: at most 4,096 of their renewals are in flight
+/// together (each holds its lease and the driver's request), the rest wait their turn, and every
+/// lock is still renewed in time, tick after tick.
+#[tokio::test(start_paused = true)]
+async fn renewals_in_flight_are_capped_and_all_still_renew() {
+    let slow = Arc::new(SlowRenewals {
+        inner: InMemoryLock::new(),
+        in_flight: AtomicUsize::new(0),
+        most: AtomicUsize::new(0),
+    });
+    let lock: DynLock = slow.clone();
+    let ttl = Duration::from_secs(3);
+    let guards = hold(&lock, "shared/capped", 10_000, ttl).await;
+    sleep(ttl * 2).await;
+    let most = slow.most.load(Ordering::SeqCst);
+    assert!(
+        (1000..=4096).contains(&most),
+        "{most} renewals in flight at once"
+    );
+    for g in &guards {
+        assert!(!g.is_lost(), "{:?} lost: {:?}", g.key(), g.loss_reason());
+        assert!(g.renewals() >= 4, "{}", g.renewals());
+    }
+    for g in guards {
+        assert!(g.release().await.unwrap());
     }
 }
