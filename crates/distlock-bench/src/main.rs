@@ -337,6 +337,8 @@ async fn watchdog_child(args: &Args, plan: &Plan, run: &str) -> Result<WatchdogC
         return Err("a watchdog child takes exactly one --held".into());
     };
     let b = backend(name.trim(), plan)?;
+    // `--held-locks` runs only children: PostgreSQL's bench database may not exist yet.
+    b.prepare().await.map_err(|e| e.to_string())?;
     let (client, counter) = b.watchdog_client().await.map_err(|e| e.to_string())?;
     scenario::watchdog(
         &client,
