@@ -625,11 +625,19 @@ impl Scheduler {
     /// A renewal answered.
     fn renewed(&self, state: &mut State, index: usize, lease: Lease, result: Result<()>) {
         let slot = slot_mut(&mut state.slots, index);
+        let now = Instant::now();
+        // The deadline before this answer: once it has passed the guard has said it is lost
+        // (`is_lost()` compares with it), so an answer that comes later — the timer of the
+        // deadline not yet served — never makes it look held again.
+        let passed = now >= slot.status.deadline();
         // The lease as the renewal left it (as the watchdog always kept it).
         slot.lease = lease;
         slot.phase = Phase::Idle;
         state.in_flight -= 1;
-        let now = Instant::now();
+        if passed {
+            self.lose(state, index, LossReason::DeadlinePassed);
+            return;
+        }
         match result {
             Ok(()) => {
                 slot.status.set_deadline(slot.lease.local_deadline());
