@@ -592,38 +592,46 @@ pub(crate) async fn reap(inner: Weak<Inner>, held: Arc<Held>) {
             let ttl = phase.deadline.saturating_duration_since(phase.base);
             phase.deadline + (ttl / 20).clamp(Duration::from_millis(5), Duration::from_millis(250))
         };
+        // This task lives as long as the lock is held, so what it does once the wait is over
+        // (requests whose futures take kilobytes) is boxed: only the wait is its size.
         tokio::select! {
             () = held.stop.cancelled() => return,
             () = held.gone.cancelled() => {
                 if held.claim()
                     && let Some(inner) = inner.upgrade()
                 {
-                    inner.drop_user(&held.session, &held.name).await;
+                    Box::pin(async move { inner.drop_user(&held.session, &held.name).await })
+                        .await;
                 }
                 return;
             }
             () = sleep_until(deadline) => {}
         }
         if held.claim_if_expired() {
-            tracing::debug!(lease = %format_args!("{:x}", held.session.id), "lock not renewed before its local deadline; deleting its entry");
-            let target = Target {
-                session: held.session.clone(),
-                name: held.name.clone(),
-                key: held.key.clone(),
-                rev: held.rev,
-                value: String::new(),
-                marker: None,
-            };
-            if let Some(inner) = inner.upgrade()
-                && inner
-                    .remove_entry(&target, Instant::now() + inner.timeout())
-                    .await
-                    .is_err()
-            {
-                spawn_cleanup(Arc::downgrade(&inner), target);
-            }
+            Box::pin(delete_unrenewed(inner, held)).await;
             return;
         }
+    }
+}
+
+/// The reaper's delete of an entry nobody renewed by its local deadline.
+async fn delete_unrenewed(inner: Weak<Inner>, held: Arc<Held>) {
+    tracing::debug!(lease = %format_args!("{:x}", held.session.id), "lock not renewed before its local deadline; deleting its entry");
+    let target = Target {
+        session: held.session.clone(),
+        name: held.name.clone(),
+        key: held.key.clone(),
+        rev: held.rev,
+        value: String::new(),
+        marker: None,
+    };
+    if let Some(inner) = inner.upgrade()
+        && inner
+            .remove_entry(&target, Instant::now() + inner.timeout())
+            .await
+            .is_err()
+    {
+        spawn_cleanup(Arc::downgrade(&inner), target);
     }
 }
 

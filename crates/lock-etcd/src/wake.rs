@@ -283,6 +283,37 @@ async fn route(
     }
 }
 
+/// What a read of a held entry found.
+enum Entry {
+    /// Gone, or another entry now.
+    Gone,
+    /// Still ours, at this revision (when the reply said).
+    Ours(Option<i64>),
+    /// The read failed.
+    Unread,
+}
+
+/// Reads `held`'s entry after its deletion watch was cancelled.
+async fn read_entry(inner: &Inner, held: &Held) -> Entry {
+    Counters::bump(&inner.counters.range);
+    let Ok(now) = client::request(
+        inner.timeout(),
+        inner.client.kv_client().get(held.key.clone(), None),
+    )
+    .await
+    else {
+        return Entry::Unread;
+    };
+    if now
+        .kvs()
+        .first()
+        .is_none_or(|kv| kv.create_revision() != held.rev)
+    {
+        return Entry::Gone;
+    }
+    Entry::Ours(now.header().map(|h| h.revision()))
+}
+
 /// Completes when `held`'s entry is deleted (lease expired or revoked, key deleted).
 pub(crate) async fn watch_entry(inner: &Inner, held: &Held) -> LossReason {
     let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
@@ -294,25 +325,17 @@ pub(crate) async fn watch_entry(inner: &Inner, held: &Held) -> LossReason {
                 Outcome::Deleted => true,
                 Outcome::Broken => false,
                 Outcome::Canceled => {
-                    // Compacted past our revision: look at the key itself.
-                    Counters::bump(&inner.counters.range);
-                    let Ok(now) = client::request(
-                        inner.timeout(),
-                        inner.client.kv_client().get(held.key.clone(), None),
-                    )
-                    .await
-                    else {
-                        return false;
-                    };
-                    if now
-                        .kvs()
-                        .first()
-                        .is_none_or(|kv| kv.create_revision() != held.rev)
-                    {
-                        return true;
+                    // Compacted past our revision: look at the key itself. Boxed: this future
+                    // lives as long as the lock is held, and the read's state (≈ 2.7 KiB) is
+                    // needed only here, so it must not be part of it.
+                    match Box::pin(read_entry(inner, held)).await {
+                        Entry::Gone => true,
+                        Entry::Ours(revision) => {
+                            from = revision.map_or(from, |r| r + 1);
+                            false
+                        }
+                        Entry::Unread => false,
                     }
-                    from = now.header().map_or(from, |h| h.revision() + 1);
-                    false
                 }
             }
         };
@@ -329,5 +352,48 @@ pub(crate) async fn watch_entry(inner: &Inner, held: &Held) -> LossReason {
             () = held.gone.cancelled() => return LossReason::Revoked,
             () = sleep(backoff.next_delay()) => {}
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use std::{sync::Arc, time::Duration};
+
+    use lock_core::raw::{Driver, LockKey};
+
+    use crate::{EtcdLock, renew::Held};
+
+    /// Issue 24: what a held lock keeps for its whole life — its `watch_lost` future (polled by
+    /// lock-core's scheduler) and its reaper task — stays small. Each was 6–7 KiB while the
+    /// requests they send only on a rare path (a read after a cancelled watch, the reaper's
+    /// delete) were part of their state: ≈ 24 KiB per held lock at 10,000.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_held_lock_keeps_small_futures() {
+        let Some(url) = conformance::backend_url("DISTLOCK_TEST_ETCD_URL") else {
+            return;
+        };
+        let lock = EtcdLock::connect_url(&url).await.unwrap();
+        let key = LockKey::new(format!("small-futures-{:x}", rand::random::<u32>())).unwrap();
+        let lease = lock
+            .try_acquire(&key, Duration::from_secs(10))
+            .await
+            .unwrap()
+            .expect("a fresh key is free");
+        let held = lease.backend_state::<Arc<Held>>().cloned().unwrap();
+        let watch = lock.watch_lost(&lease);
+        let reap = crate::renew::reap(Arc::downgrade(&lock.inner), held);
+        let (watch_size, reap_size) =
+            (std::mem::size_of_val(&*watch), std::mem::size_of_val(&reap));
+        drop((watch, reap));
+        assert!(lock.release(&lease).await.unwrap());
+        assert!(
+            watch_size <= 1024,
+            "a held lock's watch_lost future takes {watch_size} B"
+        );
+        assert!(
+            reap_size <= 1024,
+            "a held lock's reaper task future takes {reap_size} B"
+        );
     }
 }
