@@ -454,37 +454,51 @@ impl Inner {
     /// Proves that each entry still exists with its create revision on its lease: one
     /// linearizable read-only txn for every renewal that asks while another batch is out.
     pub(crate) async fn check_entries(&self, check: Check, until: Instant) -> CheckAnswer {
-        let (client, counters, timeout) =
-            (self.client.clone(), self.counters.clone(), self.timeout());
-        let run = move |items: Vec<Check>| {
-            let (client, counters) = (client.clone(), counters.clone());
-            async move {
-                Counters::bump(&counters.txn);
-                let reads = items.iter().map(|(key, _, _)| {
-                    TxnOp::get(key.clone(), Some(GetOptions::new().with_keys_only()))
-                });
-                let txn = Txn::new().and_then(reads.collect::<Vec<_>>());
-                match client::request(timeout, client.kv_client().txn(txn)).await {
-                    Ok(resp) => items
-                        .iter()
-                        .enumerate()
-                        .map(|(i, (_, rev, lease))| match txn_get(&resp, i) {
-                            Some(get) => Ok(get.kvs().first().is_some_and(|kv| {
-                                kv.create_revision() == *rev && kv.lease() == *lease
-                            })),
-                            None => Err((Failure::Refused, "etcd's txn reply lacks a read".into())),
-                        })
-                        .collect(),
-                    Err(e) => {
-                        let why: Arc<str> = e.source.to_string().into();
-                        items
+        // The batch's closure holds this client weakly, not a clone of its `etcd_client::Client`
+        // (≈ 7 KiB): every renewal waiting for its check carries the closure until it is
+        // answered, and only the one task running the batch needs the client.
+        let me = self.me.clone();
+        let run =
+            move |items: Vec<Check>| -> futures::future::BoxFuture<'static, Vec<CheckAnswer>> {
+                let me = me.clone();
+                Box::pin(async move {
+                    let Some(inner) = me.upgrade() else {
+                        let why: Arc<str> = "the client was dropped".into();
+                        return items
                             .iter()
-                            .map(|_| Err((e.failure, why.clone())))
-                            .collect()
+                            .map(|_| Err((Failure::NotSent, why.clone())))
+                            .collect();
+                    };
+                    let (client, counters, timeout) =
+                        (&inner.client, &inner.counters, inner.timeout());
+                    Counters::bump(&counters.txn);
+                    let reads = items.iter().map(|(key, _, _)| {
+                        TxnOp::get(key.clone(), Some(GetOptions::new().with_keys_only()))
+                    });
+                    let txn = Txn::new().and_then(reads.collect::<Vec<_>>());
+                    match client::request(timeout, client.kv_client().txn(txn)).await {
+                        Ok(resp) => items
+                            .iter()
+                            .enumerate()
+                            .map(|(i, (_, rev, lease))| match txn_get(&resp, i) {
+                                Some(get) => Ok(get.kvs().first().is_some_and(|kv| {
+                                    kv.create_revision() == *rev && kv.lease() == *lease
+                                })),
+                                None => {
+                                    Err((Failure::Refused, "etcd's txn reply lacks a read".into()))
+                                }
+                            })
+                            .collect(),
+                        Err(e) => {
+                            let why: Arc<str> = e.source.to_string().into();
+                            items
+                                .iter()
+                                .map(|_| Err((e.failure, why.clone())))
+                                .collect()
+                        }
                     }
-                }
-            }
-        };
+                })
+            };
         match tokio::time::timeout_at(until, self.checks.submit(check, run)).await {
             Ok(Some(answer)) => answer,
             Ok(None) => Err((

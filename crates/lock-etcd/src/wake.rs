@@ -365,7 +365,7 @@ mod tests {
     use crate::{EtcdLock, renew::Held};
 
     /// Issue 24: what a held lock keeps for its whole life — its `watch_lost` future (polled by
-    /// lock-core's scheduler) and its reaper task — stays small. Each was 6–7 KiB while the
+    /// lock-core's scheduler) and its reaper task — and a renewal in flight stay small. Each was 6–7 KiB while the
     /// requests they send only on a rare path (a read after a cancelled watch, the reaper's
     /// delete) were part of their state: ≈ 24 KiB per held lock at 10,000.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -386,6 +386,11 @@ mod tests {
         let (watch_size, reap_size) =
             (std::mem::size_of_val(&*watch), std::mem::size_of_val(&reap));
         drop((watch, reap));
+        // A renewal in flight (up to 4,096 per client at once, lock-core's scheduler).
+        let mut renewing = lease.clone();
+        let renew = lock.renew(&mut renewing, Duration::from_secs(10));
+        let renew_size = std::mem::size_of_val(&*renew);
+        drop(renew);
         assert!(lock.release(&lease).await.unwrap());
         assert!(
             watch_size <= 1024,
@@ -394,6 +399,10 @@ mod tests {
         assert!(
             reap_size <= 1024,
             "a held lock's reaper task future takes {reap_size} B"
+        );
+        assert!(
+            renew_size <= 1024,
+            "a renewal's future takes {renew_size} B"
         );
     }
 }
