@@ -786,11 +786,7 @@ impl TaskRun {
                 if due.is_empty() {
                     break;
                 }
-                for &index in &due {
-                    s.poll_slot(index);
-                }
-                due.clear();
-                tokio::task::yield_now().await;
+                poll_each(&s, &mut due).await;
             }
             // Then every slot whose time has come.
             let now = Instant::now();
@@ -816,11 +812,7 @@ impl TaskRun {
                     break;
                 }
                 // The renewals that started are polled once, which sends them.
-                for &index in &due {
-                    s.poll_slot(index);
-                }
-                due.clear();
-                tokio::task::yield_now().await;
+                poll_each(&s, &mut due).await;
             }
             let next = {
                 let mut state = locked(&s.state);
@@ -850,6 +842,15 @@ impl TaskRun {
             }
         }
     }
+}
+
+/// Polls each slot of `due` once, empties it, and yields to the runtime's other tasks.
+async fn poll_each(s: &Scheduler, due: &mut Vec<usize>) {
+    for &index in due.iter() {
+        s.poll_slot(index);
+    }
+    due.clear();
+    tokio::task::yield_now().await;
 }
 
 fn locked_start_waiting(s: &Scheduler, out: &mut Vec<usize>) {

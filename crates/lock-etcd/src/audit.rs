@@ -172,14 +172,7 @@ fn options(config: &EtcdLockConfig, with_user: bool) -> Result<ConnectOptions> {
         .with_timeout(config.timeout)
         .with_require_leader(true);
     if with_user && let Some(user) = &config.user {
-        options = options.with_user(
-            user.clone(),
-            config
-                .password
-                .as_ref()
-                .map(|p| p.expose().to_owned())
-                .unwrap_or_default(),
-        );
+        options = options.with_user(user.clone(), config.password_text());
     }
     if let Some(tls) = &config.tls {
         options = options.with_tls(crate::client::tls_options(tls)?);

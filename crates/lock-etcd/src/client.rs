@@ -220,14 +220,7 @@ pub(crate) async fn connect(config: &EtcdLockConfig) -> Result<Client> {
         // Re-authenticates when the token expired (etcd's simple tokens live 5 min by
         // default), instead of failing every later request for good (review L5).
         options = options
-            .with_user(
-                user.clone(),
-                config
-                    .password
-                    .as_ref()
-                    .map(|p| p.expose().to_owned())
-                    .unwrap_or_default(),
-            )
+            .with_user(user.clone(), config.password_text())
             .with_auto_token_refresh(true);
     }
     let scheme = if let Some(tls) = &config.tls {

@@ -55,6 +55,14 @@ pub struct EtcdTlsConfig {
 }
 
 impl EtcdLockConfig {
+    /// The password as the connection sends it (empty when none is set).
+    pub(crate) fn password_text(&self) -> String {
+        self.password
+            .as_ref()
+            .map(|p| p.expose().to_owned())
+            .unwrap_or_default()
+    }
+
     /// The default lock name prefix.
     pub const DEFAULT_PREFIX: &'static str = "distlock/";
     /// The longest `connect_timeout` or `timeout` accepted (1 hour).
