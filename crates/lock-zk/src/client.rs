@@ -368,6 +368,13 @@ impl ZkLock {
     pub(crate) async fn call<T>(&self, fut: impl Future<Output = ZkResult<T>>) -> ZkResult<T> {
         call(self.inner.config.timeout, fut).await
     }
+
+    /// `timeout` from now: the bound of a step of several requests.
+    pub(crate) fn op_deadline(&self) -> Instant {
+        let now = Instant::now();
+        now.checked_add(self.inner.config.timeout)
+            .unwrap_or(now + ZkLockConfig::MAX_TIMEOUT)
+    }
 }
 
 #[cfg(test)]

@@ -23,7 +23,7 @@ use crate::{
     path::{self, lock_dir, sorted_contenders},
     path::{KEEP_NODE, KeepMarker, keep_path},
     queue::{Grant, Kept, Position, Waited, spawn_removal},
-    renew::KeptMarker,
+    renew::{KeptMarker, delete_keep},
     wake::NodeWatch,
 };
 
@@ -217,10 +217,15 @@ impl ZkLock {
                 if holder.is_some_and(|h| marker.fence_token() != Some(h)) {
                     return Ok(false);
                 }
-                match self
-                    .call(session.client.delete(&keep_path(&dir), Some(*version)))
-                    .await
-                {
+                let deleted = delete_keep(
+                    &session.client,
+                    &keep_path(&dir),
+                    Some(marker.fence),
+                    Some(*version),
+                    self.op_deadline(),
+                )
+                .await;
+                match deleted {
                     Ok(()) => {
                         tracing::warn!(%key, "kept lock (job mode's at_least) freed by force_release");
                         return Ok(true);
@@ -247,10 +252,15 @@ impl ZkLock {
                     Ok(()) => {
                         tracing::warn!(%key, digest = ?current.digest, "lock holder removed by force_release");
                         // Its own keep marker (a job with `at_least`) would hold the lock on.
-                        if let Some((_, version)) = kept {
-                            let _ = self
-                                .call(session.client.delete(&keep_path(&dir), Some(version)))
-                                .await;
+                        if let Some((marker, version)) = kept {
+                            let _ = delete_keep(
+                                &session.client,
+                                &keep_path(&dir),
+                                Some(marker.fence),
+                                Some(version),
+                                self.op_deadline(),
+                            )
+                            .await;
                         }
                         return Ok(true);
                     }

@@ -37,6 +37,13 @@ pub(crate) fn keep_path(dir: &str) -> String {
     format!("{dir}/{KEEP_NODE}")
 }
 
+/// The pin of the keep marker at `keep` written for the grant with fencing token `fence`: a
+/// child that keeps ZooKeeper's TTL sweep off the marker while it holds (see
+/// `crate::renew::KeptMarker`). Named after the grant, so a pin's path is never reused.
+pub(crate) fn keep_pin(keep: &str, fence: i64) -> String {
+    format!("{keep}/pin-{fence}")
+}
+
 /// The lock directory of the contender node `path`.
 pub(crate) fn dir_of(path: &str) -> &str {
     path.rsplit_once('/').map_or("", |(dir, _)| dir)

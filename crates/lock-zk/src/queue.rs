@@ -28,7 +28,7 @@ use crate::{
         KEEP_NODE, KeepMarker, keep_path, lock_dir, node_prefix, protected_marker,
         sorted_contenders,
     },
-    renew::lease_ttl,
+    renew::{delete_keep, lease_ttl},
     wake::{Change, Check, NodeWatch},
 };
 
@@ -434,7 +434,15 @@ impl Contender {
             };
             let expires = marker.expires_at(stat.mtime);
             if now >= expires {
-                match self.call(client.delete(&path, Some(stat.version))).await {
+                let deleted = delete_keep(
+                    client,
+                    &path,
+                    Some(marker.fence),
+                    Some(stat.version),
+                    self.until(),
+                )
+                .await;
+                match deleted {
                     Ok(()) | Err(zk::Error::NoNode) => {
                         self.keep_seen.store(false, Ordering::Relaxed);
                         return Ok(Kept::Free);

@@ -35,9 +35,9 @@ use zookeeper_client as zk;
 
 use crate::{
     BACKEND, ZkLock,
-    client::{Probe, Session, outcome_unknown, session_gone, to_error},
+    client::{Probe, Session, ZkResult, call_until, outcome_unknown, session_gone, to_error},
     lock::ZkLease,
-    path::{KeepMarker, dir_of, keep_path},
+    path::{KeepMarker, dir_of, keep_path, keep_pin},
     wake::Check,
 };
 
@@ -383,6 +383,16 @@ impl ZkLock {
 /// (`zookeeper.extendedTypesEnabled=true`) the marker is one, with `hold` as its TTL, so the
 /// server deletes it by itself once nobody takes the lock again; elsewhere it is a persistent
 /// node, deleted by the next acquirer.
+///
+/// A TTL marker is created with a *pin* ([`keep_pin`]: a TTL child of its own, named after the
+/// grant) in one transaction, and deleted with it in one. The server's sweep lists the TTL nodes
+/// that have passed and posts their deletes one by one behind every emptied lock directory of
+/// the same pass, seconds later on a busy server; such a delete checks only that the path holds
+/// a childless TTL node. Without the pin, the delete meant for the previous grant's marker
+/// (passed, then replaced by the next acquirer at the same path) removed the new marker at once,
+/// and the lock went to the next contender long before `at_least` (`same_job_every_backend`'s
+/// periodic check on ZooKeeper ran a period's job twice). A pinned marker has a child until its
+/// own pin has passed, and no pin's path is ever used twice.
 pub(crate) struct KeptMarker {
     version: i32,
     /// Until when, on our clock, the marker holds the lock at least: the create's send time plus
@@ -418,10 +428,30 @@ impl ZkLock {
                 options = options.with_ttl(hold.max(Duration::from_millis(1)));
             }
             let sent = Instant::now();
-            match self.call(client.create(&path, &data, &options)).await {
-                Ok((stat, _)) => {
+            let created = if ttl_nodes {
+                // The marker and its pin in one transaction: never unpinned.
+                let mut both = client.new_multi_writer();
+                let added = both
+                    .add_create(&path, &data, &options)
+                    .and_then(|()| both.add_create(&keep_pin(&path, state.czxid), &[], &options));
+                match added {
+                    // A node just created is at version 0 (the multi's Stat may be unset on
+                    // some servers: ZOOKEEPER-4026).
+                    Ok(()) => {
+                        self.call(async { both.commit().await.map(|_| 0).map_err(zk::Error::from) })
+                            .await
+                    }
+                    Err(e) => Err(e),
+                }
+            } else {
+                self.call(client.create(&path, &data, &options))
+                    .await
+                    .map(|(stat, _)| stat.version)
+            };
+            match created {
+                Ok(version) => {
                     *state.kept.lock().unwrap_or_else(PoisonError::into_inner) = Some(KeptMarker {
-                        version: stat.version,
+                        version,
                         covers_until: sent + hold,
                     });
                     return Ok(());
@@ -432,12 +462,14 @@ impl ZkLock {
                 }
                 // An earlier grant's marker that had passed, or ours from a create whose reply
                 // was lost: replaced, so that its mtime and TTL are this write's.
-                Err(zk::Error::NodeExists) => match self.call(client.delete(&path, None)).await {
-                    Ok(()) | Err(zk::Error::NoNode) => {}
-                    Err(e) if session_gone(&e) => return Err(not_held()),
-                    Err(e) if outcome_unknown(&e) => {}
-                    Err(e) => return Err(to_error(op, e)),
-                },
+                Err(zk::Error::NodeExists) => {
+                    match delete_keep(client, &path, None, None, self.op_deadline()).await {
+                        Ok(()) | Err(zk::Error::NoNode) => {}
+                        Err(e) if session_gone(&e) => return Err(not_held()),
+                        Err(e) if outcome_unknown(&e) => {}
+                        Err(e) => return Err(to_error(op, e)),
+                    }
+                }
                 Err(e) if session_gone(&e) => return Err(not_held()),
                 // Sent again: a create applied without our hearing of it is found as NodeExists.
                 Err(e) if outcome_unknown(&e) => {}
@@ -487,14 +519,75 @@ impl ZkLock {
             .take();
         if let Some(kept) = kept {
             let path = keep_path(dir_of(&state.path));
-            if let Err(e) = self
-                .call(session.client.delete(&path, Some(kept.version)))
-                .await
+            if let Err(e) = delete_keep(
+                &session.client,
+                &path,
+                Some(state.czxid),
+                Some(kept.version),
+                self.op_deadline(),
+            )
+            .await
             {
                 tracing::debug!(error = %e, "the keep marker was left to the next acquirer");
             }
         }
     }
+}
+
+/// Deletes the keep marker at `path` (compare on `version` when given) with its pins, in one
+/// transaction; each request bounded by `until`. `fence`: the grant the marker was written for
+/// (its pin is tried first), when known. Answers as a `delete` of the marker alone: `NoNode`,
+/// `BadVersion`, … A marker without a pin (a persistent one, one of an older client, or one
+/// whose pin the server swept after it passed) is deleted alone.
+pub(crate) async fn delete_keep(
+    client: &zk::Client,
+    path: &str,
+    fence: Option<i64>,
+    version: Option<i32>,
+    until: Instant,
+) -> ZkResult<()> {
+    let mut pins = fence.map(|f| vec![keep_pin(path, f)]).unwrap_or_default();
+    for _ in 0..4 {
+        if !pins.is_empty() {
+            let mut all = client.new_multi_writer();
+            for pin in &pins {
+                all.add_delete(pin, None)?;
+            }
+            all.add_delete(path, version)?;
+            let n = pins.len();
+            let deleted = call_until(until, async {
+                match all.commit().await {
+                    Ok(_) => Ok(true),
+                    // A pin that is not there (never written, or swept once it passed), or a
+                    // pin we did not name: look again.
+                    Err(zk::MultiWriteError::OperationFailed {
+                        index,
+                        source: zk::Error::NoNode,
+                    }) if index < n => Ok(false),
+                    Err(zk::MultiWriteError::OperationFailed {
+                        index,
+                        source: zk::Error::NotEmpty,
+                    }) if index == n => Ok(false),
+                    Err(e) => Err(zk::Error::from(e)),
+                }
+            })
+            .await?;
+            if deleted {
+                return Ok(());
+            }
+        }
+        match call_until(until, client.delete(path, version)).await {
+            Err(zk::Error::NotEmpty) => {}
+            done => return done,
+        }
+        // Pinned: its children (only ever pins) go with it.
+        pins = call_until(until, client.list_children(path))
+            .await?
+            .into_iter()
+            .map(|pin| format!("{path}/{pin}"))
+            .collect();
+    }
+    Err(zk::Error::NotEmpty)
 }
 
 #[cfg(test)]

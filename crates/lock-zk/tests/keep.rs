@@ -13,6 +13,7 @@ use support::{ROOT, SESSION, children, config, plain_key, raw_client};
 use std::{sync::Arc, time::Duration};
 
 use conformance::backend_url;
+use futures::future::join_all;
 use lock_core::{DistributedLock, DistributedLockExt, FencingToken, LockKey};
 use lock_zk::{ZkLock, ZkLockConfig};
 use tokio::time::{Instant, sleep};
@@ -135,6 +136,69 @@ async fn without_ttl_nodes_the_marker_stays_until_the_next_acquirer_deletes_it()
     assert!(guard.release().await.unwrap());
     assert!(marker(&raw, &key).await.is_none());
     assert!(next.try_acquire(&key, SESSION).await.unwrap().is_some());
+}
+
+/// The server's TTL sweep lists the TTL nodes that have passed, then posts their deletes one by
+/// one behind the emptied lock directories of the same pass (6 ms apart), and such a delete
+/// checks only that the path holds a childless TTL node. A grant that replaced a passed marker
+/// in between once lost its new marker to the delete meant for the old one (the periodic job of
+/// `same_job_every_backend` ran twice in a period). On a private server, between two checks: a
+/// marker passes and 400 lock directories are emptied; as soon as the pass that lists them
+/// begins, the next grant with `at_least` replaces the marker — and nobody is granted before
+/// that `at_least`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_marker_outlives_the_sweep_of_the_one_it_replaced() {
+    use conformance::servers::{PrivateServer, ServerKind, free_port};
+    if config().is_none() {
+        return;
+    }
+    let server = PrivateServer::start(ServerKind::Zk, free_port()).await;
+    let mut config = ZkLockConfig::from_url(&server.url()).unwrap();
+    config.session_timeout = SESSION;
+    config.root = ROOT.into();
+    let raw = raw_client(&config).await;
+    let open = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+    let container = zk::CreateMode::Container.with_acls(zk::Acls::anyone_all());
+    raw.create("/emptied", b"", &open).await.unwrap();
+    let other = ZkLock::connect(config.clone()).await.unwrap();
+    let at_least = Duration::from_secs(3);
+    for round in 0..3 {
+        let key = plain_key();
+        // The sweep's phase: an emptied probe directory goes at the next check (every second).
+        let probe = format!("/emptied/probe{round}");
+        raw.create(&probe, b"", &container).await.unwrap();
+        raw.create(&format!("{probe}/x"), b"", &open).await.unwrap();
+        raw.delete(&format!("{probe}/x"), None).await.unwrap();
+        while raw.check_stat(&probe).await.unwrap().is_some() {
+            sleep(Duration::from_millis(5)).await;
+        }
+        // Before the next check: a marker that passes, and 400 emptied directories (a pass of
+        // 2.4 s, which lists the passed marker among them).
+        kept_job(&config, &key, Duration::from_millis(300)).await;
+        let dirs: Vec<String> = (0..400).map(|i| format!("/emptied/r{round}-{i}")).collect();
+        let children: Vec<String> = dirs.iter().map(|d| format!("{d}/x")).collect();
+        join_all(dirs.iter().map(|d| raw.create(d, b"", &container))).await;
+        join_all(children.iter().map(|c| raw.create(c, b"", &open))).await;
+        join_all(children.iter().map(|c| raw.delete(c, None))).await;
+        // The pass has begun once one of them is gone.
+        while raw.list_children("/emptied").await.unwrap().len() == dirs.len() {
+            sleep(Duration::from_millis(5)).await;
+        }
+        let start = kept_job(&config, &key, at_least).await;
+        while start.elapsed() < at_least - Duration::from_millis(300) {
+            if other.try_acquire(&key, SESSION).await.unwrap().is_some() {
+                panic!(
+                    "round {round}: granted {:?} after a grant kept for {at_least:?}",
+                    start.elapsed()
+                );
+            }
+            sleep(Duration::from_millis(50)).await;
+        }
+        // The next round's pass starts clean.
+        while !raw.list_children("/emptied").await.unwrap().is_empty() {
+            sleep(Duration::from_millis(100)).await;
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
