@@ -175,7 +175,21 @@ impl Drop for Cluster {
 }
 
 impl Cluster {
+    /// Starts the cluster and waits for its leader. The members' own ports are picked free and
+    /// released before etcd binds them, in the range the kernel also gives outgoing connections
+    /// their local ports from: a member that found its port taken meanwhile (it exits with
+    /// "address already in use"; seen once in a two-lane run) means a new cluster on new ports.
     async fn start() -> Self {
+        for _ in 0..3 {
+            if let Some(cluster) = Self::try_start().await {
+                return cluster;
+            }
+        }
+        panic!("three private clusters in a row lost a port to another process before binding it");
+    }
+
+    /// [`Cluster::start`] once: `None` when a member could not bind its ports.
+    async fn try_start() -> Option<Self> {
         let dir = std::env::temp_dir().join(format!(
             "distlock-drill-etcd-partition-{}-{:x}",
             std::process::id(),
@@ -232,7 +246,7 @@ impl Cluster {
                 child,
             });
         }
-        let cluster = Self {
+        let mut cluster = Self {
             members,
             _proxies: proxies,
             partition,
@@ -240,6 +254,13 @@ impl Cluster {
         };
         let until = Instant::now() + SOON;
         while cluster.leader(&[0, 1, 2]).await.is_none() {
+            if cluster.lost_a_port() {
+                eprintln!(
+                    "a member's port was taken before it bound it; new ports:{}",
+                    cluster.logs()
+                );
+                return None;
+            }
             assert!(
                 Instant::now() < until,
                 "the private cluster never elected a leader: {}",
@@ -247,7 +268,17 @@ impl Cluster {
             );
             sleep(Duration::from_millis(100)).await;
         }
-        cluster
+        Some(cluster)
+    }
+
+    /// Whether a member has exited because one of its ports was in use.
+    fn lost_a_port(&mut self) -> bool {
+        let dir = self.dir.clone();
+        self.members.iter_mut().any(|m| {
+            m.child.try_wait().ok().flatten().is_some()
+                && std::fs::read_to_string(dir.join(format!("{}.log", m.name)))
+                    .is_ok_and(|log| log.contains("address already in use"))
+        })
     }
 
     /// A URL with every member's endpoint.
