@@ -713,6 +713,19 @@ async fn leader_drill() {
         Ok(Err(e)) => release.error(&e),
         Err(_) => release.unknown("release timed out"),
     }
+    // An acquire that starts after the heal, whatever the timing above: w's waiting acquire
+    // began before it and may have been granted between member 3 rejoining and the drill seeing
+    // it (before the heal is recorded), which leaves the checker's liveness rule unexercised.
+    let (_, again) = try_to_acquire(&rec_w, &w, &key, SOON).await;
+    let again = again.expect("w acquires a free key after the heal");
+    let hold_again = Hold::from(&again);
+    assert!(write(&rec_w, &hold_again, &log, "w#2"));
+    let release = rec_w.release(hold_again);
+    match tokio::time::timeout(SOON, again.release()).await {
+        Ok(Ok(released)) => release.released(released),
+        Ok(Err(e)) => release.error(&e),
+        Err(_) => release.unknown("release timed out"),
+    }
     finish(&history, &log, &[]);
     drop(ensemble);
 }
