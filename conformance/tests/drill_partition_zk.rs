@@ -419,22 +419,12 @@ async fn drill() {
         proxy.pass();
     }
     cut.heal();
-    let release = rec_b.release(held_b.hold.clone());
-    match tokio::time::timeout(SOON, held_b.guard.release()).await {
-        Ok(Ok(released)) => release.released(released),
-        Ok(Err(e)) => release.error(&e),
-        Err(_) => release.unknown("release timed out"),
-    }
+    release_recorded(&rec_b, held_b.hold, held_b.guard).await;
     drop(held_a);
     // Healed: the majority side serves the lock again at once.
     let again = acquire(&rec_b, &b, &key, SOON).await;
     assert!(write(&rec_b, &again.hold, &log, "b#2"));
-    let release = rec_b.release(again.hold.clone());
-    match tokio::time::timeout(SOON, again.guard.release()).await {
-        Ok(Ok(released)) => release.released(released),
-        Ok(Err(e)) => release.error(&e),
-        Err(_) => release.unknown("release timed out"),
-    }
+    release_recorded(&rec_b, again.hold, again.guard).await;
     finish(&history, &log, &[]);
     drop(ensemble);
 }
@@ -478,6 +468,16 @@ fn zk_holder_on_an_isolated_leader_loses_before_the_new_leader_grants_another() 
 
 /// An acquisition that may fail (the waiter on the isolated side): when it returned, and the
 /// guard if granted. Recorded in the history either way.
+/// Releases `guard` within [`SOON`], recording the release of `hold` in `rec`'s history.
+async fn release_recorded(rec: &ClientRecorder, hold: Hold, guard: LockGuard) {
+    let release = rec.release(hold);
+    match tokio::time::timeout(SOON, guard.release()).await {
+        Ok(Ok(released)) => release.released(released),
+        Ok(Err(e)) => release.error(&e),
+        Err(_) => release.unknown("release timed out"),
+    }
+}
+
 async fn try_to_acquire(
     rec: &ClientRecorder,
     lock: &DynLock,
@@ -670,12 +670,7 @@ async fn leader_drill() {
     assert!(guard_b.fencing_token() > held_a.guard.fencing_token());
     assert!(!write(&rec_a, &held_a.hold, &log, "a#3"));
     // Freed on the majority side while still cut: w, on the old leader, is not granted.
-    let release = rec_b.release(hold_b);
-    match tokio::time::timeout(SOON, guard_b.release()).await {
-        Ok(Ok(released)) => release.released(released),
-        Ok(Err(e)) => release.error(&e),
-        Err(_) => release.unknown("release timed out"),
-    }
+    release_recorded(&rec_b, hold_b, guard_b).await;
     sleep(SESSION).await;
     let healed_at = Instant::now();
     for proxy in &ensemble.proxies {
@@ -707,12 +702,7 @@ async fn leader_drill() {
     };
     let hold_w = Hold::from(&w_guard);
     assert!(write(&rec_w, &hold_w, &log, "w#1"));
-    let release = rec_w.release(hold_w);
-    match tokio::time::timeout(SOON, w_guard.release()).await {
-        Ok(Ok(released)) => release.released(released),
-        Ok(Err(e)) => release.error(&e),
-        Err(_) => release.unknown("release timed out"),
-    }
+    release_recorded(&rec_w, hold_w, w_guard).await;
     // An acquire that starts after the heal, whatever the timing above: w's waiting acquire
     // began before it and may have been granted between member 3 rejoining and the drill seeing
     // it (before the heal is recorded), which leaves the checker's liveness rule unexercised.
@@ -720,12 +710,7 @@ async fn leader_drill() {
     let again = again.expect("w acquires a free key after the heal");
     let hold_again = Hold::from(&again);
     assert!(write(&rec_w, &hold_again, &log, "w#2"));
-    let release = rec_w.release(hold_again);
-    match tokio::time::timeout(SOON, again.release()).await {
-        Ok(Ok(released)) => release.released(released),
-        Ok(Err(e)) => release.error(&e),
-        Err(_) => release.unknown("release timed out"),
-    }
+    release_recorded(&rec_w, hold_again, again).await;
     finish(&history, &log, &[]);
     drop(ensemble);
 }
