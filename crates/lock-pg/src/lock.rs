@@ -14,18 +14,20 @@ use std::{
 use lock_core::raw::{
     AcquireWait, Backoff, Batcher, Capabilities, Driver, Error, FencingGuarantee, FencingToken,
     HolderIdentity, HolderInfo, Lease, LockKey, OwnershipToken, Result, async_trait,
-    cleanup::Retries, handoff::Registered, server_expired_lease,
+    cleanup::Retries,
+    handoff::{self, Registered},
+    server_expired_lease,
 };
 use sqlx::{PgPool, Row, postgres::PgRow};
 use tokio::{
     sync::OnceCell,
-    time::{Instant, sleep, timeout_at},
+    time::{Instant, timeout_at},
 };
 
 use crate::{
     PgLockConfig,
     client::{ConnPool, ExecError, exec_error},
-    queue::{LEAVE_GRACE, Queued, Queueing},
+    queue::{QueueWaiter, Queueing},
     renew::{RenewAnswer, Renewal},
     sql::Statements,
     wake::Notifier,
@@ -72,7 +74,7 @@ pub(crate) struct Inner {
 
 /// What one acquire statement did (`F`: the fence, then the lease, once granted).
 #[derive(Debug)]
-enum Attempt<F = Lease> {
+pub(crate) enum Attempt<F = Lease> {
     /// Granted, with this fence.
     Granted(F),
     /// A live holder was seen, with this much of its lease left; `queued` when the waiter's
@@ -107,7 +109,7 @@ fn fence_token(fence: i64) -> Result<FencingToken> {
 
 /// Which acquire statement an attempt runs.
 #[derive(Clone, Copy)]
-enum Mode<'a> {
+pub(crate) enum Mode<'a> {
     /// The bare upsert (`try_acquire`): the cheapest grant; on a held row it takes the row
     /// lock and commits it, and it tells nothing about the holder.
     Try,
@@ -194,7 +196,7 @@ impl Inner {
     /// A grant whose reply came after the lease's local deadline is released again (compare
     /// by token and fence) and answered with [`Error::Unavailable`]: it can no longer be
     /// trusted, and the holder must never see a lease that is already expired.
-    async fn attempt(
+    pub(crate) async fn attempt(
         self: &Arc<Self>,
         key: &LockKey,
         ttl: Duration,
@@ -628,130 +630,11 @@ impl Driver for PgLock {
     /// Dropping the future leaves the queue in the background (freeing a grant made to this
     /// waiter, if any); a grant in flight at that moment is undone in the background.
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
-        let config = &self.inner.config;
-        let mut wait = AcquireWait::new(
-            key,
-            deadline,
-            Backoff::new(Duration::from_millis(10), config.poll_interval),
-        )?;
-        // A release's direct grant makes this the owner. Each attempt still grants itself under
-        // a fresh token of its own, so undoing an attempt of unknown outcome (by its token)
-        // can never remove a direct grant.
-        let grant_owner = OwnershipToken::generate();
-        let seq = AtomicU64::new(0);
-        // The latest attempt whose reply said the entry is queued: only a grant read from the
-        // entry it wrote is taken from a notification (an older one may have been lost since).
-        let mut queued_by: Option<Registered> = None;
-        // The first look reads before it writes: uncontended, this is the only statement.
-        let mut queue: Option<Queued> = None;
-        let result = async {
-            loop {
-                // A grant of an older attempt, or one that went unused for too long of its TTL, is
-                // not taken here: the attempt below finds it (if still held) and extends it.
-                if let Some(lease) = queue.as_mut().and_then(|q| q.granted(queued_by, key, ttl)) {
-                    return Ok(lease);
-                }
-                let listening = queue.as_ref().is_some_and(|q| q.subscription.listening());
-                if let Some(q) = queue.as_mut()
-                    && listening
-                {
-                    q.queued = true;
-                }
-                let mode = match queue.as_ref() {
-                    Some(q) if listening => Mode::Queue(Queueing {
-                        entry: &q.entry,
-                        grant_owner,
-                        seq: &seq,
-                    }),
-                    Some(_) => Mode::Poll {
-                        grant_owner: Some(grant_owner),
-                    },
-                    None => Mode::Poll { grant_owner: None },
-                };
-                let queue_mode = matches!(mode, Mode::Queue(_));
-                let attempt = self.inner.attempt(key, ttl, mode, deadline).await;
-                let (expires_in, queued) = match attempt {
-                    Ok(Attempt::Granted(lease)) => {
-                        // A queued grant dropped the entry from the queue, and a grant to the grant
-                        // owner consumed it; after a polled grant the entry (and any later grant to
-                        // the grant owner) is removed on the way out.
-                        if let Some(q) = queue.as_mut()
-                            && (queue_mode || *lease.token() == grant_owner)
-                        {
-                            q.queued = false;
-                        }
-                        return Ok(lease);
-                    }
-                    // Also wake when the holder's lease runs out (expiry is not notified).
-                    Ok(Attempt::Held { remaining, queued }) => {
-                        if queue_mode {
-                            queued_by = queued;
-                        }
-                        (remaining + Duration::from_millis(1), queued.is_some())
-                    }
-                    // Taken by a grant that committed during the statement: look again now.
-                    Ok(Attempt::Lost) => (Duration::ZERO, false),
-                    // Cut by the deadline (its clean-up, if any, goes on in the background).
-                    Err(e) if e.is_temporary() && Instant::now() >= deadline => {
-                        return Err(wait.timeout());
-                    }
-                    Err(e) => {
-                        wait.retry_after(e).await?;
-                        continue;
-                    }
-                };
-                if config.listen && queue.is_none() {
-                    // LISTEN, then queue at once (the statement also tries again).
-                    let subscribe = self.notifier().subscribe();
-                    match timeout_at(deadline, subscribe).await {
-                        Ok(subscription) => {
-                            let entry = subscription.entry();
-                            queue = Some(Queued {
-                                inner: self.inner.clone(),
-                                key: key.clone(),
-                                subscription,
-                                entry,
-                                grant_owner,
-                                ttl,
-                                queued: false,
-                            });
-                        }
-                        Err(_) => return Err(wait.timeout()),
-                    }
-                    continue;
-                }
-                if queued {
-                    // Queued: a release grants to or wakes this waiter; the fallback is a refresh
-                    // of the entry (it lapses after two poll intervals), so wait about one poll
-                    // interval.
-                    wait.set_backoff(Backoff::new(config.poll_interval, config.poll_interval));
-                }
-                let woken = async {
-                    match queue.as_mut() {
-                        Some(q) => tokio::select! {
-                            () = q.subscription.changed() => {}
-                            () = sleep(expires_in) => {}
-                        },
-                        None => sleep(expires_in).await,
-                    }
-                };
-                if let Err(e) = wait.wait(woken).await {
-                    // A grant that came with the deadline is taken rather than handed on.
-                    if let Some(lease) = queue.as_mut().and_then(|q| q.granted(queued_by, key, ttl))
-                    {
-                        return Ok(lease);
-                    }
-                    return Err(e);
-                }
-            }
-        }
-        .await;
-        if result.is_err()
-            && let Some(q) = queue.as_mut()
-        {
-            q.leave(later(deadline, LEAVE_GRACE)).await;
-        }
-        result
+        let poll = self.inner.config.poll_interval;
+        let mut wait =
+            AcquireWait::new(key, deadline, Backoff::new(Duration::from_millis(10), poll))?;
+        let mut waiter = QueueWaiter::new(self, key, ttl, deadline);
+        handoff::acquire_queued(&mut waiter, &mut wait, Backoff::new(poll, poll)).await
     }
 
     async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {

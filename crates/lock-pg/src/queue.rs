@@ -1,19 +1,25 @@
 //! The waiter queue: how a waiting `acquire` queues in the lock row, learns that a release
 //! granted it the lock, and leaves the queue when it gives up (freeing a grant that crossed its
-//! leaving). The SQL is in [`crate::sql`], the notifications in [`crate::wake`].
+//! leaving); [`lock_core::raw::handoff`]'s loop drives it through [`QueueWaiter`]. The SQL is
+//! in [`crate::sql`], the notifications in [`crate::wake`].
 
 use std::{
     sync::{Arc, atomic::AtomicU64},
     time::Duration,
 };
 
-use lock_core::raw::{Lease, LockKey, OwnershipToken, cleanup::Retries, handoff::Registered};
+use lock_core::raw::{
+    AcquireWait, Lease, LockKey, OwnershipToken, Result,
+    cleanup::Retries,
+    handoff::{Found, QueuedWaiter, Registered},
+};
 use sqlx::postgres::PgRow;
-use tokio::time::Instant;
+use tokio::time::{Instant, timeout_at};
 
 use crate::{
+    PgLock,
     client::{ExecError, Failure},
-    lock::{Inner, later},
+    lock::{Attempt, Inner, Mode, later},
     wake::Subscription,
 };
 
@@ -92,6 +98,149 @@ impl Queued {
         self.queued = false;
         tracing::debug!(%key, token = %self.grant_owner.digest(), fence = %grant.fence, "granted by a release");
         Some(lease)
+    }
+}
+
+/// One waiting `acquire` of a [`PgLock`], as [`lock_core::raw::handoff::acquire_queued`]
+/// drives it: looks (a read when held), then, once subscribed on the client's `LISTEN`
+/// connection, queues in the lock row with each attempt; a release's direct grant is taken
+/// from its notification. No `Debug`: it holds a secret token.
+pub(crate) struct QueueWaiter<'a> {
+    lock: &'a PgLock,
+    key: &'a LockKey,
+    ttl: Duration,
+    deadline: Instant,
+    /// A release's direct grant makes this the owner. Each attempt still grants itself under
+    /// a fresh token of its own, so undoing an attempt of unknown outcome (by its token) can
+    /// never remove a direct grant.
+    grant_owner: OwnershipToken,
+    seq: AtomicU64,
+    /// The latest attempt whose reply said the entry is queued: only a grant read from the
+    /// entry it wrote is taken from a notification (an older one may have been lost since).
+    queued_by: Option<Registered>,
+    /// Subscribed (the first look reads before it writes: uncontended, that is the only
+    /// statement): the entry to leave.
+    queue: Option<Queued>,
+}
+
+impl<'a> QueueWaiter<'a> {
+    pub(crate) fn new(
+        lock: &'a PgLock,
+        key: &'a LockKey,
+        ttl: Duration,
+        deadline: Instant,
+    ) -> Self {
+        Self {
+            lock,
+            key,
+            ttl,
+            deadline,
+            grant_owner: OwnershipToken::generate(),
+            seq: AtomicU64::new(0),
+            queued_by: None,
+            queue: None,
+        }
+    }
+}
+
+impl QueuedWaiter for QueueWaiter<'_> {
+    async fn attempt(&mut self) -> Result<Found> {
+        let listening = self
+            .queue
+            .as_ref()
+            .is_some_and(|q| q.subscription.listening());
+        if let Some(q) = self.queue.as_mut()
+            && listening
+        {
+            q.queued = true;
+        }
+        let mode = match self.queue.as_ref() {
+            Some(q) if listening => Mode::Queue(Queueing {
+                entry: &q.entry,
+                grant_owner: self.grant_owner,
+                seq: &self.seq,
+            }),
+            Some(_) => Mode::Poll {
+                grant_owner: Some(self.grant_owner),
+            },
+            None => Mode::Poll { grant_owner: None },
+        };
+        let queue_mode = matches!(mode, Mode::Queue(_));
+        let attempt = self
+            .lock
+            .inner
+            .attempt(self.key, self.ttl, mode, self.deadline)
+            .await?;
+        Ok(match attempt {
+            Attempt::Granted(lease) => {
+                // A queued grant dropped the entry from the queue, and a grant to the grant
+                // owner consumed it; after a polled grant the entry (and any later grant to
+                // the grant owner) is removed on the way out.
+                if let Some(q) = self.queue.as_mut()
+                    && (queue_mode || *lease.token() == self.grant_owner)
+                {
+                    q.queued = false;
+                }
+                Found::Granted(lease)
+            }
+            // Also wake when the holder's lease runs out (expiry is not notified).
+            Attempt::Held { remaining, queued } => {
+                if queue_mode {
+                    self.queued_by = queued;
+                }
+                Found::Held {
+                    expires_in: Some(remaining + Duration::from_millis(1)),
+                    queued: queued.is_some(),
+                }
+            }
+            // Taken by a grant that committed during the statement: look again now.
+            Attempt::Lost => Found::Held {
+                expires_in: Some(Duration::ZERO),
+                queued: false,
+            },
+        })
+    }
+
+    async fn join(&mut self, wait: &AcquireWait) -> Result<bool> {
+        if !self.lock.inner.config.listen {
+            return Ok(false);
+        }
+        // LISTEN, then queue at once (the statement also tries again).
+        let Ok(subscription) = timeout_at(self.deadline, self.lock.notifier().subscribe()).await
+        else {
+            return Err(wait.timeout());
+        };
+        let entry = subscription.entry();
+        self.queue = Some(Queued {
+            inner: self.lock.inner.clone(),
+            key: self.key.clone(),
+            subscription,
+            entry,
+            grant_owner: self.grant_owner,
+            ttl: self.ttl,
+            queued: false,
+        });
+        Ok(true)
+    }
+
+    async fn woken(&mut self) {
+        match self.queue.as_mut() {
+            Some(q) => q.subscription.changed().await,
+            None => std::future::pending().await,
+        }
+    }
+
+    /// A grant of an older attempt, or one that went unused for too long of its TTL, is not
+    /// taken here: the next attempt finds it (if still held) and extends it.
+    fn granted(&mut self) -> Option<Lease> {
+        let queued_by = self.queued_by;
+        self.queue.as_mut()?.granted(queued_by, self.key, self.ttl)
+    }
+
+    async fn leave(&mut self) {
+        if let Some(q) = self.queue.as_mut() {
+            q.leave(later(self.deadline, LEAVE_GRACE)).await;
+        }
     }
 }
 

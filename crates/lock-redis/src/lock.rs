@@ -8,15 +8,15 @@ use std::{fmt, future::Future, sync::Arc, time::Duration};
 use lock_core::raw::{
     AcquireWait, Backoff, Batcher, Capabilities, Driver, Error, FencingGuarantee, FencingToken,
     HolderIdentity, HolderInfo, Lease, LockKey, OwnershipToken, Result, TokenDigest, async_trait,
-    cleanup::Retries, server_expired_lease,
+    cleanup::Retries, handoff, server_expired_lease,
 };
-use tokio::time::{Instant, sleep, timeout_at};
+use tokio::time::{Instant, timeout_at};
 
 use crate::{
     RedisLockConfig,
     client::{self, Acked, BACKEND, Conn, Failure, after, map_failure, request_until, run_until},
     keys::KeyNames,
-    queue::{LEAVE_GRACE, Registration, Waiting, registration_lifetime},
+    queue::{QueueWaiter, Waiting, registration_lifetime},
     renew::{self, RENEW_BATCH, RenewItem},
     scripts::{Scripts, holder_of, owner_prefix, parse_fence, parse_owner, ttl_millis},
     wake::{Registry, WAKE_CHANNEL_PREFIX},
@@ -32,7 +32,7 @@ use crate::{
 /// See the crate documentation for the algorithm, the key layout and what weakens fencing.
 #[derive(Clone)]
 pub struct RedisLock {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
 /// What every request of one client shares.
@@ -49,7 +49,7 @@ pub(crate) struct Inner {
 }
 
 /// What one acquisition attempt found.
-enum Attempt {
+pub(crate) enum Attempt {
     Granted(Lease),
     /// Held by somebody else; the holder's remaining TTL when it has one.
     Held(Option<Duration>),
@@ -109,7 +109,7 @@ impl RedisLock {
         format!("{}{}", self.inner.config.namespace, key.as_str())
     }
 
-    fn names(&self, key: &LockKey) -> KeyNames {
+    pub(crate) fn names(&self, key: &LockKey) -> KeyNames {
         KeyNames::new(&self.inner.config.namespace, key)
     }
 
@@ -123,7 +123,7 @@ impl RedisLock {
     /// (no reply, an unexpected one, a script error after the grant) is undone as well: the
     /// undo runs in the background from the moment the outcome is known (or the future is
     /// dropped), retried until answered.
-    async fn attempt(
+    pub(crate) async fn attempt(
         &self,
         key: &LockKey,
         ttl: Duration,
@@ -561,135 +561,11 @@ impl Driver for RedisLock {
     /// Dropping the future leaves the queue and undoes an attempt in flight, in the background
     /// (`lock_core::raw::cleanup::finish` waits for both).
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
-        let backoff = Backoff::new(
-            Duration::from_millis(25),
-            self.inner.config.max_poll_interval,
-        );
-        let mut wait = AcquireWait::new(key, deadline, backoff.clone())?;
-        let mut subscribed_once = false;
-        // After the server dropped the waiter's shard subscription (a Cluster failover), the
-        // fallback poll stays quick until then (see `Watch::take_dropped`).
-        let mut quick_until: Option<Instant> = None;
-        // The wake-up subscription and queue entry: removes this waiter from the queue when
-        // the call ends without the lock (timeout, error: before returning; a dropped future:
-        // in the background); a grant removes it in the same script.
-        let mut registration: Option<Registration> = None;
-        let result = async {
-            loop {
-                if let Some(r) = &registration {
-                    if r.watch.take_dropped() {
-                        quick_until = Some(after(self.inner.config.max_poll_interval));
-                        wait.set_backoff(backoff.clone());
-                    }
-                    // On a Cluster, a shard subscription the server dropped (its slot moved) is
-                    // taken again before the attempt, so a release after it is heard.
-                    let until = request_until(&self.inner.config, Some(deadline));
-                    let again = quick_until.is_some_and(|t| Instant::now() < t);
-                    match timeout_at(until, r.watch.subscribe_shard(again)).await {
-                        Ok(Ok(())) => {}
-                        Err(_) if Instant::now() >= deadline => return Err(wait.timeout()),
-                        Ok(Err(_)) | Err(_) => {
-                            tracing::debug!(%key, "cannot subscribe to wake-ups again; polling");
-                        }
-                    }
-                }
-                let sent_at = Instant::now();
-                let waiting = registration.as_mut().map(|r| r.next_attempt(ttl));
-                let outcome = self.attempt(key, ttl, waiting.as_ref(), Some(deadline)).await;
-                if let Some(r) = registration.as_mut() {
-                    r.ended(matches!(outcome, Err(Error::Indeterminate { .. })));
-                }
-                let holder_ttl = match (outcome, &mut registration) {
-                    (Ok(Attempt::Granted(lease)), r) => {
-                        if let Some(r) = r {
-                            r.armed = false;
-                        }
-                        return Ok(lease);
-                    }
-                    (Ok(Attempt::Held(holder_ttl)), r) => {
-                        if let Some(r) = r {
-                            r.confirmed(sent_at);
-                            // Registered: a release grants to or wakes this waiter, so the
-                            // fallback poll (which also moves it back in the queue) need
-                            // not be quick.
-                            if quick_until.is_none_or(|t| Instant::now() >= t) {
-                                quick_until = None;
-                                let max = self.inner.config.max_poll_interval;
-                                wait.set_backoff(Backoff::new(max, max));
-                            }
-                        }
-                        holder_ttl
-                    }
-                    (Err(e), r) => {
-                        if let Some(r) = r {
-                            r.registered = None;
-                        }
-                        // No answer by the deadline (a stalled server, or the attempt cut
-                        // short by the deadline; its clean-up runs on): the wait timed out. An
-                        // unreachable server stays `Unavailable`.
-                        let unanswered = matches!(e, Error::Indeterminate { .. });
-                        if unanswered && Instant::now() >= deadline {
-                            return Err(wait.timeout());
-                        }
-                        if let Err(e) = wait.retry_after(e).await {
-                            return Err(if unanswered { wait.timeout() } else { e });
-                        }
-                        continue;
-                    }
-                };
-                if !subscribed_once {
-                    subscribed_once = true;
-                    let names = self.names(key);
-                    match timeout_at(deadline, self.inner.wakeups.watch(&self.inner.conn, &names))
-                        .await
-                    {
-                        Ok(Ok(w)) => {
-                            registration =
-                                Some(Registration::new(self.inner.clone(), self.names(key), ttl, w));
-                            continue;
-                        }
-                        Ok(Err(e)) => {
-                            tracing::debug!(%key, error = %e, "cannot subscribe to wake-ups; polling");
-                        }
-                        Err(_) => return Err(wait.timeout()),
-                    }
-                }
-                let expiry = async {
-                    match holder_ttl {
-                        Some(left) => sleep(left + Duration::from_millis(2)).await,
-                        None => std::future::pending().await,
-                    }
-                };
-                let woken = async {
-                    match &registration {
-                        Some(r) => tokio::select! {
-                            () = r.watch.woken() => {}
-                            () = expiry => {}
-                        },
-                        None => expiry.await,
-                    }
-                };
-                let waited = wait.wait(woken).await;
-                // A grant that came with the deadline is taken rather than handed on.
-                if let Some(lease) = registration.as_mut().and_then(|r| r.granted(key, ttl)) {
-                    return Ok(lease);
-                }
-                waited?;
-            }
-        }
-        .await;
-        if result.is_err()
-            && let Some(r) = registration.as_mut()
-        {
-            // The deadline bounds the wait for the answer; a small grace lets a healthy
-            // server's answer arrive even when the deadline has just passed (else it goes on
-            // in the background).
-            r.leave(
-                request_until(&self.inner.config, Some(deadline)).max(Instant::now()) + LEAVE_GRACE,
-            )
-            .await;
-        }
-        result
+        let max = self.inner.config.max_poll_interval;
+        let quick = Backoff::new(Duration::from_millis(25), max);
+        let mut wait = AcquireWait::new(key, deadline, quick.clone())?;
+        let mut waiter = QueueWaiter::new(self, key, ttl, deadline, quick);
+        handoff::acquire_queued(&mut waiter, &mut wait, Backoff::new(max, max)).await
     }
 
     /// Renewals are batched: while one batch is in flight, the renewals that arrive are queued

@@ -1,18 +1,22 @@
 //! The waiter queue: how a waiting `acquire` queues (a registration per attempt, renewed by
 //! each), waits for its turn (a grant message for its confirmed registration, see
-//! [`lock_core::raw::handoff`]), and leaves (removing its members and passing on a grant that
-//! crossed its leaving, before it returns or, dropped, in the background).
+//! [`lock_core::raw::handoff`], whose loop drives [`QueueWaiter`]), and leaves (removing its
+//! members and passing on a grant that crossed its leaving, before it returns or, dropped, in
+//! the background).
 
 use std::{sync::Arc, time::Duration};
 
-use lock_core::raw::{Lease, LockKey, OwnershipToken, handoff::Registered};
+use lock_core::raw::{
+    AcquireWait, Backoff, Error, Lease, LockKey, OwnershipToken, Result,
+    handoff::{Found, QueuedWaiter, Registered},
+};
 use tokio::time::{Instant, timeout_at};
 
 use crate::{
-    RedisLockConfig,
-    client::after,
+    RedisLock, RedisLockConfig,
+    client::{after, request_until},
     keys::KeyNames,
-    lock::{Inner, Undo, spawn_undo},
+    lock::{Attempt, Inner, Undo, spawn_undo},
     scripts::{owner_prefix, ttl_millis},
     wake::Watch,
 };
@@ -197,6 +201,155 @@ impl Registration {
         }
     }
 }
+
+/// One waiting `acquire` of a [`RedisLock`], as [`lock_core::raw::handoff::acquire_queued`]
+/// drives it: attempts (registering once subscribed), the wake-up subscription (on a Cluster,
+/// the lock's shard channel on the slot's node, taken again when the server drops it) and the
+/// [`Registration`] that leaves the queue.
+pub(crate) struct QueueWaiter<'a> {
+    lock: &'a RedisLock,
+    key: &'a LockKey,
+    ttl: Duration,
+    deadline: Instant,
+    /// The backoff of a waiter whose wake-ups may be missed.
+    quick: Backoff,
+    /// After the server dropped the waiter's shard subscription (a Cluster failover), the
+    /// fallback poll stays quick until then (see `Watch::take_dropped`).
+    quick_until: Option<Instant>,
+    /// Subscribed to wake-ups (after the first `Held`): the queue entries to leave.
+    registration: Option<Registration>,
+}
+
+impl<'a> QueueWaiter<'a> {
+    pub(crate) fn new(
+        lock: &'a RedisLock,
+        key: &'a LockKey,
+        ttl: Duration,
+        deadline: Instant,
+        quick: Backoff,
+    ) -> Self {
+        Self {
+            lock,
+            key,
+            ttl,
+            deadline,
+            quick,
+            quick_until: None,
+            registration: None,
+        }
+    }
+
+    fn config(&self) -> &RedisLockConfig {
+        &self.lock.inner.config
+    }
+}
+
+impl QueuedWaiter for QueueWaiter<'_> {
+    async fn before_attempt(&mut self, wait: &mut AcquireWait) -> Result<()> {
+        let Some(r) = &self.registration else {
+            return Ok(());
+        };
+        if r.watch.take_dropped() {
+            self.quick_until = Some(after(self.config().max_poll_interval));
+            wait.set_backoff(self.quick.clone());
+        }
+        // On a Cluster, a shard subscription the server dropped (its slot moved) is taken
+        // again before the attempt, so a release after it is heard.
+        let until = request_until(self.config(), Some(self.deadline));
+        let again = self.quick_until.is_some_and(|t| Instant::now() < t);
+        match timeout_at(until, r.watch.subscribe_shard(again)).await {
+            Ok(Ok(())) => {}
+            Err(_) if Instant::now() >= self.deadline => return Err(wait.timeout()),
+            Ok(Err(_)) | Err(_) => {
+                tracing::debug!(key = %self.key, "cannot subscribe to wake-ups again; polling");
+            }
+        }
+        Ok(())
+    }
+
+    async fn attempt(&mut self) -> Result<Found> {
+        let sent_at = Instant::now();
+        let waiting = self.registration.as_mut().map(|r| r.next_attempt(self.ttl));
+        let outcome = self
+            .lock
+            .attempt(self.key, self.ttl, waiting.as_ref(), Some(self.deadline))
+            .await;
+        let Some(r) = self.registration.as_mut() else {
+            return outcome.map(|found| match found {
+                Attempt::Granted(lease) => Found::Granted(lease),
+                Attempt::Held(left) => Found::Held {
+                    expires_in: left.map(|left| left + EXPIRY_MARGIN),
+                    queued: false,
+                },
+            });
+        };
+        r.ended(matches!(outcome, Err(Error::Indeterminate { .. })));
+        match outcome {
+            Ok(Attempt::Granted(lease)) => {
+                r.armed = false;
+                Ok(Found::Granted(lease))
+            }
+            Ok(Attempt::Held(left)) => {
+                r.confirmed(sent_at);
+                // Registered: a release grants to or wakes this waiter, so the fallback poll
+                // (which also moves it back in the queue) need not be quick, unless a dropped
+                // subscription made it quick for a while.
+                let quick = self.quick_until.is_some_and(|t| Instant::now() < t);
+                if !quick {
+                    self.quick_until = None;
+                }
+                Ok(Found::Held {
+                    expires_in: left.map(|left| left + EXPIRY_MARGIN),
+                    queued: !quick,
+                })
+            }
+            Err(e) => {
+                r.registered = None;
+                Err(e)
+            }
+        }
+    }
+
+    async fn join(&mut self, wait: &AcquireWait) -> Result<bool> {
+        let names = self.lock.names(self.key);
+        let inner = &self.lock.inner;
+        match timeout_at(self.deadline, inner.wakeups.watch(&inner.conn, &names)).await {
+            Ok(Ok(watch)) => {
+                self.registration = Some(Registration::new(inner.clone(), names, self.ttl, watch));
+                Ok(true)
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(key = %self.key, error = %e, "cannot subscribe to wake-ups; polling");
+                Ok(false)
+            }
+            Err(_) => Err(wait.timeout()),
+        }
+    }
+
+    async fn woken(&mut self) {
+        match &self.registration {
+            Some(r) => r.watch.woken().await,
+            None => std::future::pending().await,
+        }
+    }
+
+    fn granted(&mut self) -> Option<Lease> {
+        self.registration.as_mut()?.granted(self.key, self.ttl)
+    }
+
+    async fn leave(&mut self) {
+        // The deadline bounds the wait for the answer; a small grace lets a healthy server's
+        // answer arrive even when the deadline has just passed (else it goes on in the
+        // background).
+        let until = request_until(self.config(), Some(self.deadline)).max(Instant::now());
+        if let Some(r) = self.registration.as_mut() {
+            r.leave(until + LEAVE_GRACE).await;
+        }
+    }
+}
+
+/// How long past a holder's reported TTL a waiter looks again (its key is gone by then).
+const EXPIRY_MARGIN: Duration = Duration::from_millis(2);
 
 impl Drop for Registration {
     fn drop(&mut self) {
