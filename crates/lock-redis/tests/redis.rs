@@ -1,24 +1,20 @@
 //! Redis-specific behaviour against real servers: the shared one from `DISTLOCK_TEST_REDIS_URL`
-//! and, for fault drills, private `redis-server` processes on ports 26390-26399 that these tests
-//! start, pause, kill and restart themselves.
+//! and, for fault drills, private `redis-server` instances on free ports that these tests start,
+//! pause, kill and restart through `scripts/backends.sh` (`conformance::servers::PrivateServer`).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed expectation is a failed test
 
-use std::{process::Stdio, sync::Arc, time::Duration};
+use std::{sync::Arc, time::Duration};
 
-use conformance::{backend_url, fresh_key};
+use conformance::{
+    backend_url, fresh_key,
+    servers::{PrivateServer, ServerKind, free_port},
+};
 use lock_core::{
     DistributedLock, DistributedLockExt, Error, FencingToken, LockKey, LossReason, OwnershipToken,
 };
 use lock_redis::{RedisLock, RedisLockConfig};
-use nix::{
-    sys::signal::{Signal, kill},
-    unistd::Pid,
-};
 use redis::aio::MultiplexedConnection;
-use tokio::{
-    process::{Child, Command},
-    time::{Instant, sleep, timeout},
-};
+use tokio::time::{Instant, sleep, timeout};
 
 const LONG: Duration = Duration::from_secs(30);
 
@@ -47,89 +43,6 @@ async fn exists(admin: &mut MultiplexedConnection, key: &str) -> bool {
         .await
         .unwrap()
         == 1
-}
-
-/// A private redis-server child process on a port of its own.
-struct OwnRedis {
-    port: u16,
-    dir: std::path::PathBuf,
-    child: Option<Child>,
-}
-
-impl OwnRedis {
-    async fn start(port: u16) -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "lock-redis-test-{port}-{:08x}",
-            rand::random::<u32>()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut this = Self {
-            port,
-            dir,
-            child: None,
-        };
-        this.spawn().await;
-        this
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    async fn spawn(&mut self) {
-        let child = Command::new("redis-server")
-            .args(["--bind", "127.0.0.1", "--port", &self.port.to_string()])
-            .args(["--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(&self.dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("redis-server must be installed (scripts/backends.sh install)");
-        self.child = Some(child);
-        let until = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok(client) = redis::Client::open(self.url())
-                && let Ok(Ok(mut c)) = timeout(
-                    Duration::from_secs(1),
-                    client.get_multiplexed_async_connection(),
-                )
-                .await
-                && redis::cmd("PING").query_async::<()>(&mut c).await.is_ok()
-            {
-                return;
-            }
-            assert!(Instant::now() < until, "redis-server did not come up");
-            sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    async fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            child.kill().await.unwrap();
-        }
-    }
-
-    fn signal(&self, sig: Signal) {
-        let pid = self.child.as_ref().and_then(Child::id).unwrap();
-        kill(Pid::from_raw(i32::try_from(pid).unwrap()), sig).unwrap();
-    }
-}
-
-impl Drop for OwnRedis {
-    fn drop(&mut self) {
-        if let Some(child) = &self.child
-            && let Some(pid) = child.id().and_then(|pid| i32::try_from(pid).ok())
-        {
-            // Resume first in case a test failed while the server was stopped.
-            let _ = kill(Pid::from_raw(pid), Signal::SIGCONT);
-        }
-        if let Some(mut child) = self.child.take() {
-            let _ = child.start_kill();
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -380,7 +293,7 @@ async fn server_restart_mid_hold_reports_the_loss_and_the_client_reconnects() {
     if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
         return; // same gate as the other tests: servers are expected to be installed
     }
-    let mut server = OwnRedis::start(26391).await;
+    let server = PrivateServer::start(ServerKind::Redis, free_port()).await;
     let lock = Arc::new(RedisLock::connect_url(&server.url()).await.unwrap());
     let key = fresh_key("restart");
     let ttl = Duration::from_millis(1500);
@@ -391,9 +304,9 @@ async fn server_restart_mid_hold_reports_the_loss_and_the_client_reconnects() {
         .await
         .unwrap()
         .unwrap();
-    server.kill().await;
+    server.ctl("kill").await;
     sleep(Duration::from_millis(100)).await;
-    server.spawn().await; // no persistence: the lock is gone
+    server.ctl("start").await; // no persistence: the lock is gone
     timeout(ttl + Duration::from_secs(5), guard.lost())
         .await
         .expect("lost() after the restart");
@@ -427,7 +340,7 @@ async fn an_unknown_outcome_is_indeterminate_and_a_late_grant_is_removed() {
     if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
         return;
     }
-    let server = OwnRedis::start(26392).await;
+    let server = PrivateServer::start(ServerKind::Redis, free_port()).await;
     let url = format!(
         "{}?response_timeout=200ms&connect_timeout=200ms&reconnect_retries=0",
         server.url()
@@ -442,13 +355,13 @@ async fn an_unknown_outcome_is_indeterminate_and_a_late_grant_is_removed() {
     assert!(lock.release(&warm).await.unwrap());
     let fence_before = warm.fencing_token().unwrap().get();
 
-    server.signal(Signal::SIGSTOP); // the request is sent, but no reply comes
+    server.ctl("pause").await; // the request is sent, but no reply comes
     let err = lock.try_acquire(&key, LONG).await.unwrap_err();
     assert!(matches!(err, Error::Indeterminate { .. }), "{err}");
     // A dropped attempt mid-request must not leave a lock either.
     let dropped = timeout(Duration::from_millis(50), lock.try_acquire(&key, LONG)).await;
     assert!(dropped.is_err());
-    server.signal(Signal::SIGCONT); // the queued acquires now apply: late grants
+    server.ctl("resume").await; // the queued acquires now apply: late grants
 
     // The cleanup removes them long before their 30 s ttl.
     let until = Instant::now() + Duration::from_secs(10);
@@ -525,7 +438,7 @@ async fn many_guarded_locks_renew_with_a_few_script_calls_per_tick() {
         return;
     }
     // A private server, so the command counters are ours alone.
-    let server = OwnRedis::start(26394).await;
+    let server = PrivateServer::start(ServerKind::Redis, free_port()).await;
     let lock = Arc::new(RedisLock::connect_url(&server.url()).await.unwrap());
     let mut admin = admin(&server.url()).await;
     // More locks than one script call takes (500), so a batch is sent in several chunks.
@@ -624,7 +537,7 @@ async fn every_renewal_of_a_batch_without_reply_is_indeterminate() {
     if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
         return;
     }
-    let server = OwnRedis::start(26395).await;
+    let server = PrivateServer::start(ServerKind::Redis, free_port()).await;
     let url = format!(
         "{}?response_timeout=200ms&reconnect_retries=0",
         server.url()
@@ -636,7 +549,7 @@ async fn every_renewal_of_a_batch_without_reply_is_indeterminate() {
         leases.push(lock.try_acquire(&key, LONG).await.unwrap().unwrap());
     }
     let deadlines: Vec<_> = leases.iter().map(|l| l.local_deadline()).collect();
-    server.signal(Signal::SIGSTOP);
+    server.ctl("pause").await;
     let results = futures::future::join_all(
         leases
             .iter_mut()
@@ -644,7 +557,7 @@ async fn every_renewal_of_a_batch_without_reply_is_indeterminate() {
             .collect::<Vec<_>>(),
     )
     .await;
-    server.signal(Signal::SIGCONT);
+    server.ctl("resume").await;
     for result in results {
         assert!(
             matches!(result, Err(Error::Indeterminate { .. })),
@@ -722,7 +635,7 @@ async fn a_release_wakes_only_when_a_waiter_marked_the_lock() {
     if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
         return;
     }
-    let server = OwnRedis::start(26397).await;
+    let server = PrivateServer::start(ServerKind::Redis, free_port()).await;
     // No fallback poll within the test: only the published wake-up can wake the waiter.
     let url = format!("{}?max_poll_interval=60s", server.url());
     let lock = Arc::new(RedisLock::connect_url(&url).await.unwrap());
@@ -776,7 +689,7 @@ async fn each_release_wakes_one_waiter_and_skips_dead_registrations() {
     if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
         return;
     }
-    let server = OwnRedis::start(26398).await;
+    let server = PrivateServer::start(ServerKind::Redis, free_port()).await;
     let url = format!("{}?max_poll_interval=60s", server.url());
     let holder_client = RedisLock::connect_url(&url).await.unwrap();
     let mut admin = admin(&server.url()).await;
@@ -960,7 +873,7 @@ async fn queued_waiter_until<'a>(
 /// A hand-off on a private server (so that the script calls counted are these clients' alone,
 /// and no fallback poll fires within a test): a holder on one client, the waiter on another.
 struct Handoff {
-    server: OwnRedis,
+    server: PrivateServer,
     admin: MultiplexedConnection,
     holder_client: RedisLock,
     waiter_client: RedisLock,
@@ -969,9 +882,9 @@ struct Handoff {
 }
 
 impl Handoff {
-    async fn start(port: u16, name: &str) -> Option<Self> {
+    async fn start(name: &str) -> Option<Self> {
         backend_url("DISTLOCK_TEST_REDIS_URL")?;
-        let server = OwnRedis::start(port).await;
+        let server = PrivateServer::start(ServerKind::Redis, free_port()).await;
         let url = format!("{}?max_poll_interval=60s", server.url());
         let holder_client = RedisLock::connect_url(&url).await.unwrap();
         let waiter_client = RedisLock::connect_url(&url).await.unwrap();
@@ -1008,7 +921,7 @@ impl Handoff {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_hands_the_lock_to_the_first_waiter_which_holds_it_without_a_request() {
-    let Some(mut h) = Handoff::start(26393, "grant").await else {
+    let Some(mut h) = Handoff::start("grant").await else {
         return;
     };
     let waiter = queued_waiter(&h.waiter_client, &h.key, LONG, &mut h.admin).await;
@@ -1036,7 +949,7 @@ async fn a_release_hands_the_lock_to_the_first_waiter_which_holds_it_without_a_r
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_seen_late_is_confirmed_by_an_attempt_that_restarts_its_ttl() {
-    let Some(mut h) = Handoff::start(26396, "late-grant").await else {
+    let Some(mut h) = Handoff::start("late-grant").await else {
         return;
     };
     // The waiter's registration is older than a quarter of its TTL when the grant comes, so
@@ -1092,7 +1005,7 @@ async fn a_waiter_granted_as_it_gives_up_passes_the_lock_on() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_that_came_by_the_deadline_is_taken_not_timed_out() {
-    let Some(mut h) = Handoff::start(26399, "deadline-grant").await else {
+    let Some(mut h) = Handoff::start("deadline-grant").await else {
         return;
     };
     // Room for queueing on a loaded machine: the waiter must be queued before its deadline.
@@ -1244,21 +1157,12 @@ async fn fences_above_2_pow_53_are_exact_and_strictly_increase() {
     assert!(!exists(&mut admin, &lock.redis_key(&key)).await);
 }
 
-/// A port nobody listens on now, for a private server.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_whose_reply_comes_after_its_local_deadline_is_undone_never_returned() {
     if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
         return;
     }
-    let server = OwnRedis::start(free_port()).await;
+    let server = PrivateServer::start(ServerKind::Redis, free_port()).await;
     // Replies may take long, so that a late one is still read (and must be refused).
     let url = format!("{}?response_timeout=10s", server.url());
     let lock = RedisLock::connect_url(&url).await.unwrap();
@@ -1271,10 +1175,10 @@ async fn a_grant_whose_reply_comes_after_its_local_deadline_is_undone_never_retu
 
     // try_acquire: the server stalls longer than the TTL, then grants (its own TTL starts
     // only then): the reply comes past the lease's local deadline.
-    server.signal(Signal::SIGSTOP);
+    server.ctl("pause").await;
     let (result, ()) = tokio::join!(lock.try_acquire(&key, ttl), async {
         sleep(stall).await;
-        server.signal(Signal::SIGCONT);
+        server.ctl("resume").await;
     });
     let err = result.expect_err("a lease past its local deadline was returned");
     assert!(matches!(err, Error::Unavailable { .. }), "{err}");
@@ -1286,12 +1190,12 @@ async fn a_grant_whose_reply_comes_after_its_local_deadline_is_undone_never_retu
     );
 
     // acquire: the late grant is undone and the wait goes on to a valid lease.
-    server.signal(Signal::SIGSTOP);
+    server.ctl("pause").await;
     let (result, ()) = tokio::join!(
         lock.acquire(&key, ttl, Instant::now() + Duration::from_secs(20)),
         async {
             sleep(stall).await;
-            server.signal(Signal::SIGCONT);
+            server.ctl("resume").await;
         }
     );
     let lease = result.unwrap();
@@ -1455,7 +1359,7 @@ async fn a_request_that_arrives_after_its_clean_up_on_a_new_connection_does_noth
     if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
         return;
     }
-    let server = OwnRedis::start(free_port()).await;
+    let server = PrivateServer::start(ServerKind::Redis, free_port()).await;
     // Long enough for the reconnect and the clean-up's answer on a loaded machine.
     let proxy = ReorderProxy::start(server.port, Duration::from_secs(2)).await;
     let lock = RedisLock::connect_url(&format!(
@@ -1598,7 +1502,7 @@ async fn a_waiter_whose_attempts_keep_failing_sends_a_bounded_request() {
     if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
         return;
     }
-    let server = OwnRedis::start(free_port()).await;
+    let server = PrivateServer::start(ServerKind::Redis, free_port()).await;
     let mut admin = admin(&server.url()).await;
     for (name, value) in [
         ("slowlog-log-slower-than", "0"),
@@ -1678,7 +1582,7 @@ async fn acquire_against_a_frozen_server_returns_by_its_deadline() {
     if backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
         return;
     }
-    let server = OwnRedis::start(free_port()).await;
+    let server = PrivateServer::start(ServerKind::Redis, free_port()).await;
     let mut admin = admin(&server.url()).await;
     let holder_client = RedisLock::connect_url(&server.url()).await.unwrap();
     let key = fresh_key("frozen");
@@ -1707,7 +1611,7 @@ async fn acquire_against_a_frozen_server_returns_by_its_deadline() {
         .await;
         waiters.push((client, task));
     }
-    server.signal(Signal::SIGSTOP);
+    server.ctl("pause").await;
     // A client that starts waiting while the server is frozen (its connection never answers).
     let late_client =
         RedisLock::connect_lazy(RedisLockConfig::from_url(&server.url()).unwrap()).unwrap();
@@ -1726,7 +1630,7 @@ async fn acquire_against_a_frozen_server_returns_by_its_deadline() {
         assert!(matches!(result, Err(Error::Timeout { .. })), "{result:?}");
         overshoots.push(over);
     }
-    server.signal(Signal::SIGCONT);
+    server.ctl("resume").await;
     eprintln!("acquire returned past its deadline by {overshoots:?}");
     for over in &overshoots {
         assert!(
