@@ -35,6 +35,9 @@ read -r -a ETCD3_PEER_PORTS <<<"${DISTLOCK_ETCD3_PEER_PORTS:-22480 22580 22680}"
 read -r -a ZK3_PORTS <<<"${DISTLOCK_ZK3_PORTS:-22281 22381 22481}"
 read -r -a ZK3_QUORUM_PORTS <<<"${DISTLOCK_ZK3_QUORUM_PORTS:-22282 22382 22482}"
 read -r -a ZK3_ELECTION_PORTS <<<"${DISTLOCK_ZK3_ELECTION_PORTS:-22283 22383 22483}"
+# Extra command-line flags for the redis-server or etcd this call starts (a private instance
+# configured differently, e.g. an evicting Redis or etcd with simple auth tokens), space-separated.
+read -r -a SERVER_ARGS <<<"${DISTLOCK_SERVER_ARGS:-}"
 if [[ ${#ETCD3_PORTS[@]} -ne 3 || ${#ETCD3_PEER_PORTS[@]} -ne 3 || ${#ZK3_PORTS[@]} -ne 3 ||
   ${#ZK3_QUORUM_PORTS[@]} -ne 3 || ${#ZK3_ELECTION_PORTS[@]} -ne 3 ]]; then
   printf '%s: error: DISTLOCK_{ETCD3,ETCD3_PEER,ZK3,ZK3_QUORUM,ZK3_ELECTION}_PORTS list three ports each\n' \
@@ -161,7 +164,7 @@ Environment: DISTLOCK_BACKENDS_DIR, DISTLOCK_BACKENDS_TIMEOUT (seconds, default 
 DISTLOCK_{REDIS,REDIS_REPLICA,ETCD,ETCD_PEER,ZK,PG}_PORT,
 DISTLOCK_{REDIS,ETCD,ETCD_PEER,ZK,PG}_SECURE_PORT,
 DISTLOCK_{ETCD3,ETCD3_PEER,ZK3,ZK3_QUORUM,ZK3_ELECTION}_PORTS (three ports each, space-separated),
-DISTLOCK_PG_BINDIR.
+DISTLOCK_SERVER_ARGS (extra flags for the redis-server or etcd started), DISTLOCK_PG_BINDIR.
 EOF
 }
 
@@ -490,7 +493,7 @@ redis_launch() {
   (clean_exec redis-server --bind 127.0.0.1 "${listen[@]}" --save '' --appendonly no \
     --dir "$IDIR" --daemonize yes --pidfile "$PIDFILE" --logfile "$LOG" \
     --repl-diskless-sync yes --repl-diskless-sync-delay 0 \
-    --enable-debug-command local "${extra[@]}") </dev/null >>"$LOG" 2>&1 ||
+    --enable-debug-command local "${extra[@]}" "${SERVER_ARGS[@]}") </dev/null >>"$LOG" 2>&1 ||
     {
       log_tail
       die "$NAME: redis-server failed to start"
@@ -553,7 +556,7 @@ etcd_launch() {
     --listen-peer-urls "http://127.0.0.1:$PEER_PORT" \
     --initial-advertise-peer-urls "http://127.0.0.1:$PEER_PORT" \
     --initial-cluster "$cluster" --initial-cluster-token "$token" --initial-cluster-state new \
-    "${ETCD_TIMING[@]}") </dev/null >>"$LOG" 2>&1 &
+    "${ETCD_TIMING[@]}" "${SERVER_ARGS[@]}") </dev/null >>"$LOG" 2>&1 &
   echo $! >"$PIDFILE"
 }
 

@@ -152,7 +152,11 @@ pub struct PrivateServer {
 }
 
 impl PrivateServer {
-    fn new(kind: ServerKind, port: u16) -> Self {
+    fn new(kind: ServerKind, port: u16, args: &[&str]) -> Self {
+        assert!(
+            args.is_empty() || matches!(kind, ServerKind::Redis | ServerKind::Etcd),
+            "extra flags are for Redis and etcd"
+        );
         let dir = std::env::temp_dir().join(format!(
             "distlock-private-{}-{port}-{}-{:08x}",
             kind.name(),
@@ -168,6 +172,14 @@ impl PrivateServer {
             dir.display().to_string(),
         )];
         envs.extend(kind.port_envs(port));
+        if !args.is_empty() {
+            assert!(
+                args.iter()
+                    .all(|a| !a.is_empty() && !a.contains(char::is_whitespace)),
+                "server flags are passed space-separated: {args:?}"
+            );
+            envs.push(("DISTLOCK_SERVER_ARGS".to_owned(), args.join(" ")));
+        }
         Self {
             kind,
             port,
@@ -181,7 +193,17 @@ impl PrivateServer {
     /// # Panics
     /// If it does not start.
     pub async fn start(kind: ServerKind, port: u16) -> Self {
-        let server = Self::new(kind, port);
+        Self::start_with(kind, port, &[]).await
+    }
+
+    /// [`PrivateServer::start`] with extra command-line flags for the server (Redis and etcd
+    /// only: `backends.sh`'s `DISTLOCK_SERVER_ARGS`), kept for every later `start`: a server
+    /// configured differently, e.g. `["--maxmemory-policy", "allkeys-lru"]`.
+    ///
+    /// # Panics
+    /// If it does not start, or a flag is empty or contains whitespace.
+    pub async fn start_with(kind: ServerKind, port: u16, args: &[&str]) -> Self {
+        let server = Self::new(kind, port, args);
         server.ctl("start").await;
         server
     }
@@ -191,7 +213,15 @@ impl PrivateServer {
     /// # Panics
     /// If it does not start.
     pub fn start_blocking(kind: ServerKind, port: u16) -> Self {
-        let server = Self::new(kind, port);
+        Self::start_blocking_with(kind, port, &[])
+    }
+
+    /// [`PrivateServer::start_with`] for synchronous tests.
+    ///
+    /// # Panics
+    /// As [`PrivateServer::start_with`].
+    pub fn start_blocking_with(kind: ServerKind, port: u16, args: &[&str]) -> Self {
+        let server = Self::new(kind, port, args);
         server.ctl_blocking("start");
         server
     }

@@ -537,54 +537,21 @@ fn run_nth(backend: Backend) {
     drill_support::block_on(nth_replies(backend, url, async || {}));
 }
 
-/// A `redis-server` of this drill's own on a free port (killed on drop), so that its script
-/// cache can be flushed without touching the shared server.
+/// A `redis-server` of this drill's own on a free port (a `backends.sh` instance, stopped on
+/// drop), so that its script cache can be flushed without touching the shared server.
 struct PrivateRedis {
     port: u16,
-    _child: tokio::process::Child,
-    dir: std::path::PathBuf,
-}
-
-impl Drop for PrivateRedis {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+    _server: conformance::servers::PrivateServer,
 }
 
 impl PrivateRedis {
     async fn start() -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let dir = std::env::temp_dir().join(format!(
-            "distlock-drill-nth-redis-{}-{port}",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        let child = tokio::process::Command::new("redis-server")
-            .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--save", "", "--appendonly", "no", "--dir"])
-            .arg(&dir)
-            .stdout(std::process::Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("start redis-server");
-        let redis = Self {
-            port,
-            _child: child,
-            dir,
-        };
-        let until = Instant::now() + SOON;
-        while redis.command(&["PING"]).await.as_deref() != Some("+PONG") {
-            assert!(
-                Instant::now() < until,
-                "the private redis-server did not start"
-            );
-            sleep(Duration::from_millis(20)).await;
+        use conformance::servers::{PrivateServer, ServerKind, free_port};
+        let server = PrivateServer::start(ServerKind::Redis, free_port()).await;
+        Self {
+            port: server.port,
+            _server: server,
         }
-        redis
     }
 
     /// Sends one command and returns the first line of the reply.

@@ -208,18 +208,13 @@ fn redis_that_evicts_keys_fails() {
         assert!(!conformance::backends_required(), "redis-server is needed");
         return;
     }
-    let port = free_port();
-    let dir = temp_dir("redis");
-    let _server = Server::spawn(
-        Command::new("redis-server")
-            .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
-            .args(["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"])
-            .arg("--dir")
-            .arg(&dir),
-        dir.clone(),
-        "redis.log",
+    let server = PrivateServer::start_blocking_with(
+        ServerKind::Redis,
+        free_port(),
+        &["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"],
     );
+    let port = server.port;
+    let dir = temp_dir("sentinel-conf");
     let cli = |args: &[&str]| {
         Command::new("redis-cli")
             .args(["-h", "127.0.0.1", "-p", &port.to_string()])
@@ -228,9 +223,6 @@ fn redis_that_evicts_keys_fails() {
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
             .unwrap_or_default()
     };
-    wait_until("redis", Duration::from_secs(20), || {
-        cli(&["ping"]) == "PONG"
-    });
     let url = format!("redis://127.0.0.1:{port}");
 
     let (code, report, _) = check(&url, &[]);

@@ -5,37 +5,14 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation is a failed test
 
 use std::{
-    net::TcpListener,
-    process::{Child, Command, Stdio},
+    process::{Command, Stdio},
     time::Duration,
 };
 
+use conformance::servers::{PrivateServer, ServerKind, free_port};
 use lock_core::{DistributedLock, LockKey};
 use lock_etcd::EtcdLock;
 use tokio::time::{Instant, sleep};
-
-/// A throwaway single-member etcd, killed (by the pid we started) and deleted on drop.
-struct PrivateEtcd {
-    child: Child,
-    dir: std::path::PathBuf,
-    port: u16,
-}
-
-impl Drop for PrivateEtcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn etcd_installed() -> bool {
     Command::new("etcd")
@@ -46,41 +23,10 @@ fn etcd_installed() -> bool {
         .is_ok_and(|s| s.success())
 }
 
-async fn start_etcd(extra: &[&str]) -> PrivateEtcd {
-    let (port, peer) = (free_port(), free_port());
-    let dir =
-        std::env::temp_dir().join(format!("distlock-etcd-auth-{}-{port}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let client_url = format!("http://127.0.0.1:{port}");
-    let peer_url = format!("http://127.0.0.1:{peer}");
-    let child = Command::new("etcd")
-        .args(["--name", "auth", "--data-dir"])
-        .arg(dir.join("data"))
-        .args(["--listen-client-urls", &client_url])
-        .args(["--advertise-client-urls", &client_url])
-        .args(["--listen-peer-urls", &peer_url])
-        .args(["--initial-advertise-peer-urls", &peer_url])
-        .args(["--initial-cluster", &format!("auth={peer_url}")])
-        .args(["--initial-cluster-state", "new"])
-        .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
-        .args(extra)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start etcd");
-    let server = PrivateEtcd { child, dir, port };
-    let until = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Ok(mut c) = etcd_client::Client::connect([client_url.as_str()], None).await
-            && c.status().await.is_ok_and(|s| s.leader() != 0)
-        {
-            return server;
-        }
-        assert!(Instant::now() < until, "the private etcd never answered");
-        sleep(Duration::from_millis(100)).await;
-    }
+/// A throwaway single-member etcd with `extra` flags (a `backends.sh` instance on a free port,
+/// stopped and deleted on drop).
+async fn start_etcd(extra: &[&str]) -> PrivateServer {
+    PrivateServer::start_with(ServerKind::Etcd, free_port(), extra).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
