@@ -16,9 +16,12 @@
 
 mod drill_support;
 
-use std::{process::Stdio, time::Duration};
+use std::time::Duration;
 
-use conformance::drill::{History, Proxy, Rule};
+use conformance::{
+    drill::{History, Proxy, Rule},
+    servers::{ServerKind, free_port},
+};
 use drill_support::{
     Backend, Client, FencedLog, PrivateServer, SOON, TTL, backends, finish, with_query, write,
 };
@@ -31,24 +34,40 @@ use tokio::{
 };
 
 const WAIT: Duration = Duration::from_secs(30);
-const ETCD3: [(u16, &str); 3] = [(22479, "etcd3-1"), (22579, "etcd3-2"), (22679, "etcd3-3")];
-const ZK3: [(u16, &str); 3] = [(22281, "zk3-1"), (22381, "zk3-2"), (22481, "zk3-3")];
+/// The members of the `up3` cluster at `url` (`etcd://h:p,h:p,h:p`): each one's client port and
+/// `backends.sh` instance name (`<prefix>-<i>`, in the order of the URL, which `backends.sh env`
+/// writes in the order of its port list).
+fn members(url: &str, prefix: &str) -> Vec<(u16, String)> {
+    let hosts = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let hosts = hosts.split(['/', '?']).next().unwrap_or_default();
+    hosts
+        .split(',')
+        .enumerate()
+        .map(|(i, host)| {
+            let port = host
+                .rsplit_once(':')
+                .and_then(|(_, p)| p.parse().ok())
+                .unwrap_or_else(|| panic!("no port in {host:?} of {url}"));
+            (port, format!("{prefix}-{}", i + 1))
+        })
+        .collect()
+}
 
 /// Starts a killed cluster member again, even when the drill fails half-way.
-struct RestartOnDrop(Option<&'static str>);
+struct RestartOnDrop(Option<String>);
 
 impl Drop for RestartOnDrop {
     fn drop(&mut self) {
         if let Some(name) = self.0.take() {
             let _ = std::process::Command::new(drill_support::backends_sh())
-                .args(["start", name])
+                .args(["start", &name])
                 .output();
         }
     }
 }
 
-async fn etcd_leader() -> &'static str {
-    let endpoints: Vec<String> = ETCD3
+async fn etcd_leader(members: &[(u16, String)]) -> String {
+    let endpoints: Vec<String> = members
         .iter()
         .map(|(p, _)| format!("http://127.0.0.1:{p}"))
         .collect();
@@ -73,11 +92,11 @@ async fn etcd_leader() -> &'static str {
                 let leader = s["Status"]["leader"].as_u64();
                 if member.is_some() && member == leader {
                     let endpoint = s["Endpoint"].as_str().unwrap_or("");
-                    if let Some((_, name)) = ETCD3
+                    if let Some((_, name)) = members
                         .iter()
                         .find(|(p, _)| endpoint.ends_with(&format!(":{p}")))
                     {
-                        return name;
+                        return name.clone();
                     }
                 }
             }
@@ -97,12 +116,12 @@ async fn zk_mode(port: u16) -> String {
     out
 }
 
-async fn zk_leader() -> &'static str {
+async fn zk_leader(members: &[(u16, String)]) -> String {
     let deadline = Instant::now() + SOON;
     loop {
-        for (port, name) in ZK3 {
-            if zk_mode(port).await.contains("Mode: leader") {
-                return name;
+        for (port, name) in members {
+            if zk_mode(*port).await.contains("Mode: leader") {
+                return name.clone();
             }
         }
         assert!(Instant::now() < deadline, "no ZooKeeper leader found");
@@ -110,7 +129,7 @@ async fn zk_leader() -> &'static str {
     }
 }
 
-async fn leader_loss(backend: Backend, url: String) {
+async fn leader_loss(backend: Backend, url: String, members: Vec<(u16, String)>) {
     let history = History::new(format!("{}_cluster_leader_loss", backend.name()));
     let key = conformance::fresh_key("drill-leader");
     let log = FencedLog::new();
@@ -122,14 +141,14 @@ async fn leader_loss(backend: Backend, url: String) {
     assert!(write(&c1.rec, &held1.hold, &log, "c1#1"));
 
     let leader = match backend {
-        Backend::Etcd => etcd_leader().await,
-        _ => zk_leader().await,
+        Backend::Etcd => etcd_leader(&members).await,
+        _ => zk_leader(&members).await,
     };
     let contender = tokio::spawn(c2.start_acquire(&key, WAIT));
-    let fault = history.fault("leader killed", Some(leader));
-    let mut restart = RestartOnDrop(Some(leader));
+    let fault = history.fault("leader killed", Some(&leader));
+    let mut restart = RestartOnDrop(Some(leader.clone()));
     let killed = Instant::now();
-    backends(&[], &["kill", leader]).await;
+    backends(&[], &["kill", &leader]).await;
 
     // c1 keeps working while it trusts its lease, then releases.
     sleep(TTL).await;
@@ -150,7 +169,7 @@ async fn leader_loss(backend: Backend, url: String) {
     );
     assert!(write(&c2.rec, &held2.hold, &log, "c2#1"));
 
-    backends(&[], &["start", leader]).await;
+    backends(&[], &["start", &leader]).await;
     restart.0 = None;
     fault.heal();
     eprintln!(
@@ -179,8 +198,9 @@ fn etcd_leader_loss() {
         drill_support::skip("cluster_leader_loss", Backend::Etcd, "up3 is not running");
         return;
     };
+    let members = members(&url, "etcd3");
     let url = with_query(&url, Backend::Etcd.options());
-    drill_support::block_on(leader_loss(Backend::Etcd, url));
+    drill_support::block_on(leader_loss(Backend::Etcd, url, members));
 }
 
 #[test]
@@ -189,8 +209,9 @@ fn zk_leader_loss() {
         drill_support::skip("cluster_leader_loss", Backend::Zk, "up3 is not running");
         return;
     };
+    let members = members(&url, "zk3");
     let url = with_query(&url, Backend::Zk.options());
-    drill_support::block_on(leader_loss(Backend::Zk, url));
+    drill_support::block_on(leader_loss(Backend::Zk, url, members));
 }
 
 // No leader-loss drill for Redis or PostgreSQL: Redis has no quorum (its failover is
@@ -208,31 +229,21 @@ async fn redis_cli(port: u16, args: &[&str]) -> String {
 }
 
 async fn redis_failover() {
-    const PRIMARY: u16 = 26392;
-    const REPLICA: u16 = 26393;
-    let primary = PrivateServer::start(Backend::Redis, PRIMARY).await;
-    let proxy = Proxy::start(([127, 0, 0, 1], PRIMARY).into())
+    let primary = PrivateServer::start(Backend::Redis, free_port()).await;
+    let proxy = Proxy::start(([127, 0, 0, 1], primary.port()).into())
         .await
         .expect("proxy");
-    let dir = std::env::temp_dir().join(format!("distlock-drill-replica-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut replica = Command::new("redis-server")
-        .args(["--bind", "127.0.0.1", "--port", &REPLICA.to_string()])
-        .args(["--save", "", "--appendonly", "no", "--dir"])
-        .arg(&dir)
-        .args(["--replicaof", "127.0.0.1", &proxy.addr().port().to_string()])
-        .args([
-            "--repl-diskless-sync",
-            "yes",
-            "--repl-diskless-sync-delay",
-            "0",
-        ])
-        .stdout(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start the replica");
+    // The replica follows the primary through the proxy, whose blackhole partitions the link.
+    let proxied = proxy.addr().port().to_string();
+    let replica = conformance::servers::PrivateServer::start_with(
+        ServerKind::Redis,
+        free_port(),
+        &["--replicaof", "127.0.0.1", &proxied],
+    )
+    .await;
+    let replica_port = replica.port;
     let deadline = Instant::now() + SOON;
-    while !redis_cli(REPLICA, &["info", "replication"])
+    while !redis_cli(replica_port, &["info", "replication"])
         .await
         .contains("master_link_status:up")
     {
@@ -247,7 +258,7 @@ async fn redis_failover() {
     // One grant first: the fence counter exists and is replicated.
     let warm = c1.acquire(&key, WAIT).await.expect("warm-up");
     assert_eq!(c1.release(warm).await, Some(true));
-    while !redis_cli(REPLICA, &["dbsize"])
+    while !redis_cli(replica_port, &["dbsize"])
         .await
         .trim()
         .starts_with('1')
@@ -270,12 +281,12 @@ async fn redis_failover() {
     assert!(write(&c1.rec, &held1.hold, &log, "c1#1"));
     // Failover: the replica is promoted and clients move to it.
     assert!(
-        redis_cli(REPLICA, &["replicaof", "no", "one"])
+        redis_cli(replica_port, &["replicaof", "no", "one"])
             .await
             .contains("OK")
     );
     let replica_url = with_query(
-        &format!("redis://127.0.0.1:{REPLICA}"),
+        &format!("redis://127.0.0.1:{replica_port}"),
         Backend::Redis.options(),
     );
     let c2 = Client::new(&history, "c2", &replica_url).await;
@@ -359,8 +370,7 @@ async fn redis_failover() {
             && readme.contains("the lock itself may be granted twice"),
         "lock-redis's README must document that a failover can grant the lock twice"
     );
-    let _ = replica.kill().await;
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(replica);
 }
 
 #[test]

@@ -595,6 +595,12 @@ impl PrivateServer {
     pub fn url(&self) -> String {
         with_query(&self.server.url(), self.backend.options())
     }
+
+    /// Its client port.
+    #[allow(dead_code)] // not every drill binary needs it
+    pub fn port(&self) -> u16 {
+        self.server.port
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
