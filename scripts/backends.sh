@@ -35,8 +35,9 @@ read -r -a ETCD3_PEER_PORTS <<<"${DISTLOCK_ETCD3_PEER_PORTS:-22480 22580 22680}"
 read -r -a ZK3_PORTS <<<"${DISTLOCK_ZK3_PORTS:-22281 22381 22481}"
 read -r -a ZK3_QUORUM_PORTS <<<"${DISTLOCK_ZK3_QUORUM_PORTS:-22282 22382 22482}"
 read -r -a ZK3_ELECTION_PORTS <<<"${DISTLOCK_ZK3_ELECTION_PORTS:-22283 22383 22483}"
-# Extra command-line flags for the redis-server or etcd this call starts (a private instance
-# configured differently, e.g. an evicting Redis or etcd with simple auth tokens), space-separated.
+# Extra command-line flags for the redis-server or etcd this call starts, or zoo.cfg lines
+# (key=value) for ZooKeeper: a private instance configured differently (an evicting Redis, etcd
+# with simple auth tokens, other session-timeout bounds), space-separated.
 read -r -a SERVER_ARGS <<<"${DISTLOCK_SERVER_ARGS:-}"
 if [[ ${#ETCD3_PORTS[@]} -ne 3 || ${#ETCD3_PEER_PORTS[@]} -ne 3 || ${#ZK3_PORTS[@]} -ne 3 ||
   ${#ZK3_QUORUM_PORTS[@]} -ne 3 || ${#ZK3_ELECTION_PORTS[@]} -ne 3 ]]; then
@@ -147,8 +148,9 @@ Commands:
                      pg-secure    127.0.0.1:$PG_SECURE_PORT  ssl=on, only hostssl + scram-sha-256 for user
                                   distlock on database distlock (no plaintext host entry)
   down-secure [--purge]  stop them (--purge: delete their data, certificates and passwords).
-  start NAME       start one instance and wait until it answers (a cluster member: until it has
-                   rejoined, if the rest of its cluster has a quorum)
+  start NAME...    start instances (all launched before any is waited for: the three members of a
+                   cluster on private ports start together) and wait until each answers (a cluster
+                   member: until it has rejoined, if the rest of its cluster has a quorum)
   stop NAME        graceful stop (SIGTERM; PostgreSQL: pg_ctl stop -m fast), SIGKILL after ${TIMEOUT}s
   kill NAME        SIGKILL (PostgreSQL: the postmaster and all its children, i.e. a server crash)
   pause NAME       SIGSTOP (PostgreSQL: the postmaster and all its children)
@@ -164,7 +166,8 @@ Environment: DISTLOCK_BACKENDS_DIR, DISTLOCK_BACKENDS_TIMEOUT (seconds, default 
 DISTLOCK_{REDIS,REDIS_REPLICA,ETCD,ETCD_PEER,ZK,PG}_PORT,
 DISTLOCK_{REDIS,ETCD,ETCD_PEER,ZK,PG}_SECURE_PORT,
 DISTLOCK_{ETCD3,ETCD3_PEER,ZK3,ZK3_QUORUM,ZK3_ELECTION}_PORTS (three ports each, space-separated),
-DISTLOCK_SERVER_ARGS (extra flags for the redis-server or etcd started), DISTLOCK_PG_BINDIR.
+DISTLOCK_SERVER_ARGS (extra flags for the redis-server or etcd started, zoo.cfg key=value lines for
+ZooKeeper), DISTLOCK_PG_BINDIR.
 EOF
 }
 
@@ -654,6 +657,9 @@ write_zk_conf() {
         echo "server.$i=127.0.0.1:${ZK3_QUORUM_PORTS[i - 1]}:${ZK3_ELECTION_PORTS[i - 1]}"
       done
     fi
+    # DISTLOCK_SERVER_ARGS: key=value lines, which override the ones above (the last one wins).
+    local line
+    for line in "${SERVER_ARGS[@]}"; do echo "$line"; done
   } >"$IDIR/conf/zoo.cfg"
   [[ -z $MEMBER ]] || echo "$MEMBER" >"$IDIR/data/myid"
   cat >"$IDIR/conf/log4j.properties" <<'EOF'
@@ -870,7 +876,8 @@ wait_gone() { # wait_gone PID SECONDS
 }
 
 # ensure_up: start the current instance unless running; wait until it answers.
-ensure_up() {
+# launch_or_resume: the current instance runs (launched, or resumed if paused).
+launch_or_resume() {
   local pid
   if pid=$(running_pid); then
     if [[ $(proc_state "$pid") == T ]]; then
@@ -880,6 +887,10 @@ ensure_up() {
   else
     launch
   fi
+}
+
+ensure_up() {
+  launch_or_resume
   wait_answers || return 1
   hook ready
   if [[ -n $MEMBER ]]; then wait_rejoined || return 1; fi
@@ -1185,6 +1196,24 @@ cmd_env() {
   export_line DISTLOCK_BACKENDS_SH "$SCRIPT_PATH" DISTLOCK_BACKENDS_DIR "$DIR"
 }
 
+# cmd_start NAME...: every instance is launched before any is waited for, so the members of a
+# private cluster (its ports from DISTLOCK_ETCD3_PORTS etc.) find each other and answer.
+cmd_start() {
+  [[ $# -gt 0 ]] || die "start: which instance? (one of: ${SINGLES[*]} ${CLUSTER[*]} ${SECURED[*]})"
+  local n
+  for n in "$@"; do inst "$n"; done # unknown names fail before anything starts
+  take_lock
+  for n in "$@"; do
+    inst "$n"
+    launch_or_resume
+  done
+  for n in "$@"; do
+    inst "$n"
+    ensure_up || die "start $NAME failed"
+    say "$NAME up (port $PORT, pid $(running_pid))"
+  done
+}
+
 cmd_one() { # cmd_one ACTION NAME
   local action=$1
   [[ -n ${2:-} ]] || die "$action: which instance? (one of: ${SINGLES[*]} ${CLUSTER[*]} ${SECURED[*]})"
@@ -1194,10 +1223,6 @@ cmd_one() { # cmd_one ACTION NAME
     is-up)
       state_of
       [[ $STATE == up ]]
-      ;;
-    start)
-      ensure_up || die "start $NAME failed"
-      say "$NAME up (port $PORT, pid $(running_pid))"
       ;;
     stop) do_stop ;;
     kill) do_kill ;;
@@ -1229,7 +1254,8 @@ main() {
     down-secure) cmd_down_secure "$@" ;;
     status) cmd_status ;;
     env) cmd_env ;;
-    start | stop | kill | pause | resume | is-up) cmd_one "$cmd" "$@" ;;
+    start) cmd_start "$@" ;;
+    stop | kill | pause | resume | is-up) cmd_one "$cmd" "$@" ;;
     -h | --help | help) usage ;;
     "")
       usage >&2

@@ -154,23 +154,10 @@ pub struct PrivateServer {
 impl PrivateServer {
     fn new(kind: ServerKind, port: u16, args: &[&str]) -> Self {
         assert!(
-            args.is_empty() || matches!(kind, ServerKind::Redis | ServerKind::Etcd),
-            "extra flags are for Redis and etcd"
+            args.is_empty() || kind != ServerKind::Pg,
+            "extra flags are for Redis, etcd and ZooKeeper"
         );
-        let dir = std::env::temp_dir().join(format!(
-            "distlock-private-{}-{port}-{}-{:08x}",
-            kind.name(),
-            std::process::id(),
-            rand::random::<u32>()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        if let Err(e) = std::fs::create_dir_all(&dir) {
-            panic!("create {}: {e}", dir.display());
-        }
-        let mut envs = vec![(
-            "DISTLOCK_BACKENDS_DIR".to_owned(),
-            dir.display().to_string(),
-        )];
+        let (dir, mut envs) = private_dir(kind.name(), port);
         envs.extend(kind.port_envs(port));
         if !args.is_empty() {
             assert!(
@@ -196,9 +183,10 @@ impl PrivateServer {
         Self::start_with(kind, port, &[]).await
     }
 
-    /// [`PrivateServer::start`] with extra command-line flags for the server (Redis and etcd
-    /// only: `backends.sh`'s `DISTLOCK_SERVER_ARGS`), kept for every later `start`: a server
-    /// configured differently, e.g. `["--maxmemory-policy", "allkeys-lru"]`.
+    /// [`PrivateServer::start`] with extra command-line flags for Redis or etcd, or `zoo.cfg`
+    /// lines for ZooKeeper (`backends.sh`'s `DISTLOCK_SERVER_ARGS`), kept for every later
+    /// `start`: a server configured differently, e.g. `["--maxmemory-policy", "allkeys-lru"]`
+    /// or `["maxSessionTimeout=2000"]`.
     ///
     /// # Panics
     /// If it does not start, or a flag is empty or contains whitespace.
@@ -256,6 +244,182 @@ impl PrivateServer {
 impl Drop for PrivateServer {
     fn drop(&mut self) {
         let _ = backends_output(&self.envs, &["stop", self.kind.name()]);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A fresh data directory of a private instance or cluster, and the environment that points
+/// `backends.sh` at it.
+fn private_dir(name: &str, port: u16) -> (PathBuf, Vec<(String, String)>) {
+    let dir = std::env::temp_dir().join(format!(
+        "distlock-private-{name}-{port}-{}-{:08x}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    if let Err(e) = std::fs::create_dir_all(&dir) {
+        panic!("create {}: {e}", dir.display());
+    }
+    let envs = vec![(
+        "DISTLOCK_BACKENDS_DIR".to_owned(),
+        dir.display().to_string(),
+    )];
+    (dir, envs)
+}
+
+/// Which 3-member cluster a [`PrivateCluster`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ClusterKind {
+    /// etcd (`backends.sh`'s `etcd3-1` .. `etcd3-3`).
+    Etcd,
+    /// A ZooKeeper ensemble (`zk3-1` .. `zk3-3`).
+    Zk,
+}
+
+impl ClusterKind {
+    fn prefix(self) -> &'static str {
+        match self {
+            ClusterKind::Etcd => "etcd3",
+            ClusterKind::Zk => "zk3",
+        }
+    }
+
+    /// The `backends.sh` port lists: the client ports first.
+    fn port_lists(self) -> &'static [&'static str] {
+        match self {
+            ClusterKind::Etcd => &["DISTLOCK_ETCD3_PORTS", "DISTLOCK_ETCD3_PEER_PORTS"],
+            ClusterKind::Zk => &[
+                "DISTLOCK_ZK3_PORTS",
+                "DISTLOCK_ZK3_QUORUM_PORTS",
+                "DISTLOCK_ZK3_ELECTION_PORTS",
+            ],
+        }
+    }
+}
+
+/// A 3-member cluster of our own: `backends.sh`'s cluster instances on free ports and a private
+/// data directory, started together. Stopped and deleted when dropped.
+///
+/// ```no_run
+/// use conformance::servers::{ClusterKind, PrivateCluster};
+///
+/// let etcd = PrivateCluster::start_blocking(ClusterKind::Etcd);
+/// let url = etcd.url(); // etcd://127.0.0.1:<p1>,127.0.0.1:<p2>,127.0.0.1:<p3>
+/// etcd.ctl_blocking("kill", 2); // crash the third member (its name: etcd.member(2))
+/// # let _ = url;
+/// ```
+#[derive(Debug)]
+pub struct PrivateCluster {
+    /// What it runs.
+    pub kind: ClusterKind,
+    /// The members' client ports.
+    pub ports: [u16; 3],
+    dir: PathBuf,
+    envs: Vec<(String, String)>,
+}
+
+impl PrivateCluster {
+    fn new(kind: ClusterKind) -> Self {
+        let mut lists: Vec<[u16; 3]> = Vec::new();
+        for _ in kind.port_lists() {
+            lists.push([free_port(), free_port(), free_port()]);
+        }
+        let ports = lists[0];
+        let (dir, mut envs) = private_dir(kind.prefix(), ports[0]);
+        for (name, list) in kind.port_lists().iter().zip(&lists) {
+            let list = list.map(|p| p.to_string()).join(" ");
+            envs.push(((*name).to_owned(), list));
+        }
+        Self {
+            kind,
+            ports,
+            dir,
+            envs,
+        }
+    }
+
+    /// The three instance names.
+    pub fn members(&self) -> [String; 3] {
+        [1, 2, 3].map(|i| format!("{}-{i}", self.kind.prefix()))
+    }
+
+    /// The name of member `i` (0, 1 or 2): the etcd member's name, the ZooKeeper server's.
+    pub fn member(&self, i: usize) -> String {
+        self.members()[i].clone()
+    }
+
+    /// Starts the three members together and waits until each answers.
+    ///
+    /// # Panics
+    /// If they do not start.
+    pub async fn start(kind: ClusterKind) -> Self {
+        let cluster = Self::new(kind);
+        let members = cluster.members();
+        let mut args = vec!["start"];
+        args.extend(members.iter().map(String::as_str));
+        backends(&cluster.envs, &args).await;
+        cluster
+    }
+
+    /// [`PrivateCluster::start`] for synchronous tests.
+    ///
+    /// # Panics
+    /// If they do not start.
+    pub fn start_blocking(kind: ClusterKind) -> Self {
+        let cluster = Self::new(kind);
+        let members = cluster.members();
+        let mut args = vec!["start"];
+        args.extend(members.iter().map(String::as_str));
+        backends_blocking(&cluster.envs, &args);
+        cluster
+    }
+
+    /// `backends.sh ACTION <member i>` (start, stop, kill, pause, resume).
+    ///
+    /// # Panics
+    /// If the action fails.
+    pub async fn ctl(&self, action: &str, i: usize) {
+        backends(&self.envs, &[action, &self.member(i)]).await;
+    }
+
+    /// [`PrivateCluster::ctl`] for synchronous tests.
+    ///
+    /// # Panics
+    /// If the action fails.
+    pub fn ctl_blocking(&self, action: &str, i: usize) {
+        backends_blocking(&self.envs, &[action, &self.member(i)]);
+    }
+
+    /// The URL naming the members in `which` (e.g. `0..3`), without options.
+    pub fn url_of(&self, which: std::ops::Range<usize>) -> String {
+        let scheme = match self.kind {
+            ClusterKind::Etcd => "etcd",
+            ClusterKind::Zk => "zk",
+        };
+        let hosts: Vec<String> = self.ports[which]
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
+        format!("{scheme}://{}", hosts.join(","))
+    }
+
+    /// The URL naming all three members, without options.
+    pub fn url(&self) -> String {
+        self.url_of(0..3)
+    }
+
+    /// The cluster's data directory (the members' logs are under it).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for PrivateCluster {
+    fn drop(&mut self) {
+        for member in self.members() {
+            let _ = backends_output(&self.envs, &["stop", &member]);
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

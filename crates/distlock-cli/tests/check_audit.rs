@@ -16,7 +16,7 @@ use std::{
 };
 use support::temp_dir;
 
-use conformance::servers::{PrivateServer, ServerKind, free_port};
+use conformance::servers::{ClusterKind, PrivateCluster, PrivateServer, ServerKind, free_port};
 use distlock::Backend;
 use serde_json::Value;
 
@@ -399,19 +399,6 @@ fn postgres_with_async_commit_fsync_off_and_an_unlogged_table_is_flagged() {
     assert_eq!(code, Some(0), "{report:#}");
 }
 
-/// The four-letter word `srvr` of a ZooKeeper on `port`, if it answers.
-fn srvr(port: u16) -> String {
-    use std::io::{Read, Write};
-    let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
-        return String::new();
-    };
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
-    let _ = stream.write_all(b"srvr");
-    let mut reply = String::new();
-    let _ = stream.read_to_string(&mut reply);
-    reply
-}
-
 #[test]
 fn zookeeper_that_lowers_or_raises_the_session_timeout_is_flagged() {
     let jar = Path::new("/usr/share/java/zookeeper.jar");
@@ -419,36 +406,12 @@ fn zookeeper_that_lowers_or_raises_the_session_timeout_is_flagged() {
         assert!(!conformance::backends_required(), "ZooKeeper is needed");
         return;
     }
-    let port = free_port();
-    let dir = temp_dir("zk");
-    std::fs::create_dir_all(dir.join("data")).unwrap();
-    std::fs::write(
-        dir.join("zoo.cfg"),
-        format!(
-            "tickTime=100\ndataDir={}\nclientPort={port}\nclientPortAddress=127.0.0.1\n\
-             admin.enableServer=false\n4lw.commands.whitelist=*\nmaxClientCnxns=0\n\
-             minSessionTimeout=500\nmaxSessionTimeout=2000\n",
-            dir.join("data").display()
-        ),
-    )
-    .unwrap();
-    let classpath = format!(
-        "{}:/usr/share/java/zookeeper.jar:/usr/share/java/zookeeper-jute.jar:\
-         /usr/share/java/slf4j-api.jar:/usr/share/java/slf4j-nop.jar",
-        dir.display()
+    let server = PrivateServer::start_blocking_with(
+        ServerKind::Zk,
+        free_port(),
+        &["minSessionTimeout=500", "maxSessionTimeout=2000"],
     );
-    let _server = Server::spawn(
-        Command::new("java")
-            .args(["-Xmx128m", "-Dzookeeper.admin.enableServer=false", "-cp"])
-            .arg(classpath)
-            .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
-            .arg(dir.join("zoo.cfg")),
-        dir.clone(),
-        "zk.log",
-    );
-    wait_until("zookeeper", Duration::from_secs(30), || {
-        srvr(port).contains("Mode:")
-    });
+    let port = server.port;
 
     // Asked 10 s, the server's maxSessionTimeout is 2 s: every lease is capped at 2 s.
     let url = format!("zk://127.0.0.1:{port}?session_timeout=10s");
@@ -488,45 +451,8 @@ fn etcd_cluster_with_a_member_down_warns() {
         assert!(!conformance::backends_required(), "etcd is needed");
         return;
     }
-    let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
-    let cluster = ports
-        .iter()
-        .enumerate()
-        .map(|(i, (_, peer))| format!("audit{i}=http://127.0.0.1:{peer}"))
-        .collect::<Vec<_>>()
-        .join(",");
-    let mut members: Vec<Server> = ports
-        .iter()
-        .enumerate()
-        .map(|(i, (client, peer))| {
-            let dir = temp_dir(&format!("etcd{i}"));
-            let client = format!("http://127.0.0.1:{client}");
-            let peer = format!("http://127.0.0.1:{peer}");
-            Server::spawn(
-                Command::new("etcd")
-                    .args(["--name", &format!("audit{i}")])
-                    .arg("--data-dir")
-                    .arg(dir.join("data"))
-                    .args(["--listen-client-urls", &client])
-                    .args(["--advertise-client-urls", &client])
-                    .args(["--listen-peer-urls", &peer])
-                    .args(["--initial-advertise-peer-urls", &peer])
-                    .args(["--initial-cluster", &cluster])
-                    .args(["--initial-cluster-state", "new"])
-                    .args(["--heartbeat-interval", "50", "--election-timeout", "500"]),
-                dir,
-                "etcd.log",
-            )
-        })
-        .collect();
-    let url = format!(
-        "etcd://{}",
-        ports
-            .iter()
-            .map(|(c, _)| format!("127.0.0.1:{c}"))
-            .collect::<Vec<_>>()
-            .join(",")
-    );
+    let cluster = PrivateCluster::start_blocking(ClusterKind::Etcd);
+    let url = cluster.url();
     let mut last = Value::Null;
     wait_until("etcd cluster healthy", Duration::from_secs(30), || {
         let (_, report, _) = check(&url, &[]);
@@ -539,7 +465,7 @@ fn etcd_cluster_with_a_member_down_warns() {
     });
     assert_eq!(verdict(&last, "members"), "PASS", "{last:#}");
 
-    members[2].kill();
+    cluster.ctl_blocking("kill", 2);
     // Once the two left agree on a leader (at once, or after an election of ~1 s), the
     // cluster serves with one member fewer: WARN, not FAIL, and not PASS.
     let mut report = Value::Null;
@@ -563,7 +489,7 @@ fn etcd_cluster_with_a_member_down_warns() {
         finding(&report, "health")["observed"]
             .as_str()
             .unwrap()
-            .contains("2/3 healthy; not serving: audit2"),
+            .contains(&format!("2/3 healthy; not serving: {}", cluster.member(2))),
         "{report:#}"
     );
     assert_eq!(verdict(&report, "endpoints"), "WARN", "{report:#}");
@@ -573,14 +499,7 @@ fn etcd_cluster_with_a_member_down_warns() {
 
     // The URL naming only the live members: the dead one is still found (through the member
     // list) and the cluster is WARN, while the endpoints pass and so does the self-test.
-    let live = format!(
-        "etcd://{}",
-        ports[..2]
-            .iter()
-            .map(|(c, _)| format!("127.0.0.1:{c}"))
-            .collect::<Vec<_>>()
-            .join(",")
-    );
+    let live = cluster.url_of(0..2);
     let (code, report, _) = check(&live, &[]);
     assert_eq!(verdict(&report, "health"), "WARN", "{report:#}");
     assert_eq!(verdict(&report, "endpoints"), "PASS", "{report:#}");
@@ -588,7 +507,7 @@ fn etcd_cluster_with_a_member_down_warns() {
     assert_eq!(check(&live, &["--strict"]).0, Some(1));
 
     // A second member down: no quorum.
-    members[1].kill();
+    cluster.ctl_blocking("kill", 1);
     let (code, report, _) = check(&url, &[]);
     assert_ne!(code, Some(0), "{report:#}");
     if report["audit"]["findings"].is_array() {
