@@ -110,6 +110,17 @@ impl Registered {
     }
 }
 
+/// What a waiting `acquire` asked for: the driver's [`QueuedWaiter`] keeps it.
+#[derive(Clone, Copy, Debug)]
+pub struct Asked<'a> {
+    /// The lock.
+    pub key: &'a LockKey,
+    /// The TTL of the lease it wants (a grant to it lasts that long).
+    pub ttl: Duration,
+    /// When it gives up.
+    pub deadline: Instant,
+}
+
 /// What one attempt of a queued `acquire` found.
 #[derive(Debug)]
 pub enum Found {

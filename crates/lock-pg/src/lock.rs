@@ -15,7 +15,7 @@ use lock_core::raw::{
     AcquireWait, Backoff, Batcher, Capabilities, Driver, Error, FencingGuarantee, FencingToken,
     HolderIdentity, HolderInfo, Lease, LockKey, OwnershipToken, Result, async_trait,
     cleanup::Retries,
-    handoff::{self, Registered},
+    handoff::{self, Asked, Registered},
     server_expired_lease,
 };
 use sqlx::{PgPool, Row, postgres::PgRow};
@@ -633,7 +633,7 @@ impl Driver for PgLock {
         let poll = self.inner.config.poll_interval;
         let mut wait =
             AcquireWait::new(key, deadline, Backoff::new(Duration::from_millis(10), poll))?;
-        let mut waiter = QueueWaiter::new(self, key, ttl, deadline);
+        let mut waiter = QueueWaiter::new(self, Asked { key, ttl, deadline });
         handoff::acquire_queued(&mut waiter, &mut wait, Backoff::new(poll, poll)).await
     }
 

@@ -11,7 +11,7 @@ use std::{
 use lock_core::raw::{
     AcquireWait, Lease, LockKey, OwnershipToken, Result,
     cleanup::Retries,
-    handoff::{Found, QueuedWaiter, Registered},
+    handoff::{Asked, Found, QueuedWaiter, Registered},
 };
 use sqlx::postgres::PgRow;
 use tokio::time::{Instant, timeout_at};
@@ -107,9 +107,7 @@ impl Queued {
 /// from its notification. No `Debug`: it holds a secret token.
 pub(crate) struct QueueWaiter<'a> {
     lock: &'a PgLock,
-    key: &'a LockKey,
-    ttl: Duration,
-    deadline: Instant,
+    asked: Asked<'a>,
     /// A release's direct grant makes this the owner. Each attempt still grants itself under
     /// a fresh token of its own, so undoing an attempt of unknown outcome (by its token) can
     /// never remove a direct grant.
@@ -124,17 +122,10 @@ pub(crate) struct QueueWaiter<'a> {
 }
 
 impl<'a> QueueWaiter<'a> {
-    pub(crate) fn new(
-        lock: &'a PgLock,
-        key: &'a LockKey,
-        ttl: Duration,
-        deadline: Instant,
-    ) -> Self {
+    pub(crate) fn new(lock: &'a PgLock, asked: Asked<'a>) -> Self {
         Self {
             lock,
-            key,
-            ttl,
-            deadline,
+            asked,
             grant_owner: OwnershipToken::generate(),
             seq: AtomicU64::new(0),
             queued_by: None,
@@ -169,7 +160,7 @@ impl QueuedWaiter for QueueWaiter<'_> {
         let attempt = self
             .lock
             .inner
-            .attempt(self.key, self.ttl, mode, self.deadline)
+            .attempt(self.asked.key, self.asked.ttl, mode, self.asked.deadline)
             .await?;
         Ok(match attempt {
             Attempt::Granted(lease) => {
@@ -206,18 +197,19 @@ impl QueuedWaiter for QueueWaiter<'_> {
             return Ok(false);
         }
         // LISTEN, then queue at once (the statement also tries again).
-        let Ok(subscription) = timeout_at(self.deadline, self.lock.notifier().subscribe()).await
+        let Ok(subscription) =
+            timeout_at(self.asked.deadline, self.lock.notifier().subscribe()).await
         else {
             return Err(wait.timeout());
         };
         let entry = subscription.entry();
         self.queue = Some(Queued {
             inner: self.lock.inner.clone(),
-            key: self.key.clone(),
+            key: self.asked.key.clone(),
             subscription,
             entry,
             grant_owner: self.grant_owner,
-            ttl: self.ttl,
+            ttl: self.asked.ttl,
             queued: false,
         });
         Ok(true)
@@ -234,12 +226,14 @@ impl QueuedWaiter for QueueWaiter<'_> {
     /// taken here: the next attempt finds it (if still held) and extends it.
     fn granted(&mut self) -> Option<Lease> {
         let queued_by = self.queued_by;
-        self.queue.as_mut()?.granted(queued_by, self.key, self.ttl)
+        self.queue
+            .as_mut()?
+            .granted(queued_by, self.asked.key, self.asked.ttl)
     }
 
     async fn leave(&mut self) {
         if let Some(q) = self.queue.as_mut() {
-            q.leave(later(self.deadline, LEAVE_GRACE)).await;
+            q.leave(later(self.asked.deadline, LEAVE_GRACE)).await;
         }
     }
 }

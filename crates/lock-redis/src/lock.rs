@@ -8,7 +8,9 @@ use std::{fmt, future::Future, sync::Arc, time::Duration};
 use lock_core::raw::{
     AcquireWait, Backoff, Batcher, Capabilities, Driver, Error, FencingGuarantee, FencingToken,
     HolderIdentity, HolderInfo, Lease, LockKey, OwnershipToken, Result, TokenDigest, async_trait,
-    cleanup::Retries, handoff, server_expired_lease,
+    cleanup::Retries,
+    handoff::{self, Asked},
+    server_expired_lease,
 };
 use tokio::time::{Instant, timeout_at};
 
@@ -564,7 +566,7 @@ impl Driver for RedisLock {
         let max = self.inner.config.max_poll_interval;
         let quick = Backoff::new(Duration::from_millis(25), max);
         let mut wait = AcquireWait::new(key, deadline, quick.clone())?;
-        let mut waiter = QueueWaiter::new(self, key, ttl, deadline, quick);
+        let mut waiter = QueueWaiter::new(self, Asked { key, ttl, deadline }, quick);
         handoff::acquire_queued(&mut waiter, &mut wait, Backoff::new(max, max)).await
     }
 

@@ -8,7 +8,7 @@ use std::{sync::Arc, time::Duration};
 
 use lock_core::raw::{
     AcquireWait, Backoff, Error, Lease, LockKey, OwnershipToken, Result,
-    handoff::{Found, QueuedWaiter, Registered},
+    handoff::{Asked, Found, QueuedWaiter, Registered},
 };
 use tokio::time::{Instant, timeout_at};
 
@@ -208,9 +208,7 @@ impl Registration {
 /// [`Registration`] that leaves the queue.
 pub(crate) struct QueueWaiter<'a> {
     lock: &'a RedisLock,
-    key: &'a LockKey,
-    ttl: Duration,
-    deadline: Instant,
+    asked: Asked<'a>,
     /// The backoff of a waiter whose wake-ups may be missed.
     quick: Backoff,
     /// After the server dropped the waiter's shard subscription (a Cluster failover), the
@@ -221,18 +219,10 @@ pub(crate) struct QueueWaiter<'a> {
 }
 
 impl<'a> QueueWaiter<'a> {
-    pub(crate) fn new(
-        lock: &'a RedisLock,
-        key: &'a LockKey,
-        ttl: Duration,
-        deadline: Instant,
-        quick: Backoff,
-    ) -> Self {
+    pub(crate) fn new(lock: &'a RedisLock, asked: Asked<'a>, quick: Backoff) -> Self {
         Self {
             lock,
-            key,
-            ttl,
-            deadline,
+            asked,
             quick,
             quick_until: None,
             registration: None,
@@ -255,13 +245,13 @@ impl QueuedWaiter for QueueWaiter<'_> {
         }
         // On a Cluster, a shard subscription the server dropped (its slot moved) is taken
         // again before the attempt, so a release after it is heard.
-        let until = request_until(self.config(), Some(self.deadline));
+        let until = request_until(self.config(), Some(self.asked.deadline));
         let again = self.quick_until.is_some_and(|t| Instant::now() < t);
         match timeout_at(until, r.watch.subscribe_shard(again)).await {
             Ok(Ok(())) => {}
-            Err(_) if Instant::now() >= self.deadline => return Err(wait.timeout()),
+            Err(_) if Instant::now() >= self.asked.deadline => return Err(wait.timeout()),
             Ok(Err(_)) | Err(_) => {
-                tracing::debug!(key = %self.key, "cannot subscribe to wake-ups again; polling");
+                tracing::debug!(key = %self.asked.key, "cannot subscribe to wake-ups again; polling");
             }
         }
         Ok(())
@@ -269,10 +259,18 @@ impl QueuedWaiter for QueueWaiter<'_> {
 
     async fn attempt(&mut self) -> Result<Found> {
         let sent_at = Instant::now();
-        let waiting = self.registration.as_mut().map(|r| r.next_attempt(self.ttl));
+        let waiting = self
+            .registration
+            .as_mut()
+            .map(|r| r.next_attempt(self.asked.ttl));
         let outcome = self
             .lock
-            .attempt(self.key, self.ttl, waiting.as_ref(), Some(self.deadline))
+            .attempt(
+                self.asked.key,
+                self.asked.ttl,
+                waiting.as_ref(),
+                Some(self.asked.deadline),
+            )
             .await;
         let Some(r) = self.registration.as_mut() else {
             return outcome.map(|found| match found {
@@ -311,15 +309,25 @@ impl QueuedWaiter for QueueWaiter<'_> {
     }
 
     async fn join(&mut self, wait: &AcquireWait) -> Result<bool> {
-        let names = self.lock.names(self.key);
+        let names = self.lock.names(self.asked.key);
         let inner = &self.lock.inner;
-        match timeout_at(self.deadline, inner.wakeups.watch(&inner.conn, &names)).await {
+        match timeout_at(
+            self.asked.deadline,
+            inner.wakeups.watch(&inner.conn, &names),
+        )
+        .await
+        {
             Ok(Ok(watch)) => {
-                self.registration = Some(Registration::new(inner.clone(), names, self.ttl, watch));
+                self.registration = Some(Registration::new(
+                    inner.clone(),
+                    names,
+                    self.asked.ttl,
+                    watch,
+                ));
                 Ok(true)
             }
             Ok(Err(e)) => {
-                tracing::debug!(key = %self.key, error = %e, "cannot subscribe to wake-ups; polling");
+                tracing::debug!(key = %self.asked.key, error = %e, "cannot subscribe to wake-ups; polling");
                 Ok(false)
             }
             Err(_) => Err(wait.timeout()),
@@ -334,14 +342,16 @@ impl QueuedWaiter for QueueWaiter<'_> {
     }
 
     fn granted(&mut self) -> Option<Lease> {
-        self.registration.as_mut()?.granted(self.key, self.ttl)
+        self.registration
+            .as_mut()?
+            .granted(self.asked.key, self.asked.ttl)
     }
 
     async fn leave(&mut self) {
         // The deadline bounds the wait for the answer; a small grace lets a healthy server's
         // answer arrive even when the deadline has just passed (else it goes on in the
         // background).
-        let until = request_until(self.config(), Some(self.deadline)).max(Instant::now());
+        let until = request_until(self.config(), Some(self.asked.deadline)).max(Instant::now());
         if let Some(r) = self.registration.as_mut() {
             r.leave(until + LEAVE_GRACE).await;
         }
