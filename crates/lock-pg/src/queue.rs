@@ -40,19 +40,19 @@ pub(crate) struct Queueing<'a> {
 /// the lock to the next waiter), so a gone waiter neither gets the next hand-off nor keeps a
 /// grant it never heard of. No `Debug`: it holds a secret token.
 pub(crate) struct Queued {
-    pub(crate) inner: Arc<Inner>,
-    pub(crate) key: LockKey,
-    pub(crate) subscription: Subscription,
+    inner: Arc<Inner>,
+    key: LockKey,
+    subscription: Subscription,
     /// `<channel>:<number>`.
-    pub(crate) entry: String,
+    entry: String,
     /// The owner of a direct grant to this waiter.
-    pub(crate) grant_owner: OwnershipToken,
+    grant_owner: OwnershipToken,
     /// The TTL a direct grant to this waiter gets.
-    pub(crate) ttl: Duration,
+    ttl: Duration,
     /// The entry may be in the queue, or a grant to `grant_owner` may exist: set before the
     /// first queued attempt is sent; cleared only once the lock is returned with a grant that
     /// consumed the entry, or under `grant_owner`.
-    pub(crate) queued: bool,
+    queued: bool,
 }
 
 impl Queued {
