@@ -314,24 +314,48 @@ impl Inner {
             {
                 Ok(resp) if resp.succeeded() => {
                     let rev = resp.header().map_or(0, |h| h.revision());
-                    let first = txn_get(&resp, 1).and_then(|g| g.kvs().first().cloned());
-                    let Some(first) = first.filter(|_| rev > 0) else {
+                    // The newest keys of the range, ours first (nothing else was created at or
+                    // after the put's revision).
+                    let newest = txn_get(&resp, 1).filter(|g| {
+                        rev > 0
+                            && g.kvs().first().is_some_and(|kv| {
+                                kv.key() == entry.key.as_slice() && kv.create_revision() == rev
+                            })
+                    });
+                    let Some(newest) = newest else {
                         // Applied, but unreadable: ours to remove (the marker makes sure).
                         entry.discard(until).await;
-                        return Err(protocol(op, "etcd's txn reply lacks a revision or owner"));
+                        return Err(protocol(
+                            op,
+                            "etcd's txn reply lacks a revision or our entry",
+                        ));
                     };
                     entry.rev = rev;
-                    entry.ahead = txn_get(&resp, 2).and_then(|newest| {
-                        ahead_of(&name, rev, newest.kvs(), newest.more(), rev + 1)
+                    let earlier = newest.kvs().iter().any(|kv| {
+                        kv.create_revision() < rev && keys::is_entry(&name, kv.key(), kv.lease())
                     });
-                    let owner = match self.owner_rev(&name, &first, until).await {
-                        Ok(owner) => owner,
-                        Err(e) => {
-                            entry.discard(until).await;
-                            return Err(e.into_read_error(op));
+                    entry.ahead = ahead_of(&name, rev, newest.kvs(), newest.more(), rev + 1);
+                    let owned = if earlier {
+                        // An older entry exists at the put's revision: it or one older still
+                        // owns the lock.
+                        false
+                    } else if !newest.more() {
+                        // Every key of the range, and none an entry older than ours.
+                        true
+                    } else {
+                        // Only keys that are no contender among the newest (rare): read the
+                        // entries.
+                        match self.entries_of(&name, Some(rev), until).await {
+                            Ok(entries) => {
+                                entries.first().map(KeyValue::create_revision) == Some(rev)
+                            }
+                            Err(e) => {
+                                entry.discard(until).await;
+                                return Err(e.into_read_error(op));
+                            }
                         }
                     };
-                    return Ok((entry, owner == Some(rev), base));
+                    return Ok((entry, owned, base));
                 }
                 Ok(resp) => {
                     // Our key already exists although nobody in this client has an entry for
@@ -379,25 +403,6 @@ impl Inner {
             op,
             "the session lease kept vanishing or a leftover entry kept coming back",
         ))
-    }
-
-    /// The create revision of the owner of the range `name`, given the oldest key under it.
-    /// Keys that are not contender entries ([`keys::is_entry`]) are skipped with a full read
-    /// of the range (only then: normally the oldest key is an entry).
-    async fn owner_rev(
-        &self,
-        name: &[u8],
-        first: &KeyValue,
-        until: Instant,
-    ) -> Result<Option<i64>, RequestFailure> {
-        if keys::is_entry(name, first.key(), first.lease()) {
-            return Ok(Some(first.create_revision()));
-        }
-        Ok(self
-            .entries_of(name, None, until)
-            .await?
-            .first()
-            .map(|kv| kv.create_revision()))
     }
 
     /// Every contender entry under `name` (created at or before `max_rev`), oldest first.

@@ -22,9 +22,7 @@ use tokio::{
 };
 
 use crate::{
-    client::{
-        self, BACKEND, Classified, Counters, RequestFailure, first_create, protocol, txn_get,
-    },
+    client::{self, BACKEND, Classified, Counters, RequestFailure, protocol, txn_get},
     keys,
     lock::Inner,
     renew::{KeepAliveError, Session},
@@ -180,9 +178,16 @@ impl Entry {
     }
 
     /// The attempt's put (Go's `tryAcquire` txn): put our key if it does not exist and read the
-    /// oldest key of the range and the newest [`QUEUE_WATCH_MAX`] + 1 (ours and who is ahead of
-    /// it), else read our key. Conditional on the attempt's marker too: once a withdrawal wrote
-    /// it, this put can never apply, however late it arrives (review L1).
+    /// newest [`QUEUE_WATCH_MAX`] + 1 keys of the range (ours and who is ahead of it: when that
+    /// is all of them, the oldest entry among them owns the lock), else read our key.
+    /// Conditional on the attempt's marker too: once a withdrawal wrote it, this put can never
+    /// apply, however late it arrives (review L1).
+    ///
+    /// The reads are keys only: who is ahead is told by keys, leases and create revisions, and
+    /// the values (token and identity, ~100 bytes each) would only make every put's reply —
+    /// read by etcd, encoded, sent and decoded once per contender — larger. One read, not a
+    /// second one for the oldest key: etcd reads and sorts the whole range for each sorted read
+    /// (it cannot stop at a limit when sorting), and every contended acquisition has a put.
     pub(crate) fn put_txn(&self) -> Txn {
         Txn::new()
             .when([
@@ -195,18 +200,21 @@ impl Entry {
                     self.value(),
                     Some(PutOptions::new().with_lease(self.session.id)),
                 ),
-                TxnOp::get(self.name.clone(), Some(first_create())),
                 TxnOp::get(
                     self.name.clone(),
                     Some(
                         GetOptions::new()
                             .with_prefix()
                             .with_sort(SortTarget::Create, SortOrder::Descend)
-                            .with_limit(QUEUE_WATCH_MAX as i64 + 1),
+                            .with_limit(QUEUE_WATCH_MAX as i64 + 1)
+                            .with_keys_only(),
                     ),
                 ),
             ])
-            .or_else([TxnOp::get(self.key.clone(), None)])
+            .or_else([TxnOp::get(
+                self.key.clone(),
+                Some(GetOptions::new().with_keys_only()),
+            )])
     }
 
     /// Deletes the entry now, bounded by `until` (falling back to background retries when that
@@ -479,10 +487,11 @@ impl Inner {
                     .with_prefix()
                     .with_sort(SortTarget::Create, SortOrder::Descend)
                     .with_max_create_revision(entry.rev - 1)
-                    .with_limit(QUEUE_WATCH_MAX as i64);
+                    .with_limit(QUEUE_WATCH_MAX as i64)
+                    .with_keys_only();
                 let read = Txn::new().and_then([
                     TxnOp::get(entry.name.clone(), Some(opts)),
-                    TxnOp::get(entry.key.clone(), None),
+                    TxnOp::get(entry.key.clone(), Some(GetOptions::new().with_keys_only())),
                 ]);
                 let read =
                     client::request_until(self.timeout(), until, self.client.kv_client().txn(read))

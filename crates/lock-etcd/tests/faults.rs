@@ -492,6 +492,63 @@ fn keys_that_are_no_entries_never_block_a_lock() {
     });
 }
 
+/// An acquisition learns who owns the lock from the newest keys of the range its put reads
+/// (33: ours and up to 32 ahead). When those are all keys that are no entries (an
+/// application's keys under `NAME/` with an empty prefix), the owner is further back: it must
+/// neither be missed (a second holder) nor be invented (a lock nobody holds refused). Seen red
+/// with the put taking "no older entry among the newest" for ownership.
+#[test]
+fn many_keys_that_are_no_entries_neither_hide_the_holder_nor_block_the_lock() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let mut cfg = EtcdLockConfig::from_url(&env.url).unwrap();
+        cfg.prefix = String::new();
+        let (a, b) = (
+            EtcdLock::connect(cfg.clone()).await.unwrap(),
+            EtcdLock::connect(cfg).await.unwrap(),
+        );
+        let ttl = Duration::from_secs(10);
+        let name = fresh("many-app-keys");
+        let app_keys = |from: usize| (from..from + 40).map(|i| format!("{name}/app-{i:03}"));
+        for k in app_keys(0) {
+            env.admin.kv_client().put(k, "v", None).await.unwrap();
+        }
+        // 40 older keys, none an entry: the lock is free.
+        let held = a.try_acquire(&name, ttl).await.unwrap();
+        let held = held.expect("keys that are no entries blocked the lock");
+        // 40 more keys after the holder's entry: the newest 33 hold no entry but the new one.
+        for k in app_keys(40) {
+            env.admin.kv_client().put(k, "v", None).await.unwrap();
+        }
+        assert!(
+            b.try_acquire(&name, ttl).await.unwrap().is_none(),
+            "a second holder: the holder's entry was behind the newest keys"
+        );
+        let waiter = tokio::spawn({
+            let name = name.clone();
+            async move {
+                let got = b.acquire(&name, ttl, Instant::now() + LONG).await;
+                (b, got)
+            }
+        });
+        sleep(Duration::from_millis(300)).await;
+        assert!(!waiter.is_finished(), "the waiter was granted a held lock");
+        assert!(a.release(&held).await.unwrap());
+        let (b, got) = timeout(SLACK, waiter).await.unwrap().unwrap();
+        let lease = got.unwrap();
+        assert!(lease.fencing_token() > held.fencing_token());
+        assert!(b.release(&lease).await.unwrap());
+        env.admin
+            .kv_client()
+            .delete(
+                format!("{name}/"),
+                Some(etcd_client::DeleteOptions::new().with_prefix()),
+            )
+            .await
+            .unwrap();
+    });
+}
+
 /// A release whose request applied but whose replies are lost is sent again, and the re-send
 /// (finding the entry gone) answers `Indeterminate`: not `Unavailable` — which promises that
 /// nothing applied — and not `Ok(false)`, which would say the lease had been lost before.
