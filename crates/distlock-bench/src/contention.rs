@@ -27,33 +27,57 @@ pub async fn run(url: &str, clients: usize, window: Duration) -> Res<String> {
     let ttl = Duration::from_secs(30);
     let started = Instant::now();
     let end = started + window;
-    // When the current holder started its release (taken by the next grant).
-    let released_at: Arc<Mutex<Option<Instant>>> = Arc::default();
+    // When the current holder started its release, which client it is, and whether the
+    // previous holder's next put (its re-queueing acquire) had been sent by then (taken by the
+    // next grant).
+    let released_at: Arc<Mutex<Option<(Instant, usize, bool)>>> = Arc::default();
+    // Per client: when it last started an `acquire` right after a release of its own (its put
+    // is sent then; the session is fresh in this loop).
+    let put_sent: Arc<Vec<Mutex<Option<Instant>>>> =
+        Arc::new((0..clients).map(|_| Mutex::new(None)).collect());
+    // The hand-offs by whether the previous holder's put was sent before the release.
     let gaps: Arc<Mutex<Vec<Duration>>> = Arc::default();
+    let gaps_put_first: Arc<Mutex<Vec<Duration>>> = Arc::default();
     let releases: Arc<Mutex<Vec<Duration>>> = Arc::default();
     let mut tasks = Vec::new();
-    for lock in &locks {
+    for (me, lock) in locks.iter().enumerate() {
         let (lock, key) = (lock.clone(), key.clone());
         let (released_at, gaps, releases) = (released_at.clone(), gaps.clone(), releases.clone());
+        let (put_sent, gaps_put_first) = (put_sent.clone(), gaps_put_first.clone());
         tasks.push(tokio::spawn(async move {
             let mut n = 0u64;
+            let mut released_once = false;
             while Instant::now() < end {
+                if released_once && let Ok(mut p) = put_sent[me].lock() {
+                    *p = Some(Instant::now());
+                }
                 let lease = tokio::select! {
                     lease = lock.acquire(&key, ttl, end + Duration::from_secs(10)) => lease?,
                     () = tokio::time::sleep_until(end) => break,
                 };
                 let now = Instant::now();
-                if let (Some(t), Ok(mut g)) = (
-                    released_at.lock().map_or(None, |mut g| g.take()),
-                    gaps.lock(),
-                ) {
-                    g.push(now - t);
+                let previous = released_at.lock().map_or(None, |mut g| g.take());
+                if let Some((t, _, put_first)) = previous {
+                    let into = if put_first { &gaps_put_first } else { &gaps };
+                    if let Ok(mut g) = into.lock() {
+                        g.push(now - t);
+                    }
                 }
                 let t = Instant::now();
+                // The previous holder's put, if it was sent after that holder's release began
+                // and before ours.
+                let put_first = previous.is_some_and(|(their_release, them, _)| {
+                    put_sent[them]
+                        .lock()
+                        .ok()
+                        .and_then(|p| *p)
+                        .is_some_and(|p| p >= their_release && p <= t)
+                });
                 if let Ok(mut g) = released_at.lock() {
-                    *g = Some(t);
+                    *g = Some((t, me, put_first));
                 }
                 lock.release(&lease).await?;
+                released_once = true;
                 if let Ok(mut g) = releases.lock() {
                     g.push(t.elapsed());
                 }
@@ -87,6 +111,62 @@ pub async fn run(url: &str, clients: usize, window: Duration) -> Res<String> {
         let us = |q: f64| percentile(&v, q).as_secs_f64() * 1e6;
         (!v.is_empty()).then(|| [us(0.5), us(0.9), us(0.99)])
     };
+    let mean = |v: &Mutex<Vec<Duration>>| {
+        let v = v.lock().map(|g| g.clone()).unwrap_or_default();
+        let n = v.len();
+        (n > 0).then(|| {
+            (
+                n,
+                v.iter().map(Duration::as_secs_f64).sum::<f64>() * 1e6 / n as f64,
+            )
+        })
+    };
+    let split = [
+        ("sent after it", mean(&gaps)),
+        ("sent before it", mean(&gaps_put_first)),
+    ];
+    let split_md = split
+        .iter()
+        .map(|(what, m)| {
+            m.map_or(format!("{what}: none"), |(n, us)| {
+                format!("{what}: {n} hand-offs, mean {us:.0} µs")
+            })
+        })
+        .collect::<Vec<_>>()
+        .join("; ");
+    if let (Ok(mut all), Ok(put_first)) = (gaps.lock(), gaps_put_first.lock()) {
+        all.extend(put_first.iter().copied());
+    }
+    let all_mean = mean(&gaps);
+    // Where the time of the serial path goes, by the length of the hand-off: a heavy tail
+    // (scheduling on a loaded machine, a stalled watch) weighs on the throughput (1 / mean) but
+    // not on a median.
+    let buckets_ms = [0.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, f64::INFINITY];
+    let tail_md = {
+        let v = gaps.lock().map(|g| g.clone()).unwrap_or_default();
+        let total: f64 = v.iter().map(Duration::as_secs_f64).sum();
+        buckets_ms
+            .windows(2)
+            .filter_map(|w| {
+                let (lo, hi) = (w[0] / 1e3, w[1] / 1e3);
+                let inside: Vec<f64> = v
+                    .iter()
+                    .map(Duration::as_secs_f64)
+                    .filter(|&g| g >= lo && g < hi)
+                    .collect();
+                (!inside.is_empty()).then(|| {
+                    format!(
+                        "{}–{} ms: {} ({:.0} % of the time)",
+                        w[0],
+                        w[1],
+                        inside.len(),
+                        100.0 * inside.iter().sum::<f64>() / total.max(f64::MIN_POSITIVE)
+                    )
+                })
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     let gaps = summary(&gaps);
     let releases = summary(&releases);
     let fmt = |s: &Option<[f64; 3]>| {
@@ -112,6 +192,15 @@ pub async fn run(url: &str, clients: usize, window: Duration) -> Res<String> {
         "- release start → next grant, µs median / p90 / p99: {}\n- release call, µs median / p90 / p99: {}\n",
         fmt(&gaps),
         fmt(&releases)
+    ));
+    if let Some((_, us)) = all_mean {
+        md.push_str(&format!(
+            "- release start → next grant, mean {us:.0} µs; by the previous holder's next put (its \
+             re-queueing acquire), {split_md}\n"
+        ));
+    }
+    md.push_str(&format!(
+        "- release start → next grant by length: {tail_md}\n"
     ));
     if let Some([median, ..]) = gaps {
         md.push_str(&format!(
