@@ -48,7 +48,8 @@ pub(crate) struct Session {
     pub(crate) vouched: watch::Sender<Instant>,
     /// Cancelled by the lapse task when the vouched instant passes without a newer
     /// confirmation, then replaced by a fresh token for leases that come later: every held
-    /// lock's `watch_lost` waits on the token that was current when it started.
+    /// lock's `watch_lost` waits on the token that was current when it started. Each is a
+    /// child of `ended`, so the session's end cancels it as well.
     pub(crate) lapse: Arc<Mutex<CancellationToken>>,
     /// Cancelled once the session is expired, closed or otherwise terminated.
     pub(crate) ended: CancellationToken,
@@ -139,7 +140,10 @@ impl Session {
         // Creating a session is a write the leader applies, starting the session's clock then:
         // the connect's send time is leader-proved.
         let (vouched, vouched_rx) = watch::channel(sent + negotiated - drift_margin(negotiated));
-        let lapse = Arc::new(Mutex::new(CancellationToken::new()));
+        // Each lapse token is a child of `ended`: the session's end cancels it too, so a held
+        // lock's `watch_lost` waits on one token for both (see `ZkLock::lost_signal`).
+        let ended = CancellationToken::new();
+        let lapse = Arc::new(Mutex::new(ended.child_token()));
         let session = Arc::new(Self {
             id: client.session_id().0,
             timeout: negotiated,
@@ -148,7 +152,7 @@ impl Session {
             connection: Mutex::new((client.state_watcher(), 0)),
             vouched,
             lapse: lapse.clone(),
-            ended: CancellationToken::new(),
+            ended,
             check_ins: Batcher::new(MAX_CHECK_IN_BATCH),
         });
         tokio::spawn(watch_lapse(vouched_rx, lapse, session.ended.clone()));

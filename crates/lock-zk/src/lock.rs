@@ -65,8 +65,8 @@ impl Drop for Inner {
 /// Driver state carried by each lease.
 pub(crate) struct ZkLease {
     pub(crate) session_id: i64,
-    /// Our node's path (relative to the chroot).
-    pub(crate) path: String,
+    /// Our node's path (relative to the chroot), shared with the `watch_lost` future.
+    pub(crate) path: Arc<str>,
     pub(crate) czxid: i64,
     pub(crate) version: i32,
     /// The deletion watch on our node, shared by renewals and `watch_lost` (and armed while

@@ -523,7 +523,7 @@ impl Contender {
         };
         let state = ZkLease {
             session_id: self.session.id,
-            path: format!("{}/{name}", self.dir),
+            path: format!("{}/{name}", self.dir).into(),
             czxid: stat.czxid,
             version: stat.version,
             watch: self.watch.clone(),
@@ -585,7 +585,7 @@ pub(crate) async fn delete_node(session: &Session, path: &str, limit: Duration) 
 /// its trust window lapsed, or whose release went unanswered: if the session survives (a healed
 /// partition), its node would otherwise keep the lock held by nobody for as long as the process
 /// lives.
-pub(crate) fn spawn_removal(session: Arc<Session>, path: String, czxid: i64, limit: Duration) {
+pub(crate) fn spawn_removal(session: Arc<Session>, path: Arc<str>, czxid: i64, limit: Duration) {
     lock_core::raw::cleanup::spawn(async move {
         // Until the node is gone or the session ends (which deletes it).
         let mut retries = Retries::unbounded();

@@ -274,7 +274,7 @@ pub(crate) async fn watch_lapse(
                 if *vouched.borrow() <= Instant::now() {
                     let old = std::mem::replace(
                         &mut *lapse.lock().unwrap_or_else(PoisonError::into_inner),
-                        CancellationToken::new(),
+                        ended.child_token(),
                     );
                     old.cancel();
                     // Wait for a newer confirmation before looking at the deadline again.
@@ -318,7 +318,7 @@ impl ZkLock {
         let (Some(state), Some(session)) = (lease.backend_state::<ZkLease>(), session) else {
             return Err(not_held());
         };
-        let (watch, path, czxid) = (state.watch.clone(), state.path.clone(), state.czxid);
+        let (watch, path, czxid) = (&state.watch, &*state.path, state.czxid);
         let before = watch.check();
         if let Check::Lost(_) = before {
             return Err(not_held());
@@ -331,24 +331,29 @@ impl ZkLock {
         match (before, watch.check()) {
             (_, Check::Lost(_)) => return Err(not_held()),
             (Check::Reliable(armed), Check::Reliable(still)) if still == armed => {}
-            // Not armed, re-armed or consumed meanwhile: read the node.
+            // Not armed, re-armed or consumed meanwhile: read the node. Boxed: a renewal in
+            // flight (thousands at once per client) keeps only the common path in its state.
             _ => {
-                let states = session.client.state_watcher();
-                let probe = session.probe();
-                match self.call(session.client.check_and_watch_stat(&path)).await {
-                    Ok((Some(stat), watcher))
-                        if stat.czxid == czxid && stat.ephemeral_owner == session.id =>
-                    {
-                        session.answered(probe);
-                        watch.install(watcher, states);
+                let read = Box::pin(async {
+                    let states = session.client.state_watcher();
+                    let probe = session.probe();
+                    match self.call(session.client.check_and_watch_stat(path)).await {
+                        Ok((Some(stat), watcher))
+                            if stat.czxid == czxid && stat.ephemeral_owner == session.id =>
+                        {
+                            session.answered(probe);
+                            watch.install(watcher, states);
+                            Ok(())
+                        }
+                        Ok(_) => {
+                            watch.set_lost(LossReason::Revoked);
+                            Err(not_held())
+                        }
+                        Err(e) if session_gone(&e) => Err(not_held()),
+                        Err(e) => Err(to_error("renew", e)),
                     }
-                    Ok(_) => {
-                        watch.set_lost(LossReason::Revoked);
-                        return Err(not_held());
-                    }
-                    Err(e) if session_gone(&e) => return Err(not_held()),
-                    Err(e) => return Err(to_error("renew", e)),
-                }
+                });
+                read.await?;
             }
         }
         let ttl = lease_ttl(ttl, &session);

@@ -38,11 +38,12 @@ use futures::{
 };
 use lock_core::raw::{Backoff, Lease, LossReason};
 use tokio::time::{Instant, sleep};
+use tokio_util::sync::CancellationToken;
 use zookeeper_client as zk;
 
 use crate::{
     ZkLock,
-    client::{call, session_gone},
+    client::{Session, call, session_gone},
     lock::ZkLease,
     queue::spawn_removal,
 };
@@ -184,6 +185,11 @@ impl NodeWatch {
         state.wake();
     }
 
+    /// Whether the node is known to be gone (or the session ended).
+    pub(crate) fn is_lost(&self) -> bool {
+        self.state().lost.is_some()
+    }
+
     /// Ready when the watch needs arming or the node is gone; registers `cx` to be woken then.
     pub(crate) fn poll_changed(&self, cx: &mut Context<'_>) -> Poll<Change> {
         let mut state = self.state();
@@ -242,7 +248,8 @@ impl ZkLock {
             return Box::pin(std::future::ready(LossReason::SessionExpired));
         };
         // The session-level lapse signal: one task watches the vouched instant for every held
-        // lock (taken before the check below, so a lapse in between cancels it).
+        // lock (taken before the check below, so a lapse in between cancels it). The path is
+        // shared with the lease (`Arc<str>`), not copied.
         let lapse = session.lapse_token();
         let (watch, path, czxid) = (state.watch.clone(), state.path.clone(), state.czxid);
         let limit = self.inner.config.timeout;
@@ -253,60 +260,153 @@ impl ZkLock {
             return Box::pin(std::future::ready(LossReason::DeadlinePassed));
         }
         // A lapse makes the lease lost for good; if the session then survives, the node must go.
-        // Its own task: the caller drops this future as soon as its own deadline passes, which
-        // is the same instant (the lease counts from the session's vouched base).
-        let removal = {
-            let (session, watch, path, lapse) =
-                (session.clone(), watch.clone(), path.clone(), lapse.clone());
-            async move {
-                let released = poll_fn(|cx| match watch.poll_changed(cx) {
-                    Poll::Ready(Change::Lost(_)) => Poll::Ready(()),
-                    Poll::Ready(Change::Unarmed) | Poll::Pending => Poll::Pending,
-                });
-                tokio::select! {
-                    biased;
-                    () = session.ended.cancelled() => {}
-                    () = released => {}
-                    () = lapse.cancelled() => spawn_removal(session.clone(), path, czxid, limit),
-                }
-            }
+        // No task per held lock for that: the future carries a guard that starts the removal
+        // when the future ends or is dropped once the session is no longer vouched for (the
+        // scheduler drops it as soon as the lease's deadline passes, which is the same
+        // instant: the lease counts from the session's vouched base).
+        let guard = RemoveOnLapse {
+            session,
+            watch,
+            path,
+            czxid,
+            limit,
+            lapse,
         };
-        // Outside a runtime nothing could run it (the lapse still shows in the future below).
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            drop(rt.spawn(removal));
-        }
         Box::pin(async move {
+            let guard = guard;
             let node_gone = async {
-                let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+                let mut backoff = None::<Backoff>;
                 loop {
-                    match poll_fn(|cx| watch.poll_changed(cx)).await {
+                    match poll_fn(|cx| guard.watch.poll_changed(cx)).await {
                         Change::Lost(reason) => return reason,
                         Change::Unarmed => {}
                     }
-                    let states = session.client.state_watcher();
-                    let probe = session.probe();
-                    match call(limit, session.client.check_and_watch_stat(&path)).await {
-                        Ok((Some(stat), watcher))
-                            if stat.czxid == czxid && stat.ephemeral_owner == session.id =>
-                        {
-                            session.answered(probe);
-                            watch.install(watcher, states);
+                    // The rare path (arming the watch, or arming it again after a data change
+                    // or a failure) is boxed, so that the future every held lock keeps for its
+                    // whole life is small.
+                    match Box::pin(guard.arm()).await {
+                        Ok(()) => backoff = None,
+                        Err(Some(reason)) => return reason,
+                        Err(None) => {
+                            let backoff = backoff.get_or_insert_with(|| {
+                                Backoff::new(Duration::from_millis(50), Duration::from_secs(1))
+                            });
+                            Box::pin(sleep(backoff.next_delay())).await;
                         }
-                        Ok(_) => {
-                            watch.set_lost(LossReason::Revoked);
-                            return LossReason::Revoked;
-                        }
-                        Err(e) if session_gone(&e) => return LossReason::SessionExpired,
-                        Err(_) => sleep(backoff.next_delay()).await,
                     }
                 }
             };
+            // The lapse token is a child of the session's `ended`: one wait for both.
             tokio::select! {
                 biased;
-                () = session.ended.cancelled() => LossReason::SessionExpired,
-                () = lapse.cancelled() => LossReason::DeadlinePassed,
+                () = guard.lapse.cancelled() => if guard.session.is_ended() {
+                    LossReason::SessionExpired
+                } else {
+                    LossReason::DeadlinePassed
+                },
                 reason = node_gone => reason,
             }
         })
+    }
+}
+
+/// What a held lock's `watch_lost` future keeps, and its clean-up: dropped (the future ended,
+/// or the scheduler dropped it) while the session is no longer vouched for and the node is not
+/// known to be gone, it starts the node's removal (`spawn_removal`), as a lost lease's node
+/// must not outlive the loss if the session survives.
+struct RemoveOnLapse {
+    session: Arc<Session>,
+    watch: Arc<NodeWatch>,
+    path: Arc<str>,
+    czxid: i64,
+    limit: Duration,
+    lapse: CancellationToken,
+}
+
+impl RemoveOnLapse {
+    /// Arms the watch with an `exists` on the node: `Ok` armed (the node is ours), `Err(Some)`
+    /// the node or the session is gone, `Err(None)` a failure to retry after a pause.
+    async fn arm(&self) -> Result<(), Option<LossReason>> {
+        let session = &self.session;
+        let states = session.client.state_watcher();
+        let probe = session.probe();
+        match call(self.limit, session.client.check_and_watch_stat(&self.path)).await {
+            Ok((Some(stat), watcher))
+                if stat.czxid == self.czxid && stat.ephemeral_owner == session.id =>
+            {
+                session.answered(probe);
+                self.watch.install(watcher, states);
+                Ok(())
+            }
+            Ok(_) => {
+                self.watch.set_lost(LossReason::Revoked);
+                Err(Some(LossReason::Revoked))
+            }
+            Err(e) if session_gone(&e) => Err(Some(LossReason::SessionExpired)),
+            Err(_) => Err(None),
+        }
+    }
+}
+
+impl Drop for RemoveOnLapse {
+    fn drop(&mut self) {
+        if self.session.is_ended() || self.watch.is_lost() {
+            return;
+        }
+        if self.lapse.is_cancelled() || self.session.vouched_until() <= Instant::now() {
+            spawn_removal(
+                self.session.clone(),
+                self.path.clone(),
+                self.czxid,
+                self.limit,
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use lock_core::raw::{Driver, LockKey};
+
+    use crate::ZkLock;
+
+    /// Issue 24: what a held lock keeps for its whole life is its `watch_lost` future (polled by
+    /// lock-core's scheduler) and nothing else: no task of its own; and a renewal in flight (up
+    /// to 4,096 per client at once) stays small. The `watch_lost` future was 944 B (release
+    /// build) with the re-arming request and its backoff sleep in its state, every held lock
+    /// had a removal task besides (384 B), and a renewal kept its rare `exists` in its state
+    /// (880 B in a debug build): ≈ 4.4 KiB per held lock at 10,000.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_held_lock_keeps_a_small_future_and_no_task() {
+        let Some(url) = conformance::backend_url("DISTLOCK_TEST_ZK_URL") else {
+            return;
+        };
+        let lock = ZkLock::connect_url(&url).await.unwrap();
+        let key = LockKey::new(format!("small-futures-{:x}", rand::random::<u32>())).unwrap();
+        let ttl = Driver::capabilities(&lock).min_ttl;
+        let lease = lock
+            .try_acquire(&key, ttl)
+            .await
+            .unwrap()
+            .expect("a fresh key is free");
+        let metrics = tokio::runtime::Handle::current().metrics();
+        let tasks = metrics.num_alive_tasks();
+        let watch = lock.watch_lost(&lease);
+        let spawned = metrics.num_alive_tasks() - tasks;
+        let watch_size = std::mem::size_of_val(&*watch);
+        drop(watch);
+        let mut renewing = lease.clone();
+        let renew = lock.renew(&mut renewing, ttl);
+        let renew_size = std::mem::size_of_val(&*renew);
+        drop(renew);
+        assert!(lock.release(&lease).await.unwrap());
+        eprintln!("watch_lost future {watch_size} B, renewal {renew_size} B, {spawned} tasks");
+        assert_eq!(spawned, 0, "watch_lost spawned a task per held lock");
+        assert!(
+            watch_size <= 320,
+            "a held lock's watch_lost future takes {watch_size} B"
+        );
+        assert!(renew_size <= 400, "a renewal's future takes {renew_size} B");
     }
 }
