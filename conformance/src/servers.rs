@@ -30,7 +30,7 @@ use std::{
 pub enum ServerKind {
     /// `redis-server`.
     Redis,
-    /// `etcd` (its peer port is the client port + 1).
+    /// `etcd` (its peer port is another free port).
     Etcd,
     /// ZooKeeper standalone.
     Zk,
@@ -66,7 +66,12 @@ impl ServerKind {
             ServerKind::Redis => vec![("DISTLOCK_REDIS_PORT".into(), p)],
             ServerKind::Etcd => vec![
                 ("DISTLOCK_ETCD_PORT".into(), p),
-                ("DISTLOCK_ETCD_PEER_PORT".into(), (port + 1).to_string()),
+                // Not `port + 1`: two private servers started at once may be given neighbouring
+                // client ports, and one's peer port would be the other's client port.
+                (
+                    "DISTLOCK_ETCD_PEER_PORT".into(),
+                    free_port_except(port).to_string(),
+                ),
             ],
             ServerKind::Zk => vec![("DISTLOCK_ZK_PORT".into(), p)],
             ServerKind::Pg => vec![("DISTLOCK_PG_PORT".into(), p)],
@@ -93,6 +98,16 @@ pub fn free_port() -> u16 {
         .and_then(|l| l.local_addr())
         .expect("bind a loopback port")
         .port()
+}
+
+/// A free port other than `taken`.
+fn free_port_except(taken: u16) -> u16 {
+    loop {
+        let port = free_port();
+        if port != taken {
+            return port;
+        }
+    }
 }
 
 /// Runs `backends.sh ARGS` with `envs` and returns its output (a failure is the caller's to
@@ -175,7 +190,7 @@ impl PrivateServer {
         }
     }
 
-    /// Starts `kind` on `port` (etcd's peer port: `port + 1`) and waits until it answers.
+    /// Starts `kind` on `port` (etcd's peer port: another free one) and waits until it answers.
     ///
     /// # Panics
     /// If it does not start.
@@ -321,9 +336,17 @@ pub struct PrivateCluster {
 
 impl PrivateCluster {
     fn new(kind: ClusterKind) -> Self {
+        // Distinct ports (each free one is released before the next is asked for).
+        let mut taken = Vec::new();
         let mut lists: Vec<[u16; 3]> = Vec::new();
         for _ in kind.port_lists() {
-            lists.push([free_port(), free_port(), free_port()]);
+            lists.push([(); 3].map(|()| {
+                let port = std::iter::repeat_with(free_port)
+                    .find(|p| !taken.contains(p))
+                    .unwrap_or_default();
+                taken.push(port);
+                port
+            }));
         }
         let ports = lists[0];
         let (dir, mut envs) = private_dir(kind.prefix(), ports[0]);

@@ -574,7 +574,7 @@ pub struct PrivateServer {
 }
 
 impl PrivateServer {
-    /// Starts `backend` on `port` (etcd's peer port: `port + 1`).
+    /// Starts `backend` on `port` (etcd's peer port: another free one).
     pub async fn start(backend: Backend, port: u16) -> Self {
         let kind = match backend {
             Backend::Redis => ServerKind::Redis,
