@@ -36,6 +36,10 @@ struct Args {
     /// Measured uncontended rounds per variant (default 1000, or 150 with --quick).
     #[arg(long)]
     cycles: Option<usize>,
+    /// Measure only the uncontended acquire + release (section 1–2) of `--backends`: no
+    /// hand-off, throughput or watchdog phases (a few seconds per backend).
+    #[arg(long)]
+    uncontended_only: bool,
     /// Clients taking turns on one key in the hand-off measurement (2 to 16; default 8).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u8).range(2..=16))]
     waiters: u8,
@@ -207,6 +211,9 @@ async fn run_backend(
                 .notes
                 .push(format!("uncontended variants could not be set up: {e}"));
         }
+    }
+    if args.uncontended_only {
+        return report;
     }
 
     progress(format!("{name}: connecting {} clients", plan.clients));
