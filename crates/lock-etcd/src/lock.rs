@@ -18,7 +18,6 @@ use lock_core::raw::{
     FencingToken, HolderIdentity, HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result,
 };
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 use crate::{
     EtcdLockConfig, EtcdRequestCounts,
@@ -78,6 +77,8 @@ pub(crate) struct Inner {
     pub(crate) parked: crate::queue::ParkedWatches,
     /// Renewals' proofs that their entries still exist, batched into one read-only txn.
     pub(crate) checks: Batcher<renew::Check, renew::CheckAnswer>,
+    /// Deletes held entries nobody renewed by their local deadline (one task for all).
+    pub(crate) reaper: Arc<renew::Reaper>,
     pub(crate) counters: Arc<Counters>,
     /// Who this client is, written next to each of its entries' tokens (see
     /// [`keys::entry_value`]).
@@ -132,6 +133,7 @@ impl EtcdLock {
                 watches,
                 parked: crate::queue::ParkedWatches::default(),
                 checks: Batcher::new(MAX_TXN_OPS),
+                reaper: Arc::default(),
                 counters,
                 identity,
             }),
@@ -483,7 +485,7 @@ impl Inner {
         }
     }
 
-    /// Turns an owning entry into a lease, and arms its reaper. Hands the entry back when the
+    /// Turns an owning entry into a lease, and queues it in the client's reaper. Hands the entry back when the
     /// lease's local deadline (from `base`, the send time of the request that last proved the
     /// session alive) has already passed: such a lease must never reach the caller (review S3).
     fn hold(
@@ -500,21 +502,16 @@ impl Inner {
         }
         entry.armed = false;
         let held = Arc::new(Held {
-            gone: entry.session.gone.child_token(),
             session: entry.session.clone(),
             name: std::mem::take(&mut entry.name),
             key: std::mem::take(&mut entry.key),
             rev: entry.rev,
-            phase: Mutex::new(Phase {
-                base,
-                deadline: base,
-                finished: false,
-            }),
-            stop: CancellationToken::new(),
+            phase: Mutex::new(Phase::new(base, base)),
         });
         let lease = lease.with_backend_state(held.clone());
         lock(&held.phase).deadline = lease.local_deadline();
-        tokio::spawn(renew::reap(Arc::downgrade(self), held));
+        // No task per held lock: the client's one reaper watches its deadline.
+        self.reap_later(held);
         Ok(lease)
     }
 }
@@ -590,8 +587,7 @@ impl Driver for EtcdLock {
             )])
             .and_then([TxnOp::delete(held.key.clone(), None)]);
         let deleted = delete_if_created_at(inner, txn, "release", lease.key()).await?;
-        if held.claim() {
-            held.stop.cancel();
+        if inner.finish(&held, true) {
             inner.drop_user(&held.session, &held.name).await;
         }
         Ok(deleted)
@@ -712,11 +708,18 @@ impl Driver for EtcdLock {
         };
         let inner = self.inner.clone();
         Box::pin(async move {
-            tokio::select! {
+            // The session's `gone` is shared by every lock on the session: no token per lock.
+            let reason = tokio::select! {
                 biased;
-                () = held.stop.cancelled() => std::future::pending().await,
+                () = held.session.gone.cancelled() => LossReason::Revoked,
                 reason = wake::watch_entry(&inner, &held) => reason,
+            };
+            if held.is_released() {
+                // Our own release deleted it.
+                return std::future::pending().await;
             }
+            inner.entry_gone(&held).await;
+            reason
         })
     }
 }

@@ -1,7 +1,7 @@
 //! Renewal: the etcd leases (sessions) a client's locks share — granted, kept alive on demand
 //! by one shared keepalive, revoked once idle — the batched proof that a renewed entry is still
-//! on its lease, and each held lock's local deadline (and the reaper that deletes an entry
-//! nobody renewed by it).
+//! on its lease, and each held lock's local deadline (and the client's one reaper that deletes
+//! an entry nobody renewed by it).
 //!
 //! One etcd lease is shared by every lock entry a client holds with the same TTL. A session's
 //! lease is kept alive only on demand — by `renew` of any lock on it, by waiters, and by
@@ -10,7 +10,7 @@
 //! one keepalive per freshness window, not N.
 
 use std::{
-    collections::HashSet,
+    collections::{BTreeMap, HashSet},
     sync::{Arc, Mutex, Weak},
     time::Duration,
 };
@@ -18,7 +18,7 @@ use std::{
 use etcd_client::{GetOptions, LeaseClient, LeaseKeepAliveStream, LeaseKeeper, Txn, TxnOp};
 use lock_core::raw::{Error, Lease, Result};
 use tokio::{
-    sync::watch,
+    sync::{Notify, watch},
     time::{Instant, sleep, sleep_until},
 };
 use tokio_util::sync::CancellationToken;
@@ -340,17 +340,15 @@ pub(crate) type CheckAnswer = std::result::Result<bool, (Failure, Arc<str>)>;
 /// The most operations etcd accepts in one txn by default (`--max-txn-ops`).
 pub(crate) const MAX_TXN_OPS: usize = 128;
 
-/// Driver state carried by each lease.
+/// Driver state carried by each lease: no task, timer or cancellation token of its own. Its
+/// local deadline is watched by the client's one [`Reaper`]; its loss is pushed by its entry's
+/// deletion watch and its session's `gone` token (shared by every lock on the session).
 pub(crate) struct Held {
     pub(crate) session: Arc<Session>,
     pub(crate) name: Vec<u8>,
     pub(crate) key: Vec<u8>,
     pub(crate) rev: i64,
     pub(crate) phase: Mutex<Phase>,
-    /// Cancelled when the entry is known to be gone (lease dead, key deleted).
-    pub(crate) gone: CancellationToken,
-    /// Cancelled when the lease was released through this client.
-    pub(crate) stop: CancellationToken,
 }
 
 pub(crate) struct Phase {
@@ -359,6 +357,34 @@ pub(crate) struct Phase {
     pub(crate) deadline: Instant,
     /// Released, reaped or gone: the session user was (or is being) removed.
     pub(crate) finished: bool,
+    /// Released through this client (its `watch_lost` then never fires).
+    pub(crate) released: bool,
+    /// The entry is known to be gone (deleted, or its lease is).
+    pub(crate) gone: bool,
+    /// Where the entry waits in the reaper's queue, if it does.
+    pub(crate) reap_at: Option<Instant>,
+}
+
+impl Phase {
+    pub(crate) fn new(base: Instant, deadline: Instant) -> Self {
+        Self {
+            base,
+            deadline,
+            finished: false,
+            released: false,
+            gone: false,
+            reap_at: None,
+        }
+    }
+
+    /// When the reaper deletes the entry unless it is renewed or released before: a little
+    /// after the local deadline. The holder's `lost()` fires at the deadline, and the next
+    /// contender is only granted once this delete lands, so the two never meet within a round
+    /// trip (safe either way: deleting later only delays the next grant).
+    fn reap_time(&self) -> Instant {
+        let ttl = self.deadline.saturating_duration_since(self.base);
+        self.deadline + (ttl / 20).clamp(Duration::from_millis(5), Duration::from_millis(250))
+    }
 }
 
 impl Held {
@@ -366,19 +392,158 @@ impl Held {
         lock(&self.phase).finished
     }
 
-    /// Marks the entry finished; `true` for the one caller that did it.
-    pub(crate) fn claim(&self) -> bool {
-        let mut phase = lock(&self.phase);
-        !std::mem::replace(&mut phase.finished, true)
+    /// Whether the entry is known to be gone (deleted, or its session's lease is).
+    pub(crate) fn is_gone(&self) -> bool {
+        lock(&self.phase).gone || self.session.gone.is_cancelled()
     }
 
-    pub(crate) fn claim_if_expired(&self) -> bool {
-        let mut phase = lock(&self.phase);
-        if phase.finished || phase.deadline > Instant::now() {
+    /// Whether it was released through this client.
+    pub(crate) fn is_released(&self) -> bool {
+        lock(&self.phase).released
+    }
+
+    /// The reaper's key for this entry (its place in the queue is `(reap_at, key)`).
+    fn reap_key(self: &Arc<Self>) -> usize {
+        Arc::as_ptr(self) as usize
+    }
+}
+
+/// The client's one reaper of held entries: deletes each entry nobody renewed or released by
+/// its local deadline (on a shared lease the neighbours' renewals would otherwise keep it alive
+/// past its TTL), and unregisters from its session an entry found gone. One task and one timer
+/// for every held lock (it holds each `Held` strongly, so a lease dropped without a release is
+/// still deleted at its deadline); the task runs while anything waits in the queue. A lock is
+/// looked at once per local deadline (a renewal moved it: queued again at the new one), not
+/// once per renewal.
+#[derive(Default)]
+pub(crate) struct Reaper {
+    state: Mutex<ReaperState>,
+    wake: Notify,
+}
+
+#[derive(Default)]
+struct ReaperState {
+    due: BTreeMap<(Instant, usize), Arc<Held>>,
+    running: bool,
+}
+
+impl Inner {
+    /// Queues `held` at its reap time; starts the reaper's task if it is not running.
+    pub(crate) fn reap_later(&self, held: Arc<Held>) {
+        let mut phase = lock(&held.phase);
+        if phase.finished {
+            return;
+        }
+        let at = phase.reap_time();
+        let key = held.reap_key();
+        let mut state = lock(&self.reaper.state);
+        if let Some(old) = phase.reap_at.replace(at) {
+            state.due.remove(&(old, key));
+        }
+        let earliest = state.due.first_key_value().is_none_or(|(k, _)| at < k.0);
+        drop(phase);
+        state.due.insert((at, key), held);
+        if !state.running {
+            state.running = true;
+            tokio::spawn(reap(self.me.clone(), self.reaper.clone()));
+        } else if earliest {
+            self.reaper.wake.notify_one();
+        }
+    }
+
+    /// Marks `held` finished (`released`: through this client) and takes it out of the
+    /// reaper's queue; `true` for the one caller that did it.
+    pub(crate) fn finish(&self, held: &Arc<Held>, released: bool) -> bool {
+        let mut phase = lock(&held.phase);
+        if std::mem::replace(&mut phase.finished, true) {
             return false;
         }
-        phase.finished = true;
+        phase.released = released;
+        if let Some(at) = phase.reap_at.take() {
+            lock(&self.reaper.state).due.remove(&(at, held.reap_key()));
+        }
         true
+    }
+
+    /// The entry is known to be gone: unregisters it from its session (once).
+    pub(crate) async fn entry_gone(&self, held: &Arc<Held>) {
+        lock(&held.phase).gone = true;
+        if self.finish(held, false) {
+            self.drop_user(&held.session, &held.name).await;
+        }
+    }
+
+    /// The reaper's look at an entry whose reap time came.
+    async fn reap_due(&self, held: Arc<Held>) {
+        let expired = {
+            let mut phase = lock(&held.phase);
+            phase.reap_at = None;
+            if phase.finished {
+                return;
+            }
+            if !phase.gone && !held.session.gone.is_cancelled() {
+                if phase.deadline > Instant::now() {
+                    // Renewed meanwhile: wait for the new deadline.
+                    drop(phase);
+                    self.reap_later(held);
+                    return;
+                }
+                phase.finished = true;
+                true
+            } else {
+                phase.finished = true;
+                false
+            }
+        };
+        if expired {
+            tokio::spawn(delete_unrenewed(self.me.clone(), held));
+        } else {
+            self.drop_user(&held.session, &held.name).await;
+        }
+    }
+}
+
+/// The reaper's task: sleeps until the earliest reap time in the queue (or until an earlier
+/// one is queued) and looks at every entry due; ends when the queue is empty or the client is
+/// gone.
+async fn reap(me: Weak<Inner>, reaper: Arc<Reaper>) {
+    let mut due = Vec::new();
+    loop {
+        let next = {
+            let mut state = lock(&reaper.state);
+            match state.due.first_key_value() {
+                Some((k, _)) => k.0,
+                None => {
+                    state.running = false;
+                    return;
+                }
+            }
+        };
+        tokio::select! {
+            () = sleep_until(next) => {}
+            // An earlier entry was queued (a stored permit if it came before this wait).
+            () = reaper.wake.notified() => continue,
+        }
+        let now = Instant::now();
+        {
+            let mut state = lock(&reaper.state);
+            while let Some(entry) = state.due.first_entry() {
+                if entry.key().0 > now {
+                    break;
+                }
+                due.push(entry.remove());
+            }
+        }
+        let Some(inner) = me.upgrade() else {
+            // The client is gone: nothing renews its leases, which expire by their TTL.
+            let mut state = lock(&reaper.state);
+            state.due.clear();
+            state.running = false;
+            return;
+        };
+        for held in due.drain(..) {
+            inner.reap_due(held).await;
+        }
     }
 }
 
@@ -594,40 +759,6 @@ impl Inner {
     }
 }
 
-/// Deletes a held entry at its local deadline unless it was renewed or released first: on a
-/// shared lease the neighbours' renewals would otherwise keep it alive past its TTL.
-pub(crate) async fn reap(inner: Weak<Inner>, held: Arc<Held>) {
-    loop {
-        // A little after the local deadline: the holder's `lost()` fires at the deadline, and
-        // the next contender is only granted once this delete lands, so the two never meet
-        // within a round trip (safe either way: deleting later only delays the next grant).
-        let deadline = {
-            let phase = lock(&held.phase);
-            let ttl = phase.deadline.saturating_duration_since(phase.base);
-            phase.deadline + (ttl / 20).clamp(Duration::from_millis(5), Duration::from_millis(250))
-        };
-        // This task lives as long as the lock is held, so what it does once the wait is over
-        // (requests whose futures take kilobytes) is boxed: only the wait is its size.
-        tokio::select! {
-            () = held.stop.cancelled() => return,
-            () = held.gone.cancelled() => {
-                if held.claim()
-                    && let Some(inner) = inner.upgrade()
-                {
-                    Box::pin(async move { inner.drop_user(&held.session, &held.name).await })
-                        .await;
-                }
-                return;
-            }
-            () = sleep_until(deadline) => {}
-        }
-        if held.claim_if_expired() {
-            Box::pin(delete_unrenewed(inner, held)).await;
-            return;
-        }
-    }
-}
-
 /// The reaper's delete of an entry nobody renewed by its local deadline.
 async fn delete_unrenewed(inner: Weak<Inner>, held: Arc<Held>) {
     tracing::debug!(lease = %format_args!("{:x}", held.session.id), "lock not renewed before its local deadline; deleting its entry");
@@ -667,7 +798,7 @@ pub(crate) async fn renew(inner: &Inner, lease: &mut Lease, ttl: Duration) -> Re
     }
     let previous = {
         let phase = lock(&held.phase);
-        if phase.finished || held.gone.is_cancelled() {
+        if phase.finished || phase.gone || held.session.gone.is_cancelled() {
             return Err(Error::not_held(lease.key()));
         }
         phase.base
@@ -688,7 +819,7 @@ pub(crate) async fn renew(inner: &Inner, lease: &mut Lease, ttl: Duration) -> Re
     {
         Ok(base) => base,
         Err(KeepAliveError::Gone) => {
-            held.gone.cancel();
+            inner.entry_gone(&held).await;
             return Err(Error::not_held(lease.key()));
         }
         Err(KeepAliveError::Failed(e)) => return Err(e.into_read_error("renew")),
@@ -700,7 +831,7 @@ pub(crate) async fn renew(inner: &Inner, lease: &mut Lease, ttl: Duration) -> Re
     match inner.check_entries(check, until).await {
         Ok(true) => {}
         Ok(false) => {
-            held.gone.cancel();
+            inner.entry_gone(&held).await;
             return Err(Error::not_held(lease.key()));
         }
         Err((failure, why)) => {
@@ -712,7 +843,7 @@ pub(crate) async fn renew(inner: &Inner, lease: &mut Lease, ttl: Duration) -> Re
         }
     }
     let mut phase = lock(&held.phase);
-    if phase.finished || held.gone.is_cancelled() {
+    if phase.finished || phase.gone || held.session.gone.is_cancelled() {
         return Err(Error::not_held(lease.key()));
     }
     lease.renewed(ttl, base);

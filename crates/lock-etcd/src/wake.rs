@@ -314,91 +314,104 @@ async fn read_entry(inner: &Inner, held: &Held) -> Entry {
     Entry::Ours(now.header().map(|h| h.revision()))
 }
 
-/// Completes when `held`'s entry is deleted (lease expired or revoked, key deleted).
+/// Completes when `held`'s entry is deleted (lease expired or revoked, key deleted), or is
+/// found gone by a renewal. (The session's end is the caller's to wait for: one token shared by
+/// every lock on the session.)
 pub(crate) async fn watch_entry(inner: &Inner, held: &Held) -> LossReason {
-    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
+    let mut backoff = None::<Backoff>;
     let mut from = held.rev + 1;
     loop {
-        let lost = async {
-            let mut watch = inner.watches.watch_delete(held.key.clone(), from);
-            match watch.ended().await {
-                Outcome::Deleted => true,
-                Outcome::Broken => false,
-                Outcome::Canceled => {
-                    // Compacted past our revision: look at the key itself. Boxed: this future
-                    // lives as long as the lock is held, and the read's state (≈ 2.7 KiB) is
-                    // needed only here, so it must not be part of it.
-                    match Box::pin(read_entry(inner, held)).await {
-                        Entry::Gone => true,
-                        Entry::Ours(revision) => {
-                            from = revision.map_or(from, |r| r + 1);
-                            false
-                        }
-                        Entry::Unread => false,
+        if held.is_gone() {
+            return LossReason::Revoked;
+        }
+        let mut watch = inner.watches.watch_delete(held.key.clone(), from);
+        let deleted = match watch.ended().await {
+            Outcome::Deleted => true,
+            Outcome::Broken => false,
+            Outcome::Canceled => {
+                // Compacted past our revision: look at the key itself. Boxed: this future
+                // lives as long as the lock is held, and the read's state (≈ 2.7 KiB) is
+                // needed only here, so it must not be part of it.
+                match Box::pin(read_entry(inner, held)).await {
+                    Entry::Gone => true,
+                    Entry::Ours(revision) => {
+                        from = revision.map_or(from, |r| r + 1);
+                        false
                     }
+                    Entry::Unread => false,
                 }
             }
         };
-        let deleted = tokio::select! {
-            biased;
-            () = held.gone.cancelled() => return LossReason::Revoked,
-            deleted = lost => deleted,
-        };
+        drop(watch);
         if deleted {
-            held.gone.cancel();
             return LossReason::Revoked;
         }
-        tokio::select! {
-            () = held.gone.cancelled() => return LossReason::Revoked,
-            () = sleep(backoff.next_delay()) => {}
-        }
+        // The rare path's pause is boxed too, and its backoff made only when needed.
+        let backoff = backoff
+            .get_or_insert_with(|| Backoff::new(Duration::from_millis(50), Duration::from_secs(2)));
+        Box::pin(sleep(backoff.next_delay())).await;
     }
 }
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
-    use std::{sync::Arc, time::Duration};
+    use std::time::Duration;
 
     use lock_core::raw::{Driver, LockKey};
 
-    use crate::{EtcdLock, renew::Held};
+    use crate::EtcdLock;
 
-    /// Issue 24: what a held lock keeps for its whole life — its `watch_lost` future (polled by
-    /// lock-core's scheduler) and its reaper task — and a renewal in flight stay small. Each was 6–7 KiB while the
-    /// requests they send only on a rare path (a read after a cancelled watch, the reaper's
-    /// delete) were part of their state: ≈ 24 KiB per held lock at 10,000.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_held_lock_keeps_small_futures() {
+    /// Issue 24: what a held lock keeps for its whole life is its `watch_lost` future (polled by
+    /// lock-core's scheduler) and its place in the client's one reaper queue: no task of its own
+    /// (each held lock had a reaper task, 504 B, woken at every local deadline, and two
+    /// cancellation tokens); and that future and a renewal in flight (up to 4,096 per client at
+    /// once) stay small. Each was 6–7 KiB while the requests they send only on a rare path (a
+    /// read after a cancelled watch, the reaper's delete) were part of their state.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_held_lock_keeps_small_futures_and_no_task() {
         let Some(url) = conformance::backend_url("DISTLOCK_TEST_ETCD_URL") else {
             return;
         };
         let lock = EtcdLock::connect_url(&url).await.unwrap();
-        let key = LockKey::new(format!("small-futures-{:x}", rand::random::<u32>())).unwrap();
-        let lease = lock
-            .try_acquire(&key, Duration::from_secs(10))
-            .await
-            .unwrap()
-            .expect("a fresh key is free");
-        let held = lease.backend_state::<Arc<Held>>().cloned().unwrap();
-        let watch = lock.watch_lost(&lease);
-        let reap = crate::renew::reap(Arc::downgrade(&lock.inner), held);
-        let (watch_size, reap_size) =
-            (std::mem::size_of_val(&*watch), std::mem::size_of_val(&reap));
-        drop((watch, reap));
+        let ttl = Duration::from_secs(10);
+        let tag = rand::random::<u32>();
+        let key = |i: usize| LockKey::new(format!("small-futures-{tag:x}-{i}")).unwrap();
+        // The first lock starts what the client shares (its watch stream, its reaper).
+        let first = lock.try_acquire(&key(0), ttl).await.unwrap().unwrap();
+        let metrics = tokio::runtime::Handle::current().metrics();
+        // Let the first acquisition's keepalive task end.
+        tokio::task::yield_now().await;
+        let tasks = metrics.num_alive_tasks();
+        let mut leases = Vec::new();
+        let mut watches = Vec::new();
+        for i in 1..=16 {
+            let lease = lock.try_acquire(&key(i), ttl).await.unwrap().unwrap();
+            watches.push(lock.watch_lost(&lease));
+            leases.push(lease);
+        }
+        tokio::task::yield_now().await;
+        let spawned = metrics.num_alive_tasks().saturating_sub(tasks);
+        let watch_size = std::mem::size_of_val(&*watches[0]);
         // A renewal in flight (up to 4,096 per client at once, lock-core's scheduler).
-        let mut renewing = lease.clone();
-        let renew = lock.renew(&mut renewing, Duration::from_secs(10));
+        let mut renewing = first.clone();
+        let renew = lock.renew(&mut renewing, ttl);
         let renew_size = std::mem::size_of_val(&*renew);
         drop(renew);
-        assert!(lock.release(&lease).await.unwrap());
-        assert!(
-            watch_size <= 1024,
-            "a held lock's watch_lost future takes {watch_size} B"
+        drop(watches);
+        for lease in leases.iter().chain([&first]) {
+            assert!(lock.release(lease).await.unwrap());
+        }
+        eprintln!(
+            "watch_lost future {watch_size} B, renewal {renew_size} B, {spawned} tasks for 16 held locks"
         );
         assert!(
-            reap_size <= 1024,
-            "a held lock's reaper task future takes {reap_size} B"
+            spawned <= 2,
+            "{spawned} tasks alive more after 16 more locks were taken: a task per held lock"
+        );
+        assert!(
+            watch_size <= 320,
+            "a held lock's watch_lost future takes {watch_size} B"
         );
         assert!(
             renew_size <= 1024,
