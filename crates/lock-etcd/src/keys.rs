@@ -47,6 +47,16 @@ pub(crate) fn entry_key(name_prefix: &[u8], lease_id: i64) -> Vec<u8> {
     out
 }
 
+/// The name range of an entry key [`entry_key`] made with `lease_id`: the key without the
+/// lease's hex id.
+pub(crate) fn entry_name(key: &[u8], lease_id: i64) -> &[u8] {
+    let id = lease_id.cast_unsigned();
+    let hex_digits =
+        usize::try_from(id.checked_ilog2().map_or(1, |bits| bits / 4 + 1)).unwrap_or(usize::MAX);
+    key.get(..key.len().saturating_sub(hex_digits))
+        .unwrap_or_default()
+}
+
 /// Whether `key` (attached to `lease`) is a contender entry of the range `name_prefix`: exactly
 /// the range followed by the hex id of the lease it is attached to, as Go's mutex writes it.
 /// Anything else under the range — an application's key under an empty prefix, an entry of a
@@ -103,6 +113,24 @@ pub(crate) fn parse_entry_value(value: &[u8]) -> (Option<OwnershipToken>, Option
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
+
+    /// A held lock keeps its entry key only; its name range is read back from it.
+    #[test]
+    fn an_entry_key_gives_back_its_name_range() {
+        for id in [
+            0,
+            1,
+            0xf,
+            0x10,
+            0x694d_9a1b_2c3e_4f5a,
+            i64::MAX,
+            -1,
+            i64::MIN,
+        ] {
+            let key = entry_key(b"p/lock%2Fa/", id);
+            assert_eq!(entry_name(&key, id), b"p/lock%2Fa/", "lease {id:x}");
+        }
+    }
 
     #[test]
     fn entry_values_round_trip_and_old_or_foreign_ones_are_read_safely() {

@@ -503,7 +503,6 @@ impl Inner {
         entry.armed = false;
         let held = Arc::new(Held {
             session: entry.session.clone(),
-            name: std::mem::take(&mut entry.name),
             key: std::mem::take(&mut entry.key),
             rev: entry.rev,
             phase: Mutex::new(Phase::new(base, base)),
@@ -588,7 +587,7 @@ impl Driver for EtcdLock {
             .and_then([TxnOp::delete(held.key.clone(), None)]);
         let deleted = delete_if_created_at(inner, txn, "release", lease.key()).await?;
         if inner.finish(&held, true) {
-            inner.drop_user(&held.session, &held.name).await;
+            inner.drop_user(&held.session, held.name()).await;
         }
         Ok(deleted)
     }

@@ -345,7 +345,8 @@ pub(crate) const MAX_TXN_OPS: usize = 128;
 /// deletion watch and its session's `gone` token (shared by every lock on the session).
 pub(crate) struct Held {
     pub(crate) session: Arc<Session>,
-    pub(crate) name: Vec<u8>,
+    /// `<name range><lease id hex>` ([`crate::keys::entry_key`]): the name range is its
+    /// beginning ([`Held::name`]), not a copy of its own.
     pub(crate) key: Vec<u8>,
     pub(crate) rev: i64,
     pub(crate) phase: Mutex<Phase>,
@@ -388,6 +389,11 @@ impl Phase {
 }
 
 impl Held {
+    /// The lock's name range (`<prefix><name>/`): the entry key without its lease's hex id.
+    pub(crate) fn name(&self) -> &[u8] {
+        crate::keys::entry_name(&self.key, self.session.id)
+    }
+
     pub(crate) fn is_finished(&self) -> bool {
         lock(&self.phase).finished
     }
@@ -469,7 +475,7 @@ impl Inner {
     pub(crate) async fn entry_gone(&self, held: &Arc<Held>) {
         lock(&held.phase).gone = true;
         if self.finish(held, false) {
-            self.drop_user(&held.session, &held.name).await;
+            self.drop_user(&held.session, held.name()).await;
         }
     }
 
@@ -498,7 +504,7 @@ impl Inner {
         if expired {
             tokio::spawn(delete_unrenewed(self.me.clone(), held));
         } else {
-            self.drop_user(&held.session, &held.name).await;
+            self.drop_user(&held.session, held.name()).await;
         }
     }
 }
@@ -764,7 +770,7 @@ async fn delete_unrenewed(inner: Weak<Inner>, held: Arc<Held>) {
     tracing::debug!(lease = %format_args!("{:x}", held.session.id), "lock not renewed before its local deadline; deleting its entry");
     let target = Target {
         session: held.session.clone(),
-        name: held.name.clone(),
+        name: held.name().to_vec(),
         key: held.key.clone(),
         rev: held.rev,
         value: String::new(),
