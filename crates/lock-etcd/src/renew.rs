@@ -512,43 +512,66 @@ impl Inner {
 /// The reaper's task: sleeps until the earliest reap time in the queue (or until an earlier
 /// one is queued) and looks at every entry due; ends when the queue is empty or the client is
 /// gone.
-async fn reap(me: Weak<Inner>, reaper: Arc<Reaper>) {
-    let mut due = Vec::new();
-    loop {
-        let next = {
-            let mut state = lock(&reaper.state);
-            match state.due.first_key_value() {
-                Some((k, _)) => k.0,
-                None => {
-                    state.running = false;
-                    return;
-                }
-            }
-        };
-        tokio::select! {
-            () = sleep_until(next) => {}
-            // An earlier entry was queued (a stored permit if it came before this wait).
-            () = reaper.wake.notified() => continue,
+fn reap(me: Weak<Inner>, reaper: Arc<Reaper>) -> impl Future<Output = ()> {
+    /// Dropped with the task's future while armed (its runtime shut down, even before the
+    /// task first ran): the next entry queued starts a new task.
+    struct Running(Arc<Reaper>, bool);
+    impl Running {
+        /// The task set `running` to false itself, under the queue's lock.
+        fn disarm(&mut self) {
+            self.1 = false;
         }
-        let now = Instant::now();
-        {
-            let mut state = lock(&reaper.state);
-            while let Some(entry) = state.due.first_entry() {
-                if entry.key().0 > now {
-                    break;
-                }
-                due.push(entry.remove());
+    }
+    impl Drop for Running {
+        fn drop(&mut self) {
+            if self.1 {
+                lock(&self.0.state).running = false;
             }
         }
-        let Some(inner) = me.upgrade() else {
-            // The client is gone: nothing renews its leases, which expire by their TTL.
-            let mut state = lock(&reaper.state);
-            state.due.clear();
-            state.running = false;
-            return;
-        };
-        for held in due.drain(..) {
-            inner.reap_due(held).await;
+    }
+    // Made before the future is first polled: a task dropped unpolled says so too.
+    let mut running = Running(reaper, true);
+    async move {
+        let reaper = running.0.clone();
+        let mut due = Vec::new();
+        loop {
+            let next = {
+                let mut state = lock(&reaper.state);
+                match state.due.first_key_value() {
+                    Some((k, _)) => k.0,
+                    None => {
+                        state.running = false;
+                        running.disarm();
+                        return;
+                    }
+                }
+            };
+            tokio::select! {
+                () = sleep_until(next) => {}
+                // An earlier entry was queued (a stored permit if it came before this wait).
+                () = reaper.wake.notified() => continue,
+            }
+            let now = Instant::now();
+            {
+                let mut state = lock(&reaper.state);
+                while let Some(entry) = state.due.first_entry() {
+                    if entry.key().0 > now {
+                        break;
+                    }
+                    due.push(entry.remove());
+                }
+            }
+            let Some(inner) = me.upgrade() else {
+                // The client is gone: nothing renews its leases, which expire by their TTL.
+                let mut state = lock(&reaper.state);
+                state.due.clear();
+                state.running = false;
+                running.disarm();
+                return;
+            };
+            for held in due.drain(..) {
+                inner.reap_due(held).await;
+            }
         }
     }
 }
@@ -890,6 +913,38 @@ mod tests {
             Duration::from_secs(5),
             Arc::new(Counters::default()),
         ))
+    }
+
+    /// The client's reaper task ends with its runtime (a shut-down runtime drops it): it says
+    /// so, so that the next held lock starts a new one instead of waiting in a queue nobody
+    /// serves (its entry would then outlive its deadline on a shared lease).
+    #[test]
+    fn a_reaper_dropped_with_its_runtime_is_started_again() {
+        let Some(url) = conformance::backend_url("DISTLOCK_TEST_ETCD_URL") else {
+            return;
+        };
+        // A current-thread runtime drops its tasks' futures when it is dropped.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let (client, lease) = rt.block_on(async {
+            let lock = crate::EtcdLock::connect_url(&url).await.unwrap();
+            let key = lock_core::raw::LockKey::new(format!("reaper-{:x}", rand::random::<u32>()))
+                .unwrap();
+            let lease = lock_core::raw::Driver::try_acquire(&lock, &key, Duration::from_secs(5))
+                .await
+                .unwrap()
+                .expect("a fresh key is free");
+            (lock, lease)
+        });
+        assert!(lock(&client.inner.reaper.state).running);
+        drop(rt);
+        assert!(
+            !lock(&client.inner.reaper.state).running,
+            "the reaper's task is gone with its runtime but still counted as running"
+        );
+        drop((lease, client));
     }
 
     /// Review S1: a keepalive whose caller is dropped at any point (before its request is
