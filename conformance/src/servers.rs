@@ -362,6 +362,13 @@ impl PrivateCluster {
         }
     }
 
+    /// `start` and the three members: one `backends.sh` call launches them together.
+    fn start_args(&self) -> Vec<String> {
+        std::iter::once("start".to_owned())
+            .chain(self.members())
+            .collect()
+    }
+
     /// The three instance names.
     pub fn members(&self) -> [String; 3] {
         [1, 2, 3].map(|i| format!("{}-{i}", self.kind.prefix()))
@@ -378,10 +385,12 @@ impl PrivateCluster {
     /// If they do not start.
     pub async fn start(kind: ClusterKind) -> Self {
         let cluster = Self::new(kind);
-        let members = cluster.members();
-        let mut args = vec!["start"];
-        args.extend(members.iter().map(String::as_str));
-        backends(&cluster.envs, &args).await;
+        let args = cluster.start_args();
+        backends(
+            &cluster.envs,
+            &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        )
+        .await;
         cluster
     }
 
@@ -391,10 +400,11 @@ impl PrivateCluster {
     /// If they do not start.
     pub fn start_blocking(kind: ClusterKind) -> Self {
         let cluster = Self::new(kind);
-        let members = cluster.members();
-        let mut args = vec!["start"];
-        args.extend(members.iter().map(String::as_str));
-        backends_blocking(&cluster.envs, &args);
+        let args = cluster.start_args();
+        backends_blocking(
+            &cluster.envs,
+            &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        );
         cluster
     }
 

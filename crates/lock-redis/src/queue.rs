@@ -272,40 +272,34 @@ impl QueuedWaiter for QueueWaiter<'_> {
                 Some(self.asked.deadline),
             )
             .await;
-        let Some(r) = self.registration.as_mut() else {
-            return outcome.map(|found| match found {
-                Attempt::Granted(lease) => Found::Granted(lease),
-                Attempt::Held(left) => Found::Held {
-                    expires_in: left.map(|left| left + EXPIRY_MARGIN),
-                    queued: false,
-                },
-            });
-        };
-        r.ended(matches!(outcome, Err(Error::Indeterminate { .. })));
-        match outcome {
-            Ok(Attempt::Granted(lease)) => {
-                r.armed = false;
-                Ok(Found::Granted(lease))
+        let registered = match (&outcome, self.registration.as_mut()) {
+            (_, None) => false,
+            (outcome, Some(r)) => {
+                r.ended(matches!(outcome, Err(Error::Indeterminate { .. })));
+                match outcome {
+                    Ok(Attempt::Granted(_)) => r.armed = false,
+                    Ok(Attempt::Held(_)) => r.confirmed(sent_at),
+                    Err(_) => r.registered = None,
+                }
+                true
             }
-            Ok(Attempt::Held(left)) => {
-                r.confirmed(sent_at);
+        };
+        Ok(match outcome? {
+            Attempt::Granted(lease) => Found::Granted(lease),
+            Attempt::Held(left) => {
                 // Registered: a release grants to or wakes this waiter, so the fallback poll
                 // (which also moves it back in the queue) need not be quick, unless a dropped
                 // subscription made it quick for a while.
                 let quick = self.quick_until.is_some_and(|t| Instant::now() < t);
-                if !quick {
+                if registered && !quick {
                     self.quick_until = None;
                 }
-                Ok(Found::Held {
+                Found::Held {
                     expires_in: left.map(|left| left + EXPIRY_MARGIN),
-                    queued: !quick,
-                })
+                    queued: registered && !quick,
+                }
             }
-            Err(e) => {
-                r.registered = None;
-                Err(e)
-            }
-        }
+        })
     }
 
     async fn join(&mut self, wait: &AcquireWait) -> Result<bool> {
