@@ -37,8 +37,11 @@ read -r -a ZK3_QUORUM_PORTS <<<"${DISTLOCK_ZK3_QUORUM_PORTS:-22282 22382 22482}"
 read -r -a ZK3_ELECTION_PORTS <<<"${DISTLOCK_ZK3_ELECTION_PORTS:-22283 22383 22483}"
 # Extra command-line flags for the redis-server or etcd this call starts, or zoo.cfg lines
 # (key=value) for ZooKeeper: a private instance configured differently (an evicting Redis, etcd
-# with simple auth tokens, other session-timeout bounds), space-separated.
-read -r -a SERVER_ARGS <<<"${DISTLOCK_SERVER_ARGS:-}"
+# with simple auth tokens, other session-timeout bounds), space-separated. One instance's own:
+# DISTLOCK_SERVER_ARGS_<name> ("-" as "_", e.g. DISTLOCK_SERVER_ARGS_etcd3_2), after these
+# (the drills' members that reach each other through proxies: other advertised peer addresses).
+read -r -a COMMON_SERVER_ARGS <<<"${DISTLOCK_SERVER_ARGS:-}"
+SERVER_ARGS=()
 if [[ ${#ETCD3_PORTS[@]} -ne 3 || ${#ETCD3_PEER_PORTS[@]} -ne 3 || ${#ZK3_PORTS[@]} -ne 3 ||
   ${#ZK3_QUORUM_PORTS[@]} -ne 3 || ${#ZK3_ELECTION_PORTS[@]} -ne 3 ]]; then
   printf '%s: error: DISTLOCK_{ETCD3,ETCD3_PEER,ZK3,ZK3_QUORUM,ZK3_ELECTION}_PORTS list three ports each\n' \
@@ -167,7 +170,8 @@ DISTLOCK_{REDIS,REDIS_REPLICA,ETCD,ETCD_PEER,ZK,PG}_PORT,
 DISTLOCK_{REDIS,ETCD,ETCD_PEER,ZK,PG}_SECURE_PORT,
 DISTLOCK_{ETCD3,ETCD3_PEER,ZK3,ZK3_QUORUM,ZK3_ELECTION}_PORTS (three ports each, space-separated),
 DISTLOCK_SERVER_ARGS (extra flags for the redis-server or etcd started, zoo.cfg key=value lines for
-ZooKeeper), DISTLOCK_PG_BINDIR.
+ZooKeeper) and DISTLOCK_SERVER_ARGS_<instance, "-" as "_"> (one instance's, after those),
+DISTLOCK_PG_BINDIR.
 EOF
 }
 
@@ -250,6 +254,9 @@ inst() {
   [[ $SECURE != - ]] || SECURE=
   [[ $pidfile != - ]] || pidfile=$NAME.pid
   PIDFILE=$IDIR/$pidfile
+  local own=DISTLOCK_SERVER_ARGS_${NAME//-/_}
+  read -r -a SERVER_ARGS <<<"${!own:-}"
+  SERVER_ARGS=("${COMMON_SERVER_ARGS[@]}" "${SERVER_ARGS[@]}")
 }
 
 # The backends' hooks, each called for the current instance (the globals inst sets):

@@ -330,11 +330,21 @@ pub struct PrivateCluster {
     pub kind: ClusterKind,
     /// The members' client ports.
     pub ports: [u16; 3],
+    /// Each port list after the client ports ([`ClusterKind::port_lists`]).
+    other_ports: Vec<[u16; 3]>,
     dir: PathBuf,
     envs: Vec<(String, String)>,
 }
 
 impl PrivateCluster {
+    /// A cluster whose ports and data directory are chosen but whose members are not started:
+    /// for a drill that puts something between the members (proxies on their peer ports, whose
+    /// addresses the members then advertise: [`PrivateCluster::set_member_args`]) before
+    /// [`PrivateCluster::start_members`]. Stopped and deleted when dropped, as a started one.
+    pub fn planned(kind: ClusterKind) -> Self {
+        Self::new(kind)
+    }
+
     fn new(kind: ClusterKind) -> Self {
         // Distinct ports (each free one is released before the next is asked for).
         let mut taken = Vec::new();
@@ -357,9 +367,82 @@ impl PrivateCluster {
         Self {
             kind,
             ports,
+            other_ports: lists[1..].to_vec(),
             dir,
             envs,
         }
+    }
+
+    /// The members' peer ports: etcd's peer ports, ZooKeeper's quorum ports.
+    pub fn peer_ports(&self) -> [u16; 3] {
+        self.other_ports[0]
+    }
+
+    /// ZooKeeper's election ports (`None` for etcd).
+    pub fn election_ports(&self) -> Option<[u16; 3]> {
+        self.other_ports.get(1).copied()
+    }
+
+    /// Member `i`'s own extra flags (etcd) or `zoo.cfg` lines (ZooKeeper), after and over the
+    /// ones `backends.sh` gives every member (`DISTLOCK_SERVER_ARGS_<member>`), kept for every
+    /// later start: e.g. etcd's `--initial-advertise-peer-urls` of a proxy in front of the
+    /// member, or the `server.N=` lines of a ZooKeeper member that reaches the others through
+    /// proxies.
+    ///
+    /// # Panics
+    /// If a flag is empty or contains whitespace (they are passed space-separated).
+    pub fn set_member_args(&mut self, i: usize, args: &[String]) {
+        assert!(
+            args.iter()
+                .all(|a| !a.is_empty() && !a.contains(char::is_whitespace)),
+            "server flags are passed space-separated: {args:?}"
+        );
+        let name = format!("DISTLOCK_SERVER_ARGS_{}", self.member(i).replace('-', "_"));
+        self.envs.retain(|(n, _)| *n != name);
+        self.envs.push((name, args.join(" ")));
+    }
+
+    /// Starts the members `which` (indices 0..3) with one `backends.sh start`, which launches
+    /// them all before it waits for each to answer (a member answers without a quorum). `Err`
+    /// with `backends.sh`'s output when one does not start (e.g. a port taken meanwhile).
+    pub async fn start_members(&self, which: &[usize]) -> Result<(), String> {
+        let mut args = vec!["start".to_owned()];
+        args.extend(which.iter().map(|&i| self.member(i)));
+        let envs = self.envs.clone();
+        let out = tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            backends_output(&envs, &args)
+        })
+        .await
+        .map_err(|e| format!("backends.sh start: {e}"))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ))
+        }
+    }
+
+    /// Member `i`'s process id while it runs (from `backends.sh`'s pid file).
+    pub fn pid(&self, i: usize) -> Option<u32> {
+        let name = self.member(i);
+        std::fs::read_to_string(self.dir.join(&name).join(format!("{name}.pid")))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
+    /// The last `n` lines of member `i`'s log, for a failure message.
+    pub fn log_tail(&self, i: usize, n: usize) -> String {
+        let name = self.member(i);
+        let log = std::fs::read_to_string(self.dir.join(&name).join(format!("{name}.log")))
+            .unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
     }
 
     /// `start` and the three members: one `backends.sh` call launches them together.
@@ -453,6 +536,14 @@ impl Drop for PrivateCluster {
         for member in self.members() {
             let _ = backends_output(&self.envs, &["stop", &member]);
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
+        if std::thread::panicking() {
+            // A failed test: its members' logs are what explains it.
+            eprintln!(
+                "the private cluster's logs are kept in {}",
+                self.dir.display()
+            );
+        } else {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }

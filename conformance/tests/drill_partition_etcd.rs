@@ -6,8 +6,9 @@
 //! the holder cannot renew: its guard's `lost()` must fire before the majority grants the lock
 //! to a contender connected to it. Then the partition heals and everyone can lock again.
 //!
-//! The cluster is private to this drill (its own ports, data directories and processes, killed
-//! by pid at the end), so the shared `up3` cluster is never touched. Each member's peer port is
+//! The cluster is private to this drill (`conformance::servers::PrivateCluster`: `backends.sh`'s
+//! cluster members on ports and a data directory of their own, stopped and deleted at the end),
+//! so the shared `up3` cluster is never touched. Each member's peer port is
 //! behind a small proxy of this file that can cut the member off: every connection *to* the
 //! isolated member, and every connection the isolated member opened *to* the others (found by
 //! the owner of the connecting socket in `/proc`), is closed while the partition lasts; the
@@ -23,13 +24,16 @@
 mod drill_support;
 
 use std::{
-    net::{SocketAddr, TcpListener as StdListener},
-    process::{Child, Command, Stdio},
+    net::SocketAddr,
+    process::{Command, Stdio},
     sync::Arc,
     time::Duration,
 };
 
-use conformance::drill::History;
+use conformance::{
+    drill::History,
+    servers::{ClusterKind, PrivateCluster},
+};
 use drill_support::{Backend, Client, FencedLog, SOON, TTL, finish, write};
 use lock_core::FencingToken;
 use tokio::{
@@ -141,44 +145,19 @@ fn opened_by(pid: u32, local_port: u16, remote_port: u16) -> bool {
     })
 }
 
-fn free_port() -> u16 {
-    StdListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Member {
-    name: String,
-    client_port: u16,
-    child: Child,
-}
-
 /// Three etcd members of our own, their peer proxies, and the partition switch.
 struct Cluster {
-    members: Vec<Member>,
+    members: PrivateCluster,
     _proxies: Vec<PeerProxy>,
     partition: watch::Sender<Partition>,
-    dir: std::path::PathBuf,
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        for m in &mut self.members {
-            // Our own child processes, by their pid.
-            let _ = m.child.kill();
-            let _ = m.child.wait();
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
 }
 
 impl Cluster {
     /// Starts the cluster and waits for its leader. The members' own ports are picked free and
     /// released before etcd binds them, in the range the kernel also gives outgoing connections
-    /// their local ports from: a member that found its port taken meanwhile (it exits with
-    /// "address already in use"; seen once in a two-lane run) means a new cluster on new ports.
+    /// their local ports from: a member that found its port taken meanwhile (`backends.sh`
+    /// refuses to start it, or it exits with "address already in use"; seen once in a two-lane
+    /// run) means a new cluster on new ports.
     async fn start() -> Self {
         for _ in 0..3 {
             if let Some(cluster) = Self::try_start().await {
@@ -190,67 +169,47 @@ impl Cluster {
 
     /// [`Cluster::start`] once: `None` when a member could not bind its ports.
     async fn try_start() -> Option<Self> {
-        let dir = std::env::temp_dir().join(format!(
-            "distlock-drill-etcd-partition-{}-{:x}",
-            std::process::id(),
-            rand::random::<u32>()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
+        let mut members = PrivateCluster::planned(ClusterKind::Etcd);
         let (partition, partition_rx) = watch::channel(None);
         let mut proxies = Vec::new();
         let mut fronts = Vec::new();
-        let mut peer_ports = Vec::new();
-        for _ in 0..3 {
-            let listen_peer = free_port();
+        for listen_peer in members.peer_ports() {
             let (pid_tx, pid_rx) = watch::channel(None);
             let upstream: SocketAddr = format!("127.0.0.1:{listen_peer}").parse().unwrap();
             proxies.push(PeerProxy::start(upstream, pid_rx, partition_rx.clone()).await);
             fronts.push(pid_tx);
-            peer_ports.push(listen_peer);
         }
+        // Each member advertises its proxy as its peer address, so every peer link goes
+        // through one; a token of its own keeps leftovers of another run out.
         let initial: Vec<String> = (0..3)
-            .map(|i| format!("p{i}=http://{}", proxies[i].addr))
+            .map(|i| format!("{}=http://{}", members.member(i), proxies[i].addr))
             .collect();
         let token = format!("drill-{:x}", rand::random::<u64>());
-        let mut members = Vec::new();
-        for i in 0..3 {
-            let name = format!("p{i}");
-            let client_port = free_port();
-            let client_url = format!("http://127.0.0.1:{client_port}");
-            let child = Command::new("etcd")
-                .args(["--name", &name, "--data-dir"])
-                .arg(dir.join(&name))
-                .args(["--listen-client-urls", &client_url])
-                .args(["--advertise-client-urls", &client_url])
-                .args([
-                    "--listen-peer-urls",
-                    &format!("http://127.0.0.1:{}", peer_ports[i]),
-                ])
-                .args([
-                    "--initial-advertise-peer-urls",
-                    &format!("http://{}", proxies[i].addr),
-                ])
-                .args(["--initial-cluster", &initial.join(",")])
-                .args(["--initial-cluster-token", &token])
-                .args(["--initial-cluster-state", "new"])
-                .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap())
-                .spawn()
-                .expect("start etcd");
-            fronts[i].send_replace(Some(child.id()));
-            members.push(Member {
-                name,
-                client_port,
-                child,
-            });
+        for (i, proxy) in proxies.iter().enumerate() {
+            let args = [
+                "--initial-advertise-peer-urls".to_owned(),
+                format!("http://{}", proxy.addr),
+                "--initial-cluster".to_owned(),
+                initial.join(","),
+                "--initial-cluster-token".to_owned(),
+                token.clone(),
+            ];
+            members.set_member_args(i, &args);
         }
-        let mut cluster = Self {
+        if let Err(out) = members.start_members(&[0, 1, 2]).await {
+            let port_taken = out.contains("already in use")
+                || (0..3).any(|i| members.log_tail(i, 50).contains("address already in use"));
+            assert!(port_taken, "the private cluster did not start: {out}");
+            eprintln!("a member's port was taken before it bound it; new ports: {out}");
+            return None;
+        }
+        for (i, front) in fronts.iter().enumerate() {
+            front.send_replace(members.pid(i));
+        }
+        let cluster = Self {
             members,
             _proxies: proxies,
             partition,
-            dir,
         };
         let until = Instant::now() + SOON;
         while cluster.leader(&[0, 1, 2]).await.is_none() {
@@ -272,29 +231,32 @@ impl Cluster {
     }
 
     /// Whether a member has exited because one of its ports was in use.
-    fn lost_a_port(&mut self) -> bool {
-        let dir = self.dir.clone();
-        self.members.iter_mut().any(|m| {
-            m.child.try_wait().ok().flatten().is_some()
-                && std::fs::read_to_string(dir.join(format!("{}.log", m.name)))
-                    .is_ok_and(|log| log.contains("address already in use"))
+    fn lost_a_port(&self) -> bool {
+        (0..3).any(|i| {
+            self.members
+                .pid(i)
+                .is_none_or(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists())
+                && self
+                    .members
+                    .log_tail(i, 50)
+                    .contains("address already in use")
         })
+    }
+
+    /// Member `i`'s name (as etcd knows it).
+    fn name(&self, i: usize) -> String {
+        self.members.member(i)
     }
 
     /// A URL with every member's endpoint.
     fn url_all(&self) -> String {
-        let endpoints: Vec<String> = self
-            .members
-            .iter()
-            .map(|m| format!("127.0.0.1:{}", m.client_port))
-            .collect();
-        format!("etcd://{}?{}", endpoints.join(","), Backend::Etcd.options())
+        format!("{}?{}", self.members.url(), Backend::Etcd.options())
     }
 
     fn url(&self, i: usize) -> String {
         format!(
-            "etcd://127.0.0.1:{}?{}",
-            self.members[i].client_port,
+            "{}?{}",
+            self.members.url_of(i..i + 1),
             Backend::Etcd.options()
         )
     }
@@ -303,7 +265,7 @@ impl Cluster {
     async fn leader(&self, among: &[usize]) -> Option<usize> {
         let endpoints: Vec<String> = among
             .iter()
-            .map(|&i| format!("http://127.0.0.1:{}", self.members[i].client_port))
+            .map(|&i| format!("http://127.0.0.1:{}", self.members.ports[i]))
             .collect();
         let out = tokio::process::Command::new("etcdctl")
             .env("ETCDCTL_API", "3")
@@ -332,25 +294,21 @@ impl Cluster {
         among
             .iter()
             .copied()
-            .find(|&i| endpoint.ends_with(&format!(":{}", self.members[i].client_port)))
+            .find(|&i| endpoint.ends_with(&format!(":{}", self.members.ports[i])))
     }
 
     /// The end of each member's log, for a failure message.
     fn logs(&self) -> String {
         let mut out = String::new();
-        for m in &self.members {
-            let log = std::fs::read_to_string(self.dir.join(format!("{}.log", m.name)))
-                .unwrap_or_default();
-            let lines: Vec<&str> = log.lines().collect();
-            let tail = lines[lines.len().saturating_sub(5)..].join("\n");
-            out.push_str(&format!("\n--- {} ---\n{tail}", m.name));
+        for i in 0..3 {
+            let tail = self.members.log_tail(i, 5);
+            out.push_str(&format!("\n--- {} ---\n{tail}", self.name(i)));
         }
         out
     }
 
     fn isolate(&self, i: usize) {
-        self.partition
-            .send_replace(Some(self.members[i].child.id()));
+        self.partition.send_replace(self.members.pid(i));
     }
 
     fn heal(&self) {
@@ -403,7 +361,7 @@ async fn partitioned_member_holder() {
 
     let fault = history.fault(
         "member partitioned from the majority",
-        Some(&cluster.members[isolated].name),
+        Some(&cluster.name(isolated)),
     );
     let cut = Instant::now();
     cluster.isolate(isolated);
@@ -444,7 +402,7 @@ async fn partitioned_member_holder() {
         "{}: member {} cut off; holder lost ({:?}) {:?} after the cut, contender granted {:?} \
          after the cut ({:?} after the loss); fence {f1} then {f2}",
         history.name(),
-        cluster.members[isolated].name,
+        cluster.name(isolated),
         held.guard.loss_reason(),
         lost_at - cut,
         granted_at - cut,
@@ -453,7 +411,8 @@ async fn partitioned_member_holder() {
     assert!(lost_at < granted_at);
     history.note(format!(
         "holder on {} (partitioned); contender on {}",
-        cluster.members[isolated].name, cluster.members[majority].name
+        cluster.name(isolated),
+        cluster.name(majority)
     ));
     assert_eq!(contender.release(granted).await, Some(true));
 
@@ -507,7 +466,7 @@ async fn isolated_leader_holder() {
 
     let fault = history.fault(
         "leader partitioned from the other members",
-        Some(&cluster.members[leader].name),
+        Some(&cluster.name(leader)),
     );
     let cut = Instant::now();
     cluster.isolate(leader);
@@ -531,7 +490,7 @@ async fn isolated_leader_holder() {
         "{}: leader {} cut off; holder lost ({:?}) {:?} after the cut, contender granted {:?} \
          after the cut ({:?} after the loss); fence {f1} then {f2}",
         history.name(),
-        cluster.members[leader].name,
+        cluster.name(leader),
         held.guard.loss_reason(),
         lost_at - cut,
         granted_at - cut,
@@ -570,7 +529,8 @@ async fn isolated_leader_holder() {
     }
     history.note(format!(
         "holder and a waiter on leader {} (isolated); contender on {}",
-        cluster.members[leader].name, cluster.members[majority].name
+        cluster.name(leader),
+        cluster.name(majority)
     ));
     let again = holder
         .acquire(&key, WAIT)
@@ -581,12 +541,12 @@ async fn isolated_leader_holder() {
     finish(&history, &log, &[]);
 }
 
-/// The same private cluster loses its leader (SIGKILL of our own member process) while a lock
+/// The same private cluster loses its leader (SIGKILL of our own member, `backends.sh kill`) while a lock
 /// is held and a contender waits, both clients knowing every member: with the client requiring
 /// a leader, requests refused during the election are retried, the history stays clean, and
 /// the contender is granted once the two remaining members have elected a new leader.
 async fn leader_killed_while_held() {
-    let mut cluster = Cluster::start().await;
+    let cluster = Cluster::start().await;
     let history = History::new("etcd_private_cluster_leader_killed");
     let key = conformance::fresh_key("drill-leader-killed");
     let log = FencedLog::new();
@@ -597,10 +557,9 @@ async fn leader_killed_while_held() {
     assert!(write(&c1.rec, &held.hold, &log, "c1#1"));
     let waiting = tokio::spawn(c2.start_acquire(&key, WAIT));
     let leader = cluster.leader(&[0, 1, 2]).await.expect("a leader");
-    let fault = history.fault("leader killed", Some(&cluster.members[leader].name));
+    let fault = history.fault("leader killed", Some(&cluster.name(leader)));
     let killed = Instant::now();
-    let _ = cluster.members[leader].child.kill();
-    let _ = cluster.members[leader].child.wait();
+    cluster.members.ctl("kill", leader).await;
     sleep(TTL).await;
     if !held.guard.is_lost() {
         write(&c1.rec, &held.hold, &log, "c1#2");
@@ -619,7 +578,7 @@ async fn leader_killed_while_held() {
     eprintln!(
         "{}: killed {}; c2 granted {:?} after the kill; fence {f1} then {f2}",
         history.name(),
-        cluster.members[leader].name,
+        cluster.name(leader),
         killed.elapsed()
     );
     fault.heal();

@@ -22,22 +22,27 @@
 //! and that the recorded history passes the checker. Before lock-zk counted only answers that
 //! went through the leader, `a` went on trusting the lock for seconds after `b` had it.
 //!
-//! Ports: members' clients 23181–23183, quorum 23184–23186, election 23187–23189, 23190 left
-//! unlistened; the proxies take ephemeral ports. Everything the drill starts is killed by pid and its data deleted, also
-//! when the drill fails half-way.
+//! Each ensemble is a `conformance::servers::PrivateCluster`: `backends.sh`'s ensemble members on
+//! free ports and a data directory of their own, each member's `zoo.cfg` given the drill's timing
+//! and its own view of the others' addresses (the proxies) as lines over `backends.sh`'s; the
+//! proxies take ephemeral ports, the unlistened election port is a free one. The members are
+//! stopped and their data deleted at the end, also when the drill fails half-way (then their logs
+//! are kept and the directory named).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed expectation is a failed test
 
 mod drill_support;
 
 use std::{
     net::SocketAddr,
-    path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    path::Path,
     sync::{Arc, Mutex},
     time::Duration,
 };
 
-use conformance::drill::{ClientRecorder, History, Hold, Proxy};
+use conformance::{
+    drill::{ClientRecorder, History, Hold, Proxy},
+    servers::{ClusterKind, PrivateCluster, free_port},
+};
 use drill_support::{FencedLog, SOON, block_on, client, finish, write};
 use lock_core::{DistributedLockExt, DynLock, LockGuard, LockKey};
 use tokio::{
@@ -47,19 +52,6 @@ use tokio::{
     time::{Instant, sleep},
 };
 
-const CLIENT_PORTS: [u16; 3] = [23181, 23182, 23183];
-const QUORUM_PORTS: [u16; 3] = [23184, 23185, 23186];
-const ELECTION_PORTS: [u16; 3] = [23187, 23188, 23189];
-/// The isolated-leader drill's ensemble (its own ports, so that a drill's leftovers never meet
-/// the other's): clients 23281–23283, quorum 23284–23286, election 23287–23289.
-const LEADER_CLIENT_PORTS: [u16; 3] = [23281, 23282, 23283];
-const LEADER_QUORUM_PORTS: [u16; 3] = [23284, 23285, 23286];
-const LEADER_ELECTION_PORTS: [u16; 3] = [23287, 23288, 23289];
-/// The isolated-leader drill's [`UNLISTENED`].
-const LEADER_UNLISTENED: u16 = 23290;
-/// Where members 1 and 2 think member 3's election port is: nothing listens there (see the
-/// module documentation). Checked free with the drills' other ports.
-const UNLISTENED: u16 = 23190;
 const TICK_MS: u64 = 200;
 /// How long a member waits at most between two rounds of election notifications (ZooKeeper's
 /// default, 60 s, doubles from 200 ms: a member that started before its peers listened would
@@ -71,104 +63,67 @@ const SYNC_LIMIT: u64 = 25;
 const SESSION: Duration = Duration::from_secs(2);
 const JAR: &str = "/usr/share/java/zookeeper.jar";
 
-/// The private ensemble: its members' processes (killed by pid on drop), the proxies that carry
-/// member 3's links to members 1 and 2, and its data directory (deleted on drop).
+/// The private ensemble: its members (`backends.sh`'s, stopped and deleted on drop) and the
+/// proxies that carry the links the drill cuts.
 struct Ensemble {
-    dir: PathBuf,
-    members: Vec<Child>,
+    members: PrivateCluster,
     proxies: Vec<Proxy>,
-    /// The members' client ports.
-    client_ports: [u16; 3],
-}
-
-impl Drop for Ensemble {
-    fn drop(&mut self) {
-        for child in &mut self.members {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn classpath(conf: &Path) -> String {
-    let mut cp = format!("{}:{JAR}", conf.display());
-    for jar in [
-        "/usr/share/java/slf4j-log4j12.jar",
-        "/usr/share/java/log4j-1.2.jar",
-    ] {
-        if Path::new(jar).exists() {
-            cp.push(':');
-            cp.push_str(jar);
-        }
-    }
-    cp
 }
 
 impl Ensemble {
-    /// Writes member `id`'s configuration; `peers[i]` is how it reaches member `i + 1`'s quorum
-    /// and election ports.
-    fn configure(&self, id: usize, peers: [(u16, u16); 3]) -> PathBuf {
-        let conf = self.dir.join(format!("zk{id}"));
-        let data = conf.join("data");
-        std::fs::create_dir_all(&data).unwrap();
-        std::fs::write(data.join("myid"), format!("{id}\n")).unwrap();
-        let mut cfg = format!(
-            "tickTime={TICK_MS}\ninitLimit=50\nsyncLimit={SYNC_LIMIT}\ndataDir={}\n\
-             clientPort={}\nclientPortAddress=127.0.0.1\nminSessionTimeout={}\n\
-             maxSessionTimeout=60000\nmaxClientCnxns=0\nadmin.enableServer=false\n\
-             4lw.commands.whitelist=*\n",
-            data.display(),
-            self.client_ports[id - 1],
-            2 * TICK_MS
-        );
-        for (i, (quorum, election)) in peers.iter().enumerate() {
-            cfg.push_str(&format!("server.{}=127.0.0.1:{quorum}:{election}\n", i + 1));
+    /// Ports and a data directory chosen, nothing started.
+    fn planned() -> Self {
+        Self {
+            members: PrivateCluster::planned(ClusterKind::Zk),
+            proxies: Vec::new(),
         }
-        std::fs::write(conf.join("zoo.cfg"), cfg).unwrap();
-        std::fs::write(
-            conf.join("log4j.properties"),
-            "log4j.rootLogger=INFO, CONSOLE\n\
-             log4j.appender.CONSOLE=org.apache.log4j.ConsoleAppender\n\
-             log4j.appender.CONSOLE.layout=org.apache.log4j.PatternLayout\n\
-             log4j.appender.CONSOLE.layout.ConversionPattern=%d{ISO8601} %-5p [%t] %c{1} - %m%n\n",
-        )
-        .unwrap();
-        conf
     }
 
-    fn start(&mut self, id: usize, peers: [(u16, u16); 3]) {
-        let conf = self.configure(id, peers);
-        let log = std::fs::File::create(self.dir.join(format!("zk{id}.log"))).unwrap();
-        let child = Command::new("java")
-            .args([
-                "-Xms32m",
-                "-Xmx256m",
-                "-XX:+UseSerialGC",
-                "-Djava.net.preferIPv4Stack=true",
-                "-Dzookeeper.admin.enableServer=false",
-                &format!(
-                    "-Dzookeeper.fastleader.maxNotificationInterval={MAX_NOTIFICATION_INTERVAL_MS}"
-                ),
-                "-cp",
-                &classpath(&conf),
-                "org.apache.zookeeper.server.quorum.QuorumPeerMain",
-            ])
-            .arg(conf.join("zoo.cfg"))
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("start java");
-        self.members.push(child);
+    /// The members' client ports.
+    fn client_ports(&self) -> [u16; 3] {
+        self.members.ports
+    }
+
+    /// Each member's own quorum and election ports (where it listens).
+    fn direct(&self) -> [(u16, u16); 3] {
+        let (quorum, election) = (
+            self.members.peer_ports(),
+            self.members
+                .election_ports()
+                .expect("an ensemble has election ports"),
+        );
+        [0, 1, 2].map(|i| (quorum[i], election[i]))
+    }
+
+    /// Sets member `id`'s configuration: the drill's timing, and `peers[i]`, how it reaches
+    /// member `i + 1`'s quorum and election ports.
+    fn configure(&mut self, id: usize, peers: [(u16, u16); 3]) {
+        let mut lines = vec![
+            format!("tickTime={TICK_MS}"),
+            "initLimit=50".to_owned(),
+            format!("syncLimit={SYNC_LIMIT}"),
+            format!("minSessionTimeout={}", 2 * TICK_MS),
+            "maxSessionTimeout=60000".to_owned(),
+            // An unknown key is set as the system property `zookeeper.<key>`.
+            format!("fastleader.maxNotificationInterval={MAX_NOTIFICATION_INTERVAL_MS}"),
+        ];
+        for (i, (quorum, election)) in peers.iter().enumerate() {
+            lines.push(format!("server.{}=127.0.0.1:{quorum}:{election}", i + 1));
+        }
+        self.members.set_member_args(id - 1, &lines);
+    }
+
+    /// Starts members `ids` (configured before) with one `backends.sh start`, in that order.
+    async fn start(&self, ids: &[usize]) {
+        let which: Vec<usize> = ids.iter().map(|id| id - 1).collect();
+        if let Err(out) = self.members.start_members(&which).await {
+            panic!("members {ids:?} did not start: {out}");
+        }
     }
 
     /// What member `id`'s log says, for failure messages.
     fn log_tail(&self, id: usize) -> String {
-        let text =
-            std::fs::read_to_string(self.dir.join(format!("zk{id}.log"))).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(20)..].join("\n")
+        self.members.log_tail(id - 1, 20)
     }
 }
 
@@ -189,9 +144,12 @@ async fn mode(port: u16) -> String {
 
 /// Waits until member `id`'s log has a line containing `needle`.
 async fn wait_log(ensemble: &Ensemble, id: usize, needle: &str) {
-    let path = ensemble.dir.join(format!("zk{id}.log"));
     let deadline = Instant::now() + SOON;
-    while !std::fs::read_to_string(&path).is_ok_and(|log| log.contains(needle)) {
+    while !ensemble
+        .members
+        .log_tail(id - 1, usize::MAX)
+        .contains(needle)
+    {
         assert!(
             Instant::now() < deadline,
             "member {id} never logged {needle:?}; its log:\n{}",
@@ -204,7 +162,7 @@ async fn wait_log(ensemble: &Ensemble, id: usize, needle: &str) {
 async fn wait_mode(ensemble: &Ensemble, id: usize, ok: impl Fn(&str) -> bool) -> String {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let m = mode(ensemble.client_ports[id - 1]).await;
+        let m = mode(ensemble.client_ports()[id - 1]).await;
         if ok(&m) {
             return m;
         }
@@ -220,10 +178,6 @@ async fn wait_mode(ensemble: &Ensemble, id: usize, ok: impl Fn(&str) -> bool) ->
 /// The drills of this file run one at a time: two private ensembles (six JVMs) at once on a
 /// 2-core machine stall elections past the clients' session timeouts.
 static ONE_ENSEMBLE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-fn port_free(port: u16) -> bool {
-    std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
-}
 
 /// A guard and when its `lost()` fired.
 struct Held {
@@ -289,17 +243,6 @@ fn zk_holder_on_a_partitioned_follower_loses_before_the_leader_grants_another() 
         Path::new(JAR).exists(),
         "{JAR} is missing (scripts/backends.sh install)"
     );
-    for port in CLIENT_PORTS
-        .iter()
-        .chain(&QUORUM_PORTS)
-        .chain(&ELECTION_PORTS)
-        .chain(&[UNLISTENED])
-    {
-        assert!(
-            port_free(*port),
-            "port {port} is in use: this drill needs 23181-23190"
-        );
-    }
     let _one = ONE_ENSEMBLE_AT_A_TIME
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -307,20 +250,14 @@ fn zk_holder_on_a_partitioned_follower_loses_before_the_leader_grants_another() 
 }
 
 async fn drill() {
-    let dir = std::env::temp_dir().join(format!("distlock-drill-zk-pf-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut ensemble = Ensemble {
-        dir,
-        members: Vec::new(),
-        proxies: Vec::new(),
-        client_ports: CLIENT_PORTS,
-    };
-    let direct = [0, 1, 2].map(|i| (QUORUM_PORTS[i], ELECTION_PORTS[i]));
-    // Members 1 and 2 never open an election link with member 3 (see the module documentation).
-    let view_of_majority = [direct[0], direct[1], (QUORUM_PORTS[2], UNLISTENED)];
-    ensemble.start(1, view_of_majority);
-    ensemble.start(2, view_of_majority);
+    let mut ensemble = Ensemble::planned();
+    let direct = ensemble.direct();
+    // Members 1 and 2 never open an election link with member 3 (see the module documentation):
+    // they know its election port as one nothing listens on.
+    let view_of_majority = [direct[0], direct[1], (direct[2].0, free_port())];
+    ensemble.configure(1, view_of_majority);
+    ensemble.configure(2, view_of_majority);
+    ensemble.start(&[1, 2]).await;
     let serving = |m: &str| m == "leader" || m == "follower";
     wait_mode(&ensemble, 1, serving).await;
     wait_mode(&ensemble, 2, serving).await;
@@ -328,15 +265,17 @@ async fn drill() {
     let mut via = direct;
     for (i, peer) in via.iter_mut().enumerate().take(2) {
         let to = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
-        let quorum = Proxy::start(to(QUORUM_PORTS[i])).await.unwrap();
-        let election = Proxy::start(to(ELECTION_PORTS[i])).await.unwrap();
+        let quorum = Proxy::start(to(direct[i].0)).await.unwrap();
+        let election = Proxy::start(to(direct[i].1)).await.unwrap();
         *peer = (quorum.addr().port(), election.addr().port());
         ensemble.proxies.push(quorum);
         ensemble.proxies.push(election);
     }
-    ensemble.start(3, via);
+    ensemble.configure(3, via);
+    ensemble.start(&[3]).await;
     wait_mode(&ensemble, 3, |m| m == "follower").await;
-    let leader = if mode(CLIENT_PORTS[0]).await == "leader" {
+    let client_ports = ensemble.client_ports();
+    let leader = if mode(client_ports[0]).await == "leader" {
         1
     } else {
         2
@@ -350,8 +289,8 @@ async fn drill() {
     let log = FencedLog::new();
     let key = conformance::fresh_key("drill-pf");
     let (rec_a, rec_b) = (history.client("a"), history.client("b"));
-    let a = client(&url(&CLIENT_PORTS[2..])).await;
-    let b = client(&url(&CLIENT_PORTS[..2])).await;
+    let a = client(&url(&client_ports[2..])).await;
+    let b = client(&url(&client_ports[..2])).await;
 
     let held_a = acquire(&rec_a, &a, &key, SOON).await;
     assert!(write(&rec_a, &held_a.hold, &log, "a#1"));
@@ -449,17 +388,6 @@ fn zk_holder_on_an_isolated_leader_loses_before_the_new_leader_grants_another() 
         Path::new(JAR).exists(),
         "{JAR} is missing (scripts/backends.sh install)"
     );
-    for port in LEADER_CLIENT_PORTS
-        .iter()
-        .chain(&LEADER_QUORUM_PORTS)
-        .chain(&LEADER_ELECTION_PORTS)
-        .chain(&[LEADER_UNLISTENED])
-    {
-        assert!(
-            port_free(*port),
-            "port {port} is in use: this drill needs 23281-23290"
-        );
-    }
     let _one = ONE_ENSEMBLE_AT_A_TIME
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -508,27 +436,19 @@ async fn try_to_acquire(
 }
 
 async fn leader_drill() {
-    let dir = std::env::temp_dir().join(format!("distlock-drill-zk-il-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut ensemble = Ensemble {
-        dir,
-        members: Vec::new(),
-        proxies: Vec::new(),
-        client_ports: LEADER_CLIENT_PORTS,
-    };
-    let direct = [0, 1, 2].map(|i| (LEADER_QUORUM_PORTS[i], LEADER_ELECTION_PORTS[i]));
+    let mut ensemble = Ensemble::planned();
+    let direct = ensemble.direct();
     let to = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
     // proxied[i]: member i + 1's quorum and election ports as the other members reach them
     // (those proxies, in `ensemble.proxies`, are the ones the cut blackholes).
     let mut proxied = direct;
     for (i, peer) in proxied.iter_mut().enumerate() {
-        let quorum = Proxy::start(to(LEADER_QUORUM_PORTS[i])).await.unwrap();
+        let quorum = Proxy::start(to(direct[i].0)).await.unwrap();
         peer.0 = quorum.addr().port();
         ensemble.proxies.push(quorum);
         // Member 3's election port is never opened by the others (see the module documentation).
         if i < 2 {
-            let election = Proxy::start(to(LEADER_ELECTION_PORTS[i])).await.unwrap();
+            let election = Proxy::start(to(direct[i].1)).await.unwrap();
             election.blackhole();
             peer.1 = election.addr().port();
             ensemble.proxies.push(election);
@@ -539,7 +459,7 @@ async fn leader_drill() {
     let mut gates = Vec::new();
     let mut gated = direct;
     for (i, peer) in gated.iter_mut().enumerate().take(2) {
-        let gate = Proxy::start(to(LEADER_ELECTION_PORTS[i])).await.unwrap();
+        let gate = Proxy::start(to(direct[i].1)).await.unwrap();
         gate.blackhole();
         peer.1 = gate.addr().port();
         gates.push(gate);
@@ -548,10 +468,11 @@ async fn leader_drill() {
     // gates, 3's quorum port through its proxy, and 3's election port not at all: their election
     // link with member 3 is only ever the one it opens.
     let view_of_3 = [proxied[0], proxied[1], direct[2]];
-    let unlistened = (proxied[2].0, LEADER_UNLISTENED);
-    ensemble.start(3, view_of_3);
-    ensemble.start(1, [direct[0], gated[1], unlistened]);
-    ensemble.start(2, [gated[0], direct[1], unlistened]);
+    let unlistened = (proxied[2].0, free_port());
+    ensemble.configure(3, view_of_3);
+    ensemble.configure(1, [direct[0], gated[1], unlistened]);
+    ensemble.configure(2, [gated[0], direct[1], unlistened]);
+    ensemble.start(&[3, 1, 2]).await;
     // All three look for a leader; once each listens, member 3's links to 1 and 2 open: all
     // three look at once, with empty logs, so the highest id, 3, wins.
     for id in 1..=3 {
@@ -561,7 +482,8 @@ async fn leader_drill() {
         proxy.pass();
     }
     wait_mode(&ensemble, 3, |m| m == "leader" || m == "follower").await;
-    let m3 = mode(LEADER_CLIENT_PORTS[2]).await;
+    let client_ports = ensemble.client_ports();
+    let m3 = mode(client_ports[2]).await;
     assert_eq!(
         m3,
         "leader",
@@ -586,9 +508,9 @@ async fn leader_drill() {
         history.client("w"),
         history.client("b"),
     );
-    let a = client(&url(&LEADER_CLIENT_PORTS[2..])).await;
-    let w = client(&url(&LEADER_CLIENT_PORTS[2..])).await;
-    let b = client(&url(&LEADER_CLIENT_PORTS[..2])).await;
+    let a = client(&url(&client_ports[2..])).await;
+    let w = client(&url(&client_ports[2..])).await;
+    let b = client(&url(&client_ports[..2])).await;
 
     let held_a = acquire(&rec_a, &a, &key, SOON).await;
     assert!(write(&rec_a, &held_a.hold, &log, "a#1"));
