@@ -336,12 +336,17 @@ pub(crate) fn spawn_cleanup(inner: Weak<Inner>, target: Target) {
     }
 }
 
+/// Our queue entry is gone while we waited: its lease expired (keepalives did not get through
+/// in time, e.g. while the cluster elected a leader) or was revoked, or the entry was deleted
+/// from outside. Temporary: `acquire` queues again with a live lease while its deadline allows
+/// (as lock-zk re-queues a contender whose node vanished) — the attempt that lost its entry
+/// never grants, so this costs the waiter its place in line and nothing else.
 pub(crate) fn queue_entry_lost(key: &LockKey) -> Error {
-    Error::Backend {
+    Error::Unavailable {
         backend: BACKEND,
         op: "acquire",
         message: format!(
-            "the queue entry for lock {:?} was deleted while waiting (its lease expired or was revoked)",
+            "the queue entry for lock {:?} was deleted while waiting (its lease expired or was revoked); queueing again",
             key.as_str()
         ),
         source: None,

@@ -62,6 +62,42 @@ impl Env {
             .collect()
     }
 
+    /// Deletes one entry from outside (its lease lives on); returns its create revision.
+    async fn delete_entry(&self, entry: &str) -> i64 {
+        let resp = self
+            .admin
+            .kv_client()
+            .delete(
+                entry,
+                Some(etcd_client::DeleteOptions::new().with_prev_key()),
+            )
+            .await
+            .unwrap();
+        resp.prev_kvs()[0].create_revision()
+    }
+
+    /// `lease` holds `key` for real: its entry, created after `deleted` (the revision of the
+    /// entry deleted from under it), is the only one queued, and nobody else gets the lock.
+    async fn holds_anew(
+        &self,
+        key: &LockKey,
+        lease: &lock_core::Lease,
+        deleted: i64,
+        other: &EtcdLock,
+    ) {
+        let fence = lease.fencing_token().unwrap().get();
+        assert!(
+            fence > u64::try_from(deleted).unwrap(),
+            "granted through the deleted entry (revision {deleted}): fence {fence}"
+        );
+        let entry = String::from_utf8(EtcdLock::entry_key(lease).unwrap()).unwrap();
+        assert_eq!(
+            self.entries(key).await,
+            vec![(entry, EtcdLock::lease_id(lease).unwrap())]
+        );
+        assert!(other.try_acquire(key, LONG).await.unwrap().is_none());
+    }
+
     async fn revoke(&self, lease: i64) {
         self.admin.lease_client().revoke(lease).await.unwrap();
     }
@@ -227,8 +263,11 @@ fn lease_revoked_from_outside_fires_lost_without_waiting_for_a_renewal() {
     });
 }
 
+/// A waiter whose lease dies while it queues (keepalives that did not get through while the
+/// cluster elected a leader, an operator's revoke) never gets the lock through that entry, and
+/// does not give up either: it queues again on a live lease and is granted within its deadline.
 #[test]
-fn a_waiter_whose_lease_dies_while_queued_never_returns_ok() {
+fn a_waiter_whose_lease_dies_while_queued_queues_again_on_a_live_lease() {
     rt().block_on(async {
         let Some(env) = env().await else { return };
         let (a, b) = (env.client().await, env.client().await);
@@ -247,19 +286,28 @@ fn a_waiter_whose_lease_dies_while_queued_never_returns_ok() {
             sleep(Duration::from_millis(10)).await;
         };
         assert_eq!(entries.len(), 2, "the waiter queued");
+        let dead = entries[1].1;
         // The waiter's lease dies while it queues; then the holder releases.
-        env.revoke(entries[1].1).await;
+        env.revoke(dead).await;
         assert!(a.release(&held).await.unwrap());
-        let result = timeout(SLACK, waiter)
+        let lease = timeout(SLACK, waiter)
             .await
-            .expect("the waiter must give up, not hang")
-            .unwrap();
-        let err = result.expect_err("a waiter whose queue entry is gone must not get the lock");
-        assert!(!err.is_temporary(), "{err}");
+            .expect("the waiter must be granted, not hang")
+            .unwrap()
+            .expect("a waiter whose entry died queues again within its deadline");
+        let live = EtcdLock::lease_id(&lease).unwrap();
+        assert_ne!(live, dead, "granted through the revoked lease");
+        // Its new entry, on the live lease, is the only one: it holds the lock for real.
+        assert_eq!(
+            env.entries(&key).await,
+            vec![(
+                String::from_utf8(EtcdLock::entry_key(&lease).unwrap()).unwrap(),
+                live
+            )]
+        );
+        assert!(a.try_acquire(&key, LONG).await.unwrap().is_none());
+        assert!(b.release(&lease).await.unwrap());
         assert!(env.entries(&key).await.is_empty());
-        // Nothing is left behind: the key is free for anyone.
-        let l = b.try_acquire(&key, LONG).await.unwrap().unwrap();
-        assert!(b.release(&l).await.unwrap());
     });
 }
 
@@ -481,8 +529,10 @@ fn a_second_wait_on_the_same_lock_reuses_the_parked_queue_watch() {
     });
 }
 
+/// A waiter whose entry is deleted from outside (its lease lives on) never gets the lock through
+/// it: it queues again (a new entry, a new create revision) and is granted through that one.
 #[test]
-fn a_next_in_line_waiter_whose_key_is_deleted_never_returns_ok() {
+fn a_next_in_line_waiter_whose_key_is_deleted_queues_again() {
     rt().block_on(async {
         let Some(env) = env().await else { return };
         let (a, b) = (env.client().await, env.client().await);
@@ -494,19 +544,15 @@ fn a_next_in_line_waiter_whose_key_is_deleted_never_returns_ok() {
         };
         let entries = queued(&env, &key, 2).await;
         // Only the waiter's key goes (its lease stays alive); then the holder releases.
-        env.admin
-            .kv_client()
-            .delete(entries[1].0.clone(), None)
-            .await
-            .unwrap();
+        let deleted = env.delete_entry(&entries[1].0).await;
         assert!(a.release(&held).await.unwrap());
-        let result = timeout(SLACK, waiter)
+        let lease = timeout(SLACK, waiter)
             .await
-            .expect("the waiter must give up, not hang")
-            .unwrap();
-        result.expect_err("a waiter whose queue entry is gone must not get the lock");
-        let l = b.try_acquire(&key, LONG).await.unwrap().unwrap();
-        assert!(b.release(&l).await.unwrap());
+            .expect("the waiter must be granted, not hang")
+            .unwrap()
+            .expect("a waiter whose entry was deleted queues again within its deadline");
+        env.holds_anew(&key, &lease, deleted, &a).await;
+        assert!(b.release(&lease).await.unwrap());
     });
 }
 
@@ -624,7 +670,7 @@ fn a_lock_taken_and_released_in_a_loop_reuses_its_lease() {
 }
 
 #[test]
-fn a_waiter_further_back_whose_key_is_deleted_never_returns_ok() {
+fn a_waiter_further_back_whose_key_is_deleted_queues_again() {
     rt().block_on(async {
         let Some(env) = env().await else { return };
         let (a, b, c) = (env.client().await, env.client().await, env.client().await);
@@ -641,19 +687,17 @@ fn a_waiter_further_back_whose_key_is_deleted_never_returns_ok() {
         };
         let entries = queued(&env, &key, 3).await;
         // Only the last waiter's key goes (its lease lives); then the lock passes down the queue.
-        env.admin
-            .kv_client()
-            .delete(entries[2].0.clone(), None)
-            .await
-            .unwrap();
+        let deleted = env.delete_entry(&entries[2].0).await;
         assert!(a.release(&held).await.unwrap());
         let lease = timeout(SLACK, second).await.unwrap().unwrap().unwrap();
         assert!(b.release(&lease).await.unwrap());
-        let result = timeout(SLACK, third)
+        let lease = timeout(SLACK, third)
             .await
-            .expect("the waiter must give up, not hang")
-            .unwrap();
-        result.expect_err("a waiter whose queue entry is gone must not get the lock");
+            .expect("the waiter must be granted, not hang")
+            .unwrap()
+            .expect("a waiter whose entry was deleted queues again within its deadline");
+        env.holds_anew(&key, &lease, deleted, &a).await;
+        assert!(c.release(&lease).await.unwrap());
     });
 }
 
