@@ -112,6 +112,18 @@ fn is_connect_failure(message: &str) -> bool {
     .any(|needle| m.contains(needle))
 }
 
+/// A status the client's transport made up (the connection failed), not the server's answer.
+fn is_transport_failure(message: &str) -> bool {
+    [
+        "h2 protocol error",
+        "http2 error",
+        "transport error",
+        "connection reset",
+    ]
+    .iter()
+    .any(|needle| message.contains(needle))
+}
+
 /// What a failed etcd-client request may have applied.
 pub(crate) fn classify(e: &etcd_client::Error) -> Failure {
     use etcd_client::Error as E;
@@ -134,12 +146,22 @@ pub(crate) fn classify(e: &etcd_client::Error) -> Failure {
                 {
                     Failure::NotSent
                 }
+                // etcd's own back-pressure (its applied index lags the committed one): refused
+                // before anything is applied.
+                Code::ResourceExhausted if status.message().contains("too many requests") => {
+                    Failure::NotSent
+                }
                 Code::Unavailable
                 | Code::DeadlineExceeded
                 | Code::Cancelled
                 | Code::Unknown
                 | Code::Internal
                 | Code::Aborted => Failure::Unknown,
+                // The HTTP/2 connection failed under the request (e.g. h2's GOAWAY
+                // ENHANCE_YOUR_CALM "too_many_internal_resets", which tonic reports as
+                // ResourceExhausted): not a refusal, the outcome is unknown; the channel
+                // reconnects.
+                _ if is_transport_failure(&full) => Failure::Unknown,
                 _ => Failure::Refused,
             }
         }
@@ -369,6 +391,21 @@ mod tests {
         }
         let timeout = RequestFailure::unknown("no reply");
         assert!(!timeout.is_permanent());
+        // Back-pressure is refused before anything applies; a failed connection's status is no
+        // refusal at all (seen at 100,000 locks: the h2 client's GOAWAY after many timed-out
+        // requests, reported as ResourceExhausted).
+        let busy = status(Code::ResourceExhausted, "etcdserver: too many requests");
+        assert_eq!(busy.failure, Failure::NotSent);
+        let goaway = status(Code::ResourceExhausted, "h2 protocol error: http2 error");
+        assert_eq!(goaway.failure, Failure::Unknown);
+        assert_eq!(
+            status(
+                Code::ResourceExhausted,
+                "grpc: received message larger than max"
+            )
+            .failure,
+            Failure::Refused
+        );
         // etcd's own class: a refusal, never permanent, told apart by `lease_not_found`.
         let gone = status(Code::NotFound, "etcdserver: requested lease not found");
         assert_eq!(gone.failure, Failure::Refused);
