@@ -28,6 +28,10 @@ ETCD_PORT=${DISTLOCK_ETCD_PORT:-22379}
 ETCD_PEER_PORT=${DISTLOCK_ETCD_PEER_PORT:-22380}
 ZK_PORT=${DISTLOCK_ZK_PORT:-22181}
 PG_PORT=${DISTLOCK_PG_PORT:-25432}
+# A Redis Sentinel (started only by `start sentinel`), and the master it monitors: NAME HOST PORT
+# QUORUM (its config file's `sentinel monitor` line, written at its first start).
+SENTINEL_PORT=${DISTLOCK_SENTINEL_PORT:-26579}
+SENTINEL_MONITOR=${DISTLOCK_SENTINEL_MONITOR:-distlock 127.0.0.1 $REDIS_PORT 1}
 # 3-member clusters (up3): member i uses the i-th port of each list (DISTLOCK_ETCD3_PORTS etc.:
 # three space-separated ports).
 read -r -a ETCD3_PORTS <<<"${DISTLOCK_ETCD3_PORTS:-22479 22579 22679}"
@@ -35,11 +39,14 @@ read -r -a ETCD3_PEER_PORTS <<<"${DISTLOCK_ETCD3_PEER_PORTS:-22480 22580 22680}"
 read -r -a ZK3_PORTS <<<"${DISTLOCK_ZK3_PORTS:-22281 22381 22481}"
 read -r -a ZK3_QUORUM_PORTS <<<"${DISTLOCK_ZK3_QUORUM_PORTS:-22282 22382 22482}"
 read -r -a ZK3_ELECTION_PORTS <<<"${DISTLOCK_ZK3_ELECTION_PORTS:-22283 22383 22483}"
-# Extra command-line flags for the redis-server or etcd this call starts, or zoo.cfg lines
-# (key=value) for ZooKeeper: a private instance configured differently (an evicting Redis, etcd
-# with simple auth tokens, other session-timeout bounds), space-separated. One instance's own:
-# DISTLOCK_SERVER_ARGS_<name> ("-" as "_", e.g. DISTLOCK_SERVER_ARGS_etcd3_2), after these
-# (the drills' members that reach each other through proxies: other advertised peer addresses).
+# Extra command-line flags for the redis-server, Sentinel or etcd this call starts, or zoo.cfg
+# lines (key=value) for ZooKeeper: a private instance configured differently (an evicting Redis,
+# a replica (--replicaof HOST PORT), a Redis Cluster node (--cluster-enabled yes ...), Sentinel
+# settings (--sentinel down-after-milliseconds NAME MS: redis-server appends every --flag and its
+# values to the config as one line), etcd with simple auth tokens, other session-timeout bounds),
+# space-separated. One instance's own: DISTLOCK_SERVER_ARGS_<name> ("-" as "_", e.g.
+# DISTLOCK_SERVER_ARGS_etcd3_2), after these (the drills' members that reach each other through
+# proxies: other advertised peer addresses).
 read -r -a COMMON_SERVER_ARGS <<<"${DISTLOCK_SERVER_ARGS:-}"
 SERVER_ARGS=()
 if [[ ${#ETCD3_PORTS[@]} -ne 3 || ${#ETCD3_PEER_PORTS[@]} -ne 3 || ${#ZK3_PORTS[@]} -ne 3 ||
@@ -67,8 +74,8 @@ ZK_MAX_SESSION_MS=60000
 
 # The instances, one row each: name, backend (KIND: the prefix of its functions), client port, peer
 # port, cluster member number, secured (1), pid file under the instance's directory (default
-# NAME.pid) and set (single: up, cluster: up3, secured: up-secure); "-" is none. The sets' commands
-# and status take the instances in this order. A backend has at most one cluster: its members
+# NAME.pid) and set (single: up, cluster: up3, secured: up-secure, extra: only by start NAME); "-"
+# is none. The sets' commands and status take the instances in this order. A backend has at most one cluster: its members
 # are the rows of its kind with a member number.
 INSTANCE_TABLE="
 # name        kind  port                 peer port                 member secure pid file            set
@@ -87,10 +94,11 @@ redis-secure  redis $REDIS_SECURE_PORT   -                         -      1     
 etcd-secure   etcd  $ETCD_SECURE_PORT    $ETCD_SECURE_PEER_PORT    -      1      -                   secured
 zk-secure     zk    $ZK_SECURE_PORT      -                         -      1      -                   secured
 pg-secure     pg    $PG_SECURE_PORT      -                         -      1      data/postmaster.pid secured
+sentinel      sentinel $SENTINEL_PORT    -                         -      -      -                   extra
 "
 INSTANCES=()               # every instance name, in table order
 declare -A INSTANCE_ROW=() # name -> "kind port peer-port member secure pid-file"
-SINGLES=() CLUSTER=() SECURED=()
+SINGLES=() CLUSTER=() SECURED=() EXTRAS=()
 while read -r _n _kind _port _peer _member _secure _pidfile _set; do
   [[ -n $_n && $_n != \#* ]] || continue
   INSTANCES+=("$_n")
@@ -99,6 +107,7 @@ while read -r _n _kind _port _peer _member _secure _pidfile _set; do
     single) SINGLES+=("$_n") ;;
     cluster) CLUSTER+=("$_n") ;;
     secured) SECURED+=("$_n") ;;
+    extra) EXTRAS+=("$_n") ;;
   esac
 done <<<"$INSTANCE_TABLE"
 unset _n _kind _port _peer _member _secure _pidfile _set
@@ -123,7 +132,7 @@ Commands:
                      zk     127.0.0.1:$ZK_PORT   (ZooKeeper standalone, tickTime ${ZK_TICK_MS} ms)
                      pg     127.0.0.1:$PG_PORT   (PostgreSQL, database "distlock", user postgres, trust)
                    Idempotent: a running instance is left alone (a paused one is resumed).
-  down [--purge]   stop every server this script started (singles, clusters, secured). --purge also
+  down [--purge]   stop every server this script started (singles, clusters, secured, sentinel). --purge also
                    deletes the data directory; without it data is kept (PostgreSQL and etcd restart
                    from it, Redis has none).
   status           one line per server: name, state (up/down/paused/unresponsive), port, pid.
@@ -159,18 +168,23 @@ Commands:
   pause NAME       SIGSTOP (PostgreSQL: the postmaster and all its children)
   resume NAME      SIGCONT (same processes)
   NAME is one of: ${SINGLES[*]} ${CLUSTER[*]}
-                  ${SECURED[*]}
+                  ${SECURED[*]} ${EXTRAS[*]}
+  start sentinel   a Redis Sentinel on 127.0.0.1:$SENTINEL_PORT monitoring the master in
+                   DISTLOCK_SENTINEL_MONITOR (NAME HOST PORT QUORUM, now: $SENTINEL_MONITOR);
+                   the config file it needs (and rewrites with what it learns, kept across restarts)
+                   is written under its directory at its first start; DISTLOCK_SERVER_ARGS adds
+                   settings (e.g. --sentinel down-after-milliseconds NAME 1000)
 
 etcd runs with --heartbeat-interval 50 --election-timeout 500 (leases down to 1 s); ZooKeeper with
 tickTime=${ZK_TICK_MS}, session timeouts ${ZK_MIN_SESSION_MS}..${ZK_MAX_SESSION_MS} ms, no per-IP connection limit;
 PostgreSQL with max_connections=300; Redis with DEBUG allowed from loopback.
 
 Environment: DISTLOCK_BACKENDS_DIR, DISTLOCK_BACKENDS_TIMEOUT (seconds, default 30),
-DISTLOCK_{REDIS,REDIS_REPLICA,ETCD,ETCD_PEER,ZK,PG}_PORT,
+DISTLOCK_{REDIS,REDIS_REPLICA,SENTINEL,ETCD,ETCD_PEER,ZK,PG}_PORT, DISTLOCK_SENTINEL_MONITOR,
 DISTLOCK_{REDIS,ETCD,ETCD_PEER,ZK,PG}_SECURE_PORT,
 DISTLOCK_{ETCD3,ETCD3_PEER,ZK3,ZK3_QUORUM,ZK3_ELECTION}_PORTS (three ports each, space-separated),
-DISTLOCK_SERVER_ARGS (extra flags for the redis-server or etcd started, zoo.cfg key=value lines for
-ZooKeeper) and DISTLOCK_SERVER_ARGS_<instance, "-" as "_"> (one instance's, after those),
+DISTLOCK_SERVER_ARGS (extra flags for the redis-server, Sentinel or etcd started, zoo.cfg key=value
+lines for ZooKeeper) and DISTLOCK_SERVER_ARGS_<instance, "-" as "_"> (one instance's, after those),
 DISTLOCK_PG_BINDIR.
 EOF
 }
@@ -247,7 +261,7 @@ inst() {
   for n in "${INSTANCES[@]}"; do
     if [[ $n == "$NAME" ]]; then row=${INSTANCE_ROW[$n]}; fi
   done
-  [[ -n $row ]] || die "unknown instance '$NAME' (one of: ${SINGLES[*]} ${CLUSTER[*]} ${SECURED[*]})"
+  [[ -n $row ]] || die "unknown instance '$NAME' (one of: ${SINGLES[*]} ${CLUSTER[*]} ${SECURED[*]} ${EXTRAS[*]})"
   read -r KIND PORT PEER_PORT MEMBER SECURE pidfile <<<"$row"
   [[ $PEER_PORT != - ]] || PEER_PORT=
   [[ $MEMBER != - ]] || MEMBER=
@@ -498,12 +512,25 @@ redis_launch() {
     )
     extra+=(--include "$IDIR/redis.conf")
   fi
+  redis_daemon -- "${listen[@]}" --save '' --appendonly no \
+    --repl-diskless-sync yes --repl-diskless-sync-delay 0 \
+    --enable-debug-command local "${extra[@]}" "${SERVER_ARGS[@]}"
+}
+
+# redis_daemon [CONFIG_FILE --sentinel] -- FLAGS...: redis-server daemonized for the current
+# instance (bound to loopback, its dir, pid file and log under $IDIR), with FLAGS; waits for its
+# pid file.
+redis_daemon() {
+  local -a head=()
+  while [[ $1 != -- ]]; do
+    head+=("$1")
+    shift
+  done
+  shift
   rm -f "$PIDFILE"
   # shellcheck disable=SC2094 # redis writes its log itself once up; early errors go to stderr
-  (clean_exec redis-server --bind 127.0.0.1 "${listen[@]}" --save '' --appendonly no \
-    --dir "$IDIR" --daemonize yes --pidfile "$PIDFILE" --logfile "$LOG" \
-    --repl-diskless-sync yes --repl-diskless-sync-delay 0 \
-    --enable-debug-command local "${extra[@]}" "${SERVER_ARGS[@]}") </dev/null >>"$LOG" 2>&1 ||
+  (clean_exec redis-server "${head[@]}" --bind 127.0.0.1 --dir "$IDIR" --daemonize yes \
+    --pidfile "$PIDFILE" --logfile "$LOG" "$@") </dev/null >>"$LOG" 2>&1 ||
     {
       log_tail
       die "$NAME: redis-server failed to start"
@@ -520,6 +547,26 @@ redis_replica_linked() {
   inst redis-replica
   timeout 2 redis-cli -h 127.0.0.1 -p "$PORT" info replication 2>/dev/null |
     grep -q '^master_link_status:up'
+}
+
+# ---------------------------------------------------------------------------------------------
+# sentinel: a Redis Sentinel (redis-server --sentinel), daemonized like redis. Sentinel refuses to
+# run without a writable config file: it records there what it learns (its id, the replicas, the
+# other sentinels, the master after a failover), so the file is written once and kept.
+
+# its title, like redis's, is rewritten to bind:port, followed by the mode
+sentinel_cmdline_ok() { [[ $1 == *redis-server*"127.0.0.1:$PORT"*sentinel* ]]; }
+
+sentinel_probe() { [[ $(timeout 2 redis-cli -h 127.0.0.1 -p "$PORT" ping 2>/dev/null) == PONG ]]; }
+
+sentinel_launch() {
+  local -a monitor
+  read -r -a monitor <<<"$SENTINEL_MONITOR"
+  [[ ${#monitor[@]} -eq 4 && ${monitor[2]} =~ ^[0-9]+$ && ${monitor[3]} =~ ^[0-9]+$ ]] ||
+    die "$NAME: DISTLOCK_SENTINEL_MONITOR is NAME HOST PORT QUORUM, not '$SENTINEL_MONITOR'"
+  local conf=$IDIR/sentinel.conf
+  [[ -s $conf ]] || printf 'sentinel monitor %s\n' "${monitor[*]}" >"$conf"
+  redis_daemon "$conf" --sentinel -- --port "$PORT" "${SERVER_ARGS[@]}"
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -1122,13 +1169,13 @@ cmd_down() {
   cmd_down3
   cmd_down_secure
   local n
-  for n in redis etcd zk pg; do
+  for n in "${EXTRAS[@]}" redis etcd zk pg; do
     inst "$n"
     do_stop
   done
   if [[ $purge == --purge ]]; then
     # only what this script creates in $DIR
-    for n in "${SINGLES[@]}" "${CLUSTER[@]}" "${SECURED[@]}"; do purge_dirs "$DIR/$n"; done
+    for n in "${SINGLES[@]}" "${CLUSTER[@]}" "${SECURED[@]}" "${EXTRAS[@]}"; do purge_dirs "$DIR/$n"; done
     purge_dirs "$SEC"
     rm -f "$DIR/.lock" "$DIR/.up3"
     rmdir "$DIR" 2>/dev/null || true
@@ -1139,7 +1186,7 @@ cmd_down() {
 cmd_status() {
   local n all=0
   local -a names=("${SINGLES[@]}")
-  for n in "${CLUSTER[@]}" "${SECURED[@]}"; do [[ -d $DIR/$n ]] && names+=("$n"); done
+  for n in "${CLUSTER[@]}" "${SECURED[@]}" "${EXTRAS[@]}"; do [[ -d $DIR/$n ]] && names+=("$n"); done
   for n in "${names[@]}"; do
     inst "$n"
     state_of
@@ -1206,7 +1253,7 @@ cmd_env() {
 # cmd_start NAME...: every instance is launched before any is waited for, so the members of a
 # private cluster (its ports from DISTLOCK_ETCD3_PORTS etc.) find each other and answer.
 cmd_start() {
-  [[ $# -gt 0 ]] || die "start: which instance? (one of: ${SINGLES[*]} ${CLUSTER[*]} ${SECURED[*]})"
+  [[ $# -gt 0 ]] || die "start: which instance? (one of: ${SINGLES[*]} ${CLUSTER[*]} ${SECURED[*]} ${EXTRAS[*]})"
   local n
   for n in "$@"; do inst "$n"; done # unknown names fail before anything starts
   take_lock
@@ -1223,7 +1270,7 @@ cmd_start() {
 
 cmd_one() { # cmd_one ACTION NAME
   local action=$1
-  [[ -n ${2:-} ]] || die "$action: which instance? (one of: ${SINGLES[*]} ${CLUSTER[*]} ${SECURED[*]})"
+  [[ -n ${2:-} ]] || die "$action: which instance? (one of: ${SINGLES[*]} ${CLUSTER[*]} ${SECURED[*]} ${EXTRAS[*]})"
   inst "$2"
   [[ $action == is-up ]] || take_lock
   case $action in
