@@ -6,7 +6,13 @@
 //! shared server (other test binaries run against those at the same time). Every action is
 //! `backends.sh ACTION <instance>`: `start`, `stop` (graceful, escalating), `kill` (SIGKILL: a
 //! crash), `pause` / `resume` (SIGSTOP / SIGCONT); the instance is stopped and its directory
-//! deleted when the handle is dropped.
+//! deleted when the handle is dropped. A handle never dropped (a `static` shared by a test
+//! binary) or a test process that is killed leaves nothing behind either: a reaper process,
+//! started with the first instance, `kill`s every instance whose directory still exists once
+//! this process has exited, and deletes the directories.
+//!
+//! The Redis topologies (a Sentinel set, a Redis Cluster, independent masters) are built from
+//! these instances in [`redis`].
 //!
 //! ```no_run
 //! use conformance::servers::{PrivateServer, ServerKind};
@@ -18,9 +24,13 @@
 //! # let _ = url;
 //! ```
 
+pub mod redis;
+
 use std::{
+    io::Write,
     path::{Path, PathBuf},
-    process::{Command, Output},
+    process::{Command, Output, Stdio},
+    sync::{Mutex, OnceLock},
     time::Duration,
 };
 
@@ -36,6 +46,9 @@ pub enum ServerKind {
     Zk,
     /// PostgreSQL, with the database `distlock` and trust authentication for `postgres`.
     Pg,
+    /// A Redis Sentinel (`redis-server --sentinel`), started with
+    /// [`PrivateServer::start_sentinel_blocking`]: `backends.sh` writes the config file it needs.
+    Sentinel,
 }
 
 impl ServerKind {
@@ -46,13 +59,15 @@ impl ServerKind {
             ServerKind::Etcd => "etcd",
             ServerKind::Zk => "zk",
             ServerKind::Pg => "pg",
+            ServerKind::Sentinel => "sentinel",
         }
     }
 
-    /// The instance's URL on `port`, without options.
+    /// The instance's URL on `port`, without options (a Sentinel's own address, as
+    /// `redis://`: clients of the set it monitors use `redis+sentinel://HOST:PORT/NAME`).
     pub fn url(self, port: u16) -> String {
         match self {
-            ServerKind::Redis => format!("redis://127.0.0.1:{port}"),
+            ServerKind::Redis | ServerKind::Sentinel => format!("redis://127.0.0.1:{port}"),
             ServerKind::Etcd => format!("etcd://127.0.0.1:{port}"),
             ServerKind::Zk => format!("zk://127.0.0.1:{port}"),
             ServerKind::Pg => format!("postgres://postgres@127.0.0.1:{port}/distlock"),
@@ -75,6 +90,7 @@ impl ServerKind {
             ],
             ServerKind::Zk => vec![("DISTLOCK_ZK_PORT".into(), p)],
             ServerKind::Pg => vec![("DISTLOCK_PG_PORT".into(), p)],
+            ServerKind::Sentinel => vec![("DISTLOCK_SENTINEL_PORT".into(), p)],
         }
     }
 }
@@ -164,16 +180,29 @@ pub struct PrivateServer {
     pub port: u16,
     dir: PathBuf,
     envs: Vec<(String, String)>,
+    /// What dropping it does before deleting its directory: `backends.sh stop` unless the
+    /// owner knows better (a topology's node: `kill`, or nothing once the test has killed it).
+    on_drop: Option<&'static str>,
 }
 
 impl PrivateServer {
     fn new(kind: ServerKind, port: u16, args: &[&str]) -> Self {
+        Self::new_with_envs(kind, port, args, Vec::new())
+    }
+
+    fn new_with_envs(
+        kind: ServerKind,
+        port: u16,
+        args: &[&str],
+        more_envs: Vec<(String, String)>,
+    ) -> Self {
         assert!(
             args.is_empty() || kind != ServerKind::Pg,
-            "extra flags are for Redis, etcd and ZooKeeper"
+            "extra flags are for Redis, Sentinel, etcd and ZooKeeper"
         );
         let (dir, mut envs) = private_dir(kind.name(), port);
         envs.extend(kind.port_envs(port));
+        envs.extend(more_envs);
         if !args.is_empty() {
             assert!(
                 args.iter()
@@ -182,12 +211,45 @@ impl PrivateServer {
             );
             envs.push(("DISTLOCK_SERVER_ARGS".to_owned(), args.join(" ")));
         }
+        reaper().watch(&dir, &envs, &[kind.name()]);
         Self {
             kind,
             port,
             dir,
             envs,
+            on_drop: Some("stop"),
         }
+    }
+
+    /// A Redis Sentinel on `port` monitoring the master `name` at `127.0.0.1:master_port` with
+    /// `quorum` (the `sentinel monitor` line of the config file `backends.sh` writes at its
+    /// first start; Sentinel rewrites that file with what it learns, and a restart keeps it).
+    /// `args` are more settings as `redis-server` flags, kept for every later `start`: e.g.
+    /// `["--sentinel", "down-after-milliseconds", name, "1000"]` (each `--flag` and its values
+    /// become one config line). Waits until it answers.
+    ///
+    /// # Panics
+    /// If it does not start, `name` is empty or contains whitespace, or a flag does.
+    pub fn start_sentinel_blocking(
+        port: u16,
+        name: &str,
+        master_port: u16,
+        quorum: u32,
+        args: &[&str],
+    ) -> Self {
+        assert!(
+            !name.is_empty() && !name.contains(char::is_whitespace),
+            "a master name without whitespace: {name:?}"
+        );
+        let monitor = format!("{name} 127.0.0.1 {master_port} {quorum}");
+        let server = Self::new_with_envs(
+            ServerKind::Sentinel,
+            port,
+            args,
+            vec![("DISTLOCK_SENTINEL_MONITOR".to_owned(), monitor)],
+        );
+        server.ctl_blocking("start");
+        server
     }
 
     /// Starts `kind` on `port` (etcd's peer port: another free one) and waits until it answers.
@@ -206,6 +268,10 @@ impl PrivateServer {
     /// # Panics
     /// If it does not start, or a flag is empty or contains whitespace.
     pub async fn start_with(kind: ServerKind, port: u16, args: &[&str]) -> Self {
+        assert!(
+            kind != ServerKind::Sentinel,
+            "a Sentinel starts with start_sentinel_blocking"
+        );
         let server = Self::new(kind, port, args);
         server.ctl("start").await;
         server
@@ -224,6 +290,10 @@ impl PrivateServer {
     /// # Panics
     /// As [`PrivateServer::start_with`].
     pub fn start_blocking_with(kind: ServerKind, port: u16, args: &[&str]) -> Self {
+        assert!(
+            kind != ServerKind::Sentinel,
+            "a Sentinel starts with start_sentinel_blocking"
+        );
         let server = Self::new(kind, port, args);
         server.ctl_blocking("start");
         server
@@ -258,7 +328,9 @@ impl PrivateServer {
 
 impl Drop for PrivateServer {
     fn drop(&mut self) {
-        let _ = backends_output(&self.envs, &["stop", self.kind.name()]);
+        if let Some(action) = self.on_drop {
+            let _ = backends_output(&self.envs, &[action, self.kind.name()]);
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
@@ -364,13 +436,17 @@ impl PrivateCluster {
             let list = list.map(|p| p.to_string()).join(" ");
             envs.push(((*name).to_owned(), list));
         }
-        Self {
+        let cluster = Self {
             kind,
             ports,
             other_ports: lists[1..].to_vec(),
             dir,
             envs,
-        }
+        };
+        let members = cluster.members();
+        let names: Vec<&str> = members.iter().map(String::as_str).collect();
+        reaper().watch(&cluster.dir, &cluster.envs, &names);
+        cluster
     }
 
     /// The members' peer ports: etcd's peer ports, ZooKeeper's quorum ports.
@@ -546,4 +622,88 @@ impl Drop for PrivateCluster {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
+}
+
+/// Kills, once this process has exited, the private instances whose directories still exist
+/// (a `static` never dropped, a test binary killed by a timeout), and deletes the directories.
+/// One `sh` process per test process, started with the first instance; it runs the lines of
+/// its script file (one per instance: `backends.sh kill` with the instance's environment).
+struct Reaper {
+    script: Mutex<PathBuf>,
+}
+
+fn reaper() -> &'static Reaper {
+    static REAPER: OnceLock<Reaper> = OnceLock::new();
+    REAPER.get_or_init(|| {
+        let script = std::env::temp_dir().join(format!(
+            "distlock-reaper-{}-{:08x}.sh",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        if let Err(e) = std::fs::write(&script, "") {
+            panic!("create {}: {e}", script.display());
+        }
+        let watcher = format!(
+            "while kill -0 {parent} 2>/dev/null; do sleep 0.5; done; sh {script}; rm -f {script}",
+            parent = std::process::id(),
+            script = shell_quote(&script.display().to_string()),
+        );
+        // Never waited for: it outlives this process on purpose (it reaps after our exit). Its
+        // own process group, so that a ^C to the test run does not end it before it has reaped.
+        #[allow(clippy::zombie_processes)]
+        let spawned = {
+            use std::os::unix::process::CommandExt;
+            Command::new("sh")
+                .args(["-c", &watcher])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .process_group(0)
+                .spawn()
+        };
+        if let Err(e) = spawned {
+            panic!("start the reaper of the private servers: {e}");
+        }
+        Reaper {
+            script: Mutex::new(script),
+        }
+    })
+}
+
+impl Reaper {
+    /// After this process exits: `backends.sh kill NAME` for each of `names` with `envs`, if
+    /// `dir` still exists (a dropped instance has deleted it), then delete `dir`.
+    fn watch(&self, dir: &Path, envs: &[(String, String)], names: &[&str]) {
+        let dir = shell_quote(&dir.display().to_string());
+        let envs: Vec<String> = envs
+            .iter()
+            .map(|(k, v)| shell_quote(&format!("{k}={v}")))
+            .collect();
+        let backends = shell_quote(&backends_sh().display().to_string());
+        let mut line = format!("if [ -d {dir} ]; then");
+        for name in names {
+            line.push_str(&format!(
+                " env {} {backends} kill {} >/dev/null 2>&1;",
+                envs.join(" "),
+                shell_quote(name)
+            ));
+        }
+        line.push_str(&format!(" rm -rf {dir}; fi\n"));
+        let script = self
+            .script
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let appended = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&*script)
+            .and_then(|mut f| f.write_all(line.as_bytes()));
+        if let Err(e) = appended {
+            panic!("write {}: {e}", script.display());
+        }
+    }
+}
+
+/// `s` quoted for `sh`.
+fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
 }

@@ -5,8 +5,9 @@
 //! a median and p99 and as a ratio to the single server.
 //!
 //! The servers are private, started here on free loopback ports by the same code lock-redis's
-//! tests use (`crates/lock-redis/tests/support/servers.rs`, included below), and stopped when
-//! the run ends (or, should it be killed, by that code's reaper once this process is gone). The
+//! tests use (`conformance::servers::redis`: each process a `scripts/backends.sh` instance), and
+//! stopped when the run ends (or, should it be killed, by that module's reaper once this process
+//! is gone). The
 //! cycles of all topologies are interleaved round by round ([`scenario::uncontended`]), so a
 //! burst of load on the machine hits every row alike; the hand-offs run one topology after the
 //! other with the main run's scenario ([`scenario::handoff`]).
@@ -25,9 +26,8 @@ use crate::{
     stats::{Summary, ratio},
 };
 
-// The server-starting code lock-redis's tests use, shared rather than copied.
-#[path = "../../lock-redis/tests/support/servers.rs"]
-mod servers;
+// The topologies lock-redis's tests use, every process started through scripts/backends.sh.
+use conformance::servers::redis as servers;
 
 /// The sizes of one run.
 #[derive(Clone, Copy, Debug)]

@@ -6,15 +6,12 @@
 //! Each private server is started once per test, on free ports, and stopped when the test ends.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod support;
-
 use std::{
     path::{Path, PathBuf},
-    process::{Child, Command, Output, Stdio},
+    process::{Command, Output, Stdio},
     thread,
     time::{Duration, Instant},
 };
-use support::temp_dir;
 
 use conformance::servers::{ClusterKind, PrivateCluster, PrivateServer, ServerKind, free_port};
 use distlock::Backend;
@@ -54,43 +51,6 @@ fn finding<'a>(report: &'a Value, name: &str) -> &'a Value {
         .as_array()
         .and_then(|f| f.iter().find(|f| f["check"] == name))
         .unwrap_or_else(|| panic!("no finding {name} in {report:#}"))
-}
-
-/// A server process this test started: killed (by its own pid) and its directory removed
-/// when dropped.
-struct Server {
-    child: Option<Child>,
-    dir: PathBuf,
-}
-
-impl Server {
-    fn spawn(command: &mut Command, dir: PathBuf, log: &str) -> Self {
-        let log = std::fs::File::create(dir.join(log)).unwrap();
-        let child = command
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        Self {
-            child: Some(child),
-            dir,
-        }
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.kill();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
 }
 
 /// Waits (up to `within`) until `ready` holds, polling.
@@ -214,7 +174,6 @@ fn redis_that_evicts_keys_fails() {
         &["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"],
     );
     let port = server.port;
-    let dir = temp_dir("sentinel-conf");
     let cli = |args: &[&str]| {
         Command::new("redis-cli")
             .args(["-h", "127.0.0.1", "-p", &port.to_string()])
@@ -265,24 +224,14 @@ fn redis_that_evicts_keys_fails() {
     assert_ne!(code, Some(0), "{report:#}");
 
     // Through a Sentinel: the master it names is what gets audited.
-    let sentinel_port = free_port();
-    std::fs::write(
-        dir.join("sentinel.conf"),
-        format!(
-            "port {sentinel_port}\nbind 127.0.0.1\ndir {}\n\
-             sentinel monitor audited 127.0.0.1 {port} 1\n\
-             sentinel down-after-milliseconds audited 600000\n",
-            dir.display()
-        ),
-    )
-    .unwrap();
-    let _sentinel = Server::spawn(
-        Command::new("redis-server")
-            .arg(dir.join("sentinel.conf"))
-            .arg("--sentinel"),
-        temp_dir("sentinel"),
-        "sentinel.log",
+    let sentinel = PrivateServer::start_sentinel_blocking(
+        free_port(),
+        "audited",
+        port,
+        1,
+        &["--sentinel", "down-after-milliseconds", "audited", "600000"],
     );
+    let sentinel_port = sentinel.port;
     let sentinel_cli = |args: &[&str]| {
         Command::new("redis-cli")
             .args(["-h", "127.0.0.1", "-p", &sentinel_port.to_string()])

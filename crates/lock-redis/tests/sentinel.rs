@@ -16,8 +16,7 @@ use conformance::{
 };
 use lock_core::{DistributedLock, Error, FencedRegister, Lease};
 use lock_redis::RedisLock;
-use nix::sys::signal::Signal;
-use support::{SentinelSet, SignalServer, cli};
+use support::{SentinelSet, cli};
 use tokio::time::{Instant, sleep};
 
 /// Short timeouts so a request to the dead master fails fast and the client re-resolves.
@@ -167,7 +166,7 @@ async fn a_wait_that_counts_too_few_replicas_is_indeterminate_and_undone() {
 fn cut_replication(set: &SentinelSet) -> u16 {
     let master = set.master_port().unwrap();
     for n in set.nodes.iter().filter(|n| n.port != master) {
-        n.signal(Signal::SIGSTOP);
+        n.pause();
     }
     let killed = cli(master, &["CLIENT", "KILL", "TYPE", "replica"]);
     assert_eq!(killed, "2", "both replica links cut");
@@ -176,7 +175,7 @@ fn cut_replication(set: &SentinelSet) -> u16 {
 
 fn resume_replicas(set: &SentinelSet, master: u16) {
     for n in set.nodes.iter().filter(|n| n.port != master) {
-        n.signal(Signal::SIGCONT);
+        n.resume();
     }
 }
 

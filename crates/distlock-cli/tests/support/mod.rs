@@ -1,5 +1,4 @@
-//! Shared by the CLI's server tests (`backends.rs`, `elect.rs`, `lifetime.rs`,
-//! `check_audit.rs`): fresh names, scratch directories, and waiting for a command's marker file.
+//! Shared by the CLI's server tests (`backends.rs`, `elect.rs`, `lifetime.rs`): fresh names, scratch directories, and waiting for a command's marker file.
 #![allow(dead_code, clippy::unwrap_used)]
 
 use std::{
