@@ -144,6 +144,12 @@ fn a_leaked_instance_is_killed_once_its_process_has_exited() {
     let until = Instant::now() + Duration::from_secs(20);
     while alive() || dir.exists() {
         if Instant::now() > until {
+            let what = format!(
+                "20 s after its process exited, the leaked redis (pid {pid}) is {} and its \
+                 directory {}",
+                if alive() { "alive" } else { "gone" },
+                if dir.exists() { "exists" } else { "is gone" }
+            );
             // Leave nothing behind even when red.
             if alive() {
                 let _ = nix::sys::signal::kill(
@@ -152,12 +158,7 @@ fn a_leaked_instance_is_killed_once_its_process_has_exited() {
                 );
             }
             let _ = std::fs::remove_dir_all(&dir);
-            panic!(
-                "20 s after its process exited, the leaked redis (pid {pid}) is {} and its \
-                 directory {}",
-                if alive() { "alive" } else { "gone" },
-                if dir.exists() { "exists" } else { "is gone" }
-            );
+            panic!("{what}");
         }
         std::thread::sleep(Duration::from_millis(50));
     }
