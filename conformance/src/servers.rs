@@ -613,14 +613,12 @@ impl Drop for PrivateCluster {
             let _ = backends_output(&self.envs, &["stop", &member]);
         }
         if std::thread::panicking() {
-            // A failed test: its members' logs are what explains it.
-            eprintln!(
-                "the private cluster's logs are kept in {}",
-                self.dir.display()
-            );
-        } else {
-            let _ = std::fs::remove_dir_all(&self.dir);
+            // A failed test: the end of its members' logs is what explains it.
+            for (i, member) in self.members().iter().enumerate() {
+                eprintln!("--- {member} (last 40 lines) ---\n{}", self.log_tail(i, 40));
+            }
         }
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

@@ -26,8 +26,8 @@
 //! free ports and a data directory of their own, each member's `zoo.cfg` given the drill's timing
 //! and its own view of the others' addresses (the proxies) as lines over `backends.sh`'s; the
 //! proxies take ephemeral ports, the unlistened election port is a free one. The members are
-//! stopped and their data deleted at the end, also when the drill fails half-way (then their logs
-//! are kept and the directory named).
+//! stopped and their data deleted at the end, also when the drill fails half-way (then the end of
+//! each member's log is printed first).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed expectation is a failed test
 
 mod drill_support;
