@@ -82,33 +82,6 @@ fn a_sentinel_monitors_the_master_it_is_given_with_its_settings_across_a_restart
     assert_eq!(cli(sentinel.port, &["PING"]), "PONG");
 }
 
-const CHILD_ENV: &str = "DISTLOCK_SERVERS_TEST_LEAK_TO";
-
-/// Run only as the child of the test below: starts a Redis, writes its pid file's path and
-/// directory to the file named by `CHILD_ENV`, and exits without dropping it.
-#[test]
-#[ignore = "the child process of a_leaked_instance_is_killed_once_its_process_has_exited"]
-fn leak_a_server_and_exit() {
-    let Ok(out) = std::env::var(CHILD_ENV) else {
-        return;
-    };
-    let server = PrivateServer::start_blocking(ServerKind::Redis, free_port());
-    let pidfile = server.dir().join("redis").join("redis.pid");
-    let pid = std::fs::read_to_string(&pidfile).unwrap();
-    std::fs::write(
-        &out,
-        format!(
-            "{}\n{}\n{}\n",
-            pid.trim(),
-            server.port,
-            server.dir().display()
-        ),
-    )
-    .unwrap();
-    // As if the process were killed: nothing is dropped.
-    std::process::exit(0);
-}
-
 #[test]
 fn a_leaked_instance_is_killed_once_its_process_has_exited() {
     if conformance::backend_url("DISTLOCK_TEST_REDIS_URL").is_none() {
@@ -119,14 +92,10 @@ fn a_leaked_instance_is_killed_once_its_process_has_exited() {
         std::process::id(),
         rand::random::<u32>()
     ));
-    let status = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "leak_a_server_and_exit",
-            "--ignored",
-            "--nocapture",
-        ])
-        .env(CHILD_ENV, &report)
+    // A process of its own (`src/bin/distlock-leak-server.rs`) that starts a Redis and exits
+    // without dropping it, as a killed test process would.
+    let status = Command::new(env!("CARGO_BIN_EXE_distlock-leak-server"))
+        .arg(&report)
         .status()
         .unwrap();
     assert!(status.success(), "the child: {status}");

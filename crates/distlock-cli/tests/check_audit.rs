@@ -13,7 +13,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use conformance::servers::{ClusterKind, PrivateCluster, PrivateServer, ServerKind, free_port};
+use conformance::servers::{
+    ClusterKind, PrivateCluster, PrivateServer, ServerKind, free_port, redis,
+};
 use distlock::Backend;
 use serde_json::Value;
 
@@ -174,14 +176,7 @@ fn redis_that_evicts_keys_fails() {
         &["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"],
     );
     let port = server.port;
-    let cli = |args: &[&str]| {
-        Command::new("redis-cli")
-            .args(["-h", "127.0.0.1", "-p", &port.to_string()])
-            .args(args)
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-            .unwrap_or_default()
-    };
+    let cli = |args: &[&str]| redis::cli(port, args);
     let url = format!("redis://127.0.0.1:{port}");
 
     let (code, report, _) = check(&url, &[]);
@@ -232,17 +227,12 @@ fn redis_that_evicts_keys_fails() {
         &["--sentinel", "down-after-milliseconds", "audited", "600000"],
     );
     let sentinel_port = sentinel.port;
-    let sentinel_cli = |args: &[&str]| {
-        Command::new("redis-cli")
-            .args(["-h", "127.0.0.1", "-p", &sentinel_port.to_string()])
-            .args(args)
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-            .unwrap_or_default()
-    };
     wait_until("sentinel", Duration::from_secs(20), || {
-        sentinel_cli(&["sentinel", "get-master-addr-by-name", "audited"])
-            .contains(&port.to_string())
+        redis::cli(
+            sentinel_port,
+            &["sentinel", "get-master-addr-by-name", "audited"],
+        )
+        .contains(&port.to_string())
     });
     let (code, report, out) = check(
         &format!("redis+sentinel://127.0.0.1:{sentinel_port}/audited"),
