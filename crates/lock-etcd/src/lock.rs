@@ -183,6 +183,15 @@ impl EtcdLock {
     pub fn entry_key(lease: &Lease) -> Option<Vec<u8>> {
         lease.backend_state::<Arc<Held>>().map(|h| h.key.clone())
     }
+
+    /// Whether a deletion watch of `lease`'s entry is in place on the server (made by a polled
+    /// [`watch_lost`](lock_core::raw::Driver::watch_lost) future, as every guard's is): its
+    /// renewals then send one shared keepalive and no read of their own.
+    pub fn is_entry_watched(lease: &Lease) -> bool {
+        lease
+            .backend_state::<Arc<Held>>()
+            .is_some_and(|h| h.is_watched())
+    }
 }
 
 impl EtcdLock {
@@ -501,12 +510,12 @@ impl Inner {
             return Err(Box::new(entry));
         }
         entry.armed = false;
-        let held = Arc::new(Held {
-            session: entry.session.clone(),
-            key: std::mem::take(&mut entry.key),
-            rev: entry.rev,
-            phase: Mutex::new(Phase::new(base, base)),
-        });
+        let held = Arc::new(Held::new(
+            entry.session.clone(),
+            std::mem::take(&mut entry.key),
+            entry.rev,
+            Phase::new(base, base),
+        ));
         let lease = lease.with_backend_state(held.clone());
         lock(&held.phase).deadline = lease.local_deadline();
         // No task per held lock: the client's one reaper watches its deadline.

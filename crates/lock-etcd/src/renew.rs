@@ -11,7 +11,10 @@
 
 use std::{
     collections::{BTreeMap, HashSet},
-    sync::{Arc, Mutex, Weak},
+    sync::{
+        Arc, Mutex, Weak,
+        atomic::{AtomicU32, Ordering},
+    },
     time::Duration,
 };
 
@@ -350,6 +353,9 @@ pub(crate) struct Held {
     pub(crate) key: Vec<u8>,
     pub(crate) rev: i64,
     pub(crate) phase: Mutex<Phase>,
+    /// Deletion watches of the entry in place on the server (created and not ended): while
+    /// there is one, a deletion is pushed to the holder and `renew` need not read the entry.
+    watches: AtomicU32,
 }
 
 pub(crate) struct Phase {
@@ -389,6 +395,32 @@ impl Phase {
 }
 
 impl Held {
+    pub(crate) fn new(session: Arc<Session>, key: Vec<u8>, rev: i64, phase: Phase) -> Self {
+        Self {
+            session,
+            key,
+            rev,
+            phase: Mutex::new(phase),
+            watches: AtomicU32::new(0),
+        }
+    }
+
+    /// A deletion watch of the entry was created on the server (see [`crate::wake`]).
+    pub(crate) fn watch_started(&self) {
+        self.watches.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A deletion watch [`Held::watch_started`] counted is over.
+    pub(crate) fn watch_ended(&self) {
+        self.watches.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Whether a deletion watch of the entry is in place on the server: its deletion is then
+    /// pushed to the holder.
+    pub(crate) fn is_watched(&self) -> bool {
+        self.watches.load(Ordering::Acquire) > 0
+    }
+
     /// The lock's name range (`<prefix><name>/`): the entry key without its lease's hex id.
     pub(crate) fn name(&self) -> &[u8] {
         crate::keys::entry_name(&self.key, self.session.id)
@@ -853,22 +885,31 @@ pub(crate) async fn renew(inner: &Inner, lease: &mut Lease, ttl: Duration) -> Re
         }
         Err(KeepAliveError::Failed(e)) => return Err(e.into_read_error("renew")),
     };
-    // The keepalive proves the lease; a read after it proves our entry is still on it
-    // (deleted by an operator, `release --force`: `NotHeld`, review S8). Batched: one txn
-    // answers every renewal that asks while another check is out.
-    let check = (held.key.clone(), held.rev, held.session.id);
-    match inner.check_entries(check, until).await {
-        Ok(true) => {}
-        Ok(false) => {
-            inner.entry_gone(&held).await;
-            return Err(Error::not_held(lease.key()));
-        }
-        Err((failure, why)) => {
-            return Err(RequestFailure {
-                failure,
-                source: why.to_string().into(),
+    // The keepalive proves the lease. That our entry is still on it (not deleted by an
+    // operator, `release --force`: `NotHeld`, review S8) is proved one of two ways:
+    // - a deletion watch of the entry is in place on the server (every guard's, whose
+    //   `watch_lost` the scheduler polls): a deletion is pushed to the holder, which loses the
+    //   lease when it arrives; no request per lock per tick, so a tick of N guards costs one
+    //   keepalive. A read would not tell the holder sooner: a deletion just after it goes
+    //   unnoticed until the push (or the next tick) either way;
+    // - otherwise (the raw trait without `watch_lost`, or while the watch is being made again)
+    //   a read after the keepalive, batched: one txn answers every renewal that asks while
+    //   another check is out.
+    if !held.is_watched() {
+        let check = (held.key.clone(), held.rev, held.session.id);
+        match inner.check_entries(check, until).await {
+            Ok(true) => {}
+            Ok(false) => {
+                inner.entry_gone(&held).await;
+                return Err(Error::not_held(lease.key()));
             }
-            .into_read_error("renew"));
+            Err((failure, why)) => {
+                return Err(RequestFailure {
+                    failure,
+                    source: why.to_string().into(),
+                }
+                .into_read_error("renew"));
+            }
         }
     }
     let mut phase = lock(&held.phase);

@@ -7,15 +7,20 @@
 //! watches share one stream, and a task routes each response to its watcher by watch id.
 //!
 //! etcd answers the create requests of one stream in the order they were sent, so the n-th
-//! "created" response belongs to the n-th pending create. A watcher that goes away cancels its
+//! "created" response belongs to the n-th pending create. From its "created" response until it
+//! ends, a watch *covers* its entry ([`Held::is_watched`]): while covered, the entry's deletion is pushed
+//! to its holder, and `renew` leaves out the per-entry read that is otherwise its only way to
+//! notice one (see [`crate::renew::renew`]). A watcher that goes away cancels its
 //! watch on the server. When the stream breaks, every watcher is told ([`Outcome::Broken`]) and
 //! watches again from the revision it knows; the next watch opens a new stream.
 
-use std::collections::{HashMap, VecDeque};
+use std::{
+    collections::{HashMap, VecDeque},
+    sync::Arc,
+    time::Duration,
+};
 
-use std::time::Duration;
-
-use etcd_client::{Client, WatchFilterType, WatchOptions, WatchRequestSender, WatchResponse};
+use etcd_client::{Client, EventType, WatchOptions, WatchRequestSender, WatchResponse};
 use lock_core::raw::{Backoff, LossReason};
 use tokio::{
     sync::{mpsc, oneshot},
@@ -31,7 +36,8 @@ use crate::{
 /// How a deletion watch ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Outcome {
-    /// The key was deleted (a delete event at or after the start revision).
+    /// The key was deleted, or moved to another lease (an event at or after the start
+    /// revision).
     Deleted,
     /// The server cancelled the watch (e.g. the start revision was compacted): look at the key.
     Canceled,
@@ -42,7 +48,7 @@ pub(crate) enum Outcome {
 enum Command {
     Watch {
         id: u64,
-        key: Vec<u8>,
+        held: Arc<Held>,
         from: i64,
         done: oneshot::Sender<Outcome>,
     },
@@ -89,8 +95,9 @@ impl WatchMux {
         }
     }
 
-    /// Watches `key` for a deletion at revision `from` or later.
-    pub(crate) fn watch_delete(&self, key: Vec<u8>, from: i64) -> DeleteWatch {
+    /// Watches `held`'s entry for a deletion at revision `from` or later (covering it while the
+    /// watch is in place on the server).
+    pub(crate) fn watch_delete(&self, held: &Arc<Held>, from: i64) -> DeleteWatch {
         let id = self
             .next_id
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -98,7 +105,7 @@ impl WatchMux {
         // Should the routing task be gone (runtime shutting down), `ended` reports Broken.
         let _ = self.commands.send(Command::Watch {
             id,
-            key,
+            held: held.clone(),
             from,
             done,
         });
@@ -112,8 +119,20 @@ impl WatchMux {
 
 struct Watcher {
     done: oneshot::Sender<Outcome>,
+    /// The entry watched; covered while `server_id` is set.
+    held: Arc<Held>,
     /// The server's watch id, once created.
     server_id: Option<i64>,
+}
+
+impl Watcher {
+    /// The watch is over (ended, forgotten or its stream broken): its entry is no longer
+    /// covered by it if the server had created it.
+    fn end(&self) {
+        if self.server_id.is_some() {
+            self.held.watch_ended();
+        }
+    }
 }
 
 #[derive(Default)]
@@ -127,6 +146,7 @@ struct Routes {
 impl Routes {
     fn finish(&mut self, id: u64, outcome: Outcome) {
         if let Some(w) = self.watchers.remove(&id) {
+            w.end();
             if let Some(server_id) = w.server_id {
                 self.by_server_id.remove(&server_id);
             }
@@ -136,6 +156,7 @@ impl Routes {
 
     fn break_all(&mut self) {
         for (_, w) in self.watchers.drain() {
+            w.end();
             let _ = w.done.send(Outcome::Broken);
         }
         self.pending.clear();
@@ -157,6 +178,7 @@ impl Routes {
             }
             if let Some(w) = self.watchers.get_mut(&id) {
                 w.server_id = Some(server_id);
+                w.held.watch_started();
             }
             self.by_server_id.insert(server_id, id);
             // A create can carry events too only in later responses; fall through for them.
@@ -166,12 +188,24 @@ impl Routes {
             self.finish(id, Outcome::Canceled);
             return None;
         }
-        if !resp.events().is_empty() {
+        let gone = self.watchers.get(&id).is_some_and(|w| {
+            resp.events()
+                .iter()
+                .any(|event| !still_ours(event, w.held.session.id))
+        });
+        if gone {
             self.finish(id, Outcome::Deleted);
             return Some(server_id);
         }
         None
     }
+}
+
+/// Whether `event` on a held entry leaves it ours: a put on our lease (a relabel, by this
+/// client) does; a delete, or a put that moved the key to another lease (or none), which
+/// detaches it from our renewals, does not.
+fn still_ours(event: &etcd_client::Event, lease: i64) -> bool {
+    event.event_type() == EventType::Put && event.kv().is_some_and(|kv| kv.lease() == lease)
 }
 
 /// A request for the stream's writer task.
@@ -215,14 +249,14 @@ async fn route(
             command = commands.recv() => {
                 let Some(command) = command else { return };
                 match command {
-                    Command::Watch { id, key, from, done } => {
-                        let opts = WatchOptions::new()
-                            .with_start_revision(from)
-                            .with_filters([WatchFilterType::NoPut]);
+                    Command::Watch { id, held, from, done } => {
+                        // Puts too: one that moves the key to another lease ends the watch
+                        // as a deletion does (see `still_ours`).
+                        let opts = WatchOptions::new().with_start_revision(from);
                         Counters::bump(&counters.watch);
                         let sent = match writer.as_ref() {
-                            Some(w) => w.send(Request::Watch(key, opts)).is_ok(),
-                            None => match client.watch_client().watch(key, Some(opts)).await {
+                            Some(w) => w.send(Request::Watch(held.key.clone(), opts)).is_ok(),
+                            None => match client.watch_client().watch(held.key.clone(), Some(opts)).await {
                                 Ok(stream) => {
                                     let (sender, r) = stream.split();
                                     let (w, requests) = mpsc::unbounded_channel();
@@ -235,7 +269,7 @@ async fn route(
                             },
                         };
                         if sent {
-                            routes.watchers.insert(id, Watcher { done, server_id: None });
+                            routes.watchers.insert(id, Watcher { done, held, server_id: None });
                             routes.pending.push_back(Some(id));
                         } else {
                             let _ = done.send(Outcome::Broken);
@@ -246,6 +280,7 @@ async fn route(
                     }
                     Command::Forget { id } => {
                         if let Some(w) = routes.watchers.remove(&id) {
+                            w.end();
                             match w.server_id {
                                 Some(server_id) => {
                                     routes.by_server_id.remove(&server_id);
@@ -317,14 +352,14 @@ async fn read_entry(inner: &Inner, held: &Held) -> Entry {
 /// Completes when `held`'s entry is deleted (lease expired or revoked, key deleted), or is
 /// found gone by a renewal. (The session's end is the caller's to wait for: one token shared by
 /// every lock on the session.)
-pub(crate) async fn watch_entry(inner: &Inner, held: &Held) -> LossReason {
+pub(crate) async fn watch_entry(inner: &Inner, held: &Arc<Held>) -> LossReason {
     let mut backoff = None::<Backoff>;
     let mut from = held.rev + 1;
     loop {
         if held.is_gone() {
             return LossReason::Revoked;
         }
-        let mut watch = inner.watches.watch_delete(held.key.clone(), from);
+        let mut watch = inner.watches.watch_delete(held, from);
         let deleted = match watch.ended().await {
             Outcome::Deleted => true,
             Outcome::Broken => false,

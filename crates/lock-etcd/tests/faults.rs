@@ -141,6 +141,96 @@ fn renew_after_force_release_is_not_held_while_the_neighbour_renews() {
     });
 }
 
+/// Issue 24: a tick of guards costs one keepalive, not a read per lock: an entry whose deletion
+/// watch is in place renews without a read, and its deletion (or its move to another lease) is
+/// pushed instead — the holder learns of an operator's `force_release` without any renewal.
+#[test]
+fn watched_entries_renew_with_one_keepalive_and_their_deletion_is_pushed() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let (lock, operator) = (env.client().await, env.client().await);
+        let ttl = Duration::from_secs(10);
+        let keys: Vec<LockKey> = (0..20).map(|i| fresh(&format!("watched{i}"))).collect();
+        let mut leases = Vec::new();
+        for k in &keys {
+            leases.push(lock.try_acquire(k, ttl).await.unwrap().unwrap());
+        }
+        // What the guards' scheduler does: poll every lease's `watch_lost`.
+        let losses: Vec<_> = leases
+            .iter()
+            .map(|l| tokio::spawn(lock.watch_lost(l)))
+            .collect();
+        let until = Instant::now() + LONG;
+        while !leases.iter().all(EtcdLock::is_entry_watched) {
+            assert!(
+                Instant::now() < until,
+                "the deletion watches were never created"
+            );
+            sleep(Duration::from_millis(10)).await;
+        }
+
+        let before = lock.request_counts();
+        let renewals = leases.iter_mut().map(|l| {
+            let lock = lock.clone();
+            async move { lock.renew(l, ttl).await }
+        });
+        for r in futures::future::join_all(renewals).await {
+            r.unwrap();
+        }
+        let after = lock.request_counts();
+        assert_eq!(after.txn, before.txn, "{before:?} -> {after:?}");
+        assert_eq!(after.range, before.range, "{before:?} -> {after:?}");
+        assert!(
+            after.lease_keepalive - before.lease_keepalive <= 1,
+            "{before:?} -> {after:?}"
+        );
+
+        // An operator's override is pushed: no renewal needed to learn it.
+        let mut losses = losses.into_iter();
+        let victim = losses.next().unwrap();
+        assert!(operator.force_release(&keys[0]).await.unwrap());
+        let reason = timeout(SLACK, victim)
+            .await
+            .expect("the deletion was not pushed");
+        eprintln!("force_release pushed: {reason:?}");
+        assert!(!EtcdLock::is_entry_watched(&leases[0]));
+        let renewed = lock.renew(&mut leases[0], ttl).await;
+        assert!(
+            matches!(renewed, Err(Error::NotHeld { .. })),
+            "renew after force_release returned {renewed:?}"
+        );
+
+        // So is a put that moves the entry off our lease (it would no longer expire with it).
+        let moved = losses.next().unwrap();
+        env.admin
+            .kv_client()
+            .put(EtcdLock::entry_key(&leases[1]).unwrap(), "tampered", None)
+            .await
+            .unwrap();
+        timeout(SLACK, moved)
+            .await
+            .expect("the move to another lease was not pushed")
+            .unwrap();
+
+        // The rest are untouched and still renew without a read.
+        let rest: Vec<_> = losses.collect();
+        let before = lock.request_counts();
+        for l in &mut leases[2..] {
+            lock.renew(l, ttl).await.unwrap();
+        }
+        assert_eq!(lock.request_counts().txn, before.txn);
+        assert!(rest.iter().all(|t| !t.is_finished()));
+        for l in &leases[2..] {
+            assert!(lock.release(l).await.unwrap());
+        }
+        env.admin
+            .kv_client()
+            .delete(EtcdLock::entry_key(&leases[1]).unwrap(), None)
+            .await
+            .unwrap();
+    });
+}
+
 /// Review S3: a grant confirmed only after its local deadline passed (every chunk on the link
 /// delayed past the TTL) is withdrawn, never returned; the key is left free.
 #[test]

@@ -86,8 +86,19 @@ impl Redis {
         // The driver's query options (namespace, …) mean nothing to the bare client.
         let base = self.url.split('?').next().unwrap_or(&self.url);
         Ok(redis::Client::open(base)?
-            .get_multiplexed_async_connection()
+            .get_multiplexed_async_connection_with_config(&self.bare_config()?)
             .await?)
+    }
+
+    /// The bare variants' connection settings: the driver's connect and response timeouts
+    /// (the redis crate's own default response timer is 500 ms against the driver's 1 s; timers
+    /// of different lengths land in different slots of the runtime's timer wheel, so the
+    /// variants would not pay the same timer work per request).
+    fn bare_config(&self) -> Res<redis::AsyncConnectionConfig> {
+        let c = RedisLockConfig::from_url(&self.url)?;
+        Ok(redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(c.connect_timeout))
+            .set_response_timeout(Some(c.timeout)))
     }
 }
 
@@ -101,7 +112,7 @@ impl Redis {
             .clone()
             .set_protocol(redis::ProtocolVersion::RESP3);
         Ok(redis::Client::open(info.set_redis_settings(settings))?
-            .get_multiplexed_async_connection()
+            .get_multiplexed_async_connection_with_config(&self.bare_config()?)
             .await?)
     }
 
