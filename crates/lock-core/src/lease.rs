@@ -54,6 +54,21 @@ impl Lease {
         self.backend_state.as_deref()?.downcast_ref()
     }
 
+    /// Attaches driver-private state the driver also keeps elsewhere (a reaper queue): the
+    /// lease shares `state`'s allocation, where [`Lease::with_backend_state`] of an `Arc<T>`
+    /// would add one of its own per lease. Read it with [`Lease::backend_state`] of `T` or
+    /// [`Lease::shared_backend_state`].
+    pub fn with_shared_backend_state<T: Any + Send + Sync>(mut self, state: Arc<T>) -> Self {
+        self.backend_state = Some(state);
+        self
+    }
+
+    /// The driver-private state attached with [`Lease::with_shared_backend_state`] (or
+    /// [`Lease::with_backend_state`]), if it has type `T`, as a shared pointer.
+    pub fn shared_backend_state<T: Any + Send + Sync>(&self) -> Option<Arc<T>> {
+        self.backend_state.clone()?.downcast().ok()
+    }
+
     /// Records a successful renewal whose request was sent at `sent_at`.
     pub fn renewed(&mut self, ttl: Duration, sent_at: Instant) {
         self.ttl = ttl;
@@ -242,6 +257,24 @@ impl fmt::Debug for HolderIdentity {
 #[cfg(test)]
 mod identity_tests {
     use super::*;
+
+    #[test]
+    fn shared_backend_state_is_the_drivers_own_allocation() {
+        let state = Arc::new(7_u32);
+        let lease = Lease::new(
+            LockKey::new("shared-state").unwrap(),
+            OwnershipToken::generate(),
+            None,
+            Duration::from_secs(1),
+            Instant::now(),
+        )
+        .with_shared_backend_state(state.clone());
+        assert_eq!(lease.backend_state::<u32>(), Some(&7));
+        let shared = lease.shared_backend_state::<u32>().unwrap();
+        assert!(Arc::ptr_eq(&shared, &state));
+        assert!(lease.shared_backend_state::<u64>().is_none());
+        assert!(lease.backend_state::<Arc<u32>>().is_none());
+    }
 
     #[test]
     fn the_process_identity_is_short_printable_and_carries_the_label() {

@@ -176,12 +176,12 @@ impl EtcdLock {
     /// The etcd lease id `lease` is attached to (shared with this client's other locks of the
     /// same TTL), or `None` for a lease from another backend.
     pub fn lease_id(lease: &Lease) -> Option<i64> {
-        lease.backend_state::<Arc<Held>>().map(|h| h.session.id)
+        lease.backend_state::<Held>().map(|h| h.session.id)
     }
 
     /// The etcd key of `lease`'s entry (`<prefix><name>/<lease id hex>`).
     pub fn entry_key(lease: &Lease) -> Option<Vec<u8>> {
-        lease.backend_state::<Arc<Held>>().map(|h| h.key.clone())
+        lease.backend_state::<Held>().map(|h| h.key.clone())
     }
 
     /// Whether a deletion watch of `lease`'s entry is in place on the server (made by a polled
@@ -189,7 +189,7 @@ impl EtcdLock {
     /// renewals then send one shared keepalive and no read of their own.
     pub fn is_entry_watched(lease: &Lease) -> bool {
         lease
-            .backend_state::<Arc<Held>>()
+            .backend_state::<Held>()
             .is_some_and(|h| h.is_watched())
     }
 }
@@ -516,7 +516,7 @@ impl Inner {
             entry.rev,
             Phase::new(base, base),
         ));
-        let lease = lease.with_backend_state(held.clone());
+        let lease = lease.with_shared_backend_state(held.clone());
         lock(&held.phase).deadline = lease.local_deadline();
         // No task per held lock: the client's one reaper watches its deadline.
         self.reap_later(held);
@@ -579,7 +579,7 @@ impl Driver for EtcdLock {
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
-        let Some(held) = lease.backend_state::<Arc<Held>>().cloned() else {
+        let Some(held) = lease.shared_backend_state::<Held>() else {
             return Ok(false);
         };
         if held.is_finished() {
@@ -645,7 +645,7 @@ impl Driver for EtcdLock {
     /// revision of this grant (so it still holds the lock: every other entry is younger).
     async fn relabel(&self, lease: &Lease, holder: &HolderIdentity) -> Result<()> {
         let not_held = || Error::not_held(lease.key());
-        let Some(held) = lease.backend_state::<Arc<Held>>().cloned() else {
+        let Some(held) = lease.shared_backend_state::<Held>() else {
             return Err(not_held());
         };
         if held.is_finished() {
@@ -711,7 +711,7 @@ impl Driver for EtcdLock {
     }
 
     fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
-        let Some(held) = lease.backend_state::<Arc<Held>>().cloned() else {
+        let Some(held) = lease.shared_backend_state::<Held>() else {
             return Box::pin(std::future::pending());
         };
         let inner = self.inner.clone();

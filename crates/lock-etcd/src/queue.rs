@@ -781,7 +781,7 @@ mod tests {
             .unwrap()
             .unwrap();
         let inner = &lock.inner;
-        let session = anchor.backend_state::<Arc<Held>>().unwrap().session.clone();
+        let session = anchor.backend_state::<Held>().unwrap().session.clone();
         let kv = inner.client.kv_client();
         for late in [true, false] {
             let key = LockKey::new(format!("l1-late-{:x}", rand::random::<u64>())).unwrap();

@@ -845,7 +845,7 @@ async fn delete_unrenewed(inner: Weak<Inner>, held: Arc<Held>) {
 /// one is out), then the batched check that the lock's entry is still on that lease; the
 /// lease's local deadline moves to the keepalive's send time plus `ttl`.
 pub(crate) async fn renew(inner: &Inner, lease: &mut Lease, ttl: Duration) -> Result<()> {
-    let Some(held) = lease.backend_state::<Arc<Held>>().cloned() else {
+    let Some(held) = lease.shared_backend_state::<Held>() else {
         return Err(Error::not_held(lease.key()));
     };
     if ttl > held.session.granted {
