@@ -286,8 +286,6 @@ pub async fn watchdog(
     let rss0 = system::resident_bytes();
     let start = Instant::now();
     let retried = Arc::new(AtomicU64::new(0));
-    // The guards go into a vector of exactly `held` places: one collected by doubling would
-    // add up to a guard's size of slack per lock to what is measured as the locks' memory.
     let guards: Vec<LockGuard> = stream::iter(0..held)
         .map(|i| {
             let client = client.clone();
@@ -296,10 +294,7 @@ pub async fn watchdog(
             async move { take_fresh(&client, &key, ttl, &retried).await }
         })
         .buffer_unordered(64)
-        .try_fold(Vec::with_capacity(held), |mut guards, guard| async move {
-            guards.push(guard);
-            Ok(guards)
-        })
+        .try_collect()
         .await?;
     let acquire_s = start.elapsed().as_secs_f64();
     let retried = retried.load(Ordering::Relaxed);

@@ -233,44 +233,8 @@ impl Wake for SlotWaker {
     }
 }
 
-/// Slots per chunk of [`Slots`].
-const SLOTS_PER_CHUNK: usize = 1024;
-
-/// The slots, in fixed chunks of [`SLOTS_PER_CHUNK`] that never move: a `Vec` of 100,000 slots
-/// would double its capacity to 131,072 (a third more than used, ≈ 80 B per held lock of a
-/// ≈ 260 B slot) and copy everything at each doubling; chunks leave at most one chunk's slack.
-#[derive(Default)]
-struct Slots {
-    chunks: Vec<Vec<Option<Slot>>>,
-    len: usize,
-}
-
-impl Slots {
-    fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Adds an empty place; returns its index.
-    fn push_empty(&mut self) -> usize {
-        if self.len.is_multiple_of(SLOTS_PER_CHUNK) {
-            self.chunks.push(Vec::with_capacity(SLOTS_PER_CHUNK));
-        }
-        if let Some(chunk) = self.chunks.last_mut() {
-            chunk.push(None);
-        }
-        self.len += 1;
-        self.len - 1
-    }
-
-    fn get_mut(&mut self, index: usize) -> Option<&mut Option<Slot>> {
-        self.chunks
-            .get_mut(index / SLOTS_PER_CHUNK)?
-            .get_mut(index % SLOTS_PER_CHUNK)
-    }
-}
-
 struct State {
-    slots: Slots,
+    slots: Vec<Option<Slot>>,
     free: Vec<usize>,
     /// Every running slot sits here once, under its next wake-up.
     timers: BTreeSet<(Instant, usize)>,
@@ -402,7 +366,7 @@ pub(crate) fn for_lock(lock: &DynLock) -> Arc<Scheduler> {
     let scheduler = Arc::new(Scheduler {
         lock: lock.clone(),
         state: Mutex::new(State {
-            slots: Slots::default(),
+            slots: Vec::new(),
             free: Vec::new(),
             timers: BTreeSet::new(),
             active: 0,
@@ -455,7 +419,10 @@ impl Scheduler {
             let mut state = locked(&self.state);
             let index = match state.free.pop() {
                 Some(i) => i,
-                None => state.slots.push_empty(),
+                None => {
+                    state.slots.push(None);
+                    state.slots.len() - 1
+                }
             };
             let id = state.next_id;
             state.next_id += 1;
@@ -487,9 +454,7 @@ impl Scheduler {
                 spawn = !std::mem::replace(&mut state.running, true);
             }
             let waker = slot.waker.clone();
-            if let Some(place) = state.slots.get_mut(index) {
-                *place = Some(slot);
-            }
+            state.slots[index] = Some(slot);
             drop(state);
             if running {
                 // The task polls the watch once, which registers its waker.
@@ -762,7 +727,7 @@ impl Scheduler {
     }
 }
 
-fn slot_mut(slots: &mut Slots, index: usize) -> &mut Slot {
+fn slot_mut(slots: &mut [Option<Slot>], index: usize) -> &mut Slot {
     match slots.get_mut(index) {
         Some(Some(slot)) => slot,
         // Callers look the slot up first, under the same lock.
@@ -789,8 +754,7 @@ impl Drop for TaskRun {
         let mut state = locked(&s.state);
         state.running = false;
         for index in 0..state.slots.len() {
-            if matches!(state.slots.get_mut(index), Some(Some(slot)) if matches!(slot.end, End::Running))
-            {
+            if matches!(&state.slots[index], Some(slot) if matches!(slot.end, End::Running)) {
                 s.die(&mut state, index);
             }
         }
