@@ -118,20 +118,55 @@ impl WatchMux {
 }
 
 struct Watcher {
-    done: oneshot::Sender<Outcome>,
-    /// The entry watched; covered while `server_id` is set.
+    /// Taken when the outcome is told.
+    done: Option<oneshot::Sender<Outcome>>,
+    /// The entry watched.
     held: Arc<Held>,
     /// The server's watch id, once created.
     server_id: Option<i64>,
+    /// Whether this watch counts as covering its entry ([`Held::is_watched`]): from its
+    /// "created" response until it ends, is forgotten, its stream breaks — or the routing
+    /// task itself goes away (`Drop`), so that no entry stays covered by a watch that is gone.
+    covering: bool,
 }
 
 impl Watcher {
-    /// The watch is over (ended, forgotten or its stream broken): its entry is no longer
-    /// covered by it if the server had created it.
-    fn end(&self) {
-        if self.server_id.is_some() {
+    fn new(done: oneshot::Sender<Outcome>, held: Arc<Held>) -> Self {
+        Self {
+            done: Some(done),
+            held,
+            server_id: None,
+            covering: false,
+        }
+    }
+
+    /// The server created the watch: it covers its entry from now on.
+    fn created(&mut self, server_id: i64) {
+        self.server_id = Some(server_id);
+        if !std::mem::replace(&mut self.covering, true) {
+            self.held.watch_started();
+        }
+    }
+
+    /// The watch no longer covers its entry.
+    fn end(&mut self) {
+        if std::mem::take(&mut self.covering) {
             self.held.watch_ended();
         }
+    }
+
+    /// Ends the watch and tells its waiter how.
+    fn tell(mut self, outcome: Outcome) {
+        self.end();
+        if let Some(done) = self.done.take() {
+            let _ = done.send(outcome);
+        }
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        self.end();
     }
 }
 
@@ -146,18 +181,16 @@ struct Routes {
 impl Routes {
     fn finish(&mut self, id: u64, outcome: Outcome) {
         if let Some(w) = self.watchers.remove(&id) {
-            w.end();
             if let Some(server_id) = w.server_id {
                 self.by_server_id.remove(&server_id);
             }
-            let _ = w.done.send(outcome);
+            w.tell(outcome);
         }
     }
 
     fn break_all(&mut self) {
         for (_, w) in self.watchers.drain() {
-            w.end();
-            let _ = w.done.send(Outcome::Broken);
+            w.tell(Outcome::Broken);
         }
         self.pending.clear();
         self.by_server_id.clear();
@@ -177,8 +210,7 @@ impl Routes {
                 return None;
             }
             if let Some(w) = self.watchers.get_mut(&id) {
-                w.server_id = Some(server_id);
-                w.held.watch_started();
+                w.created(server_id);
             }
             self.by_server_id.insert(server_id, id);
             // A create can carry events too only in later responses; fall through for them.
@@ -269,7 +301,7 @@ async fn route(
                             },
                         };
                         if sent {
-                            routes.watchers.insert(id, Watcher { done, held, server_id: None });
+                            routes.watchers.insert(id, Watcher::new(done, held));
                             routes.pending.push_back(Some(id));
                         } else {
                             let _ = done.send(Outcome::Broken);
@@ -279,7 +311,7 @@ async fn route(
                         }
                     }
                     Command::Forget { id } => {
-                        if let Some(w) = routes.watchers.remove(&id) {
+                        if let Some(mut w) = routes.watchers.remove(&id) {
                             w.end();
                             match w.server_id {
                                 Some(server_id) => {
