@@ -155,6 +155,15 @@ impl Session {
         if connection != probe.connection {
             return;
         }
+        {
+            let mut last = self
+                .last_sync
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if last.is_none_or(|l| l.connection != connection || l.sent < probe.sent) {
+                *last = Some(probe);
+            }
+        }
         let base = self
             .trust
             .lock()
@@ -175,6 +184,17 @@ impl Session {
             }
             newer
         });
+    }
+
+    /// Whether a `sync` sent at most `age` ago was answered on the current connection: the
+    /// session was alive at the leader then, and every watch event of ours from before that
+    /// `sync` has been delivered.
+    pub(crate) fn synced_within(&self, age: Duration) -> bool {
+        let last = *self
+            .last_sync
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        last.is_some_and(|l| l.connection == self.connection() && l.sent.elapsed() < age)
     }
 
     /// Until when the session is vouched for (see [`Session::synced`]).
@@ -255,6 +275,13 @@ pub(crate) fn lag(timeout: Duration) -> Duration {
     timeout / 4
 }
 
+/// How old a `sync` may be to serve the renewal of a lease whose deletion is pushed to a
+/// listener (see `renew_lease`): a sixteenth of the session timeout (a quarter of [`lag`]),
+/// so a tick costs at most a few.
+pub(crate) fn shared_sync_age(timeout: Duration) -> Duration {
+    lag(timeout) / 4
+}
+
 /// How many renewals one batched session check answers at most (they all share its one read).
 pub(crate) const MAX_CHECK_IN_BATCH: usize = 100_000;
 
@@ -323,10 +350,27 @@ impl ZkLock {
         if let Check::Lost(_) = before {
             return Err(not_held());
         }
-        match session.check_in(self.inner.config.timeout).await {
-            Ok(()) => {}
-            Err(e) if session_gone(&e) => return Err(not_held()),
-            Err(e) => return Err(to_error("renew", e)),
+        // That our node is still there (not deleted by an operator, `release --force`) is
+        // proved one of two ways:
+        // - while its watch is armed and a `watch_lost` future listens to it (every guard's:
+        //   lock-core's scheduler polls it), a deletion is pushed and loses the lease when it
+        //   arrives; a `sync` answered within `SHARED_SYNC_AGE` then serves every such renewal,
+        //   so a tick of N guards costs a few `sync`s, not one for every round trip the tick
+        //   lasts. A `sync` of our own would not tell the holder sooner: a deletion just after
+        //   it goes unnoticed until the push (or the next tick) either way. The deadline is
+        //   unaffected: it counts from the session's vouched base, whatever answered;
+        // - otherwise (the raw trait without `watch_lost`) a `sync` sent after this call began:
+        //   the member delivers our watch events before its reply, so a deletion before the
+        //   call is seen below.
+        let pushed = matches!(before, Check::Reliable(_))
+            && watch.is_listened()
+            && session.synced_within(shared_sync_age(session.timeout));
+        if !pushed {
+            match session.check_in(self.inner.config.timeout).await {
+                Ok(()) => {}
+                Err(e) if session_gone(&e) => return Err(not_held()),
+                Err(e) => return Err(to_error("renew", e)),
+            }
         }
         match (before, watch.check()) {
             (_, Check::Lost(_)) => return Err(not_held()),

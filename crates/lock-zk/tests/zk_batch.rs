@@ -230,6 +230,75 @@ async fn guards_renew_with_far_fewer_requests_than_locks_and_one_revoked_lock_is
     }
 }
 
+/// Issue 24: a lease whose node deletion is pushed to a listening `watch_lost` (every guard's)
+/// renews on a `sync` answered moments ago instead of sending one of its own, so a tick's
+/// `sync`s do not grow with how long its renewals take; a raw-trait lease with no listener still
+/// waits for a `sync` sent after each call began (a deletion before the call is then seen).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listened_lease_renews_on_a_recent_sync_and_a_raw_one_syncs_each_time() {
+    let Some(config) = config() else { return };
+    let raw = raw_client(&config).await;
+    let (a, counter) = counted_client(&config).await;
+    let key = plain_key();
+    let mut lease = a.try_acquire(&key, SESSION).await.unwrap().unwrap();
+    const ROUNDS: usize = 10;
+
+    let before = counter.get(SYNC);
+    for _ in 0..ROUNDS {
+        a.renew(&mut lease, SESSION).await.unwrap();
+    }
+    let raw_syncs = counter.get(SYNC) - before;
+    assert!(
+        raw_syncs >= ROUNDS,
+        "{ROUNDS} raw renewals sent {raw_syncs} syncs"
+    );
+
+    let listener = tokio::spawn(a.watch_lost(&lease));
+    a.renew(&mut lease, SESSION).await.unwrap();
+    let before = counter.get(SYNC);
+    for _ in 0..ROUNDS {
+        a.renew(&mut lease, SESSION).await.unwrap();
+    }
+    // A heartbeat may fall in between, or one more sync when the loop outlasts the shared
+    // sync's age (a sixteenth of the session timeout) on a slow machine: far fewer than one each.
+    let shared = counter.get(SYNC) - before;
+    assert!(shared < 5, "{ROUNDS} listened renewals sent {shared} syncs");
+
+    // Once nobody listens again, each renewal waits for a sync of its own again.
+    listener.abort();
+    let _ = listener.await;
+    let before = counter.get(SYNC);
+    for _ in 0..ROUNDS {
+        a.renew(&mut lease, SESSION).await.unwrap();
+    }
+    let unlistened = counter.get(SYNC) - before;
+    assert!(
+        unlistened >= ROUNDS,
+        "{ROUNDS} renewals after the listener left sent {unlistened} syncs"
+    );
+    let listener = tokio::spawn(a.watch_lost(&lease));
+    until("the listener is back", async || {
+        let before = counter.get(SYNC);
+        a.renew(&mut lease.clone(), SESSION).await.unwrap();
+        counter.get(SYNC) == before
+    })
+    .await;
+
+    // The node's deletion is pushed: the listener reports it, and renew says `NotHeld`.
+    let dir = format!("{ROOT}/{key}");
+    let node = children(&raw, &dir).await.remove(0);
+    raw.delete(&format!("{dir}/{node}"), None).await.unwrap();
+    let reason = timeout(SLACK, listener)
+        .await
+        .expect("the deletion was pushed")
+        .unwrap();
+    assert_eq!(reason, LossReason::Revoked);
+    assert!(matches!(
+        a.renew(&mut lease, SESSION).await,
+        Err(Error::NotHeld { .. })
+    ));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiter_behind_the_holder_takes_over_without_listing_again() {
     let Some(config) = config() else { return };
