@@ -186,15 +186,22 @@ impl Session {
         });
     }
 
-    /// Whether a `sync` sent at most `age` ago was answered on the current connection: the
-    /// session was alive at the leader then, and every watch event of ours from before that
-    /// `sync` has been delivered.
-    pub(crate) fn synced_within(&self, age: Duration) -> bool {
+    /// Whether a renewal may rest on what the session has already proved instead of a `sync` of
+    /// its own: a `sync` sent at most `age` ago was answered on the current connection (the
+    /// session was alive at the leader then, and every watch event of ours from before it has
+    /// been delivered), and the vouched base is as recent as such a `sync` could make it
+    /// (within [`lag`] + `age` of now). Without the second condition, renewals that send
+    /// nothing leave only the heartbeats as candidates for promotion, the base falls up to two
+    /// lags behind, and with a short session timeout a renewed lease ends before the next
+    /// renewal is due; so then a `sync` is sent (and becomes a candidate).
+    pub(crate) fn fresh_enough_to_share(&self, age: Duration) -> bool {
         let last = *self
             .last_sync
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        last.is_some_and(|l| l.connection == self.connection() && l.sent.elapsed() < age)
+        let synced =
+            last.is_some_and(|l| l.connection == self.connection() && l.sent.elapsed() < age);
+        synced && self.vouched_base().elapsed() < self.lag() + age
     }
 
     /// Until when the session is vouched for (see [`Session::synced`]).
@@ -364,7 +371,7 @@ impl ZkLock {
         //   call is seen below.
         let pushed = matches!(before, Check::Reliable(_))
             && watch.is_listened()
-            && session.synced_within(shared_sync_age(session.timeout));
+            && session.fresh_enough_to_share(shared_sync_age(session.timeout));
         if !pushed {
             match session.check_in(self.inner.config.timeout).await {
                 Ok(()) => {}
