@@ -55,8 +55,6 @@ pub(crate) struct Session {
     pub(crate) ended: CancellationToken,
     /// The batched session check of renewals (see [`Session::check_in`]).
     pub(crate) check_ins: Batcher<(), std::result::Result<(), zk::Error>>,
-    /// The newest `sync` answered on the current connection (see [`Session::synced_within`]).
-    pub(crate) last_sync: Mutex<Option<Probe>>,
 }
 
 /// The pause after a handshake that timed out before `Session::open` tries again (see there
@@ -156,7 +154,6 @@ impl Session {
             lapse: lapse.clone(),
             ended,
             check_ins: Batcher::new(MAX_CHECK_IN_BATCH),
-            last_sync: Mutex::new(None),
         });
         tokio::spawn(watch_lapse(vouched_rx, lapse, session.ended.clone()));
         tracing::debug!(session = %client.session_id(), timeout = ?negotiated, "zookeeper session established");

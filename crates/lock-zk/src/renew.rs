@@ -155,15 +155,6 @@ impl Session {
         if connection != probe.connection {
             return;
         }
-        {
-            let mut last = self
-                .last_sync
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            if last.is_none_or(|l| l.connection != connection || l.sent < probe.sent) {
-                *last = Some(probe);
-            }
-        }
         let base = self
             .trust
             .lock()
@@ -184,24 +175,6 @@ impl Session {
             }
             newer
         });
-    }
-
-    /// Whether a renewal may rest on what the session has already proved instead of a `sync` of
-    /// its own: a `sync` sent at most `age` ago was answered on the current connection (the
-    /// session was alive at the leader then, and every watch event of ours from before it has
-    /// been delivered), and the vouched base is as recent as such a `sync` could make it
-    /// (within [`lag`] + `age` of now). Without the second condition, renewals that send
-    /// nothing leave only the heartbeats as candidates for promotion, the base falls up to two
-    /// lags behind, and with a short session timeout a renewed lease ends before the next
-    /// renewal is due; so then a `sync` is sent (and becomes a candidate).
-    pub(crate) fn fresh_enough_to_share(&self, age: Duration) -> bool {
-        let last = *self
-            .last_sync
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let synced =
-            last.is_some_and(|l| l.connection == self.connection() && l.sent.elapsed() < age);
-        synced && self.vouched_base().elapsed() < self.lag() + age
     }
 
     /// Until when the session is vouched for (see [`Session::synced`]).
@@ -282,13 +255,6 @@ pub(crate) fn lag(timeout: Duration) -> Duration {
     timeout / 4
 }
 
-/// How old a `sync` may be to serve the renewal of a lease whose deletion is pushed to a
-/// listener (see `renew_lease`): a sixteenth of the session timeout (a quarter of [`lag`]),
-/// so a tick costs at most a few.
-pub(crate) fn shared_sync_age(timeout: Duration) -> Duration {
-    lag(timeout) / 4
-}
-
 /// How many renewals one batched session check answers at most (they all share its one read).
 pub(crate) const MAX_CHECK_IN_BATCH: usize = 100_000;
 
@@ -357,27 +323,10 @@ impl ZkLock {
         if let Check::Lost(_) = before {
             return Err(not_held());
         }
-        // That our node is still there (not deleted by an operator, `release --force`) is
-        // proved one of two ways:
-        // - while its watch is armed and a `watch_lost` future listens to it (every guard's:
-        //   lock-core's scheduler polls it), a deletion is pushed and loses the lease when it
-        //   arrives; a `sync` answered within `SHARED_SYNC_AGE` then serves every such renewal,
-        //   so a tick of N guards costs a few `sync`s, not one for every round trip the tick
-        //   lasts. A `sync` of our own would not tell the holder sooner: a deletion just after
-        //   it goes unnoticed until the push (or the next tick) either way. The deadline is
-        //   unaffected: it counts from the session's vouched base, whatever answered;
-        // - otherwise (the raw trait without `watch_lost`) a `sync` sent after this call began:
-        //   the member delivers our watch events before its reply, so a deletion before the
-        //   call is seen below.
-        let pushed = matches!(before, Check::Reliable(_))
-            && watch.is_listened()
-            && session.fresh_enough_to_share(shared_sync_age(session.timeout));
-        if !pushed {
-            match session.check_in(self.inner.config.timeout).await {
-                Ok(()) => {}
-                Err(e) if session_gone(&e) => return Err(not_held()),
-                Err(e) => return Err(to_error("renew", e)),
-            }
+        match session.check_in(self.inner.config.timeout).await {
+            Ok(()) => {}
+            Err(e) if session_gone(&e) => return Err(not_held()),
+            Err(e) => return Err(to_error("renew", e)),
         }
         match (before, watch.check()) {
             (_, Check::Lost(_)) => return Err(not_held()),

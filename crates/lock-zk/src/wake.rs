@@ -61,8 +61,6 @@ struct State {
     armed: Option<Armed>,
     /// Set once the node is known to be gone (deleted, or the session ended): final.
     lost: Option<LossReason>,
-    /// `watch_lost` futures alive on this watch (see [`NodeWatch::is_listened`]).
-    listeners: u32,
     /// Bumped whenever a watch is installed or consumed, so a caller can tell that the watch it
     /// checked before a request is the one it checks after.
     generation: u64,
@@ -149,24 +147,6 @@ impl NodeWatch {
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// A `watch_lost` future listens to this watch from now until [`NodeWatch::unlisten`].
-    pub(crate) fn listen(&self) {
-        let mut state = self.state();
-        state.listeners = state.listeners.saturating_add(1);
-    }
-
-    /// A listener of [`NodeWatch::listen`] went away.
-    pub(crate) fn unlisten(&self) {
-        let mut state = self.state();
-        state.listeners = state.listeners.saturating_sub(1);
-    }
-
-    /// Whether a `watch_lost` future listens: the node's deletion, once the watch fires, then
-    /// loses the lease without waiting for a renewal.
-    pub(crate) fn is_listened(&self) -> bool {
-        self.state().listeners > 0
     }
 
     /// Looks at the watch now, without waiting: consumes an event already delivered to the
@@ -298,7 +278,6 @@ impl ZkLock {
         // when the future ends or is dropped once the session is no longer vouched for (the
         // scheduler drops it as soon as the lease's deadline passes, which is the same
         // instant: the lease counts from the session's vouched base).
-        watch.listen();
         let guard = RemoveOnLapse {
             session,
             watch,
@@ -385,7 +364,6 @@ impl RemoveOnLapse {
 
 impl Drop for RemoveOnLapse {
     fn drop(&mut self) {
-        self.watch.unlisten();
         if self.session.is_ended() || self.watch.is_lost() {
             return;
         }
