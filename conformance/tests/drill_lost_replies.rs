@@ -155,8 +155,20 @@ impl Linked {
 }
 
 /// The holder the coordinator records for `key` is the grant with fencing token `fencing`.
+/// A temporary failure of the read (`Unavailable`: a server slow under a loaded CI host let
+/// the drill's short request timeout pass) is asked again until [`SOON`] has passed.
 async fn holder_is(lock: &DynLock, key: &LockKey, fencing: Option<FencingToken>) -> bool {
-    let info = lock.inspect(key).await.expect("inspect");
+    let until = Instant::now() + SOON;
+    let info = loop {
+        match lock.inspect(key).await {
+            Ok(info) => break info,
+            Err(e @ Error::Unavailable { .. }) if Instant::now() < until => {
+                eprintln!("inspect failed for now, asking again: {e}");
+                sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("inspect: {e:?}"),
+        }
+    };
     info.is_some_and(|info| info.fencing_token == fencing)
 }
 
