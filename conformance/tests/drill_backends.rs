@@ -22,8 +22,10 @@ mod drill_support;
 use std::time::Duration;
 
 use conformance::drill::{History, Hold, HolderEvent, Proxy};
-use drill_support::{Backend, Client, FencedLog, Holder, SOON, TTL, finish, write};
-use lock_core::{Error, FencingToken, LockKey};
+use drill_support::{
+    Backend, Client, FencedLog, Holder, SOON, TTL, finish, inspect_answered, write,
+};
+use lock_core::{Error, FencingToken};
 use tokio::time::{Instant, sleep, timeout};
 
 /// A contender's wait: long enough for any expiry here.
@@ -354,7 +356,7 @@ async fn lost_release_reply(backend: Backend, url: String) {
     // The stale retry, on a connection that works: the one that lost the reply is reset by
     // the heal, and a request racing that reset would lose its reply too (an honest
     // `Indeterminate`, but not this drill's question).
-    reconnected(&c1, &key).await;
+    inspect_answered(&c1.lock, &key).await;
     let op = c1.rec.release(&lease);
     match timeout(SOON, c1.lock.release(&lease)).await {
         Ok(Ok(released)) => {
@@ -393,23 +395,6 @@ async fn lost_release_reply(backend: Backend, url: String) {
     assert_eq!(c3.release(held3).await, Some(true));
     drop(proxy);
     finish(&history, &log, &[]);
-}
-
-/// Waits until `client` answers a read of `key`: the connection the proxy broke at a heal has
-/// been replaced (a read's failure is harmless, so it is the probe).
-async fn reconnected(client: &Client, key: &LockKey) {
-    let until = Instant::now() + SOON;
-    loop {
-        match client.lock.inspect(key).await {
-            Ok(_) => return,
-            Err(e) if Instant::now() < until => {
-                eprintln!("not reconnected yet: {e}");
-                // No event tells when the client's connection is back; poll gently.
-                sleep(Duration::from_millis(20)).await;
-            }
-            Err(e) => panic!("the client did not reconnect after the heal: {e}"),
-        }
-    }
 }
 
 /// One `#[test]` per backend for a drill, each on its own runtime.

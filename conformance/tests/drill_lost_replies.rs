@@ -31,7 +31,7 @@ mod drill_support;
 use std::time::Duration;
 
 use conformance::drill::Proxy;
-use drill_support::{Backend, SOON, TTL};
+use drill_support::{Backend, SOON, TTL, inspect_answered};
 use lock_core::{DistributedLockExt, DynLock, Error, FencingToken, LockGuard, LockKey};
 use tokio::time::{Instant, sleep, timeout};
 
@@ -155,20 +155,8 @@ impl Linked {
 }
 
 /// The holder the coordinator records for `key` is the grant with fencing token `fencing`.
-/// A temporary failure of the read (`Unavailable`: a server slow under a loaded CI host let
-/// the drill's short request timeout pass) is asked again until [`SOON`] has passed.
 async fn holder_is(lock: &DynLock, key: &LockKey, fencing: Option<FencingToken>) -> bool {
-    let until = Instant::now() + SOON;
-    let info = loop {
-        match lock.inspect(key).await {
-            Ok(info) => break info,
-            Err(e @ Error::Unavailable { .. }) if Instant::now() < until => {
-                eprintln!("inspect failed for now, asking again: {e}");
-                sleep(Duration::from_millis(50)).await;
-            }
-            Err(e) => panic!("inspect: {e:?}"),
-        }
-    };
+    let info = inspect_answered(lock, key).await;
     info.is_some_and(|info| info.fencing_token == fencing)
 }
 

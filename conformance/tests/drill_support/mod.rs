@@ -14,7 +14,9 @@ use conformance::drill::{
     Rule, Violation, check, holder::HolderOptions,
 };
 use conformance::servers::ServerKind;
-use lock_core::{DistributedLockExt, DynLock, FencingToken, LockGuard, LockKey, TokenDigest};
+use lock_core::{
+    DistributedLockExt, DynLock, Error, FencingToken, HolderInfo, LockGuard, LockKey, TokenDigest,
+};
 use tokio::{sync::watch, task::JoinHandle, time::Instant};
 
 /// The bound on anything that must happen (process start, failover, a loaded 2-core machine).
@@ -846,6 +848,28 @@ pub fn write_if_held(
         Err(highest) => {
             op.rejected(Some(FencingToken(highest)));
             Some(false)
+        }
+    }
+}
+
+/// `lock`'s answer to who holds `key`, asking again while the read fails for now
+/// (`Unavailable`: a connection the proxy just reset is being replaced, or a server slow under a
+/// loaded host let the drill's short request timeout pass) until [`SOON`] has passed. A read
+/// changes nothing, so its failure says nothing about a drill's question.
+///
+/// # Panics
+/// On any other error, or when it still fails after [`SOON`].
+pub async fn inspect_answered(lock: &DynLock, key: &LockKey) -> Option<HolderInfo> {
+    let until = Instant::now() + SOON;
+    loop {
+        match lock.inspect(key).await {
+            Ok(info) => return info,
+            Err(e @ Error::Unavailable { .. }) if Instant::now() < until => {
+                eprintln!("inspect failed for now, asking again: {e}");
+                // No event says when the read can succeed; poll gently.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("inspect: {e:?}"),
         }
     }
 }

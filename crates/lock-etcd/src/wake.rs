@@ -311,8 +311,8 @@ async fn route(
                         }
                     }
                     Command::Forget { id } => {
-                        if let Some(mut w) = routes.watchers.remove(&id) {
-                            w.end();
+                        // Dropping the watcher ends its cover of the entry.
+                        if let Some(w) = routes.watchers.remove(&id) {
                             match w.server_id {
                                 Some(server_id) => {
                                     routes.by_server_id.remove(&server_id);
