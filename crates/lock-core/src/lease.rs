@@ -75,6 +75,12 @@ impl Lease {
         self.local_deadline = local_deadline(sent_at, ttl);
     }
 
+    /// Moves the local deadline to `at` if that is later: a renewal group's renewal renewed
+    /// this lease (see [`crate::raw::RenewalGroup`]).
+    pub(crate) fn extend_local_deadline(&mut self, at: Instant) {
+        self.local_deadline = self.local_deadline.max(at);
+    }
+
     /// The lock key.
     pub fn key(&self) -> &LockKey {
         &self.key

@@ -124,6 +124,15 @@ pub trait DistributedLock: sealed::Sealed + Send + Sync + fmt::Debug + 'static {
     /// completes; the guard's watchdog and local deadline still detect the loss.
     fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, crate::LossReason>;
 
+    /// The [`RenewalGroup`](crate::raw::RenewalGroup) `lease` belongs to, when the backend
+    /// renews many leases with one request (etcd: the session lease its entry is attached to;
+    /// ZooKeeper: its session). A guard whose lease has one is renewed by the group's renewal
+    /// alone: a tick of any number of such guards costs one request.
+    ///
+    /// # Behavior
+    /// `None` for backends whose renewals are per lease, and without `renew`.
+    fn renewal_group(&self, lease: &Lease) -> Option<crate::raw::SharedGroup>;
+
     /// Job mode ([`crate::LockOptions::at_least`]), right after a grant and before its job
     /// starts: makes the coordinator hold `lease`'s grant until at least `at_least` from now by
     /// its own clock, even if this process dies at once. Where the grant's TTL is the lease

@@ -11,6 +11,8 @@
 //! | `distlock_hold_seconds` | histogram | `backend` (from grant to release) |
 //! | `distlock_renew_total` | counter | `backend`, `outcome` (`renewed` or an error kind) |
 //! | `distlock_renew_seconds` | histogram | `backend` |
+//! | `distlock_group_renew_total` | counter | `backend`, `outcome` — a [renewal group](crate::raw::RenewalGroup)'s renewal, which renews every guard of the group at once (their renewals are not counted one by one in `distlock_renew_total`) |
+//! | `distlock_group_renew_seconds` | histogram | `backend` |
 //! | `distlock_release_total` | counter | `backend`, `outcome` (`released`, `already_lost`, or an error kind) |
 //! | `distlock_force_release_total` | counter | `backend`, `outcome` |
 //! | `distlock_lost_total` | counter | `backend`, `reason` (recorded by [`crate::LockGuard`]) |
@@ -21,7 +23,7 @@
 //! cardinality). Spans carry the key, the token *digest*, the fencing token, the TTL and the
 //! elapsed time; the full ownership token never appears.
 
-use std::{fmt, time::Duration};
+use std::{fmt, sync::Arc, time::Duration};
 
 use async_trait::async_trait;
 use futures::future::BoxFuture;
@@ -238,6 +240,14 @@ impl crate::raw::Driver for Observed {
         self.inner.watch_lost(lease)
     }
 
+    fn renewal_group(&self, lease: &Lease) -> Option<crate::raw::SharedGroup> {
+        let group = self.inner.renewal_group(lease)?;
+        Some(Arc::new(ObservedGroup {
+            inner: group,
+            backend: self.inner.backend_name(),
+        }))
+    }
+
     async fn hold_at_least(&self, lease: &Lease, at_least: Duration) -> Result<()> {
         let span = tracing::debug_span!("distlock.hold_at_least", backend = self.inner.backend_name(), key = %lease.key(), ?at_least);
         self.inner
@@ -258,6 +268,50 @@ impl crate::raw::Driver for Observed {
 
     fn watch_holder(&self, key: &LockKey) -> Option<futures::stream::BoxStream<'static, ()>> {
         self.inner.watch_holder(key)
+    }
+}
+
+/// A renewal group's renewals, counted as [`Observed`] counts a lease's.
+#[derive(Debug)]
+struct ObservedGroup {
+    inner: crate::raw::SharedGroup,
+    backend: &'static str,
+}
+
+impl crate::raw::RenewalGroup for ObservedGroup {
+    fn id(&self) -> usize {
+        self.inner.id()
+    }
+
+    fn join(&self, lease: &Lease) {
+        self.inner.join(lease);
+    }
+
+    fn leave(&self, lease: &Lease) {
+        self.inner.leave(lease);
+    }
+
+    fn renew(
+        &self,
+        ttl: Duration,
+        until: Instant,
+    ) -> BoxFuture<'static, std::result::Result<Instant, crate::raw::GroupRenewError>> {
+        let renewal = self.inner.renew(ttl, until);
+        let backend = self.backend;
+        Box::pin(async move {
+            let started = Instant::now();
+            let result = renewal.await;
+            let outcome = match &result {
+                Ok(_) => "renewed",
+                Err(crate::raw::GroupRenewError::Lost(_)) => "not_held",
+                Err(crate::raw::GroupRenewError::Failed(e)) => e.kind(),
+            };
+            metrics::counter!("distlock_group_renew_total", "backend" => backend, "outcome" => outcome)
+                .increment(1);
+            metrics::histogram!("distlock_group_renew_seconds", "backend" => backend)
+                .record(started.elapsed().as_secs_f64());
+            result
+        })
     }
 }
 

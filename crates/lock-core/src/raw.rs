@@ -37,11 +37,14 @@ pub mod batch;
 pub mod cleanup;
 #[path = "failure.rs"]
 pub mod failure;
+#[path = "group.rs"]
+pub mod group;
 #[path = "handoff.rs"]
 pub mod handoff;
 
 pub use batch::Batcher;
 pub use failure::{Effect, Failure, RequestFailure, within};
+pub use group::{GroupRenewError, RenewalGroup, SharedGroup};
 
 pub use crate::{
     AuditReport, BoxError, Capabilities, Error, FencingGuarantee, FencingToken, Finding,
@@ -101,6 +104,13 @@ pub trait Driver: Send + Sync + fmt::Debug + 'static {
     fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
         let _ = lease;
         Box::pin(std::future::pending())
+    }
+
+    /// See [`DistributedLock::renewal_group`]; only called with `renew` claimed. The default
+    /// (`None`) renews every lease on its own.
+    fn renewal_group(&self, lease: &Lease) -> Option<SharedGroup> {
+        let _ = lease;
+        None
     }
 
     /// See [`DistributedLock::hold_at_least`]; only called with `keep_until` claimed. The
@@ -249,6 +259,13 @@ impl<T: Driver + ?Sized> DistributedLock for T {
 
     fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
         Driver::watch_lost(self, lease)
+    }
+
+    fn renewal_group(&self, lease: &Lease) -> Option<SharedGroup> {
+        if !Driver::capabilities(self).renew {
+            return None;
+        }
+        Driver::renewal_group(self, lease)
     }
 
     async fn hold_at_least(&self, lease: &Lease, at_least: Duration) -> Result<()> {

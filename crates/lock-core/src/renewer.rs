@@ -20,6 +20,15 @@
 //!
 //! The task runs on the runtime of the first guard it serves and ends when no slot needs it;
 //! the next guard starts it again. A client is tied to one runtime anyway (its connections are).
+//!
+//! **Renewal groups** (issue 24). A guard whose lease belongs to a driver's
+//! [`RenewalGroup`](crate::raw::RenewalGroup) (etcd's session lease, ZooKeeper's session) is a
+//! *member* slot: it has no renewal and no timer of its own (only job mode's `at_most`). Its
+//! group — one per group id, TTL and interval — is renewed like a slot, by one request, and
+//! its deadline is every member's: a member's [`Status`] reads it. A tick of N members costs
+//! one renewal and O(1) work here; the group's deadline passing, or its renewal failing for
+//! good, loses every member (O(N), once). A member's own loss is pushed by its `watch_lost`,
+//! which takes it out of the group.
 
 use std::{
     collections::{BTreeSet, HashMap, VecDeque},
@@ -39,10 +48,16 @@ use tokio::{
 };
 use tokio_util::sync::CancellationToken;
 
-use crate::{DynLock, Error, Lease, LossReason, Result, raw::Backoff};
+use crate::{
+    DynLock, Error, Lease, LossReason, Result,
+    raw::{Backoff, GroupRenewError, SharedGroup},
+};
 
 /// How many slots the task serves before it yields to the runtime's other tasks.
 const CHUNK: usize = 256;
+
+/// Marks a timer or waker index as a renewal group's (not a slot's).
+const GROUP_BIT: usize = 1 << (usize::BITS - 1);
 
 /// At most this many renewals of one client in flight; the rest wait their turn in the order
 /// they came due. Locks taken together come due together (the renewal grid), and each renewal
@@ -60,6 +75,27 @@ const MAX_IN_FLIGHT: usize = 4096;
 pub(crate) struct Status {
     inner: Mutex<StatusInner>,
     renewals: AtomicU64,
+    /// A member's group clock, and the group's renewal count when it joined.
+    group: OnceLock<(Arc<GroupClock>, u64)>,
+}
+
+/// A renewal group's deadline and renewal count, read by its members' [`Status`].
+#[derive(Debug)]
+pub(crate) struct GroupClock {
+    deadline: Mutex<Instant>,
+    renewals: AtomicU64,
+}
+
+impl GroupClock {
+    fn deadline(&self) -> Instant {
+        *locked(&self.deadline)
+    }
+
+    /// Moves the deadline to `at` if that is later.
+    fn extend(&self, at: Instant) {
+        let mut deadline = locked(&self.deadline);
+        *deadline = (*deadline).max(at);
+    }
 }
 
 #[derive(Debug)]
@@ -81,12 +117,17 @@ impl Status {
                 lost: None,
             }),
             renewals: AtomicU64::new(0),
+            group: OnceLock::new(),
         }
     }
 
-    /// The current conservative local deadline.
+    /// The current conservative local deadline (a group member's: its group's).
     pub(crate) fn deadline(&self) -> Instant {
-        locked(&self.inner).deadline
+        let own = locked(&self.inner).deadline;
+        match self.group.get() {
+            Some((clock, _)) => own.max(clock.deadline()),
+            None => own,
+        }
     }
 
     /// The loss reason recorded, if any.
@@ -120,9 +161,15 @@ impl Status {
         locked(&self.inner).deadline = deadline;
     }
 
-    /// Successful renewals.
+    /// Successful renewals (a group member's: its group's since it joined).
     pub(crate) fn renewals(&self) -> u64 {
-        self.renewals.load(Ordering::Acquire)
+        let own = self.renewals.load(Ordering::Acquire);
+        match self.group.get() {
+            Some((clock, base)) => {
+                own + clock.renewals.load(Ordering::Acquire).saturating_sub(*base)
+            }
+            None => own,
+        }
     }
 }
 
@@ -199,6 +246,7 @@ impl std::fmt::Debug for Scheduler {
         f.debug_struct("Scheduler")
             .field("backend", &self.lock.backend_name())
             .field("slots", &(state.slots.len() - state.free.len()))
+            .field("groups", &state.group_ids.len())
             .field("active", &state.active)
             .field("running", &state.running)
             .finish()
@@ -248,6 +296,52 @@ struct State {
     next_id: u64,
     /// Whether the task is alive.
     running: bool,
+    /// Renewal groups with members (their timers sit in `timers` with [`GROUP_BIT`]).
+    groups: Vec<Option<Group>>,
+    group_free: Vec<usize>,
+    group_ids: HashMap<GroupKey, usize>,
+}
+
+/// Which members one group renewal serves: the driver's group, the TTL, the interval.
+type GroupKey = (usize, Duration, Duration);
+
+/// A renewal group's slot: one renewal, one timer and one deadline for all its members.
+struct Group {
+    /// Told apart from a later group at the same index.
+    id: u64,
+    key: GroupKey,
+    handle: SharedGroup,
+    clock: Arc<GroupClock>,
+    members: usize,
+    next_renew: Instant,
+    retry: Option<Box<Backoff>>,
+    /// The renewal in flight (taken out while the task polls it).
+    renewing: Option<GroupRenewal>,
+    in_flight: bool,
+    /// The instant under which the group sits in the timer set.
+    wake: Option<Instant>,
+    waker: Arc<SlotWaker>,
+}
+
+type GroupRenewal = BoxFuture<'static, std::result::Result<Instant, GroupRenewError>>;
+
+impl Group {
+    fn ttl(&self) -> Duration {
+        self.key.1
+    }
+
+    fn interval(&self) -> Duration {
+        self.key.2
+    }
+
+    fn next_wake(&self) -> Instant {
+        let deadline = self.clock.deadline();
+        if self.in_flight {
+            deadline
+        } else {
+            deadline.min(self.next_renew)
+        }
+    }
 }
 
 impl State {
@@ -264,16 +358,118 @@ impl State {
         }
     }
 
-    /// Moves a running slot to its next wake-up in the timer set.
+    /// Moves a running slot to its next wake-up in the timer set (a group member without
+    /// `at_most` has none).
     fn reschedule(&mut self, index: usize) {
         let Self { slots, timers, .. } = self;
         let slot = slot_mut(slots, index);
         if let Some(at) = slot.wake.take() {
             timers.remove(&(at, index));
         }
-        let wake = slot.next_wake();
-        slot.wake = Some(wake);
-        timers.insert((wake, index));
+        slot.wake = slot.next_wake();
+        if let Some(wake) = slot.wake {
+            timers.insert((wake, index));
+        }
+    }
+
+    /// Moves a group to its next wake-up in the timer set.
+    fn reschedule_group(&mut self, index: usize) {
+        let Self { groups, timers, .. } = self;
+        let Some(Some(group)) = groups.get_mut(index) else {
+            return;
+        };
+        if let Some(at) = group.wake.take() {
+            timers.remove(&(at, index | GROUP_BIT));
+        }
+        let wake = group.next_wake();
+        group.wake = Some(wake);
+        timers.insert((wake, index | GROUP_BIT));
+    }
+
+    /// Adds `lease` to the group `handle` names (made now if it has no member yet); returns its
+    /// index.
+    fn join_group(
+        &mut self,
+        ready: &Arc<Ready>,
+        handle: SharedGroup,
+        interval: Duration,
+        lease: &Lease,
+    ) -> usize {
+        let key = (handle.id(), lease.ttl(), interval);
+        let index = match self.group_ids.get(&key) {
+            Some(&index) => index,
+            None => {
+                let index = match self.group_free.pop() {
+                    Some(i) => i,
+                    None => {
+                        self.groups.push(None);
+                        self.groups.len() - 1
+                    }
+                };
+                let deadline = lease.local_deadline();
+                let id = self.next_id;
+                self.next_id += 1;
+                self.groups[index] = Some(Group {
+                    id,
+                    key,
+                    handle,
+                    clock: Arc::new(GroupClock {
+                        deadline: Mutex::new(deadline),
+                        renewals: AtomicU64::new(0),
+                    }),
+                    members: 0,
+                    next_renew: next_renewal(Instant::now(), interval, deadline, lease.ttl()),
+                    retry: None,
+                    renewing: None,
+                    in_flight: false,
+                    wake: None,
+                    waker: Arc::new(SlotWaker {
+                        ready: ready.clone(),
+                        index: index | GROUP_BIT,
+                        queued: AtomicBool::new(false),
+                    }),
+                });
+                self.group_ids.insert(key, index);
+                index
+            }
+        };
+        if let Some(Some(group)) = self.groups.get_mut(index) {
+            group.members += 1;
+            // The member's own deadline speaks for the group (the `RenewalGroup` contract).
+            group.clock.extend(lease.local_deadline());
+        }
+        self.reschedule_group(index);
+        index
+    }
+
+    /// Takes `slot` out of its group, if it is a member: the driver renews its lease no more
+    /// and the lease keeps the deadline the group's renewals gave it. Hands back the group
+    /// if this was its last member.
+    fn leave_group(&mut self, slot: usize) -> Option<Group> {
+        let Self { slots, groups, .. } = self;
+        let slot = slots.get_mut(slot)?.as_mut()?;
+        let index = slot.group.take()?;
+        let group = groups.get(index)?.as_ref()?;
+        slot.lease.extend_local_deadline(group.clock.deadline());
+        group.handle.leave(&slot.lease);
+        self.left_group(index)
+    }
+
+    /// A member left group `index`: the group goes with its last member (its renewal in flight
+    /// is handed back, to be dropped outside the lock).
+    fn left_group(&mut self, index: usize) -> Option<Group> {
+        let group = self.groups.get_mut(index)?.as_mut()?;
+        group.members -= 1;
+        if group.members > 0 {
+            return None;
+        }
+        let group = self.groups[index].take()?;
+        if let Some(at) = group.wake {
+            self.timers.remove(&(at, index | GROUP_BIT));
+        }
+        self.group_ids.remove(&group.key);
+        self.group_free.push(index);
+        Some(group)
     }
 }
 
@@ -305,6 +501,8 @@ struct Slot {
     renewing: Option<Renewal>,
     phase: Phase,
     end: End,
+    /// The renewal group renewing this slot's lease (a member has no renewal of its own).
+    group: Option<usize>,
 }
 
 /// Where a running slot's renewal stands.
@@ -337,7 +535,11 @@ pub(crate) enum Taken {
 }
 
 impl Slot {
-    fn next_wake(&self) -> Instant {
+    fn next_wake(&self) -> Option<Instant> {
+        if self.group.is_some() {
+            // The group's timer serves the deadline.
+            return self.renew_until;
+        }
         let deadline = self.lease.local_deadline();
         let mut wake = deadline;
         if self.phase == Phase::Idle
@@ -345,7 +547,16 @@ impl Slot {
         {
             wake = wake.min(t);
         }
-        self.renew_until.map_or(wake, |t| t.min(wake))
+        Some(self.renew_until.map_or(wake, |t| t.min(wake)))
+    }
+
+    /// The local deadline (a group member's: its group's).
+    fn deadline(&self) -> Instant {
+        if self.group.is_some() {
+            self.status.deadline()
+        } else {
+            self.lease.local_deadline()
+        }
     }
 }
 
@@ -374,6 +585,9 @@ pub(crate) fn for_lock(lock: &DynLock) -> Arc<Scheduler> {
             waiting: VecDeque::new(),
             next_id: 0,
             running: false,
+            groups: Vec::new(),
+            group_free: Vec::new(),
+            group_ids: HashMap::new(),
         }),
         ready: Arc::new(Ready {
             woken: Mutex::new(Vec::new()),
@@ -407,16 +621,37 @@ impl Scheduler {
     pub(crate) fn register(self: &Arc<Self>, new: NewSlot) -> SlotRef {
         let running = !new.status.is_marked_lost();
         let watch = running.then(|| self.lock.watch_lost(&new.lease));
-        let next_renew = new.interval.filter(|_| running).map(|i| {
-            next_renewal(
-                Instant::now(),
-                i,
-                new.lease.local_deadline(),
-                new.lease.ttl(),
-            )
-        });
+        // A renewed lease the driver renews in a group joins it (before the slot exists: the
+        // group renews it from then on).
+        let group = new
+            .interval
+            .filter(|_| running)
+            .and_then(|interval| Some((self.lock.renewal_group(&new.lease)?, interval)));
+        if let Some((handle, _)) = &group {
+            handle.join(&new.lease);
+        }
+        let next_renew = new
+            .interval
+            .filter(|_| running && group.is_none())
+            .map(|i| {
+                next_renewal(
+                    Instant::now(),
+                    i,
+                    new.lease.local_deadline(),
+                    new.lease.ttl(),
+                )
+            });
         let (at, spawn) = {
             let mut state = locked(&self.state);
+            let group = group.map(|(handle, interval)| {
+                let index = state.join_group(&self.ready, handle, interval, &new.lease);
+                let group = state.groups[index].as_ref();
+                if let Some(group) = group {
+                    let renewals = group.clock.renewals.load(Ordering::Acquire);
+                    let _ = new.status.group.set((group.clock.clone(), renewals));
+                }
+                index
+            });
             let index = match state.free.pop() {
                 Some(i) => i,
                 None => {
@@ -444,12 +679,14 @@ impl Scheduler {
                 renewing: None,
                 phase: Phase::Idle,
                 end: if running { End::Running } else { End::Lost },
+                group,
             };
             let mut spawn = false;
             if running {
-                let wake = slot.next_wake();
-                slot.wake = Some(wake);
-                state.timers.insert((wake, index));
+                slot.wake = slot.next_wake();
+                if let Some(wake) = slot.wake {
+                    state.timers.insert((wake, index));
+                }
                 state.active += 1;
                 spawn = !std::mem::replace(&mut state.running, true);
             }
@@ -475,9 +712,11 @@ impl Scheduler {
     /// Removes a guard's slot (stopping its renewals: a renewal in flight is dropped, as a
     /// stopped watchdog's was) and hands back its lease.
     pub(crate) fn take(&self, at: SlotRef) -> Option<Taken> {
-        let slot = {
+        let (mut slot, _gone) = {
             let mut state = locked(&self.state);
-            let mut slot = state.slots.get_mut(at.index)?.take_if(|s| s.id == at.id)?;
+            state.slot(at)?;
+            let gone = state.leave_group(at.index);
+            let mut slot = state.slots.get_mut(at.index)?.take()?;
             state.unschedule(at.index, &mut slot);
             state.free.push(at.index);
             if matches!(slot.end, End::Running) {
@@ -486,14 +725,24 @@ impl Scheduler {
             if slot.phase == Phase::InFlight {
                 state.in_flight -= 1;
             }
-            slot
+            (slot, gone)
         };
-        // Its futures are dropped here, outside the lock.
+        // Its futures (and a group that went with it) are dropped here, outside the lock.
+        slot.watch = None;
         let Slot { lease, end, .. } = slot;
         Some(match end {
             End::Died(rx) => Taken::Died(rx, lease),
             End::Running | End::Lost => Taken::Lease(lease),
         })
+    }
+
+    /// Polls what a waker or timer index names: a group's renewal or a slot's futures.
+    fn poll(&self, index: usize) {
+        if index & GROUP_BIT != 0 {
+            self.poll_group(index & !GROUP_BIT);
+        } else {
+            self.poll_slot(index);
+        }
     }
 
     /// Polls a slot's futures (its watch, its renewal in flight) and applies what they answer.
@@ -567,7 +816,7 @@ impl Scheduler {
         if !matches!(slot.end, End::Running) {
             return false;
         }
-        if now >= slot.lease.local_deadline() {
+        if now >= slot.deadline() {
             self.lose(state, index, LossReason::DeadlinePassed);
             return false;
         }
@@ -677,8 +926,10 @@ impl Scheduler {
         state.reschedule(index);
     }
 
-    /// The slot is lost: nothing renews or watches it any more.
+    /// The slot is lost: nothing renews or watches it any more (a member leaves its group;
+    /// a group that goes with it is dropped by the caller's lock holder, harmlessly, here).
     fn lose(&self, state: &mut State, index: usize, reason: LossReason) {
+        let _gone = state.leave_group(index);
         let State {
             slots,
             timers,
@@ -700,6 +951,130 @@ impl Scheduler {
         }
         *active -= 1;
         mark_lost(&slot.status, self.lock.backend_name(), &slot.lease, reason);
+    }
+
+    /// A group's timer is due: lose its members at its deadline, else start its renewal.
+    /// Returns whether a renewal started (to be polled).
+    fn fire_group(&self, state: &mut State, index: usize, now: Instant) -> bool {
+        let Some(Some(group)) = state.groups.get_mut(index) else {
+            return false;
+        };
+        group.wake = None;
+        if now >= group.clock.deadline() {
+            self.lose_group(state, index, LossReason::DeadlinePassed);
+            return false;
+        }
+        let mut started = false;
+        if !group.in_flight && now >= group.next_renew {
+            let until = group.clock.deadline();
+            group.renewing = Some(group.handle.renew(group.ttl(), until));
+            group.in_flight = true;
+            started = true;
+        }
+        state.reschedule_group(index);
+        started
+    }
+
+    /// Polls a group's renewal in flight and applies its answer.
+    fn poll_group(&self, index: usize) {
+        let (id, mut renewing, waker) = {
+            let mut state = locked(&self.state);
+            let Some(Some(group)) = state.groups.get_mut(index) else {
+                return;
+            };
+            group.waker.queued.store(false, Ordering::Release);
+            let Some(renewing) = group.renewing.take() else {
+                return;
+            };
+            (group.id, renewing, group.waker.clone())
+        };
+        let waker = Waker::from(waker);
+        let mut cx = Context::from_waker(&waker);
+        let answer = catch_unwind(AssertUnwindSafe(|| renewing.as_mut().poll(&mut cx)));
+        let mut state = locked(&self.state);
+        // A group whose last member left meanwhile is gone; its index may serve a new one,
+        // whose renewal is its own.
+        let Some(Some(group)) = state
+            .groups
+            .get_mut(index)
+            .filter(|g| g.as_ref().is_some_and(|g| g.id == id))
+        else {
+            return;
+        };
+        match answer {
+            Ok(Poll::Pending) => group.renewing = Some(renewing),
+            Ok(Poll::Ready(result)) => {
+                drop(renewing);
+                self.group_renewed(&mut state, index, result);
+            }
+            Err(_) => {
+                drop(renewing);
+                for member in members(&state, index) {
+                    self.die(&mut state, member);
+                }
+            }
+        }
+    }
+
+    /// A group's renewal answered.
+    fn group_renewed(
+        &self,
+        state: &mut State,
+        index: usize,
+        result: std::result::Result<Instant, GroupRenewError>,
+    ) {
+        let Some(Some(group)) = state.groups.get_mut(index) else {
+            return;
+        };
+        let now = Instant::now();
+        group.in_flight = false;
+        // As a slot's: once the deadline has passed, every member has said it is lost.
+        if now >= group.clock.deadline() {
+            self.lose_group(state, index, LossReason::DeadlinePassed);
+            return;
+        }
+        match result {
+            Ok(sent_at) => {
+                let ttl = group.ttl();
+                group
+                    .clock
+                    .extend(sent_at + ttl - crate::lease::drift_margin(ttl));
+                group.clock.renewals.fetch_add(1, Ordering::AcqRel);
+                group.retry = None;
+                group.next_renew = next_renewal(now, group.interval(), group.clock.deadline(), ttl);
+            }
+            Err(GroupRenewError::Failed(e)) if e.is_temporary() => {
+                tracing::warn!(error = %e, members = group.members, "renewal group failed to renew; retrying until the local deadline");
+                let interval = group.interval();
+                let retry = group
+                    .retry
+                    .get_or_insert_with(|| Box::new(Backoff::new(interval / 8, interval / 2)));
+                group.next_renew = now + retry.next_delay();
+            }
+            Err(GroupRenewError::Failed(e)) => {
+                let reason = if matches!(e, Error::NotHeld { .. }) {
+                    LossReason::NotHeld
+                } else {
+                    LossReason::RenewFailed
+                };
+                tracing::warn!(error = %e, members = group.members, "renewal group renewal refused");
+                self.lose_group(state, index, reason);
+                return;
+            }
+            Err(GroupRenewError::Lost(reason)) => {
+                tracing::warn!(%reason, members = group.members, "renewal group lost");
+                self.lose_group(state, index, reason);
+                return;
+            }
+        }
+        state.reschedule_group(index);
+    }
+
+    /// Every member of group `index` is lost (which removes the group with its last one).
+    fn lose_group(&self, state: &mut State, index: usize, reason: LossReason) {
+        for member in members(state, index) {
+            self.lose(state, member, reason);
+        }
     }
 
     /// A future of the slot panicked, or the task died: nothing renews the lease any more, so
@@ -725,6 +1100,20 @@ impl Scheduler {
         self.lose(state, index, LossReason::RenewFailed);
         slot_mut(&mut state.slots, index).end = End::Died(spawned.then_some(rx));
     }
+}
+
+/// The running members of group `index` (a scan: only when the group is lost).
+fn members(state: &State, index: usize) -> Vec<usize> {
+    state
+        .slots
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| {
+            s.as_ref()
+                .filter(|s| s.group == Some(index) && matches!(s.end, End::Running))
+                .map(|_| i)
+        })
+        .collect()
 }
 
 fn slot_mut(slots: &mut [Option<Slot>], index: usize) -> &mut Slot {
@@ -773,7 +1162,7 @@ impl TaskRun {
             std::mem::swap(&mut woken, &mut *locked(&s.ready.woken));
             for chunk in woken.chunks(CHUNK) {
                 for &index in chunk {
-                    s.poll_slot(index);
+                    s.poll(index);
                 }
                 if woken.len() > CHUNK {
                     tokio::task::yield_now().await;
@@ -797,6 +1186,12 @@ impl TaskRun {
                         match state.timers.first() {
                             Some(&(at, index)) if at <= now => {
                                 state.timers.pop_first();
+                                if index & GROUP_BIT != 0 {
+                                    if s.fire_group(&mut state, index & !GROUP_BIT, now) {
+                                        due.push(index);
+                                    }
+                                    continue;
+                                }
                                 if let Some(Some(slot)) = state.slots.get_mut(index) {
                                     slot.wake = None;
                                 }
@@ -847,7 +1242,7 @@ impl TaskRun {
 /// Polls each slot of `due` once, empties it, and yields to the runtime's other tasks.
 async fn poll_each(s: &Scheduler, due: &mut Vec<usize>) {
     for &index in due.iter() {
-        s.poll_slot(index);
+        s.poll(index);
     }
     due.clear();
     tokio::task::yield_now().await;

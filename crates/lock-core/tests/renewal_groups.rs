@@ -1,0 +1,309 @@
+//! Renewal groups (issue 24): guards whose leases a driver renews with one request are members
+//! of one group in the client's scheduler — one renewal and one timer for all of them — and
+//! each still loses exactly what happens to it: its own pushed loss, its group's failure, its
+//! group's deadline.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed expectation is a failed test
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use futures::{StreamExt, TryStreamExt, future::BoxFuture, stream};
+use lock_core::raw::{GroupRenewError, RenewalGroup, SharedGroup, async_trait};
+use lock_core::{
+    Capabilities, DistributedLock, DistributedLockExt, DynLock, Error, HolderInfo, InMemoryLock,
+    Lease, LockGuard, LockKey, LossReason, Result,
+};
+use tokio::time::{Instant, sleep, timeout};
+
+/// What the test group answers next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Answer {
+    Renew,
+    /// A temporary failure (the coordinator unreachable).
+    Unavailable,
+    /// The shared session ended.
+    Gone,
+}
+
+/// The in-memory coordinator, with every lease of one client in one renewal group: the group's
+/// renewal renews each member on the coordinator (so the coordinator really holds them as long
+/// as the group says), and counts.
+#[derive(Debug)]
+struct Grouped {
+    inner: InMemoryLock,
+    group: Arc<MemGroup>,
+    own_renewals: AtomicUsize,
+}
+
+#[derive(Debug)]
+struct MemGroup {
+    inner: InMemoryLock,
+    members: Mutex<HashMap<String, Lease>>,
+    joined: AtomicUsize,
+    left: AtomicUsize,
+    renewals: AtomicUsize,
+    answer: Mutex<Answer>,
+}
+
+impl Grouped {
+    fn new(coordinator: &InMemoryLock) -> Arc<Self> {
+        Arc::new(Self {
+            inner: coordinator.client(),
+            group: Arc::new(MemGroup {
+                inner: coordinator.client(),
+                members: Mutex::new(HashMap::new()),
+                joined: AtomicUsize::new(0),
+                left: AtomicUsize::new(0),
+                renewals: AtomicUsize::new(0),
+                answer: Mutex::new(Answer::Renew),
+            }),
+            own_renewals: AtomicUsize::new(0),
+        })
+    }
+
+    fn answer(&self, answer: Answer) {
+        *self.group.answer.lock().unwrap() = answer;
+    }
+}
+
+impl RenewalGroup for MemGroup {
+    fn id(&self) -> usize {
+        std::ptr::from_ref(self) as usize
+    }
+
+    fn join(&self, lease: &Lease) {
+        self.joined.fetch_add(1, Ordering::SeqCst);
+        let old = self
+            .members
+            .lock()
+            .unwrap()
+            .insert(lease.key().as_str().to_owned(), lease.clone());
+        assert!(old.is_none(), "{} joined twice", lease.key());
+    }
+
+    fn leave(&self, lease: &Lease) {
+        self.left.fetch_add(1, Ordering::SeqCst);
+        let gone = self.members.lock().unwrap().remove(lease.key().as_str());
+        assert!(gone.is_some(), "{} left without having joined", lease.key());
+    }
+
+    fn renew(
+        &self,
+        ttl: Duration,
+        _until: Instant,
+    ) -> BoxFuture<'static, std::result::Result<Instant, GroupRenewError>> {
+        self.renewals.fetch_add(1, Ordering::SeqCst);
+        let answer = *self.answer.lock().unwrap();
+        let members: Vec<Lease> = self.members.lock().unwrap().values().cloned().collect();
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let sent_at = Instant::now();
+            match answer {
+                Answer::Renew => {}
+                Answer::Unavailable => {
+                    return Err(GroupRenewError::Failed(Error::Unavailable {
+                        backend: "grouped",
+                        op: "renew",
+                        message: "unreachable (this test's fault)".into(),
+                        source: None,
+                    }));
+                }
+                Answer::Gone => return Err(GroupRenewError::Lost(LossReason::SessionExpired)),
+            }
+            for mut lease in members {
+                // A member whose grant is gone is pushed by its own watch_lost.
+                let _ = DistributedLock::renew(&inner, &mut lease, ttl).await;
+            }
+            Ok(sent_at)
+        })
+    }
+}
+
+#[async_trait]
+impl lock_core::raw::Driver for Grouped {
+    fn backend_name(&self) -> &'static str {
+        "grouped"
+    }
+    fn capabilities(&self) -> Capabilities {
+        DistributedLock::capabilities(&self.inner)
+    }
+    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
+        DistributedLock::try_acquire(&self.inner, key, ttl).await
+    }
+    async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
+        self.own_renewals.fetch_add(1, Ordering::SeqCst);
+        DistributedLock::renew(&self.inner, lease, ttl).await
+    }
+    async fn release(&self, lease: &Lease) -> Result<bool> {
+        DistributedLock::release(&self.inner, lease).await
+    }
+    async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
+        DistributedLock::inspect(&self.inner, key).await
+    }
+    async fn force_release(&self, key: &LockKey) -> Result<bool> {
+        DistributedLock::force_release(&self.inner, key).await
+    }
+    fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
+        DistributedLock::watch_lost(&self.inner, lease)
+    }
+    fn renewal_group(&self, _lease: &Lease) -> Option<SharedGroup> {
+        Some(self.group.clone())
+    }
+}
+
+async fn hold(lock: &DynLock, prefix: &str, n: usize, ttl: Duration) -> Vec<LockGuard> {
+    stream::iter(0..n)
+        .map(|i| {
+            let lock = lock.clone();
+            async move {
+                lock.lock(format!("{prefix}/{i}"))
+                    .ttl(ttl)
+                    .try_acquire()
+                    .await
+                    .map(|g| g.expect("a fresh key is free"))
+            }
+        })
+        .buffered(16)
+        .try_collect()
+        .await
+        .unwrap()
+}
+
+/// 1,000 guards of one client in one group: a tick is one group renewal and no renewal of a
+/// lease of its own; every guard's deadline and renewal count follow the group's, and the
+/// coordinator holds every key all along. An operator's force-release loses that one guard
+/// (pushed) and takes it out of the group; the rest go on. Releasing the rest empties the
+/// group: every member that joined left.
+#[tokio::test(start_paused = true)]
+async fn a_tick_of_many_members_is_one_group_renewal_and_each_loss_stays_its_own() {
+    let coordinator = InMemoryLock::new();
+    let driver = Grouped::new(&coordinator);
+    let lock: DynLock = driver.clone();
+    let ttl = Duration::from_secs(3);
+    let n = 1000;
+    let guards = hold(&lock, "groups/many", n, ttl).await;
+    assert_eq!(driver.group.joined.load(Ordering::SeqCst), n);
+
+    // Three TTLs: about nine intervals of 1 s.
+    sleep(ttl * 3).await;
+    let group_renewals = driver.group.renewals.load(Ordering::SeqCst);
+    assert!(
+        (7..=13).contains(&group_renewals),
+        "{group_renewals} group renewals in 9 intervals"
+    );
+    assert_eq!(
+        driver.own_renewals.load(Ordering::SeqCst),
+        0,
+        "a member renewed on its own"
+    );
+    for g in &guards {
+        assert!(!g.is_lost(), "{:?} lost: {:?}", g.key(), g.loss_reason());
+        assert!(
+            (group_renewals as u64).abs_diff(g.renewals()) <= 1,
+            "{} renewals counted, the group made {group_renewals}",
+            g.renewals()
+        );
+        assert!(g.local_deadline() > Instant::now() + ttl / 2);
+        let held = coordinator.client().inspect(g.key()).await.unwrap();
+        assert!(held.is_some(), "{} expired on the coordinator", g.key());
+    }
+
+    // The operator removes one holder: pushed, that guard alone is lost and leaves.
+    let victim = &guards[17];
+    assert!(
+        coordinator
+            .client()
+            .force_release(victim.key())
+            .await
+            .unwrap()
+    );
+    timeout(ttl, victim.lost())
+        .await
+        .expect("a force-release was not pushed");
+    assert_eq!(victim.loss_reason(), Some(LossReason::Revoked));
+    assert_eq!(driver.group.left.load(Ordering::SeqCst), 1);
+    sleep(ttl * 2).await;
+    for (i, g) in guards.iter().enumerate() {
+        assert_eq!(g.is_lost(), i == 17, "{}: {:?}", g.key(), g.loss_reason());
+    }
+
+    for g in guards {
+        g.release().await.unwrap();
+    }
+    assert_eq!(driver.group.left.load(Ordering::SeqCst), n);
+    assert!(driver.group.members.lock().unwrap().is_empty());
+}
+
+/// The group's renewal failing temporarily is retried until the group's deadline, at which
+/// every member is lost (`DeadlinePassed`) and no sooner; the coordinator never held a key
+/// for less long than the guard believed. A group whose session ended loses every member at
+/// once with that reason.
+#[tokio::test(start_paused = true)]
+async fn a_group_that_cannot_renew_loses_every_member_at_its_deadline_or_at_once() {
+    let coordinator = InMemoryLock::new();
+    let driver = Grouped::new(&coordinator);
+    let lock: DynLock = driver.clone();
+    let ttl = Duration::from_secs(3);
+    let guards = hold(&lock, "groups/failing", 50, ttl).await;
+    sleep(ttl).await;
+    let deadline = guards[0].local_deadline();
+    assert!(guards.iter().all(|g| g.local_deadline() == deadline));
+
+    driver.answer(Answer::Unavailable);
+    let before = driver.group.renewals.load(Ordering::SeqCst);
+    sleep_until_just_before(deadline).await;
+    assert!(
+        driver.group.renewals.load(Ordering::SeqCst) > before + 1,
+        "the failing renewal was not retried"
+    );
+    for g in &guards {
+        assert!(!g.is_lost(), "{} lost before its deadline", g.key());
+        // The coordinator still holds it: the deadline was never later than its expiry.
+        assert!(
+            coordinator
+                .client()
+                .inspect(g.key())
+                .await
+                .unwrap()
+                .is_some()
+        );
+    }
+    timeout(ttl, guards[0].lost())
+        .await
+        .expect("not lost a TTL after its group's deadline");
+    assert!(Instant::now() >= deadline);
+    for g in &guards {
+        assert!(g.is_lost());
+        assert_eq!(g.loss_reason(), Some(LossReason::DeadlinePassed));
+    }
+    assert_eq!(driver.group.left.load(Ordering::SeqCst), 50);
+    drop(guards);
+
+    // A second group (the first is gone with its members) whose session ends.
+    driver.answer(Answer::Renew);
+    let guards = hold(&lock, "groups/gone", 50, ttl).await;
+    sleep(ttl / 2).await;
+    driver.answer(Answer::Gone);
+    let asked = Instant::now();
+    timeout(ttl, guards[0].lost())
+        .await
+        .expect("not lost a TTL after its session ended");
+    assert!(
+        asked.elapsed() <= ttl / 2,
+        "a lost session took {:?} to lose its members",
+        asked.elapsed()
+    );
+    for g in &guards {
+        assert_eq!(g.loss_reason(), Some(LossReason::SessionExpired));
+    }
+}
+
+async fn sleep_until_just_before(at: Instant) {
+    tokio::time::sleep_until(at - Duration::from_millis(20)).await;
+}
