@@ -710,6 +710,16 @@ impl Driver for EtcdLock {
         })))
     }
 
+    /// The lease's session: one keepalive renews every guard on it (see
+    /// [`crate::renew::SessionGroup`]).
+    fn renewal_group(&self, lease: &Lease) -> Option<lock_core::raw::SharedGroup> {
+        let held = lease.shared_backend_state::<Held>()?;
+        Some(Arc::new(crate::renew::SessionGroup::new(
+            held.session.clone(),
+            Arc::downgrade(&self.inner),
+        )))
+    }
+
     fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
         let Some(held) = lease.shared_backend_state::<Held>() else {
             return Box::pin(std::future::pending());

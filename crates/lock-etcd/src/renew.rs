@@ -10,16 +10,17 @@
 //! one keepalive per freshness window, not N.
 
 use std::{
-    collections::{BTreeMap, HashSet},
+    collections::{BTreeMap, HashMap, HashSet},
     sync::{
         Arc, Mutex, Weak,
-        atomic::{AtomicU32, Ordering},
+        atomic::{AtomicBool, AtomicU32, Ordering},
     },
     time::Duration,
 };
 
 use etcd_client::{GetOptions, LeaseClient, LeaseKeepAliveStream, LeaseKeeper, Txn, TxnOp};
-use lock_core::raw::{Error, Lease, Result};
+use futures::future::BoxFuture;
+use lock_core::raw::{Error, GroupRenewError, Lease, LossReason, RenewalGroup, Result};
 use tokio::{
     sync::{Notify, watch},
     time::{Instant, sleep, sleep_until},
@@ -86,6 +87,10 @@ pub(crate) struct Session {
     /// Cancelled once the lease is known to be gone.
     pub(crate) gone: CancellationToken,
     users: Mutex<Users>,
+    /// The entries of a renewal group ([`SessionGroup`]) that no deletion watch covers right
+    /// now (by [`Held::reap_key`]): the group's renewal reads them, as `renew` reads an
+    /// uncovered entry. Empty while every member's watch is in place.
+    uncovered: Mutex<HashMap<usize, Weak<Held>>>,
 }
 
 impl std::fmt::Debug for Session {
@@ -122,6 +127,7 @@ impl Session {
                 retired: false,
                 idle_since: 0,
             }),
+            uncovered: Mutex::new(HashMap::new()),
         }
     }
 
@@ -356,6 +362,9 @@ pub(crate) struct Held {
     /// Deletion watches of the entry in place on the server (created and not ended): while
     /// there is one, a deletion is pushed to the holder and `renew` need not read the entry.
     watches: AtomicU32,
+    /// A member of its session's renewal group ([`SessionGroup`]): renewed by the group, so
+    /// out of the reaper's queue.
+    grouped: AtomicBool,
 }
 
 pub(crate) struct Phase {
@@ -402,17 +411,37 @@ impl Held {
             rev,
             phase: Mutex::new(phase),
             watches: AtomicU32::new(0),
+            grouped: AtomicBool::new(false),
         }
     }
 
     /// A deletion watch of the entry was created on the server (see [`crate::wake`]).
-    pub(crate) fn watch_started(&self) {
-        self.watches.fetch_add(1, Ordering::AcqRel);
+    pub(crate) fn watch_started(self: &Arc<Self>) {
+        let mut uncovered = lock(&self.session.uncovered);
+        if self.watches.fetch_add(1, Ordering::AcqRel) == 0 {
+            uncovered.remove(&self.reap_key());
+        }
     }
 
     /// A deletion watch [`Held::watch_started`] counted is over.
-    pub(crate) fn watch_ended(&self) {
-        self.watches.fetch_sub(1, Ordering::AcqRel);
+    pub(crate) fn watch_ended(self: &Arc<Self>) {
+        let mut uncovered = lock(&self.session.uncovered);
+        if self.watches.fetch_sub(1, Ordering::AcqRel) == 1 && self.grouped.load(Ordering::Acquire)
+        {
+            uncovered.insert(self.reap_key(), Arc::downgrade(self));
+        }
+    }
+
+    /// Joins (or leaves) its session's renewal group; an uncovered member is read by the
+    /// group's renewals. (Under the lock the watch counts change under.)
+    fn set_grouped(self: &Arc<Self>, grouped: bool) {
+        let mut uncovered = lock(&self.session.uncovered);
+        self.grouped.store(grouped, Ordering::Release);
+        if grouped && !self.is_watched() {
+            uncovered.insert(self.reap_key(), Arc::downgrade(self));
+        } else {
+            uncovered.remove(&self.reap_key());
+        }
     }
 
     /// Whether a deletion watch of the entry is in place on the server: its deletion is then
@@ -469,7 +498,8 @@ impl Inner {
     /// Queues `held` at its reap time; starts the reaper's task if it is not running.
     pub(crate) fn reap_later(&self, held: Arc<Held>) {
         let mut phase = lock(&held.phase);
-        if phase.finished {
+        // A renewal group's member is renewed by the group; leaving it queues it again.
+        if phase.finished || held.grouped.load(Ordering::Acquire) {
             return;
         }
         let at = phase.reap_time();
@@ -482,10 +512,22 @@ impl Inner {
         drop(phase);
         state.due.insert((at, key), held);
         if !state.running {
-            state.running = true;
-            tokio::spawn(reap(self.me.clone(), self.reaper.clone()));
+            // Queued without a runtime (a guard's slot dying with its runtime): the next entry
+            // queued starts the task.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                state.running = true;
+                runtime.spawn(reap(self.me.clone(), self.reaper.clone()));
+            }
         } else if earliest {
             self.reaper.wake.notify_one();
+        }
+    }
+
+    /// Takes `held` out of the reaper's queue (it joined a renewal group, which renews it).
+    pub(crate) fn unqueue(&self, held: &Arc<Held>) {
+        let mut phase = lock(&held.phase);
+        if let Some(at) = phase.reap_at.take() {
+            lock(&self.reaper.state).due.remove(&(at, held.reap_key()));
         }
     }
 
@@ -516,7 +558,7 @@ impl Inner {
         let expired = {
             let mut phase = lock(&held.phase);
             phase.reap_at = None;
-            if phase.finished {
+            if phase.finished || held.grouped.load(Ordering::Acquire) {
                 return;
             }
             if !phase.gone && !held.session.gone.is_cancelled() {
@@ -841,6 +883,39 @@ async fn delete_unrenewed(inner: Weak<Inner>, held: Arc<Held>) {
     }
 }
 
+/// How old a keepalive may be and still confirm a renewal to `ttl` on `session`: up to a
+/// quarter TTL (a neighbour's). A shorter ttl than the session's (job mode's keep_until: hold
+/// until `now + ttl` even if this process dies now) takes one sent at most `granted - ttl`
+/// ago, so that etcd keeps the entry until at least its send time + `granted` >= now + ttl.
+fn max_keepalive_age(session: &Session, ttl: Duration) -> Duration {
+    match session.granted.checked_sub(ttl) {
+        Some(spare) if !spare.is_zero() => spare.min(ttl / 4),
+        _ => ttl / 4,
+    }
+}
+
+/// The read that proves `held`'s entry is still on its lease (batched with every other
+/// renewal's: one txn answers all that ask while another is out); an entry found gone is
+/// unregistered. `Ok(false)`: gone.
+async fn entry_present(
+    inner: &Inner,
+    held: &Arc<Held>,
+    until: Instant,
+) -> std::result::Result<bool, RequestFailure> {
+    let check = (held.key.clone(), held.rev, held.session.id);
+    match inner.check_entries(check, until).await {
+        Ok(true) => Ok(true),
+        Ok(false) => {
+            inner.entry_gone(held).await;
+            Ok(false)
+        }
+        Err((failure, why)) => Err(RequestFailure {
+            failure,
+            source: why.to_string().into(),
+        }),
+    }
+}
+
 /// `renew`: a keepalive of the lock's session lease (shared with every renewal that asks while
 /// one is out), then the batched check that the lock's entry is still on that lease; the
 /// lease's local deadline moves to the keepalive's send time plus `ttl`.
@@ -865,14 +940,7 @@ pub(crate) async fn renew(inner: &Inner, lease: &mut Lease, ttl: Duration) -> Re
         phase.base
     };
     let until = Instant::now() + inner.timeout();
-    // A keepalive sent up to a quarter TTL ago (a neighbour's) confirms this renewal too. A
-    // shorter ttl than the session's (job mode's keep_until: hold until `now + ttl` even if
-    // this process dies now) takes one sent at most `granted - ttl` ago, so that etcd keeps the
-    // entry until at least its send time + `granted` >= now + ttl.
-    let max_age = match held.session.granted.checked_sub(ttl) {
-        Some(spare) if !spare.is_zero() => spare.min(ttl / 4),
-        _ => ttl / 4,
-    };
+    let max_age = max_keepalive_age(&held.session, ttl);
     let base = match held
         .session
         .keep_alive(max_age, Some(previous), until)
@@ -896,20 +964,10 @@ pub(crate) async fn renew(inner: &Inner, lease: &mut Lease, ttl: Duration) -> Re
     //   a read after the keepalive, batched: one txn answers every renewal that asks while
     //   another check is out.
     if !held.is_watched() {
-        let check = (held.key.clone(), held.rev, held.session.id);
-        match inner.check_entries(check, until).await {
+        match entry_present(inner, &held, until).await {
             Ok(true) => {}
-            Ok(false) => {
-                inner.entry_gone(&held).await;
-                return Err(Error::not_held(lease.key()));
-            }
-            Err((failure, why)) => {
-                return Err(RequestFailure {
-                    failure,
-                    source: why.to_string().into(),
-                }
-                .into_read_error("renew"));
-            }
+            Ok(false) => return Err(Error::not_held(lease.key())),
+            Err(e) => return Err(e.into_read_error("renew")),
         }
     }
     let mut phase = lock(&held.phase);
@@ -920,6 +978,127 @@ pub(crate) async fn renew(inner: &Inner, lease: &mut Lease, ttl: Duration) -> Re
     phase.base = phase.base.max(base);
     phase.deadline = lease.local_deadline();
     Ok(())
+}
+
+/// A session's renewal group (lock-core's [`RenewalGroup`]): every guard whose entry is on
+/// this session's etcd lease is renewed by one keepalive of it, with no work per lock.
+///
+/// How it keeps the lease invariant: a keepalive acknowledged for a request sent at `t` keeps
+/// the etcd lease — and every entry attached to it — until at least `t + granted` by etcd's
+/// clock, `granted >= ttl`; lock-core counts the members' deadline from `t` with the drift
+/// margin, as `renew` does. A member's entry deleted while its lease lives (an operator's
+/// `release --force`) is pushed by its deletion watch; a member no watch covers right now
+/// (`Session::uncovered`) is read after the keepalive, as `renew` reads an uncovered entry, and
+/// one found gone is unregistered, which its `watch_lost` reports. While a member, an entry is
+/// out of the reaper's queue (the group renews it); leaving puts it back at the deadline the
+/// group gave it.
+#[derive(Debug)]
+pub(crate) struct SessionGroup {
+    pub(crate) session: Arc<Session>,
+    pub(crate) inner: Weak<Inner>,
+    /// When the keepalive behind the group's last renewal was sent: the next one must be
+    /// newer (so a revoked lease is noticed).
+    last: Arc<Mutex<Option<Instant>>>,
+}
+
+impl SessionGroup {
+    pub(crate) fn new(session: Arc<Session>, inner: Weak<Inner>) -> Self {
+        Self {
+            session,
+            inner,
+            last: Arc::default(),
+        }
+    }
+
+    /// `lease`'s state, if it is an entry on this group's session.
+    fn member(&self, lease: &Lease) -> Option<Arc<Held>> {
+        lease
+            .shared_backend_state::<Held>()
+            .filter(|h| Arc::ptr_eq(&h.session, &self.session))
+    }
+}
+
+impl RenewalGroup for SessionGroup {
+    fn id(&self) -> usize {
+        Arc::as_ptr(&self.session) as usize
+    }
+
+    fn join(&self, lease: &Lease) {
+        let Some(held) = self.member(lease) else {
+            return;
+        };
+        held.set_grouped(true);
+        if let Some(inner) = self.inner.upgrade() {
+            inner.unqueue(&held);
+        }
+    }
+
+    fn leave(&self, lease: &Lease) {
+        let Some(held) = self.member(lease) else {
+            return;
+        };
+        held.set_grouped(false);
+        {
+            let mut phase = lock(&held.phase);
+            phase.base = phase.base.max(self.session.ack());
+            phase.deadline = phase.deadline.max(lease.local_deadline());
+        }
+        if let Some(inner) = self.inner.upgrade() {
+            inner.reap_later(held);
+        }
+    }
+
+    fn renew(
+        &self,
+        ttl: Duration,
+        until: Instant,
+    ) -> BoxFuture<'static, std::result::Result<Instant, GroupRenewError>> {
+        let (session, inner, last) = (self.session.clone(), self.inner.clone(), self.last.clone());
+        Box::pin(async move {
+            if ttl > session.granted {
+                return Err(GroupRenewError::Failed(Error::InvalidTtl {
+                    ttl,
+                    reason: format!("the etcd lease has a ttl of {:?}", session.granted),
+                }));
+            }
+            let until = until.min(Instant::now() + session.timeout);
+            let previous = *lock(&last);
+            let base = match session
+                .keep_alive(max_keepalive_age(&session, ttl), previous, until)
+                .await
+            {
+                Ok(base) => base,
+                // Every entry went with the lease (each `watch_lost` reports it too).
+                Err(KeepAliveError::Gone) => {
+                    return Err(GroupRenewError::Lost(LossReason::NotHeld));
+                }
+                Err(KeepAliveError::Failed(e)) => {
+                    return Err(GroupRenewError::Failed(e.into_read_error("renew")));
+                }
+            };
+            let uncovered: Vec<Arc<Held>> = lock(&session.uncovered)
+                .values()
+                .filter_map(Weak::upgrade)
+                .collect();
+            if !uncovered.is_empty() {
+                let Some(inner) = inner.upgrade() else {
+                    return Err(GroupRenewError::Lost(LossReason::RenewFailed));
+                };
+                let reads = uncovered
+                    .iter()
+                    .map(|held| entry_present(&inner, held, until));
+                for read in futures::future::join_all(reads).await {
+                    // A member found gone is reported by its own `watch_lost`.
+                    if let Err(e) = read {
+                        return Err(GroupRenewError::Failed(e.into_read_error("renew")));
+                    }
+                }
+            }
+            let mut last = lock(&last);
+            *last = Some(last.map_or(base, |l| l.max(base)));
+            Ok(base)
+        })
+    }
 }
 
 #[cfg(test)]

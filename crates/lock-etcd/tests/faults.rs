@@ -6,7 +6,7 @@ use std::{sync::Arc, time::Duration};
 
 use conformance::drill::Proxy;
 use etcd_client::{GetOptions, PutOptions, SortOrder, SortTarget};
-use lock_core::{DistributedLock, Error, LockKey};
+use lock_core::{DistributedLock, DistributedLockExt, Error, LockKey};
 use lock_etcd::{EtcdLock, EtcdLockConfig};
 use tokio::time::{Instant, sleep, timeout};
 
@@ -228,6 +228,115 @@ fn watched_entries_renew_with_one_keepalive_and_their_deletion_is_pushed() {
             .delete(EtcdLock::entry_key(&leases[1]).unwrap(), None)
             .await
             .unwrap();
+    });
+}
+
+/// Issue 24: guards on one session are one renewal group — a tick is one keepalive, no read
+/// and no per-lock renewal; the group keeps every entry (the reaper leaves members alone, and
+/// etcd holds them past their first deadline); an operator's override of one member is pushed
+/// to that guard alone.
+#[test]
+fn guards_on_one_session_renew_as_one_group() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let (lock, operator) = (env.client().await, env.client().await);
+        let user: lock_core::DynLock = lock.clone();
+        let ttl = Duration::from_secs(3);
+        let keys: Vec<LockKey> = (0..30).map(|i| fresh(&format!("group{i}"))).collect();
+        let mut guards = Vec::new();
+        for k in &keys {
+            let guard = user.lock(k.as_str()).ttl(ttl).try_acquire().await.unwrap();
+            guards.push(guard.expect("a fresh key is free"));
+        }
+        // Past the first deadlines the acquisitions gave: only the group renewed them (a
+        // member left in the reaper's queue would be deleted at its first deadline).
+        sleep(ttl / 2).await;
+        let before = lock.request_counts();
+        sleep(ttl * 3 / 2).await;
+        let after = lock.request_counts();
+        assert_eq!(after.txn, before.txn, "{before:?} -> {after:?}");
+        assert_eq!(after.range, before.range, "{before:?} -> {after:?}");
+        let keepalives = after.lease_keepalive - before.lease_keepalive;
+        assert!(
+            (1..=6).contains(&keepalives),
+            "{keepalives} keepalives for 1.5 s of 30 guards renewed every 1 s"
+        );
+        for (g, k) in guards.iter().zip(&keys) {
+            assert!(!g.is_lost(), "{k}: {:?}", g.loss_reason());
+            assert!(g.renewals() >= 1, "{k} counted no renewal");
+            assert_eq!(env.entries(k).await.len(), 1, "{k}: entry gone while held");
+        }
+
+        // An operator's override of one member: pushed to it alone.
+        assert!(operator.force_release(&keys[0]).await.unwrap());
+        timeout(SLACK, guards[0].lost())
+            .await
+            .expect("the deletion was not pushed");
+        sleep(ttl).await;
+        for (i, g) in guards.iter().enumerate() {
+            assert_eq!(g.is_lost(), i == 0, "{}: {:?}", keys[i], g.loss_reason());
+        }
+        for g in guards {
+            g.release().await.unwrap();
+        }
+        for k in &keys {
+            assert!(env.entries(k).await.is_empty(), "{k} left behind");
+        }
+    });
+}
+
+/// Issue 24: a group member no deletion watch covers (here: a raw lease, no `watch_lost`) is
+/// read by the group's renewal, as `renew` reads an uncovered entry: an operator's deletion is
+/// found and the entry unregistered (its `renew` then says `NotHeld` without a request), while
+/// a neighbour stays held. After leaving, a member is the reaper's again: unrenewed, it is
+/// deleted at the deadline the group gave it.
+#[test]
+fn a_group_reads_the_members_no_watch_covers() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let (lock, operator) = (env.client().await, env.client().await);
+        let ttl = Duration::from_secs(3);
+        let (gone, kept) = (fresh("uncovered-gone"), fresh("uncovered-kept"));
+        let mut deleted = lock.try_acquire(&gone, ttl).await.unwrap().unwrap();
+        let neighbour = lock.try_acquire(&kept, ttl).await.unwrap().unwrap();
+        let group = lock
+            .renewal_group(&deleted)
+            .expect("etcd leases renew in groups");
+        let same = lock.renewal_group(&neighbour).unwrap();
+        assert_eq!(group.id(), same.id(), "one session, one group");
+        group.join(&deleted);
+        group.join(&neighbour);
+        assert!(operator.force_release(&gone).await.unwrap());
+
+        let before = lock.request_counts();
+        group
+            .renew(ttl, Instant::now() + LONG)
+            .await
+            .expect("the group renews");
+        let after = lock.request_counts();
+        assert!(
+            after.txn > before.txn,
+            "the uncovered members were not read"
+        );
+        let before = lock.request_counts();
+        let renewed = lock.renew(&mut deleted, ttl).await;
+        assert!(
+            matches!(renewed, Err(Error::NotHeld { .. })),
+            "renew of the member found gone: {renewed:?}"
+        );
+        assert_eq!(lock.request_counts(), before, "not known gone already");
+
+        // The neighbour leaves without a release: the reaper deletes it at its deadline.
+        group.leave(&neighbour);
+        group.leave(&deleted);
+        let until = Instant::now() + ttl + SLACK;
+        while !env.entries(&kept).await.is_empty() {
+            assert!(
+                Instant::now() < until,
+                "an unrenewed ex-member was never reaped"
+            );
+            sleep(Duration::from_millis(100)).await;
+        }
     });
 }
 
