@@ -75,8 +75,6 @@ const MAX_IN_FLIGHT: usize = 4096;
 pub(crate) struct Status {
     inner: Mutex<StatusInner>,
     renewals: AtomicU64,
-    /// A member's group clock, and the group's renewal count when it joined.
-    group: OnceLock<(Arc<GroupClock>, u64)>,
 }
 
 /// A renewal group's deadline and renewal count, read by its members' [`Status`].
@@ -106,6 +104,8 @@ struct StatusInner {
     /// recorded: a guard nobody waits on never carries one (a token is ~120 bytes, most of a
     /// held lock's cost where locks are held per entity).
     lost: Option<CancellationToken>,
+    /// A group member's group clock, and the group's renewal count when it joined.
+    group: Option<(Arc<GroupClock>, u64)>,
 }
 
 impl Status {
@@ -115,18 +115,24 @@ impl Status {
                 deadline,
                 reason: None,
                 lost: None,
+                group: None,
             }),
             renewals: AtomicU64::new(0),
-            group: OnceLock::new(),
         }
+    }
+
+    /// Makes this status a member of the group whose clock is `clock`.
+    fn join(&self, clock: &Arc<GroupClock>) {
+        let renewals = clock.renewals.load(Ordering::Acquire);
+        locked(&self.inner).group = Some((clock.clone(), renewals));
     }
 
     /// The current conservative local deadline (a group member's: its group's).
     pub(crate) fn deadline(&self) -> Instant {
-        let own = locked(&self.inner).deadline;
-        match self.group.get() {
-            Some((clock, _)) => own.max(clock.deadline()),
-            None => own,
+        let inner = locked(&self.inner);
+        match &inner.group {
+            Some((clock, _)) => inner.deadline.max(clock.deadline()),
+            None => inner.deadline,
         }
     }
 
@@ -164,7 +170,7 @@ impl Status {
     /// Successful renewals (a group member's: its group's since it joined).
     pub(crate) fn renewals(&self) -> u64 {
         let own = self.renewals.load(Ordering::Acquire);
-        match self.group.get() {
+        match &locked(&self.inner).group {
             Some((clock, base)) => {
                 own + clock.renewals.load(Ordering::Acquire).saturating_sub(*base)
             }
@@ -645,10 +651,8 @@ impl Scheduler {
             let mut state = locked(&self.state);
             let group = group.map(|(handle, interval)| {
                 let index = state.join_group(&self.ready, handle, interval, &new.lease);
-                let group = state.groups[index].as_ref();
-                if let Some(group) = group {
-                    let renewals = group.clock.renewals.load(Ordering::Acquire);
-                    let _ = new.status.group.set((group.clock.clone(), renewals));
+                if let Some(group) = state.groups[index].as_ref() {
+                    new.status.join(&group.clock);
                 }
                 index
             });
