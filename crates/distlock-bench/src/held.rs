@@ -133,7 +133,7 @@ pub fn markdown(run: &HeldRun) -> String {
     md.push_str("## Held locks at scale\n\n");
     md.push_str(&format!("`{}`\n\n", run.command));
     md.push_str(&format!(
-        "- machine: {} × {} ({} logical CPUs), {:.1} GiB RAM, Linux {}; load average at start {}\n- runtime: {}; the run took {:.0} s\n- each size in a fresh child process, one client, 64 acquisitions in flight; CPU is the whole process's (`/proc/self/stat`, 10 ms resolution) over whole ticks; RSS is `VmRSS` after the locks were taken less before\n\n",
+        "- machine: {} × {} ({} logical CPUs), {:.1} GiB RAM, Linux {}; load average at start {}\n- runtime: {}; the run took {:.0} s\n- each size in a fresh child process, one client, 64 acquisitions in flight; CPU is the whole process's (`CLOCK_PROCESS_CPUTIME_ID`) over whole ticks; RSS is `VmRSS` after the locks were taken less before\n\n",
         m.nproc,
         m.cpu_model,
         m.nproc,

@@ -689,6 +689,16 @@ impl Driver for ZkLock {
     fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
         self.lost_signal(lease)
     }
+
+    /// The lease's session: one batched `sync` renews every guard on it (see
+    /// [`crate::renew::SessionGroup`]).
+    fn renewal_group(&self, lease: &Lease) -> Option<lock_core::raw::SharedGroup> {
+        let session = self.session_of(lease.backend_state::<ZkLease>()?)?;
+        Some(Arc::new(crate::renew::SessionGroup {
+            session,
+            limit: self.inner.config.timeout,
+        }))
+    }
 }
 
 /// `force_release`'s answer once a delete of the holder's node went unanswered (`first`) and

@@ -25,7 +25,10 @@ use std::{
     time::Duration,
 };
 
-use lock_core::raw::{Error, Lease, LossReason, Result, drift_margin};
+use futures::future::BoxFuture;
+use lock_core::raw::{
+    Error, GroupRenewError, Lease, LossReason, RenewalGroup, Result, drift_margin,
+};
 use tokio::{
     sync::watch,
     time::{Instant, sleep_until},
@@ -375,6 +378,76 @@ impl ZkLock {
             });
         }
         Ok(())
+    }
+}
+
+/// A session's renewal group (lock-core's [`RenewalGroup`]): every guard whose node belongs to
+/// this session is renewed by one batched `sync` of it ([`Session::check_in`]), with no work per
+/// lock.
+///
+/// How it keeps the lease invariant: the session — and every ephemeral node it owns — lives
+/// until at least its vouched base plus the session timeout by the leader's clock (see
+/// [`Session::synced`]); the group answers that base, and lock-core counts every member's
+/// deadline from it with a TTL capped at the session timeout (`lease_ttl`), as `renew` does. A
+/// member's node deleted while the session lives (an operator's `release --force`) is pushed by
+/// its node's watch, which its `watch_lost` keeps armed (arming it again after a data change or
+/// a failure, with an `exists` that reports a node already gone): a deletion the server applied
+/// before the group's `sync` reaches the watcher before that sync's reply, as it does for
+/// `renew` (see `crate::wake`), and the client re-registers armed watches on a reconnection
+/// before any later request of the session. What the group leaves out is `renew`'s `exists` on
+/// a node whose watch is not armed at that moment: such a deletion is pushed once the watch is
+/// armed again, not at the tick.
+pub(crate) struct SessionGroup {
+    pub(crate) session: Arc<Session>,
+    /// Each `sync`'s budget.
+    pub(crate) limit: Duration,
+}
+
+impl std::fmt::Debug for SessionGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionGroup")
+            .field("session", &zk::SessionId(self.session.id))
+            .finish_non_exhaustive()
+    }
+}
+
+impl RenewalGroup for SessionGroup {
+    fn id(&self) -> usize {
+        Arc::as_ptr(&self.session) as usize
+    }
+
+    fn join(&self, _lease: &Lease) {}
+
+    fn leave(&self, _lease: &Lease) {}
+
+    fn renew(
+        &self,
+        ttl: Duration,
+        _until: Instant,
+    ) -> BoxFuture<'static, std::result::Result<Instant, GroupRenewError>> {
+        let (session, limit) = (self.session.clone(), self.limit);
+        Box::pin(async move {
+            match session.check_in(limit).await {
+                Ok(()) => {}
+                // Every node went with the session (each `watch_lost` reports it too).
+                Err(e) if session_gone(&e) => {
+                    return Err(GroupRenewError::Lost(LossReason::NotHeld));
+                }
+                Err(e) => return Err(GroupRenewError::Failed(to_error("renew", e))),
+            }
+            let ttl = lease_ttl(ttl, &session);
+            let base = session.vouched_base();
+            if base + ttl - drift_margin(ttl) <= Instant::now() {
+                // As `renew`: answered, but not (yet) provably through the leader.
+                return Err(GroupRenewError::Failed(Error::Unavailable {
+                    backend: BACKEND,
+                    op: "renew",
+                    message: "the session cannot be vouched for by the leader right now".into(),
+                    source: None,
+                }));
+            }
+            Ok(base)
+        })
     }
 }
 

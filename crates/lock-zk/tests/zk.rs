@@ -67,6 +67,49 @@ async fn node_deleted_from_outside_fires_lost() {
     assert!(a.release(&again).await.unwrap());
 }
 
+/// Issue 24: the guards of one client are one renewal group (its session): they renew
+/// together — every guard's renewals follow its session's syncs — for several sessions'
+/// length, and a node deleted from outside loses that guard alone (pushed by its watch).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guards_of_one_session_renew_as_one_group_and_lose_alone() {
+    let Some(config) = config() else { return };
+    let raw = raw_client(&config).await;
+    let a = Arc::new(ZkLock::connect(config.clone()).await.unwrap());
+    let keys: Vec<_> = (0..20).map(|_| plain_key()).collect();
+    let mut guards = Vec::new();
+    for key in &keys {
+        let guard = a.lock(key).ttl(SESSION).try_acquire().await.unwrap();
+        guards.push(guard.expect("a fresh key is free"));
+    }
+    let one = a.renewal_group(guards[0].granted_lease()).expect("grouped");
+    let other = a
+        .renewal_group(guards[19].granted_lease())
+        .expect("grouped");
+    assert_eq!(one.id(), other.id(), "one session, one group");
+    tokio::time::sleep(SESSION * 3).await;
+    for (g, k) in guards.iter().zip(&keys) {
+        assert!(!g.is_lost(), "{k}: {:?}", g.loss_reason());
+        assert!(g.renewals() >= 3, "{k}: {} renewals", g.renewals());
+    }
+
+    let dir = format!("{ROOT}/{}", keys[7]);
+    let nodes = children(&raw, &dir).await;
+    raw.delete(&format!("{dir}/{}", nodes[0]), None)
+        .await
+        .unwrap();
+    timeout(SLACK, guards[7].lost())
+        .await
+        .expect("the deletion was not pushed");
+    assert_eq!(guards[7].loss_reason(), Some(LossReason::Revoked));
+    tokio::time::sleep(SESSION * 2).await;
+    for (i, g) in guards.iter().enumerate() {
+        assert_eq!(g.is_lost(), i == 7, "{}: {:?}", keys[i], g.loss_reason());
+    }
+    for g in guards {
+        g.release().await.unwrap();
+    }
+}
+
 /// A TCP proxy to the server whose traffic can be blackholed (bytes dropped, connection kept).
 struct Proxy {
     port: u16,
@@ -154,6 +197,13 @@ async fn partitioned_holder_loses_before_its_session_expires_and_the_next_token_
     let (granted_at, lost_before_grant, new) = waiter.await.unwrap();
     let new = new.expect("the waiter gets the lock once the server expired a's session");
     let deadline = guard.local_deadline();
+    // Nothing answered after the cut, so no renewal (a renewal group's included) can have
+    // moved the deadline past what a request sent before it proves.
+    assert!(
+        deadline <= cut_at + SESSION,
+        "the local deadline moved {:?} past the session's last provable instant",
+        deadline.saturating_duration_since(cut_at + SESSION)
+    );
     assert!(
         lost_before_grant || deadline <= granted_at,
         "the partitioned holder still trusted its lock {:?} after the waiter got it",
