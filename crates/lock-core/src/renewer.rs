@@ -104,8 +104,9 @@ struct StatusInner {
     /// recorded: a guard nobody waits on never carries one (a token is ~120 bytes, most of a
     /// held lock's cost where locks are held per entity).
     lost: Option<CancellationToken>,
-    /// A group member's group clock, and the group's renewal count when it joined.
-    group: Option<(Arc<GroupClock>, u64)>,
+    /// A group member's group clock (its renewal count when the member joined is in
+    /// `Status::renewals`, which a member does not count itself).
+    group: Option<Arc<GroupClock>>,
 }
 
 impl Status {
@@ -123,15 +124,17 @@ impl Status {
 
     /// Makes this status a member of the group whose clock is `clock`.
     fn join(&self, clock: &Arc<GroupClock>) {
-        let renewals = clock.renewals.load(Ordering::Acquire);
-        locked(&self.inner).group = Some((clock.clone(), renewals));
+        let mut inner = locked(&self.inner);
+        self.renewals
+            .store(clock.renewals.load(Ordering::Acquire), Ordering::Release);
+        inner.group = Some(clock.clone());
     }
 
     /// The current conservative local deadline (a group member's: its group's).
     pub(crate) fn deadline(&self) -> Instant {
         let inner = locked(&self.inner);
         match &inner.group {
-            Some((clock, _)) => inner.deadline.max(clock.deadline()),
+            Some(clock) => inner.deadline.max(clock.deadline()),
             None => inner.deadline,
         }
     }
@@ -169,11 +172,11 @@ impl Status {
 
     /// Successful renewals (a group member's: its group's since it joined).
     pub(crate) fn renewals(&self) -> u64 {
+        let inner = locked(&self.inner);
         let own = self.renewals.load(Ordering::Acquire);
-        match &locked(&self.inner).group {
-            Some((clock, base)) => {
-                own + clock.renewals.load(Ordering::Acquire).saturating_sub(*base)
-            }
+        match &inner.group {
+            // A member's `renewals` holds its group's count when it joined.
+            Some(clock) => clock.renewals.load(Ordering::Acquire).saturating_sub(own),
             None => own,
         }
     }
@@ -306,6 +309,24 @@ struct State {
     groups: Vec<Option<Group>>,
     group_free: Vec<usize>,
     group_ids: HashMap<GroupKey, usize>,
+}
+
+/// A group's index in [`State::groups`], in 4 bytes (the index plus one), so that a slot's
+/// `Option` of it fits beside the slot's phase instead of adding 16 bytes to every slot.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct GroupAt(std::num::NonZeroU32);
+
+impl GroupAt {
+    /// `None` past 2³² − 2 groups (a slot then renews on its own).
+    fn new(index: usize) -> Option<Self> {
+        let at = u32::try_from(index.checked_add(1)?).ok()?;
+        std::num::NonZeroU32::new(at).map(Self)
+    }
+
+    fn index(self) -> usize {
+        // u32 → usize is lossless on every target tokio runs on (32 and 64 bits).
+        self.0.get() as usize - 1
+    }
 }
 
 /// Which members one group renewal serves: the driver's group, the TTL, the interval.
@@ -454,7 +475,7 @@ impl State {
     fn leave_group(&mut self, slot: usize) -> Option<Group> {
         let Self { slots, groups, .. } = self;
         let slot = slots.get_mut(slot)?.as_mut()?;
-        let index = slot.group.take()?;
+        let index = slot.group.take()?.index();
         let group = groups.get(index)?.as_ref()?;
         slot.lease.extend_local_deadline(group.clock.deadline());
         group.handle.leave(&slot.lease);
@@ -508,7 +529,7 @@ struct Slot {
     phase: Phase,
     end: End,
     /// The renewal group renewing this slot's lease (a member has no renewal of its own).
-    group: Option<usize>,
+    group: Option<GroupAt>,
 }
 
 /// Where a running slot's renewal stands.
@@ -636,26 +657,32 @@ impl Scheduler {
         if let Some((handle, _)) = &group {
             handle.join(&new.lease);
         }
-        let next_renew = new
-            .interval
-            .filter(|_| running && group.is_none())
-            .map(|i| {
-                next_renewal(
-                    Instant::now(),
-                    i,
-                    new.lease.local_deadline(),
-                    new.lease.ttl(),
-                )
-            });
         let (at, spawn) = {
             let mut state = locked(&self.state);
-            let group = group.map(|(handle, interval)| {
+            let group = group.and_then(|(handle, interval)| {
+                // Every index is at most the vector's length.
+                if GroupAt::new(state.groups.len()).is_none() {
+                    // Past 2³² − 2 groups: this lease renews on its own.
+                    handle.leave(&new.lease);
+                    return None;
+                }
                 let index = state.join_group(&self.ready, handle, interval, &new.lease);
                 if let Some(group) = state.groups[index].as_ref() {
                     new.status.join(&group.clock);
                 }
-                index
+                GroupAt::new(index)
             });
+            let next_renew = new
+                .interval
+                .filter(|_| running && group.is_none())
+                .map(|i| {
+                    next_renewal(
+                        Instant::now(),
+                        i,
+                        new.lease.local_deadline(),
+                        new.lease.ttl(),
+                    )
+                });
             let index = match state.free.pop() {
                 Some(i) => i,
                 None => {
@@ -1114,7 +1141,9 @@ fn members(state: &State, index: usize) -> Vec<usize> {
         .enumerate()
         .filter_map(|(i, s)| {
             s.as_ref()
-                .filter(|s| s.group == Some(index) && matches!(s.end, End::Running))
+                .filter(|s| {
+                    s.group.map(GroupAt::index) == Some(index) && matches!(s.end, End::Running)
+                })
                 .map(|_| i)
         })
         .collect()
@@ -1260,6 +1289,18 @@ fn locked_start_waiting(s: &Scheduler, out: &mut Vec<usize>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 24: a held lock's memory in lock-core is mostly its slot (in the scheduler's
+    /// vector) and its `Status` (an allocation of its own): renewal groups must not grow them.
+    #[test]
+    fn a_slot_and_a_status_stay_small() {
+        let (slot, status) = (size_of::<Option<Slot>>(), size_of::<Status>());
+        eprintln!("slot {slot} B, status {status} B");
+        // 264 B before renewal groups: a member's group index sits in the phase's padding.
+        assert!(slot <= 264, "a slot takes {slot} B");
+        // 48 B before: with its `Arc` counts, 72 B or less stays in glibc's 80-byte chunk.
+        assert!(status <= 56, "a status takes {status} B");
+    }
 
     #[test]
     fn renewal_times_share_a_grid_and_are_never_late() {

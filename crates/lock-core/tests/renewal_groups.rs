@@ -4,6 +4,10 @@
 //! group's deadline.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed expectation is a failed test
 
+mod support;
+
+use support::hold;
+
 use std::{
     collections::HashMap,
     sync::{
@@ -13,11 +17,11 @@ use std::{
     time::Duration,
 };
 
-use futures::{StreamExt, TryStreamExt, future::BoxFuture, stream};
+use futures::future::BoxFuture;
 use lock_core::raw::{GroupRenewError, RenewalGroup, SharedGroup, async_trait};
 use lock_core::{
-    Capabilities, DistributedLock, DistributedLockExt, DynLock, Error, HolderInfo, InMemoryLock,
-    Lease, LockGuard, LockKey, LossReason, Result,
+    Capabilities, DistributedLock, DynLock, Error, HolderInfo, InMemoryLock, Lease, LockKey,
+    LossReason, Result,
 };
 use tokio::time::{Instant, sleep, timeout};
 
@@ -155,24 +159,6 @@ impl lock_core::raw::Driver for Grouped {
     fn renewal_group(&self, _lease: &Lease) -> Option<SharedGroup> {
         Some(self.group.clone())
     }
-}
-
-async fn hold(lock: &DynLock, prefix: &str, n: usize, ttl: Duration) -> Vec<LockGuard> {
-    stream::iter(0..n)
-        .map(|i| {
-            let lock = lock.clone();
-            async move {
-                lock.lock(format!("{prefix}/{i}"))
-                    .ttl(ttl)
-                    .try_acquire()
-                    .await
-                    .map(|g| g.expect("a fresh key is free"))
-            }
-        })
-        .buffered(16)
-        .try_collect()
-        .await
-        .unwrap()
 }
 
 /// 1,000 guards of one client in one group: a tick is one group renewal and no renewal of a

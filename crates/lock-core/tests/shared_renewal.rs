@@ -3,6 +3,10 @@
 //! loss — a neighbour's loss, release or renewal never touches another slot.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed expectation is a failed test
 
+mod support;
+
+use support::hold;
+
 use std::{
     sync::{
         Arc,
@@ -11,7 +15,6 @@ use std::{
     time::Duration,
 };
 
-use futures::{StreamExt, TryStreamExt, stream};
 use lock_core::raw::async_trait;
 use lock_core::{
     Capabilities, DistributedLock, DistributedLockExt, DynLock, HolderInfo, InMemoryLock, Lease,
@@ -23,24 +26,6 @@ fn alive_tasks() -> usize {
     tokio::runtime::Handle::current()
         .metrics()
         .num_alive_tasks()
-}
-
-async fn hold(lock: &DynLock, prefix: &str, n: usize, ttl: Duration) -> Vec<LockGuard> {
-    stream::iter(0..n)
-        .map(|i| {
-            let lock = lock.clone();
-            async move {
-                lock.lock(format!("{prefix}/{i}"))
-                    .ttl(ttl)
-                    .try_acquire()
-                    .await
-                    .map(|g| g.expect("a fresh key is free"))
-            }
-        })
-        .buffered(16)
-        .try_collect()
-        .await
-        .unwrap()
 }
 
 /// 2,000 guards of one client: one task renews them all, every one of them on schedule; an
