@@ -711,7 +711,7 @@ impl Driver for EtcdLock {
     }
 
     /// The lease's session: one keepalive renews every guard on it (see
-    /// [`crate::renew::SessionGroup`]).
+    /// `SessionGroup` in `renew.rs`).
     fn renewal_group(&self, lease: &Lease) -> Option<lock_core::raw::SharedGroup> {
         let held = lease.shared_backend_state::<Held>()?;
         Some(Arc::new(crate::renew::SessionGroup::new(

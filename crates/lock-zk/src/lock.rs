@@ -691,7 +691,7 @@ impl Driver for ZkLock {
     }
 
     /// The lease's session: one batched `sync` renews every guard on it (see
-    /// [`crate::renew::SessionGroup`]).
+    /// `SessionGroup` in `renew.rs`).
     fn renewal_group(&self, lease: &Lease) -> Option<lock_core::raw::SharedGroup> {
         let session = self.session_of(lease.backend_state::<ZkLease>()?)?;
         Some(Arc::new(crate::renew::SessionGroup {
