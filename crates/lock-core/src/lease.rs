@@ -129,7 +129,8 @@ pub fn drift_margin(ttl: Duration) -> Duration {
     (ttl / 100 + Duration::from_millis(5)).min(ttl / 2)
 }
 
-fn local_deadline(sent_at: Instant, ttl: Duration) -> Instant {
+/// The conservative local deadline of a grant or renewal whose request was sent at `sent_at`.
+pub(crate) fn local_deadline(sent_at: Instant, ttl: Duration) -> Instant {
     sent_at + ttl - drift_margin(ttl)
 }
 

@@ -743,7 +743,7 @@ impl Scheduler {
     /// Removes a guard's slot (stopping its renewals: a renewal in flight is dropped, as a
     /// stopped watchdog's was) and hands back its lease.
     pub(crate) fn take(&self, at: SlotRef) -> Option<Taken> {
-        let (mut slot, _gone) = {
+        let (slot, _gone) = {
             let mut state = locked(&self.state);
             state.slot(at)?;
             let gone = state.leave_group(at.index);
@@ -759,7 +759,6 @@ impl Scheduler {
             (slot, gone)
         };
         // Its futures (and a group that went with it) are dropped here, outside the lock.
-        slot.watch = None;
         let Slot { lease, end, .. } = slot;
         Some(match end {
             End::Died(rx) => Taken::Died(rx, lease),
@@ -934,31 +933,20 @@ impl Scheduler {
             Err(e) if e.is_temporary() => {
                 tracing::warn!(key = %slot.lease.key(), error = %e, "lease renewal failed; retrying until the local deadline");
                 let interval = slot.interval;
-                let retry = slot.retry.get_or_insert_with(|| {
-                    Box::new(
-                        interval
-                            .map(|i| Backoff::new(i / 8, i / 2))
-                            .unwrap_or_default(),
-                    )
-                });
+                let retry = slot.retry.get_or_insert_with(|| retry_backoff(interval));
                 slot.next_renew = Some(now + retry.next_delay());
             }
             Err(e) => {
-                let reason = if matches!(e, Error::NotHeld { .. }) {
-                    LossReason::NotHeld
-                } else {
-                    LossReason::RenewFailed
-                };
                 tracing::warn!(key = %slot.lease.key(), error = %e, "lease renewal refused");
-                self.lose(state, index, reason);
+                self.lose(state, index, refusal(&e));
                 return;
             }
         }
         state.reschedule(index);
     }
 
-    /// The slot is lost: nothing renews or watches it any more (a member leaves its group;
-    /// a group that goes with it is dropped by the caller's lock holder, harmlessly, here).
+    /// The slot is lost: nothing renews or watches it any more (a member leaves its group; a
+    /// group left empty is dropped here, under the lock: its renewal's future only waits).
     fn lose(&self, state: &mut State, index: usize, reason: LossReason) {
         let _gone = state.leave_group(index);
         let State {
@@ -1069,7 +1057,7 @@ impl Scheduler {
                 let ttl = group.ttl();
                 group
                     .clock
-                    .extend(sent_at + ttl - crate::lease::drift_margin(ttl));
+                    .extend(crate::lease::local_deadline(sent_at, ttl));
                 group.clock.renewals.fetch_add(1, Ordering::AcqRel);
                 group.retry = None;
                 group.next_renew = next_renewal(now, group.interval(), group.clock.deadline(), ttl);
@@ -1079,17 +1067,12 @@ impl Scheduler {
                 let interval = group.interval();
                 let retry = group
                     .retry
-                    .get_or_insert_with(|| Box::new(Backoff::new(interval / 8, interval / 2)));
+                    .get_or_insert_with(|| retry_backoff(Some(interval)));
                 group.next_renew = now + retry.next_delay();
             }
             Err(GroupRenewError::Failed(e)) => {
-                let reason = if matches!(e, Error::NotHeld { .. }) {
-                    LossReason::NotHeld
-                } else {
-                    LossReason::RenewFailed
-                };
                 tracing::warn!(error = %e, members = group.members, "renewal group renewal refused");
-                self.lose_group(state, index, reason);
+                self.lose_group(state, index, refusal(&e));
                 return;
             }
             Err(GroupRenewError::Lost(reason)) => {
@@ -1131,6 +1114,25 @@ impl Scheduler {
         self.lose(state, index, LossReason::RenewFailed);
         slot_mut(&mut state.slots, index).end = End::Died(spawned.then_some(rx));
     }
+}
+
+/// The loss a refused renewal (a slot's or a group's) causes.
+fn refusal(e: &Error) -> LossReason {
+    if matches!(e, Error::NotHeld { .. }) {
+        LossReason::NotHeld
+    } else {
+        LossReason::RenewFailed
+    }
+}
+
+/// The pauses between retries of a renewal that failed temporarily (a slot's or a group's),
+/// until the local deadline.
+fn retry_backoff(interval: Option<Duration>) -> Box<Backoff> {
+    Box::new(
+        interval
+            .map(|i| Backoff::new(i / 8, i / 2))
+            .unwrap_or_default(),
+    )
 }
 
 /// The running members of group `index` (a scan: only when the group is lost).

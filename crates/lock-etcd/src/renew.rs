@@ -135,6 +135,20 @@ impl Session {
         *lock(&self.ack)
     }
 
+    /// A renewal may ask for at most the lease's own TTL: a keepalive keeps it that long.
+    fn check_renew_ttl(&self, ttl: Duration) -> Result<()> {
+        if ttl > self.granted {
+            return Err(Error::InvalidTtl {
+                ttl,
+                reason: format!(
+                    "this lock's etcd lease has a ttl of {:?}; renew with at most that, or acquire again with the longer ttl",
+                    self.granted
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Registers an entry for `name` unless this session already has one or is retired.
     pub(crate) fn try_add_user(&self, name: &[u8]) -> bool {
         let mut users = lock(&self.users);
@@ -498,8 +512,7 @@ impl Inner {
     /// Queues `held` at its reap time; starts the reaper's task if it is not running.
     pub(crate) fn reap_later(&self, held: Arc<Held>) {
         let mut phase = lock(&held.phase);
-        // A renewal group's member is renewed by the group; leaving it queues it again.
-        if phase.finished || held.grouped.load(Ordering::Acquire) {
+        if phase.finished {
             return;
         }
         let at = phase.reap_time();
@@ -523,9 +536,9 @@ impl Inner {
         }
     }
 
-    /// Takes `held` out of the reaper's queue (it joined a renewal group, which renews it).
-    pub(crate) fn unqueue(&self, held: &Arc<Held>) {
-        let mut phase = lock(&held.phase);
+    /// Takes `held` out of the reaper's queue (it joined a renewal group, which renews it; or
+    /// it is finished).
+    fn unqueue(&self, held: &Arc<Held>, phase: &mut Phase) {
         if let Some(at) = phase.reap_at.take() {
             lock(&self.reaper.state).due.remove(&(at, held.reap_key()));
         }
@@ -539,9 +552,7 @@ impl Inner {
             return false;
         }
         phase.released = released;
-        if let Some(at) = phase.reap_at.take() {
-            lock(&self.reaper.state).due.remove(&(at, held.reap_key()));
-        }
+        self.unqueue(held, &mut phase);
         true
     }
 
@@ -558,6 +569,8 @@ impl Inner {
         let expired = {
             let mut phase = lock(&held.phase);
             phase.reap_at = None;
+            // A renewal group's member (it joined after this look was queued) is renewed by
+            // the group, which queues it again when it leaves.
             if phase.finished || held.grouped.load(Ordering::Acquire) {
                 return;
             }
@@ -923,15 +936,7 @@ pub(crate) async fn renew(inner: &Inner, lease: &mut Lease, ttl: Duration) -> Re
     let Some(held) = lease.shared_backend_state::<Held>() else {
         return Err(Error::not_held(lease.key()));
     };
-    if ttl > held.session.granted {
-        return Err(Error::InvalidTtl {
-            ttl,
-            reason: format!(
-                "this lock's etcd lease has a ttl of {:?}; renew with at most that, or acquire again with the longer ttl",
-                held.session.granted
-            ),
-        });
-    }
+    held.session.check_renew_ttl(ttl)?;
     let previous = {
         let phase = lock(&held.phase);
         if phase.finished || phase.gone || held.session.gone.is_cancelled() {
@@ -1029,7 +1034,7 @@ impl RenewalGroup for SessionGroup {
         };
         held.set_grouped(true);
         if let Some(inner) = self.inner.upgrade() {
-            inner.unqueue(&held);
+            inner.unqueue(&held, &mut lock(&held.phase));
         }
     }
 
@@ -1055,12 +1060,9 @@ impl RenewalGroup for SessionGroup {
     ) -> BoxFuture<'static, std::result::Result<Instant, GroupRenewError>> {
         let (session, inner, last) = (self.session.clone(), self.inner.clone(), self.last.clone());
         Box::pin(async move {
-            if ttl > session.granted {
-                return Err(GroupRenewError::Failed(Error::InvalidTtl {
-                    ttl,
-                    reason: format!("the etcd lease has a ttl of {:?}", session.granted),
-                }));
-            }
+            session
+                .check_renew_ttl(ttl)
+                .map_err(GroupRenewError::Failed)?;
             let until = until.min(Instant::now() + session.timeout);
             let previous = *lock(&last);
             let base = match session

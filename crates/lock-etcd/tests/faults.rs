@@ -258,7 +258,9 @@ fn guards_on_one_session_renew_as_one_group() {
         assert_eq!(after.range, before.range, "{before:?} -> {after:?}");
         let keepalives = after.lease_keepalive - before.lease_keepalive;
         assert!(
-            (1..=6).contains(&keepalives),
+            // About 2 renewals fall in the window; retries of a keepalive that timed out on a
+            // loaded machine may add a few (its backoff is 125–500 ms).
+            (1..=10).contains(&keepalives),
             "{keepalives} keepalives for 1.5 s of 30 guards renewed every 1 s"
         );
         for (g, k) in guards.iter().zip(&keys) {

@@ -368,16 +368,20 @@ impl ZkLock {
             *lease = renewed;
         }
         if !lease.is_locally_valid() {
-            // Answered, but not (yet) provably through the leader: e.g. the first sync after a
-            // reconnection. Temporary: the next one can prove it.
-            return Err(Error::Unavailable {
-                backend: BACKEND,
-                op: "renew",
-                message: "the session cannot be vouched for by the leader right now".into(),
-                source: None,
-            });
+            return Err(unvouched());
         }
         Ok(())
+    }
+}
+
+/// A renewal answered, but not (yet) provably through the leader (e.g. the first sync after a
+/// reconnection): temporary, the next one can prove it.
+fn unvouched() -> Error {
+    Error::Unavailable {
+        backend: BACKEND,
+        op: "renew",
+        message: "the session cannot be vouched for by the leader right now".into(),
+        source: None,
     }
 }
 
@@ -438,13 +442,7 @@ impl RenewalGroup for SessionGroup {
             let ttl = lease_ttl(ttl, &session);
             let base = session.vouched_base();
             if base + ttl - drift_margin(ttl) <= Instant::now() {
-                // As `renew`: answered, but not (yet) provably through the leader.
-                return Err(GroupRenewError::Failed(Error::Unavailable {
-                    backend: BACKEND,
-                    op: "renew",
-                    message: "the session cannot be vouched for by the leader right now".into(),
-                    source: None,
-                }));
+                return Err(GroupRenewError::Failed(unvouched()));
             }
             Ok(base)
         })
