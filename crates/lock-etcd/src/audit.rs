@@ -228,16 +228,53 @@ async fn probe(
         Err(_) => Err(format!("no answer within {budget:?}")),
     };
     let read = GetOptions::new().with_limit(1).with_keys_only();
-    let linearizable = match timeout(budget, client.get(prefix, Some(read))).await {
-        Ok(Ok(_)) => Ok(()),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err(format!("no answer within {budget:?}")),
-    };
+    let linearizable = past_elections(budget, || {
+        // A clone shares the channel: each attempt owns its handle.
+        let (mut client, read) = (client.clone(), read.clone());
+        async move { client.get(prefix, Some(read)).await }
+    })
+    .await
+    .map(drop);
     Ok(Probe {
         endpoint: url.to_owned(),
         status,
         linearizable,
     })
+}
+
+/// Runs `attempt` (a linearizable read) within `budget`, again after a short pause while it
+/// fails with "leader changed": right after an election a member that serves refuses the reads
+/// it had queued under the old leader, and reading once would grade a cluster that serves as
+/// one without quorum. Any other error, or the budget's end, is the answer.
+async fn past_elections<T, F, Fut>(
+    budget: Duration,
+    mut attempt: F,
+) -> std::result::Result<T, String>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = std::result::Result<T, etcd_client::Error>>,
+{
+    let deadline = Instant::now() + budget;
+    loop {
+        match tokio::time::timeout_at(deadline, attempt()).await {
+            Ok(Ok(value)) => return Ok(value),
+            Ok(Err(e)) if leader_changed(&e) && Instant::now() + ELECTION_PAUSE < deadline => {
+                tokio::time::sleep(ELECTION_PAUSE).await;
+            }
+            Ok(Err(e)) => return Err(e.to_string()),
+            Err(_) => return Err(format!("no answer within {budget:?}")),
+        }
+    }
+}
+
+/// The pause before a read refused with "leader changed" is sent again.
+const ELECTION_PAUSE: Duration = Duration::from_millis(50);
+
+/// Whether etcd refused a request because its leader changed while the request waited (the
+/// new leader is there: the same request sent again is served).
+fn leader_changed(e: &etcd_client::Error) -> bool {
+    matches!(e, etcd_client::Error::GRpcStatus(s)
+        if s.code() == tonic::Code::Unavailable && s.message().contains("leader changed"))
 }
 
 fn grade_version(report: &mut AuditReport, version: &str) {
@@ -481,4 +518,57 @@ pub async fn purge_namespace(config: &EtcdLockConfig) -> Result<usize> {
     .map_err(|_| no_answer(BACKEND, "delete", budget))?
     .map_err(|e| Error::backend(BACKEND, "delete", e))?;
     Ok(usize::try_from(deleted.deleted()).unwrap_or(usize::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+
+    fn refused(message: &str) -> etcd_client::Error {
+        etcd_client::Error::GRpcStatus(tonic::Status::new(tonic::Code::Unavailable, message))
+    }
+
+    /// The false FAIL seen right after an election (a member that serves answered the probe's
+    /// read with "leader changed"): the probe reads again within its budget, and only then.
+    #[tokio::test(start_paused = true)]
+    async fn a_read_refused_by_an_election_is_sent_again_within_the_budget() {
+        let tries = Cell::new(0);
+        let read = past_elections(Duration::from_secs(1), || {
+            tries.set(tries.get() + 1);
+            let answer = if tries.get() < 3 {
+                Err(refused("etcdserver: leader changed"))
+            } else {
+                Ok(())
+            };
+            std::future::ready(answer)
+        });
+        assert_eq!(read.await, Ok(()));
+        assert_eq!(tries.get(), 3);
+
+        // Any other refusal is the answer at once.
+        tries.set(0);
+        let read = past_elections(Duration::from_secs(1), || {
+            tries.set(tries.get() + 1);
+            std::future::ready(Err::<(), _>(refused("etcdserver: request timed out")))
+        });
+        assert!(read.await.unwrap_err().contains("request timed out"));
+        assert_eq!(tries.get(), 1);
+
+        // An election that does not settle within the budget is still a failure, in time.
+        let started = Instant::now();
+        let read = past_elections(Duration::from_secs(1), || {
+            std::future::ready(Err::<(), _>(refused("etcdserver: leader changed")))
+        });
+        assert!(read.await.unwrap_err().contains("leader changed"));
+        assert!(started.elapsed() <= Duration::from_secs(1));
+
+        // A read that never answers ends with the budget.
+        let read = past_elections(
+            Duration::from_secs(1),
+            std::future::pending::<Result<(), _>>,
+        );
+        assert!(read.await.unwrap_err().contains("no answer"));
+    }
 }

@@ -7,7 +7,7 @@
 //! * hand-off: from the holder calling `release` to the waiter's `acquire` returning, vs the bare
 //!   floor: from `delete` of the predecessor to the waiter's watch firing plus its getChildren.
 //!
-//! `cargo run --release -p lock-zk --example overhead [cycles] [handoffs]`
+//! `cargo run --release -p lock-zk --example zk_overhead [cycles] [handoffs]`
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::{sync::Arc, time::Duration};

@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! eval "$(scripts/backends.sh env)"
-//! cargo run --release -p lock-redis --example overhead [N]
+//! cargo run --release -p lock-redis --example redis_overhead [N]
 //! ```
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a benchmark: fail loudly
 

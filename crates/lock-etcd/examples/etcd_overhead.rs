@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! eval "$(scripts/backends.sh env)"
-//! cargo run --release -p lock-etcd --example overhead [-- ITERATIONS [HELD_LOCKS]]
+//! cargo run --release -p lock-etcd --example etcd_overhead [-- ITERATIONS [HELD_LOCKS]]
 //! ```
 //!
 //! Part 1 runs ITERATIONS (default 2000, after 200 warm-up rounds) uncontended acquire+release

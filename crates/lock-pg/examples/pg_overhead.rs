@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! DISTLOCK_TEST_PG_URL=postgres://postgres@127.0.0.1:25432/distlock \
-//!     cargo run --release -p lock-pg --example overhead [-- CYCLES]
+//!     cargo run --release -p lock-pg --example pg_overhead [-- CYCLES]
 //! ```
 //!
 //! Runs on a tokio **current-thread** runtime. Each round runs one cycle of every variant, in
