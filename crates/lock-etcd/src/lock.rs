@@ -726,17 +726,15 @@ impl Driver for EtcdLock {
         };
         let inner = self.inner.clone();
         Box::pin(async move {
-            // The session's `gone` is shared by every lock on the session: no token per lock.
-            let reason = tokio::select! {
-                biased;
-                () = held.session.gone.cancelled() => LossReason::Revoked,
-                reason = wake::watch_entry(&inner, &held) => reason,
-            };
+            // The session's `gone` ends the watch too (watched by the routing task, once per
+            // session).
+            let reason = wake::watch_entry(&inner, &held).await;
             if held.is_released() {
                 // Our own release deleted it.
                 return std::future::pending().await;
             }
-            inner.entry_gone(&held).await;
+            // Boxed: it runs once, at the end, and its state need not be kept all along.
+            Box::pin(inner.entry_gone(&held)).await;
             reason
         })
     }

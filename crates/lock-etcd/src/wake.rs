@@ -16,16 +16,19 @@
 
 use std::{
     collections::{HashMap, VecDeque},
-    sync::Arc,
+    future::poll_fn,
+    sync::{
+        Arc,
+        atomic::{AtomicU8, Ordering},
+    },
+    task::Poll,
     time::Duration,
 };
 
 use etcd_client::{Client, EventType, WatchOptions, WatchRequestSender, WatchResponse};
+use futures::task::AtomicWaker;
 use lock_core::raw::{Backoff, LossReason};
-use tokio::{
-    sync::{mpsc, oneshot},
-    time::sleep,
-};
+use tokio::{sync::mpsc, task::AbortHandle, time::sleep};
 
 use crate::{
     client::{self, Counters},
@@ -39,10 +42,46 @@ pub(crate) enum Outcome {
     /// The key was deleted, or moved to another lease (an event at or after the start
     /// revision).
     Deleted,
+    /// The entry's session lease is known to be gone (its `gone` token was cancelled): every
+    /// key on it is.
+    SessionGone,
     /// The server cancelled the watch (e.g. the start revision was compacted): look at the key.
     Canceled,
     /// The stream failed or could not be opened: watch again later.
     Broken,
+}
+
+impl Outcome {
+    const ALL: [Self; 4] = [
+        Self::Deleted,
+        Self::SessionGone,
+        Self::Canceled,
+        Self::Broken,
+    ];
+}
+
+/// Where the routing task tells one watch how it ended, and wakes its waiter: a flag and a
+/// waker, not a channel — a held lock keeps one for its whole life.
+#[derive(Default)]
+struct Signal {
+    /// 0 while the watch runs, else 1 + the index of its [`Outcome`] in [`Outcome::ALL`].
+    outcome: AtomicU8,
+    waker: AtomicWaker,
+}
+
+impl Signal {
+    fn tell(&self, outcome: Outcome) {
+        let at = Outcome::ALL.iter().position(|o| *o == outcome).unwrap_or(0);
+        // Four outcomes: the index fits.
+        self.outcome
+            .store(u8::try_from(at + 1).unwrap_or(u8::MAX), Ordering::Release);
+        self.waker.wake();
+    }
+
+    fn told(&self) -> Option<Outcome> {
+        let at = usize::from(self.outcome.load(Ordering::Acquire));
+        at.checked_sub(1).and_then(|i| Outcome::ALL.get(i).copied())
+    }
 }
 
 enum Command {
@@ -50,11 +89,13 @@ enum Command {
         id: u64,
         held: Arc<Held>,
         from: i64,
-        done: oneshot::Sender<Outcome>,
+        signal: Arc<Signal>,
     },
     Forget {
         id: u64,
     },
+    /// The session lease with this id is gone: every watch of an entry on it ends.
+    SessionGone(i64),
 }
 
 /// The client's shared deletion-watch stream (the routing task starts with the first watch and
@@ -69,13 +110,22 @@ pub(crate) struct WatchMux {
 pub(crate) struct DeleteWatch {
     id: u64,
     commands: mpsc::UnboundedSender<Command>,
-    done: oneshot::Receiver<Outcome>,
+    signal: Arc<Signal>,
 }
 
 impl DeleteWatch {
-    /// Waits until the watch ends.
-    pub(crate) async fn ended(&mut self) -> Outcome {
-        (&mut self.done).await.unwrap_or(Outcome::Broken)
+    /// Waits until the watch ends. Should the routing task be gone (runtime shutting down),
+    /// it does not end.
+    pub(crate) async fn ended(&self) -> Outcome {
+        poll_fn(|cx| {
+            if let Some(outcome) = self.signal.told() {
+                return Poll::Ready(outcome);
+            }
+            self.signal.waker.register(cx.waker());
+            // Told between the first look and the registration.
+            self.signal.told().map_or(Poll::Pending, Poll::Ready)
+        })
+        .await
     }
 }
 
@@ -88,7 +138,7 @@ impl Drop for DeleteWatch {
 impl WatchMux {
     pub(crate) fn new(client: Client, counters: std::sync::Arc<Counters>) -> Self {
         let (commands, rx) = mpsc::unbounded_channel();
-        tokio::spawn(route(client, counters, rx));
+        tokio::spawn(route(client, counters, commands.downgrade(), rx));
         Self {
             commands,
             next_id: std::sync::atomic::AtomicU64::new(0),
@@ -101,25 +151,31 @@ impl WatchMux {
         let id = self
             .next_id
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let (done, rx) = oneshot::channel();
-        // Should the routing task be gone (runtime shutting down), `ended` reports Broken.
-        let _ = self.commands.send(Command::Watch {
-            id,
-            held: held.clone(),
-            from,
-            done,
-        });
+        let signal = Arc::new(Signal::default());
+        if self
+            .commands
+            .send(Command::Watch {
+                id,
+                held: held.clone(),
+                from,
+                signal: signal.clone(),
+            })
+            .is_err()
+        {
+            // The routing task is gone (the runtime is shutting down): watch again later.
+            signal.tell(Outcome::Broken);
+        }
         DeleteWatch {
             id,
             commands: self.commands.clone(),
-            done: rx,
+            signal,
         }
     }
 }
 
 struct Watcher {
-    /// Taken when the outcome is told.
-    done: Option<oneshot::Sender<Outcome>>,
+    /// Where the outcome is told.
+    signal: Arc<Signal>,
     /// The entry watched.
     held: Arc<Held>,
     /// The server's watch id, once created.
@@ -131,9 +187,9 @@ struct Watcher {
 }
 
 impl Watcher {
-    fn new(done: oneshot::Sender<Outcome>, held: Arc<Held>) -> Self {
+    fn new(signal: Arc<Signal>, held: Arc<Held>) -> Self {
         Self {
-            done: Some(done),
+            signal,
             held,
             server_id: None,
             covering: false,
@@ -158,9 +214,7 @@ impl Watcher {
     /// Ends the watch and tells its waiter how.
     fn tell(mut self, outcome: Outcome) {
         self.end();
-        if let Some(done) = self.done.take() {
-            let _ = done.send(outcome);
-        }
+        self.signal.tell(outcome);
     }
 }
 
@@ -170,27 +224,107 @@ impl Drop for Watcher {
     }
 }
 
-#[derive(Default)]
 struct Routes {
     watchers: HashMap<u64, Watcher>,
     /// Our ids of the creates sent and not yet answered, oldest first (`None`: forgotten).
     pending: VecDeque<Option<u64>>,
     by_server_id: HashMap<i64, u64>,
+    /// The session leases the watched entries are on: a task per session (not per lock)
+    /// waits for its `gone` token and ends every watch of an entry on it.
+    sessions: HashMap<i64, SessionWatch>,
+    /// How those tasks reach the routing task (weak: they do not keep it alive).
+    commands: mpsc::WeakUnboundedSender<Command>,
+}
+
+/// The watch of one session's `gone` token, for as long as an entry on it is watched.
+struct SessionWatch {
+    watchers: usize,
+    task: AbortHandle,
 }
 
 impl Routes {
-    fn finish(&mut self, id: u64, outcome: Outcome) {
-        if let Some(w) = self.watchers.remove(&id) {
-            if let Some(server_id) = w.server_id {
-                self.by_server_id.remove(&server_id);
+    fn new(commands: mpsc::WeakUnboundedSender<Command>) -> Self {
+        Self {
+            watchers: HashMap::new(),
+            pending: VecDeque::new(),
+            by_server_id: HashMap::new(),
+            sessions: HashMap::new(),
+            commands,
+        }
+    }
+
+    /// Routes `watcher` (its create is sent) and watches its session's end.
+    fn add(&mut self, id: u64, watcher: Watcher) {
+        let session = &watcher.held.session;
+        let watch = self.sessions.entry(session.id).or_insert_with(|| {
+            let (gone, id, commands) = (session.gone.clone(), session.id, self.commands.clone());
+            let task = tokio::spawn(async move {
+                gone.cancelled().await;
+                if let Some(commands) = commands.upgrade() {
+                    let _ = commands.send(Command::SessionGone(id));
+                }
+            });
+            SessionWatch {
+                watchers: 0,
+                task: task.abort_handle(),
             }
+        });
+        watch.watchers += 1;
+        self.watchers.insert(id, watcher);
+        self.pending.push_back(Some(id));
+    }
+
+    /// Takes `id`'s watcher out of every map; its server watch id, if created.
+    fn remove(&mut self, id: u64) -> Option<(Watcher, Option<i64>)> {
+        let w = self.watchers.remove(&id)?;
+        let server_id = w.server_id;
+        if let Some(server_id) = server_id {
+            self.by_server_id.remove(&server_id);
+        }
+        self.forget_session(w.held.session.id);
+        Some((w, server_id))
+    }
+
+    fn forget_session(&mut self, session: i64) {
+        if let Some(watch) = self.sessions.get_mut(&session) {
+            watch.watchers = watch.watchers.saturating_sub(1);
+            if watch.watchers == 0 {
+                watch.task.abort();
+                self.sessions.remove(&session);
+            }
+        }
+    }
+
+    fn finish(&mut self, id: u64, outcome: Outcome) {
+        if let Some((w, _)) = self.remove(id) {
             w.tell(outcome);
         }
+    }
+
+    /// Ends every watch of an entry on `session`; the server watch ids to cancel.
+    fn session_gone(&mut self, session: i64) -> Vec<i64> {
+        let ids: Vec<u64> = self
+            .watchers
+            .iter()
+            .filter(|(_, w)| w.held.session.id == session)
+            .map(|(id, _)| *id)
+            .collect();
+        let mut cancel = Vec::new();
+        for id in ids {
+            if let Some((w, server_id)) = self.remove(id) {
+                cancel.extend(server_id);
+                w.tell(Outcome::SessionGone);
+            }
+        }
+        cancel
     }
 
     fn break_all(&mut self) {
         for (_, w) in self.watchers.drain() {
             w.tell(Outcome::Broken);
+        }
+        for (_, watch) in self.sessions.drain() {
+            watch.task.abort();
         }
         self.pending.clear();
         self.by_server_id.clear();
@@ -265,9 +399,10 @@ async fn write(mut sender: WatchRequestSender, mut requests: mpsc::UnboundedRece
 async fn route(
     client: Client,
     counters: std::sync::Arc<Counters>,
+    me: mpsc::WeakUnboundedSender<Command>,
     mut commands: mpsc::UnboundedReceiver<Command>,
 ) {
-    let mut routes = Routes::default();
+    let mut routes = Routes::new(me);
     let mut writer: Option<mpsc::UnboundedSender<Request>> = None;
     let mut responses: Option<etcd_client::WatchResponseStream> = None;
     loop {
@@ -281,7 +416,7 @@ async fn route(
             command = commands.recv() => {
                 let Some(command) = command else { return };
                 match command {
-                    Command::Watch { id, held, from, done } => {
+                    Command::Watch { id, held, from, signal } => {
                         // Puts too: one that moves the key to another lease ends the watch
                         // as a deletion does (see `still_ours`).
                         let opts = WatchOptions::new().with_start_revision(from);
@@ -301,10 +436,9 @@ async fn route(
                             },
                         };
                         if sent {
-                            routes.watchers.insert(id, Watcher::new(done, held));
-                            routes.pending.push_back(Some(id));
+                            routes.add(id, Watcher::new(signal, held));
                         } else {
-                            let _ = done.send(Outcome::Broken);
+                            signal.tell(Outcome::Broken);
                             routes.break_all();
                             writer = None;
                             responses = None;
@@ -312,10 +446,9 @@ async fn route(
                     }
                     Command::Forget { id } => {
                         // Dropping the watcher ends its cover of the entry.
-                        if let Some(w) = routes.watchers.remove(&id) {
-                            match w.server_id {
+                        if let Some((_, server_id)) = routes.remove(id) {
+                            match server_id {
                                 Some(server_id) => {
-                                    routes.by_server_id.remove(&server_id);
                                     if let Some(w) = writer.as_ref() {
                                         let _ = w.send(Request::Cancel(server_id));
                                     }
@@ -327,6 +460,13 @@ async fn route(
                                         }
                                     }
                                 }
+                            }
+                        }
+                    }
+                    Command::SessionGone(session) => {
+                        for server_id in routes.session_gone(session) {
+                            if let Some(w) = writer.as_ref() {
+                                let _ = w.send(Request::Cancel(server_id));
                             }
                         }
                     }
@@ -381,19 +521,21 @@ async fn read_entry(inner: &Inner, held: &Held) -> Entry {
     Entry::Ours(now.header().map(|h| h.revision()))
 }
 
-/// Completes when `held`'s entry is deleted (lease expired or revoked, key deleted), or is
-/// found gone by a renewal. (The session's end is the caller's to wait for: one token shared by
-/// every lock on the session.)
+/// Completes when `held`'s entry is deleted (lease expired or revoked, key deleted), its
+/// session's lease is known to be gone, or it is found gone by a renewal. What it keeps while
+/// it waits is its watch's registration (an id, a sender, the shared signal): the rare paths
+/// (a read after a cancelled watch, the pause after a broken stream) are boxed, and the
+/// session's end is watched once per session by the routing task, not once per lock.
 pub(crate) async fn watch_entry(inner: &Inner, held: &Arc<Held>) -> LossReason {
-    let mut backoff = None::<Backoff>;
+    let mut backoff = None::<Box<Backoff>>;
     let mut from = held.rev + 1;
     loop {
         if held.is_gone() {
             return LossReason::Revoked;
         }
-        let mut watch = inner.watches.watch_delete(held, from);
+        let watch = inner.watches.watch_delete(held, from);
         let deleted = match watch.ended().await {
-            Outcome::Deleted => true,
+            Outcome::Deleted | Outcome::SessionGone => true,
             Outcome::Broken => false,
             Outcome::Canceled => {
                 // Compacted past our revision: look at the key itself. Boxed: this future
@@ -414,8 +556,12 @@ pub(crate) async fn watch_entry(inner: &Inner, held: &Arc<Held>) -> LossReason {
             return LossReason::Revoked;
         }
         // The rare path's pause is boxed too, and its backoff made only when needed.
-        let backoff = backoff
-            .get_or_insert_with(|| Backoff::new(Duration::from_millis(50), Duration::from_secs(2)));
+        let backoff = backoff.get_or_insert_with(|| {
+            Box::new(Backoff::new(
+                Duration::from_millis(50),
+                Duration::from_secs(2),
+            ))
+        });
         Box::pin(sleep(backoff.next_delay())).await;
     }
 }
@@ -423,11 +569,69 @@ pub(crate) async fn watch_entry(inner: &Inner, held: &Arc<Held>) -> LossReason {
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
-    use std::time::Duration;
+    use std::{sync::Arc, time::Duration};
 
     use lock_core::raw::{Driver, LockKey};
 
     use crate::EtcdLock;
+
+    /// The session's end reaches every held lock on it through the routing task's one watch
+    /// of the session (no token waiter per lock), even with no deletion event: here the
+    /// session is only marked gone, on this client, and its entries stay on the server.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_session_known_gone_ends_every_watch_on_it() {
+        let Some(url) = conformance::backend_url("DISTLOCK_TEST_ETCD_URL") else {
+            return;
+        };
+        let lock = EtcdLock::connect_url(&url).await.unwrap();
+        let ttl = Duration::from_secs(10);
+        let tag = rand::random::<u32>();
+        let key = |i: usize| LockKey::new(format!("session-gone-{tag:x}-{i}")).unwrap();
+        let mut leases = Vec::new();
+        for i in 0..3 {
+            leases.push(lock.try_acquire(&key(i), ttl).await.unwrap().unwrap());
+        }
+        let held: Vec<_> = leases
+            .iter()
+            .map(|l| l.shared_backend_state::<crate::renew::Held>().unwrap())
+            .collect();
+        assert!(
+            held.windows(2)
+                .all(|w| Arc::ptr_eq(&w[0].session, &w[1].session)),
+            "one session for the three locks"
+        );
+        let mut watches: Vec<_> = leases.iter().map(|l| lock.watch_lost(l)).collect();
+        // A watch is registered at its first poll.
+        for w in &mut watches {
+            assert!(futures::poll!(w.as_mut()).is_pending());
+        }
+        // Every watch is in place on the server before the session is marked gone.
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while !held.iter().all(|h| h.is_watched()) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the watches were created");
+        for w in &mut watches {
+            assert!(
+                futures::poll!(w.as_mut()).is_pending(),
+                "nothing is lost yet"
+            );
+        }
+        held[0].session.mark_gone();
+        for w in watches {
+            let reason = tokio::time::timeout(Duration::from_secs(5), w)
+                .await
+                .expect("a held lock on a gone session is told so");
+            assert_eq!(reason, lock_core::raw::LossReason::Revoked);
+        }
+        // The entries are still on the server: only the client knew. Clean up.
+        drop(held);
+        for lease in &leases {
+            let _ = lock.force_release(lease.key()).await;
+        }
+    }
 
     /// Issue 24: what a held lock keeps for its whole life is its `watch_lost` future (polled by
     /// lock-core's scheduler) and its place in the client's one reaper queue: no task of its own
@@ -477,7 +681,7 @@ mod tests {
             "{spawned} tasks alive more after 16 more locks were taken: a task per held lock"
         );
         assert!(
-            watch_size <= 320,
+            watch_size <= 160,
             "a held lock's watch_lost future takes {watch_size} B"
         );
         assert!(
