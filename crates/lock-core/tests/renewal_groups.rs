@@ -42,8 +42,13 @@ enum Answer {
 struct Grouped {
     inner: InMemoryLock,
     group: Arc<MemGroup>,
+    /// The group of the keys under [`OTHER`] (a second session, say).
+    other: Arc<MemGroup>,
     own_renewals: AtomicUsize,
 }
+
+/// Keys under this prefix belong to [`Grouped::other`].
+const OTHER: &str = "other-group/";
 
 #[derive(Debug)]
 struct MemGroup {
@@ -55,18 +60,25 @@ struct MemGroup {
     answer: Mutex<Answer>,
 }
 
+impl MemGroup {
+    fn new(coordinator: &InMemoryLock) -> Arc<Self> {
+        Arc::new(Self {
+            inner: coordinator.client(),
+            members: Mutex::new(HashMap::new()),
+            joined: AtomicUsize::new(0),
+            left: AtomicUsize::new(0),
+            renewals: AtomicUsize::new(0),
+            answer: Mutex::new(Answer::Renew),
+        })
+    }
+}
+
 impl Grouped {
     fn new(coordinator: &InMemoryLock) -> Arc<Self> {
         Arc::new(Self {
             inner: coordinator.client(),
-            group: Arc::new(MemGroup {
-                inner: coordinator.client(),
-                members: Mutex::new(HashMap::new()),
-                joined: AtomicUsize::new(0),
-                left: AtomicUsize::new(0),
-                renewals: AtomicUsize::new(0),
-                answer: Mutex::new(Answer::Renew),
-            }),
+            group: MemGroup::new(coordinator),
+            other: MemGroup::new(coordinator),
             own_renewals: AtomicUsize::new(0),
         })
     }
@@ -156,8 +168,12 @@ impl lock_core::raw::Driver for Grouped {
     fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
         DistributedLock::watch_lost(&self.inner, lease)
     }
-    fn renewal_group(&self, _lease: &Lease) -> Option<SharedGroup> {
-        Some(self.group.clone())
+    fn renewal_group(&self, lease: &Lease) -> Option<SharedGroup> {
+        if lease.key().as_str().starts_with(OTHER) {
+            Some(self.other.clone())
+        } else {
+            Some(self.group.clone())
+        }
     }
 }
 
@@ -288,6 +304,52 @@ async fn a_group_that_cannot_renew_loses_every_member_at_its_deadline_or_at_once
     for g in &guards {
         assert_eq!(g.loss_reason(), Some(LossReason::SessionExpired));
     }
+}
+
+/// Two groups in one scheduler (two sessions of one client): each renews its own members,
+/// and one group's end loses its members and none of the other's, which go on renewing.
+#[tokio::test(start_paused = true)]
+async fn two_groups_of_one_client_renew_and_end_apart() {
+    let coordinator = InMemoryLock::new();
+    let driver = Grouped::new(&coordinator);
+    let lock: DynLock = driver.clone();
+    let ttl = Duration::from_secs(3);
+    let ours = hold(&lock, "groups/apart", 20, ttl).await;
+    let others = hold(&lock, &format!("{OTHER}apart"), 20, ttl).await;
+    assert_eq!(driver.group.joined.load(Ordering::SeqCst), 20);
+    assert_eq!(driver.other.joined.load(Ordering::SeqCst), 20);
+    sleep(ttl).await;
+    assert!(driver.group.renewals.load(Ordering::SeqCst) >= 2);
+    assert!(driver.other.renewals.load(Ordering::SeqCst) >= 2);
+    assert_eq!(driver.own_renewals.load(Ordering::SeqCst), 0);
+
+    *driver.other.answer.lock().unwrap() = Answer::Gone;
+    timeout(ttl, others[0].lost())
+        .await
+        .expect("the other group's members were not lost when its session ended");
+    for g in &others {
+        assert_eq!(
+            g.loss_reason(),
+            Some(LossReason::SessionExpired),
+            "{}",
+            g.key()
+        );
+    }
+    assert_eq!(driver.other.left.load(Ordering::SeqCst), 20);
+    // Ours go on: renewed by their own group past several TTLs, none lost.
+    let renewed = driver.group.renewals.load(Ordering::SeqCst);
+    sleep(ttl * 3).await;
+    assert!(driver.group.renewals.load(Ordering::SeqCst) >= renewed + 4);
+    for g in &ours {
+        assert!(!g.is_lost(), "{} lost with the other group", g.key());
+        assert!(g.local_deadline() > Instant::now());
+    }
+    drop(others);
+    for g in ours {
+        assert!(g.release().await.unwrap());
+    }
+    assert_eq!(driver.group.left.load(Ordering::SeqCst), 20);
+    assert!(driver.group.members.lock().unwrap().is_empty());
 }
 
 async fn sleep_until_just_before(at: Instant) {
