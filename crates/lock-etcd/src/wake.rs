@@ -12,7 +12,9 @@
 //! to its holder, and `renew` leaves out the per-entry read that is otherwise its only way to
 //! notice one (see [`crate::renew::renew`]). A watcher that goes away cancels its
 //! watch on the server. When the stream breaks, every watcher is told ([`Outcome::Broken`]) and
-//! watches again from the revision it knows; the next watch opens a new stream.
+//! watches again from the revision it knows; the next watch opens a new stream, in a task of
+//! its own (the routing task goes on meanwhile). A session's end is watched once per session
+//! and ends every watch on it; a watch between two streams waits for the same end itself.
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -96,6 +98,12 @@ enum Command {
     },
     /// The session lease with this id is gone: every watch of an entry on it ends.
     SessionGone(i64),
+    /// The stream of this generation opened (its responses), or could not be opened.
+    Opened {
+        generation: u64,
+        /// Boxed: the stream is large and the other commands are many.
+        responses: Option<Box<etcd_client::WatchResponseStream>>,
+    },
 }
 
 /// The client's shared deletion-watch stream (the routing task starts with the first watch and
@@ -396,15 +404,52 @@ async fn write(mut sender: WatchRequestSender, mut requests: mpsc::UnboundedRece
     }
 }
 
+/// Opens a stream with its first watch, then sends the requests queued meanwhile, in order.
+/// A task of its own: the routing task goes on meanwhile (forgetting watches, ending those of a
+/// session that is gone) however long the open takes on a link that does not answer.
+async fn open(
+    client: Client,
+    first: (Vec<u8>, WatchOptions),
+    requests: mpsc::UnboundedReceiver<Request>,
+    router: mpsc::WeakUnboundedSender<Command>,
+    generation: u64,
+) {
+    let opened = client.watch_client().watch(first.0, Some(first.1)).await;
+    let Some(tell) = router.upgrade() else { return };
+    match opened {
+        Ok(stream) => {
+            let (sender, responses) = stream.split();
+            let told = tell.send(Command::Opened {
+                generation,
+                responses: Some(Box::new(responses)),
+            });
+            // Not keeping the routing task alive while writing.
+            drop(tell);
+            if told.is_ok() {
+                write(sender, requests).await;
+            }
+        }
+        Err(_) => {
+            let _ = tell.send(Command::Opened {
+                generation,
+                responses: None,
+            });
+        }
+    }
+}
+
 async fn route(
     client: Client,
     counters: std::sync::Arc<Counters>,
     me: mpsc::WeakUnboundedSender<Command>,
     mut commands: mpsc::UnboundedReceiver<Command>,
 ) {
-    let mut routes = Routes::new(me);
+    let mut routes = Routes::new(me.clone());
+    // From the open's start: requests sent before the stream is open wait in the channel.
     let mut writer: Option<mpsc::UnboundedSender<Request>> = None;
     let mut responses: Option<etcd_client::WatchResponseStream> = None;
+    // Which open an `Opened` answers (a stale one is dropped).
+    let mut generation = 0_u64;
     loop {
         let message = async {
             match responses.as_mut() {
@@ -423,17 +468,14 @@ async fn route(
                         Counters::bump(&counters.watch);
                         let sent = match writer.as_ref() {
                             Some(w) => w.send(Request::Watch(held.key.clone(), opts)).is_ok(),
-                            None => match client.watch_client().watch(held.key.clone(), Some(opts)).await {
-                                Ok(stream) => {
-                                    let (sender, r) = stream.split();
-                                    let (w, requests) = mpsc::unbounded_channel();
-                                    tokio::spawn(write(sender, requests));
-                                    writer = Some(w);
-                                    responses = Some(r);
-                                    true
-                                }
-                                Err(_) => false,
-                            },
+                            None => {
+                                let (w, requests) = mpsc::unbounded_channel();
+                                generation += 1;
+                                let first = (held.key.clone(), opts);
+                                tokio::spawn(open(client.clone(), first, requests, me.clone(), generation));
+                                writer = Some(w);
+                                true
+                            }
                         };
                         if sent {
                             routes.add(id, Watcher::new(signal, held));
@@ -467,6 +509,19 @@ async fn route(
                         for server_id in routes.session_gone(session) {
                             if let Some(w) = writer.as_ref() {
                                 let _ = w.send(Request::Cancel(server_id));
+                            }
+                        }
+                    }
+                    Command::Opened { generation: of, responses: opened } => {
+                        if of != generation {
+                            continue;
+                        }
+                        match opened {
+                            Some(r) => responses = Some(*r),
+                            None => {
+                                routes.break_all();
+                                writer = None;
+                                responses = None;
                             }
                         }
                     }
@@ -538,16 +593,15 @@ pub(crate) async fn watch_entry(inner: &Inner, held: &Arc<Held>) -> LossReason {
             Outcome::Deleted | Outcome::SessionGone => true,
             Outcome::Broken => false,
             Outcome::Canceled => {
-                // Compacted past our revision: look at the key itself. Boxed: this future
-                // lives as long as the lock is held, and the read's state (≈ 2.7 KiB) is
-                // needed only here, so it must not be part of it.
-                match Box::pin(read_entry(inner, held)).await {
-                    Entry::Gone => true,
-                    Entry::Ours(revision) => {
+                // Compacted past our revision: look at the key itself (the read's state,
+                // ≈ 2.7 KiB, is boxed by `or_gone`).
+                match or_gone(held, read_entry(inner, held)).await {
+                    None | Some(Entry::Gone) => true,
+                    Some(Entry::Ours(revision)) => {
                         from = revision.map_or(from, |r| r + 1);
                         false
                     }
-                    Entry::Unread => false,
+                    Some(Entry::Unread) => false,
                 }
             }
         };
@@ -555,15 +609,34 @@ pub(crate) async fn watch_entry(inner: &Inner, held: &Arc<Held>) -> LossReason {
         if deleted {
             return LossReason::Revoked;
         }
-        // The rare path's pause is boxed too, and its backoff made only when needed.
+        // The rare path's pause, and its backoff made only when needed.
         let backoff = backoff.get_or_insert_with(|| {
             Box::new(Backoff::new(
                 Duration::from_millis(50),
                 Duration::from_secs(2),
             ))
         });
-        Box::pin(sleep(backoff.next_delay())).await;
+        if or_gone(held, sleep(backoff.next_delay())).await.is_none() {
+            return LossReason::Revoked;
+        }
     }
+}
+
+/// Runs a step of `watch_entry`'s rare path — between two watches, when no watch of the
+/// routing task covers the entry — unless the session's lease is known gone first (`None`).
+/// Boxed here, not in an `async fn`: the future every held lock keeps for its whole life then
+/// holds none of this state (the step moves straight into the box).
+fn or_gone<'a, T: 'a>(
+    held: &'a Held,
+    step: impl Future<Output = T> + Send + 'a,
+) -> futures::future::BoxFuture<'a, Option<T>> {
+    Box::pin(async move {
+        tokio::select! {
+            biased;
+            () = held.session.gone.cancelled() => None,
+            out = step => Some(out),
+        }
+    })
 }
 
 #[cfg(test)]
@@ -631,6 +704,62 @@ mod tests {
         for lease in &leases {
             let _ = lock.force_release(lease.key()).await;
         }
+    }
+
+    /// The session's end reaches a held lock even while its watch stream cannot be opened
+    /// again (the link answers nothing): opening a stream is a task of its own, so the routing
+    /// task still ends the watches of a session that is gone, at once — not when the
+    /// connection's keepalive gives up on the link (~15 s).
+    #[tokio::test]
+    async fn a_session_gone_while_the_stream_cannot_reopen_still_ends_the_watch() {
+        let Some(url) = conformance::backend_url("DISTLOCK_TEST_ETCD_URL") else {
+            return;
+        };
+        let (proxy, proxied) = conformance::drill::Proxy::start_for_url(&url)
+            .await
+            .unwrap();
+        let lock = EtcdLock::connect_url(&proxied).await.unwrap();
+        let key = LockKey::new(format!("reopen-gone-{:x}", rand::random::<u32>())).unwrap();
+        let lease = lock
+            .try_acquire(&key, Duration::from_secs(10))
+            .await
+            .unwrap()
+            .unwrap();
+        let held = lease.shared_backend_state::<crate::renew::Held>().unwrap();
+        let mut watch = lock.watch_lost(&lease);
+        assert!(futures::poll!(watch.as_mut()).is_pending());
+        let covered = |want: bool| {
+            let held = held.clone();
+            async move {
+                tokio::time::timeout(Duration::from_secs(10), async {
+                    while held.is_watched() != want {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                })
+                .await
+                .expect("the watch's cover did not change");
+            }
+        };
+        covered(true).await;
+        // The link goes silent and its connections are reset: the stream breaks, and the
+        // watch's next stream cannot open.
+        proxy.blackhole();
+        proxy.reset();
+        let task = tokio::spawn(watch);
+        covered(false).await;
+        // Past the first pauses: the watch waits on a stream being opened.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(
+            !task.is_finished(),
+            "the watch ended before its session did"
+        );
+        held.session.mark_gone();
+        let reason = tokio::time::timeout(Duration::from_secs(3), task)
+            .await
+            .expect("the session's end waited for the stream to open")
+            .unwrap();
+        assert_eq!(reason, lock_core::raw::LossReason::Revoked);
+        proxy.pass();
     }
 
     /// Issue 24: what a held lock keeps for its whole life is its `watch_lost` future (polled by
