@@ -58,6 +58,11 @@ struct MemGroup {
     left: AtomicUsize,
     renewals: AtomicUsize,
     answer: Mutex<Answer>,
+    /// How long a renewal takes before it renews (none by default).
+    delay: Mutex<Duration>,
+    /// Renewals started and not yet answered, and the most at once.
+    in_flight: Arc<AtomicUsize>,
+    most_in_flight: AtomicUsize,
 }
 
 impl MemGroup {
@@ -69,6 +74,9 @@ impl MemGroup {
             left: AtomicUsize::new(0),
             renewals: AtomicUsize::new(0),
             answer: Mutex::new(Answer::Renew),
+            delay: Mutex::new(Duration::ZERO),
+            in_flight: Arc::new(AtomicUsize::new(0)),
+            most_in_flight: AtomicUsize::new(0),
         })
     }
 }
@@ -116,10 +124,20 @@ impl RenewalGroup for MemGroup {
     ) -> BoxFuture<'static, std::result::Result<Instant, GroupRenewError>> {
         self.renewals.fetch_add(1, Ordering::SeqCst);
         let answer = *self.answer.lock().unwrap();
+        let delay = *self.delay.lock().unwrap();
         let members: Vec<Lease> = self.members.lock().unwrap().values().cloned().collect();
         let inner = self.inner.clone();
+        let now_in_flight = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most_in_flight
+            .fetch_max(now_in_flight, Ordering::SeqCst);
+        let in_flight = InFlight(self.in_flight.clone());
         Box::pin(async move {
+            let _in_flight = in_flight;
             let sent_at = Instant::now();
+            if !delay.is_zero() {
+                // A coordinator that answers late: the renewal is pending meanwhile.
+                sleep(delay).await;
+            }
             match answer {
                 Answer::Renew => {}
                 Answer::Unavailable => {
@@ -138,6 +156,15 @@ impl RenewalGroup for MemGroup {
             }
             Ok(sent_at)
         })
+    }
+}
+
+/// Counts a renewal out of flight when its future ends or is dropped.
+struct InFlight(Arc<AtomicUsize>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -350,6 +377,44 @@ async fn two_groups_of_one_client_renew_and_end_apart() {
     }
     assert_eq!(driver.group.left.load(Ordering::SeqCst), 20);
     assert!(driver.group.members.lock().unwrap().is_empty());
+    // A group goes with its last member: nothing renews for nobody.
+    let (ours_done, others_done) = (
+        driver.group.renewals.load(Ordering::SeqCst),
+        driver.other.renewals.load(Ordering::SeqCst),
+    );
+    sleep(ttl * 3).await;
+    assert_eq!(driver.group.renewals.load(Ordering::SeqCst), ours_done);
+    assert_eq!(driver.other.renewals.load(Ordering::SeqCst), others_done);
+}
+
+/// A group renewal the coordinator answers late is pending meanwhile: its answer still
+/// reaches the scheduler (woken through the group's own waker), every member stays held, and
+/// a group never has two renewals in flight.
+#[tokio::test(start_paused = true)]
+async fn a_group_renewal_answered_late_still_renews_every_member() {
+    let coordinator = InMemoryLock::new();
+    let driver = Grouped::new(&coordinator);
+    let lock: DynLock = driver.clone();
+    let ttl = Duration::from_secs(3);
+    // Most of the renewal interval (a third of the TTL).
+    *driver.group.delay.lock().unwrap() = Duration::from_millis(800);
+    let guards = hold(&lock, "groups/late", 20, ttl).await;
+    sleep(ttl * 5).await;
+    let renewals = driver.group.renewals.load(Ordering::SeqCst);
+    assert!(renewals >= 8, "{renewals} group renewals in five TTLs");
+    assert_eq!(driver.group.most_in_flight.load(Ordering::SeqCst), 1);
+    for g in &guards {
+        assert!(!g.is_lost(), "{} lost", g.key());
+        assert!(g.local_deadline() > Instant::now());
+        assert!(
+            coordinator
+                .client()
+                .inspect(g.key())
+                .await
+                .unwrap()
+                .is_some()
+        );
+    }
 }
 
 async fn sleep_until_just_before(at: Instant) {
