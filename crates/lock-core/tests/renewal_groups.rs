@@ -33,6 +33,8 @@ enum Answer {
     Unavailable,
     /// The shared session ended.
     Gone,
+    /// The coordinator refused the renewal (not a failure that a retry could mend).
+    Refused,
 }
 
 /// The in-memory coordinator, with every lease of one client in one renewal group: the group's
@@ -149,6 +151,14 @@ impl RenewalGroup for MemGroup {
                     }));
                 }
                 Answer::Gone => return Err(GroupRenewError::Lost(LossReason::SessionExpired)),
+                Answer::Refused => {
+                    return Err(GroupRenewError::Failed(Error::Backend {
+                        backend: "grouped",
+                        op: "renew",
+                        message: "refused (this test's fault)".into(),
+                        source: None,
+                    }));
+                }
             }
             for mut lease in members {
                 // A member whose grant is gone is pushed by its own watch_lost.
@@ -413,6 +423,38 @@ async fn a_group_renewal_answered_late_still_renews_every_member() {
                 .await
                 .unwrap()
                 .is_some()
+        );
+    }
+}
+
+/// A group renewal the coordinator refuses (no temporary failure) loses every member at
+/// once, with `RenewFailed`: it is not retried until the deadline as an unreachable
+/// coordinator is.
+#[tokio::test(start_paused = true)]
+async fn a_refused_group_renewal_loses_every_member_at_once() {
+    let coordinator = InMemoryLock::new();
+    let driver = Grouped::new(&coordinator);
+    let lock: DynLock = driver.clone();
+    let ttl = Duration::from_secs(3);
+    let guards = hold(&lock, "groups/refused", 20, ttl).await;
+    sleep(ttl / 2).await;
+    driver.answer(Answer::Refused);
+    let asked = Instant::now();
+    timeout(ttl, guards[0].lost())
+        .await
+        .expect("not lost a TTL after its renewal was refused");
+    let deadline = guards[0].local_deadline();
+    assert!(
+        Instant::now() < deadline,
+        "lost only at the deadline ({:?} after the refusal): retried as a temporary failure",
+        asked.elapsed()
+    );
+    for g in &guards {
+        assert_eq!(
+            g.loss_reason(),
+            Some(LossReason::RenewFailed),
+            "{}",
+            g.key()
         );
     }
 }
