@@ -221,9 +221,7 @@ impl lock_core::raw::Driver for Grouped {
 /// group: every member that joined left.
 #[tokio::test(start_paused = true)]
 async fn a_tick_of_many_members_is_one_group_renewal_and_each_loss_stays_its_own() {
-    let coordinator = InMemoryLock::new();
-    let driver = Grouped::new(&coordinator);
-    let lock: DynLock = driver.clone();
+    let (coordinator, driver, lock) = setup();
     let ttl = Duration::from_secs(3);
     let n = 1000;
     let guards = hold(&lock, "groups/many", n, ttl).await;
@@ -285,9 +283,7 @@ async fn a_tick_of_many_members_is_one_group_renewal_and_each_loss_stays_its_own
 /// once with that reason.
 #[tokio::test(start_paused = true)]
 async fn a_group_that_cannot_renew_loses_every_member_at_its_deadline_or_at_once() {
-    let coordinator = InMemoryLock::new();
-    let driver = Grouped::new(&coordinator);
-    let lock: DynLock = driver.clone();
+    let (coordinator, driver, lock) = setup();
     let ttl = Duration::from_secs(3);
     let guards = hold(&lock, "groups/failing", 50, ttl).await;
     sleep(ttl).await;
@@ -304,14 +300,7 @@ async fn a_group_that_cannot_renew_loses_every_member_at_its_deadline_or_at_once
     for g in &guards {
         assert!(!g.is_lost(), "{} lost before its deadline", g.key());
         // The coordinator still holds it: the deadline was never later than its expiry.
-        assert!(
-            coordinator
-                .client()
-                .inspect(g.key())
-                .await
-                .unwrap()
-                .is_some()
-        );
+        assert!(held_by_coordinator(&coordinator, g).await, "{}", g.key());
     }
     timeout(ttl, guards[0].lost())
         .await
@@ -347,9 +336,7 @@ async fn a_group_that_cannot_renew_loses_every_member_at_its_deadline_or_at_once
 /// and one group's end loses its members and none of the other's, which go on renewing.
 #[tokio::test(start_paused = true)]
 async fn two_groups_of_one_client_renew_and_end_apart() {
-    let coordinator = InMemoryLock::new();
-    let driver = Grouped::new(&coordinator);
-    let lock: DynLock = driver.clone();
+    let (_coordinator, driver, lock) = setup();
     let ttl = Duration::from_secs(3);
     let ours = hold(&lock, "groups/apart", 20, ttl).await;
     let others = hold(&lock, &format!("{OTHER}apart"), 20, ttl).await;
@@ -402,9 +389,7 @@ async fn two_groups_of_one_client_renew_and_end_apart() {
 /// a group never has two renewals in flight.
 #[tokio::test(start_paused = true)]
 async fn a_group_renewal_answered_late_still_renews_every_member() {
-    let coordinator = InMemoryLock::new();
-    let driver = Grouped::new(&coordinator);
-    let lock: DynLock = driver.clone();
+    let (coordinator, driver, lock) = setup();
     let ttl = Duration::from_secs(3);
     // Most of the renewal interval (a third of the TTL).
     *driver.group.delay.lock().unwrap() = Duration::from_millis(800);
@@ -416,14 +401,7 @@ async fn a_group_renewal_answered_late_still_renews_every_member() {
     for g in &guards {
         assert!(!g.is_lost(), "{} lost", g.key());
         assert!(g.local_deadline() > Instant::now());
-        assert!(
-            coordinator
-                .client()
-                .inspect(g.key())
-                .await
-                .unwrap()
-                .is_some()
-        );
+        assert!(held_by_coordinator(&coordinator, g).await, "{}", g.key());
     }
 }
 
@@ -432,9 +410,7 @@ async fn a_group_renewal_answered_late_still_renews_every_member() {
 /// coordinator is.
 #[tokio::test(start_paused = true)]
 async fn a_refused_group_renewal_loses_every_member_at_once() {
-    let coordinator = InMemoryLock::new();
-    let driver = Grouped::new(&coordinator);
-    let lock: DynLock = driver.clone();
+    let (_coordinator, driver, lock) = setup();
     let ttl = Duration::from_secs(3);
     let guards = hold(&lock, "groups/refused", 20, ttl).await;
     sleep(ttl / 2).await;
@@ -457,6 +433,24 @@ async fn a_refused_group_renewal_loses_every_member_at_once() {
             g.key()
         );
     }
+}
+
+/// A coordinator and a client of it whose every lease is in a renewal group.
+fn setup() -> (InMemoryLock, Arc<Grouped>, DynLock) {
+    let coordinator = InMemoryLock::new();
+    let driver = Grouped::new(&coordinator);
+    let lock: DynLock = driver.clone();
+    (coordinator, driver, lock)
+}
+
+/// Whether the coordinator still records `guard`'s key as held.
+async fn held_by_coordinator(coordinator: &InMemoryLock, guard: &lock_core::LockGuard) -> bool {
+    coordinator
+        .client()
+        .inspect(guard.key())
+        .await
+        .unwrap()
+        .is_some()
 }
 
 async fn sleep_until_just_before(at: Instant) {
