@@ -19,10 +19,7 @@
 use std::{
     collections::{HashMap, VecDeque},
     future::poll_fn,
-    sync::{
-        Arc,
-        atomic::{AtomicU8, Ordering},
-    },
+    sync::{Arc, OnceLock},
     task::Poll,
     time::Duration,
 };
@@ -53,36 +50,23 @@ pub(crate) enum Outcome {
     Broken,
 }
 
-impl Outcome {
-    const ALL: [Self; 4] = [
-        Self::Deleted,
-        Self::SessionGone,
-        Self::Canceled,
-        Self::Broken,
-    ];
-}
-
-/// Where the routing task tells one watch how it ended, and wakes its waiter: a flag and a
-/// waker, not a channel — a held lock keeps one for its whole life.
+/// Where the routing task tells one watch how it ended, and wakes its waiter: a set-once
+/// value and a waker, not a channel — a held lock keeps one for its whole life.
 #[derive(Default)]
 struct Signal {
-    /// 0 while the watch runs, else 1 + the index of its [`Outcome`] in [`Outcome::ALL`].
-    outcome: AtomicU8,
+    /// Set once, when the watch ends (a watch ends once).
+    outcome: OnceLock<Outcome>,
     waker: AtomicWaker,
 }
 
 impl Signal {
     fn tell(&self, outcome: Outcome) {
-        let at = Outcome::ALL.iter().position(|o| *o == outcome).unwrap_or(0);
-        // Four outcomes: the index fits.
-        self.outcome
-            .store(u8::try_from(at + 1).unwrap_or(u8::MAX), Ordering::Release);
+        let _ = self.outcome.set(outcome);
         self.waker.wake();
     }
 
     fn told(&self) -> Option<Outcome> {
-        let at = usize::from(self.outcome.load(Ordering::Acquire));
-        at.checked_sub(1).and_then(|i| Outcome::ALL.get(i).copied())
+        self.outcome.get().copied()
     }
 }
 
@@ -444,7 +428,7 @@ async fn route(
     me: mpsc::WeakUnboundedSender<Command>,
     mut commands: mpsc::UnboundedReceiver<Command>,
 ) {
-    let mut routes = Routes::new(me.clone());
+    let mut routes = Routes::new(me);
     // From the open's start: requests sent before the stream is open wait in the channel.
     let mut writer: Option<mpsc::UnboundedSender<Request>> = None;
     let mut responses: Option<etcd_client::WatchResponseStream> = None;
@@ -472,7 +456,8 @@ async fn route(
                                 let (w, requests) = mpsc::unbounded_channel();
                                 generation += 1;
                                 let first = (held.key.clone(), opts);
-                                tokio::spawn(open(client.clone(), first, requests, me.clone(), generation));
+                                let router = routes.commands.clone();
+                                tokio::spawn(open(client.clone(), first, requests, router, generation));
                                 writer = Some(w);
                                 true
                             }
@@ -745,10 +730,18 @@ mod tests {
         // watch's next stream cannot open.
         proxy.blackhole();
         proxy.reset();
+        let watches = lock.request_counts().watch;
         let task = tokio::spawn(watch);
         covered(false).await;
-        // Past the first pauses: the watch waits on a stream being opened.
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // The watch has paused and asked for its watch again: the routing task is opening a
+        // stream for it (on the silent link).
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while lock.request_counts().watch <= watches {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the watch was not asked for again");
         assert!(
             !task.is_finished(),
             "the watch ended before its session did"
