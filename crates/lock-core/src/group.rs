@@ -13,7 +13,7 @@ use std::{fmt, sync::Arc, time::Duration};
 use futures::future::BoxFuture;
 use tokio::time::Instant;
 
-use crate::{Error, Lease, LossReason};
+use crate::{Error, Lease, LossReason, raw::LostSink};
 
 /// One renewal shared by many leases.
 ///
@@ -29,8 +29,10 @@ use crate::{Error, Lease, LossReason};
 ///   is a proof about the whole group (it was counted from a request that kept the group's
 ///   shared lease or session alive), so lock-core may move the group's deadline to it.
 /// - **Per-member losses are pushed.** A member whose grant is gone while the group lives (an
-///   operator's `release --force`, a node deleted) must be reported by its `watch_lost`; a
-///   group renewal never answers for one member.
+///   operator's `release --force`, a node deleted) must be reported — to the [`LostSink`] it
+///   joined with when [`RenewalGroup::join`] took it, else by its `watch_lost` — and, when a
+///   renewal finds it gone, reported before that renewal answers: a group renewal never
+///   answers for one member.
 /// - **While a lease is a member, the driver expects no renewal of it of its own**: it must
 ///   not expire it for lack of one (a reaper deleting entries nobody renewed). After
 ///   [`RenewalGroup::leave`] the lease is the driver's again, with the deadline the group's
@@ -42,8 +44,15 @@ pub trait RenewalGroup: Send + Sync + fmt::Debug + 'static {
     /// lives).
     fn id(&self) -> usize;
 
-    /// `lease` is renewed by this group from now on.
-    fn join(&self, lease: &Lease);
+    /// `lease` is renewed by this group from now on. Answers whether the driver pushes the
+    /// member's loss to `lost` (keeping a clone until [`RenewalGroup::leave`]); if not,
+    /// lock-core keeps and polls the lease's
+    /// [`watch_lost`](crate::DistributedLock::watch_lost) future instead. Pushing saves that
+    /// future per held lock.
+    ///
+    /// Called under the scheduler's lock: it must not block or wait, and may call nothing of
+    /// lock-core's but `lost` (which it may, at once, for a lease it knows gone).
+    fn join(&self, lease: &Lease, lost: &LostSink) -> bool;
 
     /// `lease` is no longer renewed by this group (released, lost, or its guard gone).
     fn leave(&self, lease: &Lease);

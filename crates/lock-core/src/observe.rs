@@ -283,8 +283,8 @@ impl crate::raw::RenewalGroup for ObservedGroup {
         self.inner.id()
     }
 
-    fn join(&self, lease: &Lease) {
-        self.inner.join(lease);
+    fn join(&self, lease: &Lease, lost: &crate::raw::LostSink) -> bool {
+        self.inner.join(lease, lost)
     }
 
     fn leave(&self, lease: &Lease) {

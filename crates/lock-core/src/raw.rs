@@ -42,6 +42,7 @@ pub mod group;
 #[path = "handoff.rs"]
 pub mod handoff;
 
+pub use crate::renewer::{LostSink, PushedLosses};
 pub use batch::Batcher;
 pub use failure::{Effect, Failure, RequestFailure, within};
 pub use group::{GroupRenewError, RenewalGroup, SharedGroup};

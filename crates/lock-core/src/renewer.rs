@@ -27,8 +27,9 @@
 //! group — one per group id, TTL and interval — is renewed like a slot, by one request, and
 //! its deadline is every member's: a member's [`Status`] reads it. A tick of N members costs
 //! one renewal and O(1) work here; the group's deadline passing, or its renewal failing for
-//! good, loses every member (O(N), once). A member's own loss is pushed by its `watch_lost`,
-//! which takes it out of the group.
+//! good, loses every member (O(N), once). A member's own loss is pushed by its driver to the
+//! member's [`LostSink`] (or, for a driver that does not push, by its `watch_lost`), which
+//! takes it out of the group.
 
 use std::{
     collections::{BTreeSet, HashMap, VecDeque},
@@ -262,10 +263,97 @@ impl std::fmt::Debug for Scheduler {
     }
 }
 
-/// Slots whose futures were woken, and the task's wake-up.
+/// Slots whose futures were woken, losses pushed by drivers, and the task's wake-up.
 struct Ready {
     woken: Mutex<Vec<usize>>,
+    /// Members' losses pushed through their [`LostSink`], not yet applied.
+    pushed: Mutex<Vec<(SlotRef, LossReason)>>,
     notify: Notify,
+}
+
+impl Ready {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            woken: Mutex::new(Vec::new()),
+            pushed: Mutex::new(Vec::new()),
+            notify: Notify::new(),
+        })
+    }
+}
+
+/// Where a driver pushes one renewal-group member's loss, instead of a
+/// [`watch_lost`](crate::DistributedLock::watch_lost) future that lock-core keeps and polls
+/// for each held lock (see [`RenewalGroup::join`](crate::raw::RenewalGroup::join)).
+///
+/// A push is applied by the client's renewal scheduler under its lock, before any group
+/// renewal that answers after it: a member pushed lost is never given the deadline of a group
+/// renewal that answered later. A sink whose guard is gone (released, or lost otherwise) does
+/// nothing; pushing twice is pushing once.
+#[derive(Clone)]
+pub struct LostSink {
+    ready: Arc<Ready>,
+    at: SlotRef,
+}
+
+impl std::fmt::Debug for LostSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LostSink")
+    }
+}
+
+impl LostSink {
+    /// The member's lease is lost, for `reason`.
+    pub fn lost(&self, reason: LossReason) {
+        locked(&self.ready.pushed).push((self.at, reason));
+        self.ready.notify.notify_one();
+    }
+
+    /// A sink that no scheduler reads, and where its pushes arrive: for a driver's tests of
+    /// its [`RenewalGroup`](crate::raw::RenewalGroup) outside lock-core.
+    pub fn detached() -> (Self, PushedLosses) {
+        let ready = Ready::new();
+        let sink = Self {
+            ready: ready.clone(),
+            at: SlotRef { index: 0, id: 0 },
+        };
+        (sink, PushedLosses { ready })
+    }
+}
+
+/// The losses pushed to a [`LostSink::detached`] sink.
+pub struct PushedLosses {
+    ready: Arc<Ready>,
+}
+
+impl std::fmt::Debug for PushedLosses {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PushedLosses")
+    }
+}
+
+impl PushedLosses {
+    /// The losses pushed so far and not yet taken, oldest first.
+    pub fn take(&self) -> Vec<LossReason> {
+        std::mem::take(&mut *locked(&self.ready.pushed))
+            .into_iter()
+            .map(|(_, reason)| reason)
+            .collect()
+    }
+
+    /// Waits for the next push.
+    pub async fn next(&self) -> LossReason {
+        loop {
+            // Registered before the look, so that a push between the two still wakes it.
+            let notified = self.ready.notify.notified();
+            {
+                let mut pushed = locked(&self.ready.pushed);
+                if !pushed.is_empty() {
+                    return pushed.remove(0).1;
+                }
+            }
+            notified.await;
+        }
+    }
 }
 
 /// A slot's waker: queues the slot's index for a poll (once until it is polled) and wakes the
@@ -522,7 +610,10 @@ struct Slot {
     retry: Option<Box<Backoff>>,
     /// The instant under which the slot sits in the timer set.
     wake: Option<Instant>,
-    waker: Arc<SlotWaker>,
+    /// Made when the slot first has a future to poll: a member whose loss its driver pushes
+    /// has none.
+    waker: Option<Arc<SlotWaker>>,
+    /// The driver's `watch_lost` (`None` for a member whose loss is pushed to a [`LostSink`]).
     watch: Option<BoxFuture<'static, LossReason>>,
     /// The renewal in flight (taken out while the task polls it).
     renewing: Option<Renewal>,
@@ -616,10 +707,7 @@ pub(crate) fn for_lock(lock: &DynLock) -> Arc<Scheduler> {
             group_free: Vec::new(),
             group_ids: HashMap::new(),
         }),
-        ready: Arc::new(Ready {
-            woken: Mutex::new(Vec::new()),
-            notify: Notify::new(),
-        }),
+        ready: Ready::new(),
     });
     map.insert(key, Arc::downgrade(&scheduler));
     if map.len() > 2 * (*swept_at).max(16) {
@@ -647,31 +735,42 @@ impl Scheduler {
     /// keeps it for the release.
     pub(crate) fn register(self: &Arc<Self>, new: NewSlot) -> SlotRef {
         let running = !new.status.is_marked_lost();
-        let watch = running.then(|| self.lock.watch_lost(&new.lease));
-        // A renewed lease the driver renews in a group joins it (before the slot exists: the
-        // group renews it from then on).
+        // A renewed lease the driver renews in a group joins it.
         let group = new
             .interval
             .filter(|_| running)
             .and_then(|interval| Some((self.lock.renewal_group(&new.lease)?, interval)));
-        if let Some((handle, _)) = &group {
-            handle.join(&new.lease);
-        }
         let (at, spawn) = {
             let mut state = locked(&self.state);
-            let group = group.and_then(|(handle, interval)| {
-                // Every index is at most the vector's length.
-                if GroupAt::new(state.groups.len()).is_none() {
-                    // Past 2³² − 2 groups: this lease renews on its own.
-                    handle.leave(&new.lease);
-                    return None;
+            let index = match state.free.pop() {
+                Some(i) => i,
+                None => {
+                    state.slots.push(None);
+                    state.slots.len() - 1
                 }
+            };
+            let id = state.next_id;
+            state.next_id += 1;
+            let at = SlotRef { index, id };
+            let mut pushes = false;
+            let group = group.and_then(|(handle, interval)| {
+                // Every index is at most the vector's length; past 2³² − 2 groups the lease
+                // renews on its own.
+                GroupAt::new(state.groups.len())?;
+                // Under the lock, with the slot's place taken: a loss the driver pushes at
+                // once is applied only once the slot is in place, below.
+                let sink = LostSink {
+                    ready: self.ready.clone(),
+                    at,
+                };
+                pushes = handle.join(&new.lease, &sink);
                 let index = state.join_group(&self.ready, handle, interval, &new.lease);
                 if let Some(group) = state.groups[index].as_ref() {
                     new.status.join(&group.clock);
                 }
                 GroupAt::new(index)
             });
+            let watch = (running && !pushes).then(|| self.lock.watch_lost(&new.lease));
             let next_renew = new
                 .interval
                 .filter(|_| running && group.is_none())
@@ -683,15 +782,7 @@ impl Scheduler {
                         new.lease.ttl(),
                     )
                 });
-            let index = match state.free.pop() {
-                Some(i) => i,
-                None => {
-                    state.slots.push(None);
-                    state.slots.len() - 1
-                }
-            };
-            let id = state.next_id;
-            state.next_id += 1;
+            let waker = watch.is_some().then(|| self.slot_waker(index));
             let mut slot = Slot {
                 id,
                 lease: new.lease,
@@ -701,11 +792,7 @@ impl Scheduler {
                 next_renew,
                 retry: None,
                 wake: None,
-                waker: Arc::new(SlotWaker {
-                    ready: self.ready.clone(),
-                    index,
-                    queued: AtomicBool::new(false),
-                }),
+                waker: waker.clone(),
                 watch,
                 renewing: None,
                 phase: Phase::Idle,
@@ -721,14 +808,13 @@ impl Scheduler {
                 state.active += 1;
                 spawn = !std::mem::replace(&mut state.running, true);
             }
-            let waker = slot.waker.clone();
             state.slots[index] = Some(slot);
             drop(state);
-            if running {
+            if let Some(waker) = waker {
                 // The task polls the watch once, which registers its waker.
                 waker.wake_by_ref();
             }
-            (SlotRef { index, id }, spawn)
+            (at, spawn)
         };
         if spawn {
             let task = TaskRun {
@@ -738,6 +824,29 @@ impl Scheduler {
             tokio::spawn(tokio::task::unconstrained(task.run()));
         }
         at
+    }
+
+    /// A new waker for the slot at `index`.
+    fn slot_waker(&self, index: usize) -> Arc<SlotWaker> {
+        Arc::new(SlotWaker {
+            ready: self.ready.clone(),
+            index,
+            queued: AtomicBool::new(false),
+        })
+    }
+
+    /// Applies the losses drivers pushed (a sink whose slot is gone, or lost already, is
+    /// ignored).
+    fn apply_pushed(&self, state: &mut State) {
+        let pushed = std::mem::take(&mut *locked(&self.ready.pushed));
+        for (at, reason) in pushed {
+            if state
+                .slot(at)
+                .is_some_and(|slot| matches!(slot.end, End::Running))
+            {
+                self.lose(state, at.index, reason);
+            }
+        }
     }
 
     /// Removes a guard's slot (stopping its renewals: a renewal in flight is dropped, as a
@@ -785,12 +894,16 @@ impl Scheduler {
             if !matches!(slot.end, End::Running) {
                 return;
             }
-            slot.waker.queued.store(false, Ordering::Release);
+            let waker = match &slot.waker {
+                Some(waker) => waker.clone(),
+                None => slot.waker.insert(self.slot_waker(index)).clone(),
+            };
+            waker.queued.store(false, Ordering::Release);
             (
                 SlotRef { index, id: slot.id },
                 slot.watch.take(),
                 slot.renewing.take(),
-                slot.waker.clone(),
+                waker,
             )
         };
         let waker = Waker::from(waker);
@@ -1042,6 +1155,9 @@ impl Scheduler {
         index: usize,
         result: std::result::Result<Instant, GroupRenewError>,
     ) {
+        // A loss pushed before this answer is applied first: that member is not renewed by
+        // it (the `LostSink` contract).
+        self.apply_pushed(state);
         let Some(Some(group)) = state.groups.get_mut(index) else {
             return;
         };
@@ -1193,7 +1309,9 @@ impl TaskRun {
         let mut woken = Vec::new();
         let mut due = Vec::new();
         loop {
-            // Woken futures first: renewals that answered move their slots' timers.
+            // Pushed losses first, then woken futures: renewals that answered move their
+            // slots' timers.
+            s.apply_pushed(&mut locked(&s.state));
             std::mem::swap(&mut woken, &mut *locked(&s.ready.woken));
             for chunk in woken.chunks(CHUNK) {
                 for &index in chunk {
@@ -1253,7 +1371,7 @@ impl TaskRun {
                 }
                 state.timers.first().map(|&(at, _)| at)
             };
-            if !locked(&s.ready.woken).is_empty() {
+            if !locked(&s.ready.woken).is_empty() || !locked(&s.ready.pushed).is_empty() {
                 continue;
             }
             let more_to_start = {

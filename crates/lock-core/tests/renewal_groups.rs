@@ -18,7 +18,7 @@ use std::{
 };
 
 use futures::future::BoxFuture;
-use lock_core::raw::{GroupRenewError, RenewalGroup, SharedGroup, async_trait};
+use lock_core::raw::{GroupRenewError, LostSink, RenewalGroup, SharedGroup, async_trait};
 use lock_core::{
     Capabilities, DistributedLock, DynLock, Error, HolderInfo, InMemoryLock, Lease, LockKey,
     LossReason, Result,
@@ -44,9 +44,13 @@ enum Answer {
 struct Grouped {
     inner: InMemoryLock,
     group: Arc<MemGroup>,
-    /// The group of the keys under [`OTHER`] (a second session, say).
+    /// The group of the keys under [`OTHER`] (a second session, say). It pushes its members'
+    /// losses to their [`LostSink`]s, found when it renews them (as etcd's group does for a
+    /// member no deletion watch covers); `group` leaves them to `watch_lost`.
     other: Arc<MemGroup>,
     own_renewals: AtomicUsize,
+    /// `watch_lost` futures asked for.
+    watches: AtomicUsize,
 }
 
 /// Keys under this prefix belong to [`Grouped::other`].
@@ -55,7 +59,8 @@ const OTHER: &str = "other-group/";
 #[derive(Debug)]
 struct MemGroup {
     inner: InMemoryLock,
-    members: Mutex<HashMap<String, Lease>>,
+    /// Each member, and its sink when this group pushes losses.
+    members: Mutex<HashMap<String, (Lease, Option<LostSink>)>>,
     joined: AtomicUsize,
     left: AtomicUsize,
     renewals: AtomicUsize,
@@ -65,11 +70,13 @@ struct MemGroup {
     /// Renewals started and not yet answered, and the most at once.
     in_flight: Arc<AtomicUsize>,
     most_in_flight: AtomicUsize,
+    pushes: bool,
 }
 
 impl MemGroup {
-    fn new(coordinator: &InMemoryLock) -> Arc<Self> {
+    fn new(coordinator: &InMemoryLock, pushes: bool) -> Arc<Self> {
         Arc::new(Self {
+            pushes,
             inner: coordinator.client(),
             members: Mutex::new(HashMap::new()),
             joined: AtomicUsize::new(0),
@@ -87,9 +94,10 @@ impl Grouped {
     fn new(coordinator: &InMemoryLock) -> Arc<Self> {
         Arc::new(Self {
             inner: coordinator.client(),
-            group: MemGroup::new(coordinator),
-            other: MemGroup::new(coordinator),
+            group: MemGroup::new(coordinator, false),
+            other: MemGroup::new(coordinator, true),
             own_renewals: AtomicUsize::new(0),
+            watches: AtomicUsize::new(0),
         })
     }
 
@@ -103,14 +111,16 @@ impl RenewalGroup for MemGroup {
         std::ptr::from_ref(self) as usize
     }
 
-    fn join(&self, lease: &Lease) {
+    fn join(&self, lease: &Lease, lost: &LostSink) -> bool {
         self.joined.fetch_add(1, Ordering::SeqCst);
+        let sink = self.pushes.then(|| lost.clone());
         let old = self
             .members
             .lock()
             .unwrap()
-            .insert(lease.key().as_str().to_owned(), lease.clone());
+            .insert(lease.key().as_str().to_owned(), (lease.clone(), sink));
         assert!(old.is_none(), "{} joined twice", lease.key());
+        self.pushes
     }
 
     fn leave(&self, lease: &Lease) {
@@ -127,7 +137,8 @@ impl RenewalGroup for MemGroup {
         self.renewals.fetch_add(1, Ordering::SeqCst);
         let answer = *self.answer.lock().unwrap();
         let delay = *self.delay.lock().unwrap();
-        let members: Vec<Lease> = self.members.lock().unwrap().values().cloned().collect();
+        let members: Vec<(Lease, Option<LostSink>)> =
+            self.members.lock().unwrap().values().cloned().collect();
         let inner = self.inner.clone();
         let now_in_flight = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
         self.most_in_flight
@@ -160,9 +171,13 @@ impl RenewalGroup for MemGroup {
                     }));
                 }
             }
-            for mut lease in members {
-                // A member whose grant is gone is pushed by its own watch_lost.
-                let _ = DistributedLock::renew(&inner, &mut lease, ttl).await;
+            for (mut lease, sink) in members {
+                let renewed = DistributedLock::renew(&inner, &mut lease, ttl).await;
+                // A member whose grant is gone is pushed — by the group, before it answers,
+                // when it pushes; else by the member's own watch_lost.
+                if let (Err(Error::NotHeld { .. }), Some(sink)) = (renewed, sink) {
+                    sink.lost(LossReason::NotHeld);
+                }
             }
             Ok(sent_at)
         })
@@ -203,6 +218,7 @@ impl lock_core::raw::Driver for Grouped {
         DistributedLock::force_release(&self.inner, key).await
     }
     fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
+        self.watches.fetch_add(1, Ordering::SeqCst);
         DistributedLock::watch_lost(&self.inner, lease)
     }
     fn renewal_group(&self, lease: &Lease) -> Option<SharedGroup> {
@@ -433,6 +449,52 @@ async fn a_refused_group_renewal_loses_every_member_at_once() {
             g.key()
         );
     }
+}
+
+/// A group that pushes its members' losses to their sinks: no `watch_lost` future is asked for
+/// its members (the bytes it saves per held lock), a member whose grant is gone is lost at the
+/// group's next renewal, with the reason pushed, and leaves; its neighbours go on. A member of
+/// a group that does not push still gets its `watch_lost`.
+#[tokio::test(start_paused = true)]
+async fn a_group_that_pushes_losses_needs_no_watch_per_member() {
+    let (coordinator, driver, lock) = setup();
+    let ttl = Duration::from_secs(3);
+    let pushed = hold(&lock, &format!("{OTHER}pushed"), 20, ttl).await;
+    assert_eq!(driver.other.joined.load(Ordering::SeqCst), 20);
+    assert_eq!(
+        driver.watches.load(Ordering::SeqCst),
+        0,
+        "a member whose loss is pushed got a watch_lost future"
+    );
+    let polled = hold(&lock, "groups/polled", 1, ttl).await;
+    assert_eq!(driver.watches.load(Ordering::SeqCst), 1);
+
+    let victim = &pushed[5];
+    assert!(
+        coordinator
+            .client()
+            .force_release(victim.key())
+            .await
+            .unwrap()
+    );
+    let renewals = driver.other.renewals.load(Ordering::SeqCst);
+    // Found by the next renewal (one interval, a third of the TTL), not at the deadline.
+    timeout(ttl / 2, victim.lost())
+        .await
+        .expect("a member the group found gone was not lost");
+    assert!(driver.other.renewals.load(Ordering::SeqCst) > renewals);
+    assert_eq!(victim.loss_reason(), Some(LossReason::NotHeld));
+    assert_eq!(driver.other.left.load(Ordering::SeqCst), 1);
+    sleep(ttl * 2).await;
+    for (i, g) in pushed.iter().enumerate() {
+        assert_eq!(g.is_lost(), i == 5, "{}: {:?}", g.key(), g.loss_reason());
+    }
+    assert!(!polled[0].is_lost());
+    for g in pushed {
+        g.release().await.unwrap();
+    }
+    assert_eq!(driver.other.left.load(Ordering::SeqCst), 20);
+    assert!(driver.other.members.lock().unwrap().is_empty());
 }
 
 /// A coordinator and a client of it whose every lease is in a renewal group.

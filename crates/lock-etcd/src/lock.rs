@@ -121,16 +121,15 @@ impl EtcdLock {
             ttl_granularity: Duration::from_secs(1),
             ..Default::default()
         };
-        let watches = WatchMux::new(client.clone(), counters.clone());
         Ok(Self {
             inner: Arc::new_cyclic(|me| Inner {
                 me: me.clone(),
+                watches: WatchMux::new(client.clone(), counters.clone(), me.clone()),
                 client,
                 config,
                 caps,
                 sessions: Mutex::new(Vec::new()),
                 granting: tokio::sync::Mutex::new(()),
-                watches,
                 parked: crate::queue::ParkedWatches::default(),
                 checks: Batcher::new(MAX_TXN_OPS),
                 reaper: Arc::default(),

@@ -20,7 +20,7 @@ use std::{
 
 use etcd_client::{GetOptions, LeaseClient, LeaseKeepAliveStream, LeaseKeeper, Txn, TxnOp};
 use futures::future::BoxFuture;
-use lock_core::raw::{Error, GroupRenewError, Lease, LossReason, RenewalGroup, Result};
+use lock_core::raw::{Error, GroupRenewError, Lease, LossReason, LostSink, RenewalGroup, Result};
 use tokio::{
     sync::{Notify, watch},
     time::{Instant, sleep, sleep_until},
@@ -393,6 +393,9 @@ pub(crate) struct Phase {
     pub(crate) gone: bool,
     /// Where the entry waits in the reaper's queue, if it does.
     pub(crate) reap_at: Option<Instant>,
+    /// Where the entry's loss is pushed while it is a member of its session's renewal group
+    /// (lock-core then keeps no `watch_lost` future for it).
+    pub(crate) sink: Option<LostSink>,
 }
 
 impl Phase {
@@ -404,6 +407,7 @@ impl Phase {
             released: false,
             gone: false,
             reap_at: None,
+            sink: None,
         }
     }
 
@@ -471,6 +475,20 @@ impl Held {
 
     pub(crate) fn is_finished(&self) -> bool {
         lock(&self.phase).finished
+    }
+
+    /// The entry is known to be gone: marks it so and, while it is a renewal group's member,
+    /// pushes its loss to the group's sink (once: the sink is taken). Synchronous, so that a
+    /// group renewal that found it gone answers only after the push.
+    pub(crate) fn entry_gone_now(&self) {
+        let sink = {
+            let mut phase = lock(&self.phase);
+            phase.gone = true;
+            phase.sink.take()
+        };
+        if let Some(sink) = sink {
+            sink.lost(LossReason::Revoked);
+        }
     }
 
     /// Whether the entry is known to be gone (deleted, or its session's lease is).
@@ -558,7 +576,7 @@ impl Inner {
 
     /// The entry is known to be gone: unregisters it from its session (once).
     pub(crate) async fn entry_gone(&self, held: &Arc<Held>) {
-        lock(&held.phase).gone = true;
+        held.entry_gone_now();
         if self.finish(held, false) {
             self.drop_user(&held.session, held.name()).await;
         }
@@ -994,7 +1012,7 @@ pub(crate) async fn renew(inner: &Inner, lease: &mut Lease, ttl: Duration) -> Re
 /// margin, as `renew` does. A member's entry deleted while its lease lives (an operator's
 /// `release --force`) is pushed by its deletion watch; a member no watch covers right now
 /// (`Session::uncovered`) is read after the keepalive, as `renew` reads an uncovered entry, and
-/// one found gone is unregistered, which its `watch_lost` reports. While a member, an entry is
+/// one found gone is unregistered and pushed to its sink before the renewal answers. While a member, an entry is
 /// out of the reaper's queue (the group renews it); leaving puts it back at the deadline the
 /// group gave it.
 #[derive(Debug)]
@@ -1028,14 +1046,29 @@ impl RenewalGroup for SessionGroup {
         Arc::as_ptr(&self.session) as usize
     }
 
-    fn join(&self, lease: &Lease) {
+    /// Pushes the member's loss to `lost`: the client's routing task watches the entry's
+    /// deletion (a watch with no waiter of its own, re-made by the routing task after a broken
+    /// stream or a compacted revision), a group renewal that finds it gone pushes it before
+    /// answering, and so does its session's end.
+    fn join(&self, lease: &Lease, lost: &LostSink) -> bool {
         let Some(held) = self.member(lease) else {
-            return;
+            return false;
+        };
+        let Some(inner) = self.inner.upgrade() else {
+            return false;
         };
         held.set_grouped(true);
-        if let Some(inner) = self.inner.upgrade() {
-            inner.unqueue(&held, &mut lock(&held.phase));
+        let gone = {
+            let mut phase = lock(&held.phase);
+            inner.unqueue(&held, &mut phase);
+            phase.sink = Some(lost.clone());
+            phase.gone
+        };
+        if gone {
+            held.entry_gone_now();
         }
+        inner.watches.watch_member(&held);
+        true
     }
 
     fn leave(&self, lease: &Lease) {
@@ -1045,10 +1078,12 @@ impl RenewalGroup for SessionGroup {
         held.set_grouped(false);
         {
             let mut phase = lock(&held.phase);
+            phase.sink = None;
             phase.base = phase.base.max(self.session.ack());
             phase.deadline = phase.deadline.max(lease.local_deadline());
         }
         if let Some(inner) = self.inner.upgrade() {
+            inner.watches.forget_member(&held);
             inner.reap_later(held);
         }
     }
@@ -1090,7 +1125,8 @@ impl RenewalGroup for SessionGroup {
                     .iter()
                     .map(|held| entry_present(&inner, held, until));
                 for read in futures::future::join_all(reads).await {
-                    // A member found gone is reported by its own `watch_lost`.
+                    // A member found gone has been pushed to its sink (`entry_gone_now`),
+                    // before this answer.
                     if let Err(e) = read {
                         return Err(GroupRenewError::Failed(e.into_read_error("renew")));
                     }

@@ -2,24 +2,29 @@
 //! client's deletion watches sharing one watch stream. (A waiter's watches of the queue ahead
 //! of it are the queue's own, in `queue.rs`.)
 //!
-//! A held lock's `watch_lost` waits for its entry's deletion. Opening a gRPC stream per held lock
-//! cost ≈ 34 KiB of memory per lock (10,000 locks: ≈ 330 MiB); here all of a client's deletion
-//! watches share one stream, and a task routes each response to its watcher by watch id.
+//! Opening a gRPC stream per held lock cost ≈ 34 KiB of memory per lock (10,000 locks: ≈ 330
+//! MiB); here all of a client's deletion watches share one stream, and a task routes each
+//! response to its watch by watch id. A watch tells its end in one of two ways: a held lock's
+//! `watch_lost` future waits on a [`Signal`]; a member of its session's renewal group has no
+//! future at all — its loss is pushed to the lock-core sink its entry keeps
+//! ([`Held::entry_gone_now`]), which saves the future, its signal and its waker per held lock.
 //!
 //! etcd answers the create requests of one stream in the order they were sent, so the n-th
 //! "created" response belongs to the n-th pending create. From its "created" response until it
-//! ends, a watch *covers* its entry ([`Held::is_watched`]): while covered, the entry's deletion is pushed
-//! to its holder, and `renew` leaves out the per-entry read that is otherwise its only way to
-//! notice one (see [`crate::renew::renew`]). A watcher that goes away cancels its
-//! watch on the server. When the stream breaks, every watcher is told ([`Outcome::Broken`]) and
-//! watches again from the revision it knows; the next watch opens a new stream, in a task of
-//! its own (the routing task goes on meanwhile). A session's end is watched once per session
-//! and ends every watch on it; a watch between two streams waits for the same end itself.
+//! ends, a watch *covers* its entry ([`Held::is_watched`]): while covered, the entry's deletion
+//! is pushed to its holder, and `renew` (or a group renewal) leaves out the per-entry read that
+//! is otherwise its only way to notice one (see [`crate::renew::renew`]). A watcher that goes
+//! away cancels its watch on the server. The routing task keeps every watch until it ends: when
+//! the stream breaks, it creates them all again, from the revision each knows, after a backoff
+//! (the next open is a task of its own, so the routing task goes on meanwhile); when the server
+//! cancels one (its start revision compacted), it reads the entry and watches again from the
+//! revision read — or ends the watch if the entry is gone. A session's end is watched once per
+//! session and ends every watch on it.
 
 use std::{
     collections::{HashMap, VecDeque},
     future::poll_fn,
-    sync::{Arc, OnceLock},
+    sync::{Arc, OnceLock, Weak},
     task::Poll,
     time::Duration,
 };
@@ -27,7 +32,11 @@ use std::{
 use etcd_client::{Client, EventType, WatchOptions, WatchRequestSender, WatchResponse};
 use futures::task::AtomicWaker;
 use lock_core::raw::{Backoff, LossReason};
-use tokio::{sync::mpsc, task::AbortHandle, time::sleep};
+use tokio::{
+    sync::mpsc,
+    task::AbortHandle,
+    time::{Instant, sleep_until},
+};
 
 use crate::{
     client::{self, Counters},
@@ -35,23 +44,20 @@ use crate::{
     renew::Held,
 };
 
-/// How a deletion watch ended.
+/// How a deletion watch ended (the only ends: a broken stream or a cancelled watch is made
+/// again by the routing task).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Outcome {
     /// The key was deleted, or moved to another lease (an event at or after the start
-    /// revision).
+    /// revision), or found gone by a read after its watch was cancelled.
     Deleted,
     /// The entry's session lease is known to be gone (its `gone` token was cancelled): every
     /// key on it is.
     SessionGone,
-    /// The server cancelled the watch (e.g. the start revision was compacted): look at the key.
-    Canceled,
-    /// The stream failed or could not be opened: watch again later.
-    Broken,
 }
 
 /// Where the routing task tells one watch how it ended, and wakes its waiter: a set-once
-/// value and a waker, not a channel — a held lock keeps one for its whole life.
+/// value and a waker, not a channel.
 #[derive(Default)]
 struct Signal {
     /// Set once, when the watch ends (a watch ends once).
@@ -74,8 +80,8 @@ enum Command {
     Watch {
         id: u64,
         held: Arc<Held>,
-        from: i64,
-        signal: Arc<Signal>,
+        /// `None`: a renewal group's member, whose loss is pushed to its entry's sink.
+        signal: Option<Arc<Signal>>,
     },
     Forget {
         id: u64,
@@ -88,9 +94,14 @@ enum Command {
         /// Boxed: the stream is large and the other commands are many.
         responses: Option<Box<etcd_client::WatchResponseStream>>,
     },
+    /// What the read of a cancelled watch's entry found.
+    Read {
+        id: u64,
+        entry: Entry,
+    },
 }
 
-/// The client's shared deletion-watch stream (the routing task starts with the first watch and
+/// The client's shared deletion-watch stream (the routing task starts with the client and
 /// ends when the client and every watcher are gone).
 #[derive(Debug)]
 pub(crate) struct WatchMux {
@@ -98,7 +109,7 @@ pub(crate) struct WatchMux {
     next_id: std::sync::atomic::AtomicU64,
 }
 
-/// One registered deletion watch; dropping it cancels the watch.
+/// One registered deletion watch with a waiter; dropping it cancels the watch.
 pub(crate) struct DeleteWatch {
     id: u64,
     commands: mpsc::UnboundedSender<Command>,
@@ -127,70 +138,108 @@ impl Drop for DeleteWatch {
     }
 }
 
+/// Marks the id of a renewal group member's watch: its entry's address with the top bit set.
+/// Unique among live watches (the watch keeps its entry alive, so no other entry has that
+/// address meanwhile) and apart from the counter's ids (which never reach 2⁶³); the member's
+/// `forget` is sent before its entry can be freed, in the same channel, so it never reaches a
+/// later entry at the same address.
+const MEMBER: u64 = 1 << 63;
+
+fn member_id(held: &Arc<Held>) -> u64 {
+    // A pointer fits in 64 bits on every target this crate builds for.
+    Arc::as_ptr(held) as usize as u64 | MEMBER
+}
+
 impl WatchMux {
-    pub(crate) fn new(client: Client, counters: std::sync::Arc<Counters>) -> Self {
+    pub(crate) fn new(client: Client, counters: Arc<Counters>, inner: Weak<Inner>) -> Self {
         let (commands, rx) = mpsc::unbounded_channel();
-        tokio::spawn(route(client, counters, commands.downgrade(), rx));
+        let router = Router::new(client, counters, inner, commands.downgrade());
+        tokio::spawn(router.run(rx));
         Self {
             commands,
             next_id: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
-    /// Watches `held`'s entry for a deletion at revision `from` or later (covering it while the
-    /// watch is in place on the server).
-    pub(crate) fn watch_delete(&self, held: &Arc<Held>, from: i64) -> DeleteWatch {
+    /// Watches `held`'s entry for a deletion after its creation (covering it while the watch is
+    /// in place on the server), for a waiter.
+    pub(crate) fn watch_delete(&self, held: &Arc<Held>) -> DeleteWatch {
         let id = self
             .next_id
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let signal = Arc::new(Signal::default());
-        if self
-            .commands
-            .send(Command::Watch {
-                id,
-                held: held.clone(),
-                from,
-                signal: signal.clone(),
-            })
-            .is_err()
-        {
-            // The routing task is gone (the runtime is shutting down): watch again later.
-            signal.tell(Outcome::Broken);
-        }
+        // Should the routing task be gone (the runtime shutting down), the watch never ends.
+        let _ = self.commands.send(Command::Watch {
+            id,
+            held: held.clone(),
+            signal: Some(signal.clone()),
+        });
         DeleteWatch {
             id,
             commands: self.commands.clone(),
             signal,
         }
     }
+
+    /// Watches a renewal group member's entry: its end is pushed to the entry's sink.
+    pub(crate) fn watch_member(&self, held: &Arc<Held>) {
+        let _ = self.commands.send(Command::Watch {
+            id: member_id(held),
+            held: held.clone(),
+            signal: None,
+        });
+    }
+
+    /// The member left its group: its watch is cancelled.
+    pub(crate) fn forget_member(&self, held: &Arc<Held>) {
+        let _ = self.commands.send(Command::Forget {
+            id: member_id(held),
+        });
+    }
+}
+
+/// Where a watch stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    /// Its create is sent and not yet answered (it is in `Routes::pending`).
+    Creating,
+    /// In place on the server, with this watch id.
+    Created(i64),
+    /// The server cancelled it: its entry is being read.
+    Reading,
+    /// Its stream broke (or a read failed): created again at the next retry.
+    Idle,
 }
 
 struct Watcher {
-    /// Where the outcome is told.
-    signal: Arc<Signal>,
+    /// Where the end is told; `None`: a renewal group's member, pushed through its entry.
+    signal: Option<Arc<Signal>>,
     /// The entry watched.
     held: Arc<Held>,
-    /// The server's watch id, once created.
-    server_id: Option<i64>,
+    /// The revision its next create starts from.
+    from: i64,
+    stage: Stage,
     /// Whether this watch counts as covering its entry ([`Held::is_watched`]): from its
-    /// "created" response until it ends, is forgotten, its stream breaks — or the routing
-    /// task itself goes away (`Drop`), so that no entry stays covered by a watch that is gone.
+    /// "created" response until it ends, is forgotten, its stream breaks or it is cancelled —
+    /// or the routing task itself goes away (`Drop`), so that no entry stays covered by a
+    /// watch that is gone.
     covering: bool,
 }
 
 impl Watcher {
-    fn new(signal: Arc<Signal>, held: Arc<Held>) -> Self {
+    fn new(signal: Option<Arc<Signal>>, held: Arc<Held>) -> Self {
         Self {
             signal,
+            from: held.rev + 1,
             held,
-            server_id: None,
+            stage: Stage::Idle,
             covering: false,
         }
     }
 
     /// The server created the watch: it covers its entry from now on.
     fn created(&mut self, server_id: i64) {
-        self.server_id = Some(server_id);
+        self.stage = Stage::Created(server_id);
         if !std::mem::replace(&mut self.covering, true) {
             self.held.watch_started();
         }
@@ -203,10 +252,22 @@ impl Watcher {
         }
     }
 
-    /// Ends the watch and tells its waiter how.
-    fn tell(mut self, outcome: Outcome) {
+    /// Ends the watch and tells its waiter how — or, for a member, marks its entry gone, which
+    /// pushes its loss, and unregisters it (unless released through this client meanwhile:
+    /// its own release deleted it).
+    fn tell(mut self, outcome: Outcome, inner: &Weak<Inner>) {
         self.end();
-        self.signal.tell(outcome);
+        match &self.signal {
+            Some(signal) => signal.tell(outcome),
+            None if !self.held.is_released() => {
+                self.held.entry_gone_now();
+                if let Some(inner) = inner.upgrade() {
+                    let held = self.held.clone();
+                    tokio::spawn(async move { inner.entry_gone(&held).await });
+                }
+            }
+            None => {}
+        }
     }
 }
 
@@ -226,6 +287,7 @@ struct Routes {
     sessions: HashMap<i64, SessionWatch>,
     /// How those tasks reach the routing task (weak: they do not keep it alive).
     commands: mpsc::WeakUnboundedSender<Command>,
+    inner: Weak<Inner>,
 }
 
 /// The watch of one session's `gone` token, for as long as an entry on it is watched.
@@ -234,18 +296,28 @@ struct SessionWatch {
     task: AbortHandle,
 }
 
+/// What a response asks of the routing task.
+enum Routed {
+    Nothing,
+    /// Cancel this server watch (its watcher ended or was forgotten).
+    Cancel(i64),
+    /// The server cancelled this watch: read its entry.
+    Read(u64),
+}
+
 impl Routes {
-    fn new(commands: mpsc::WeakUnboundedSender<Command>) -> Self {
+    fn new(commands: mpsc::WeakUnboundedSender<Command>, inner: Weak<Inner>) -> Self {
         Self {
             watchers: HashMap::new(),
             pending: VecDeque::new(),
             by_server_id: HashMap::new(),
             sessions: HashMap::new(),
             commands,
+            inner,
         }
     }
 
-    /// Routes `watcher` (its create is sent) and watches its session's end.
+    /// Keeps `watcher` (not yet created) and watches its session's end.
     fn add(&mut self, id: u64, watcher: Watcher) {
         let session = &watcher.held.session;
         let watch = self.sessions.entry(session.id).or_insert_with(|| {
@@ -262,17 +334,30 @@ impl Routes {
             }
         });
         watch.watchers += 1;
-        self.watchers.insert(id, watcher);
-        self.pending.push_back(Some(id));
+        if let Some(old) = self.watchers.insert(id, watcher) {
+            // One id is never watched twice at once; were it, the older watch goes.
+            self.forget_session(old.held.session.id);
+        }
     }
 
     /// Takes `id`'s watcher out of every map; its server watch id, if created.
     fn remove(&mut self, id: u64) -> Option<(Watcher, Option<i64>)> {
         let w = self.watchers.remove(&id)?;
-        let server_id = w.server_id;
-        if let Some(server_id) = server_id {
-            self.by_server_id.remove(&server_id);
-        }
+        let server_id = match w.stage {
+            Stage::Created(server_id) => {
+                self.by_server_id.remove(&server_id);
+                Some(server_id)
+            }
+            Stage::Creating => {
+                for p in &mut self.pending {
+                    if *p == Some(id) {
+                        *p = None;
+                    }
+                }
+                None
+            }
+            Stage::Reading | Stage::Idle => None,
+        };
         self.forget_session(w.held.session.id);
         Some((w, server_id))
     }
@@ -287,10 +372,11 @@ impl Routes {
         }
     }
 
-    fn finish(&mut self, id: u64, outcome: Outcome) {
-        if let Some((w, _)) = self.remove(id) {
-            w.tell(outcome);
-        }
+    /// Ends `id`'s watch; its server watch id to cancel, if created.
+    fn finish(&mut self, id: u64, outcome: Outcome) -> Option<i64> {
+        let (w, server_id) = self.remove(id)?;
+        w.tell(outcome, &self.inner);
+        server_id
     }
 
     /// Ends every watch of an entry on `session`; the server watch ids to cancel.
@@ -301,39 +387,51 @@ impl Routes {
             .filter(|(_, w)| w.held.session.id == session)
             .map(|(id, _)| *id)
             .collect();
-        let mut cancel = Vec::new();
-        for id in ids {
-            if let Some((w, server_id)) = self.remove(id) {
-                cancel.extend(server_id);
-                w.tell(Outcome::SessionGone);
-            }
-        }
-        cancel
+        ids.into_iter()
+            .filter_map(|id| self.finish(id, Outcome::SessionGone))
+            .collect()
     }
 
+    /// The stream broke: no watch is in place any more; each is created again at the next
+    /// retry (one being read waits for its read).
     fn break_all(&mut self) {
-        for (_, w) in self.watchers.drain() {
-            w.tell(Outcome::Broken);
-        }
-        for (_, watch) in self.sessions.drain() {
-            watch.task.abort();
+        for w in self.watchers.values_mut() {
+            w.end();
+            if matches!(w.stage, Stage::Creating | Stage::Created(_)) {
+                w.stage = Stage::Idle;
+            }
         }
         self.pending.clear();
         self.by_server_id.clear();
     }
 
-    /// Routes one response; returns server watch ids to cancel.
-    fn route(&mut self, resp: &WatchResponse) -> Option<i64> {
+    /// The watches waiting for the next retry.
+    fn idle(&self) -> Vec<u64> {
+        self.watchers
+            .iter()
+            .filter(|(_, w)| w.stage == Stage::Idle)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// Routes one response.
+    fn route(&mut self, resp: &WatchResponse) -> Routed {
         let server_id = resp.watch_id();
         if resp.created() {
-            let ours = self.pending.pop_front()?;
+            let Some(ours) = self.pending.pop_front() else {
+                return Routed::Nothing;
+            };
             let Some(id) = ours.filter(|id| self.watchers.contains_key(id)) else {
                 // Forgotten while its create was in flight.
-                return (server_id >= 0 && !resp.canceled()).then_some(server_id);
+                return if server_id >= 0 && !resp.canceled() {
+                    Routed::Cancel(server_id)
+                } else {
+                    Routed::Nothing
+                };
             };
             if resp.canceled() || server_id < 0 {
-                self.finish(id, Outcome::Canceled);
-                return None;
+                // Refused (its start revision compacted, say).
+                return Routed::Read(id);
             }
             if let Some(w) = self.watchers.get_mut(&id) {
                 w.created(server_id);
@@ -341,10 +439,12 @@ impl Routes {
             self.by_server_id.insert(server_id, id);
             // A create can carry events too only in later responses; fall through for them.
         }
-        let id = *self.by_server_id.get(&server_id)?;
+        let Some(&id) = self.by_server_id.get(&server_id) else {
+            return Routed::Nothing;
+        };
         if resp.canceled() {
-            self.finish(id, Outcome::Canceled);
-            return None;
+            self.by_server_id.remove(&server_id);
+            return Routed::Read(id);
         }
         let gone = self.watchers.get(&id).is_some_and(|w| {
             resp.events()
@@ -352,10 +452,11 @@ impl Routes {
                 .any(|event| !still_ours(event, w.held.session.id))
         });
         if gone {
-            self.finish(id, Outcome::Deleted);
-            return Some(server_id);
+            return self
+                .finish(id, Outcome::Deleted)
+                .map_or(Routed::Nothing, Routed::Cancel);
         }
-        None
+        Routed::Nothing
     }
 }
 
@@ -422,112 +523,229 @@ async fn open(
     }
 }
 
-async fn route(
+/// The routing task: one per client, for the client's deletion watches.
+struct Router {
     client: Client,
-    counters: std::sync::Arc<Counters>,
-    me: mpsc::WeakUnboundedSender<Command>,
-    mut commands: mpsc::UnboundedReceiver<Command>,
-) {
-    let mut routes = Routes::new(me);
-    // From the open's start: requests sent before the stream is open wait in the channel.
-    let mut writer: Option<mpsc::UnboundedSender<Request>> = None;
-    let mut responses: Option<etcd_client::WatchResponseStream> = None;
-    // Which open an `Opened` answers (a stale one is dropped).
-    let mut generation = 0_u64;
-    loop {
-        let message = async {
-            match responses.as_mut() {
-                Some(r) => r.message().await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            command = commands.recv() => {
-                let Some(command) = command else { return };
-                match command {
-                    Command::Watch { id, held, from, signal } => {
-                        // Puts too: one that moves the key to another lease ends the watch
-                        // as a deletion does (see `still_ours`).
-                        let opts = WatchOptions::new().with_start_revision(from);
-                        Counters::bump(&counters.watch);
-                        let sent = match writer.as_ref() {
-                            Some(w) => w.send(Request::Watch(held.key.clone(), opts)).is_ok(),
-                            None => {
-                                let (w, requests) = mpsc::unbounded_channel();
-                                generation += 1;
-                                let first = (held.key.clone(), opts);
-                                let router = routes.commands.clone();
-                                tokio::spawn(open(client.clone(), first, requests, router, generation));
-                                writer = Some(w);
-                                true
-                            }
-                        };
-                        if sent {
-                            routes.add(id, Watcher::new(signal, held));
-                        } else {
-                            signal.tell(Outcome::Broken);
-                            routes.break_all();
-                            writer = None;
-                            responses = None;
-                        }
-                    }
-                    Command::Forget { id } => {
-                        // Dropping the watcher ends its cover of the entry.
-                        if let Some((_, server_id)) = routes.remove(id) {
-                            match server_id {
-                                Some(server_id) => {
-                                    if let Some(w) = writer.as_ref() {
-                                        let _ = w.send(Request::Cancel(server_id));
-                                    }
-                                }
-                                None => {
-                                    for p in &mut routes.pending {
-                                        if *p == Some(id) {
-                                            *p = None;
-                                        }
-                                    }
-                                }
-                            }
-                        }
-                    }
-                    Command::SessionGone(session) => {
-                        for server_id in routes.session_gone(session) {
-                            if let Some(w) = writer.as_ref() {
-                                let _ = w.send(Request::Cancel(server_id));
-                            }
-                        }
-                    }
-                    Command::Opened { generation: of, responses: opened } => {
-                        if of != generation {
-                            continue;
-                        }
-                        match opened {
-                            Some(r) => responses = Some(*r),
-                            None => {
-                                routes.break_all();
-                                writer = None;
-                                responses = None;
-                            }
-                        }
-                    }
-                }
-            }
-            message = message => match message {
-                Ok(Some(resp)) => {
-                    if let Some(server_id) = routes.route(&resp)
-                        && let Some(w) = writer.as_ref()
-                    {
-                        let _ = w.send(Request::Cancel(server_id));
-                    }
-                }
-                Ok(None) | Err(_) => {
-                    routes.break_all();
-                    writer = None;
-                    responses = None;
-                }
-            },
+    counters: Arc<Counters>,
+    routes: Routes,
+    /// From the open's start: requests sent before the stream is open wait in the channel.
+    writer: Option<mpsc::UnboundedSender<Request>>,
+    responses: Option<etcd_client::WatchResponseStream>,
+    /// Which open an `Opened` answers (a stale one is dropped).
+    generation: u64,
+    /// When the idle watches are created again (after a broken stream or a failed read).
+    retry_at: Option<Instant>,
+    /// The pauses between retries, from the first break until a watch is created again.
+    backoff: Backoff,
+}
+
+impl Router {
+    fn new(
+        client: Client,
+        counters: Arc<Counters>,
+        inner: Weak<Inner>,
+        commands: mpsc::WeakUnboundedSender<Command>,
+    ) -> Self {
+        Self {
+            client,
+            counters,
+            routes: Routes::new(commands, inner),
+            writer: None,
+            responses: None,
+            generation: 0,
+            retry_at: None,
+            backoff: retry_backoff(),
         }
     }
+
+    async fn run(mut self, mut commands: mpsc::UnboundedReceiver<Command>) {
+        loop {
+            let retry_at = self.retry_at;
+            let responses = &mut self.responses;
+            let message = async {
+                match responses.as_mut() {
+                    Some(r) => r.message().await,
+                    None => std::future::pending().await,
+                }
+            };
+            let retry = async {
+                match retry_at {
+                    Some(at) => sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                command = commands.recv() => {
+                    let Some(command) = command else { return };
+                    self.command(command);
+                }
+                message = message => match message {
+                    Ok(Some(resp)) => self.response(&resp),
+                    Ok(None) | Err(_) => self.broken(),
+                },
+                () = retry => self.retry(),
+            }
+        }
+    }
+
+    fn command(&mut self, command: Command) {
+        match command {
+            Command::Watch { id, held, signal } => {
+                self.routes.add(id, Watcher::new(signal, held));
+                self.create(id);
+            }
+            Command::Forget { id } => {
+                // Dropping the watcher ends its cover of the entry.
+                if let Some((_, Some(server_id))) = self.routes.remove(id) {
+                    self.cancel(server_id);
+                }
+            }
+            Command::SessionGone(session) => {
+                for server_id in self.routes.session_gone(session) {
+                    self.cancel(server_id);
+                }
+            }
+            Command::Opened {
+                generation,
+                responses,
+            } => {
+                if generation != self.generation {
+                    return;
+                }
+                match responses {
+                    Some(r) => self.responses = Some(*r),
+                    None => self.broken(),
+                }
+            }
+            Command::Read { id, entry } => {
+                let Some(w) = self.routes.watchers.get_mut(&id) else {
+                    return;
+                };
+                if w.stage != Stage::Reading {
+                    return;
+                }
+                match entry {
+                    Entry::Gone => {
+                        self.routes.finish(id, Outcome::Deleted);
+                    }
+                    Entry::Ours(Some(revision)) => {
+                        w.from = revision + 1;
+                        self.create(id);
+                    }
+                    // Unread (or read without a revision to start from): again later.
+                    Entry::Ours(None) | Entry::Unread => {
+                        w.stage = Stage::Idle;
+                        self.retry_later();
+                    }
+                }
+            }
+        }
+    }
+
+    fn response(&mut self, resp: &WatchResponse) {
+        if resp.created() && !resp.canceled() {
+            // The stream works: the next break starts its pauses afresh.
+            self.backoff.reset();
+        }
+        match self.routes.route(resp) {
+            Routed::Nothing => {}
+            Routed::Cancel(server_id) => self.cancel(server_id),
+            Routed::Read(id) => self.read(id),
+        }
+    }
+
+    /// Sends `id`'s create on the stream, opening one if there is none.
+    fn create(&mut self, id: u64) {
+        let Some(w) = self.routes.watchers.get_mut(&id) else {
+            return;
+        };
+        // Puts too: one that moves the key to another lease ends the watch as a deletion does
+        // (see `still_ours`).
+        let opts = WatchOptions::new().with_start_revision(w.from);
+        let key = w.held.key.clone();
+        Counters::bump(&self.counters.watch);
+        let sent = match self.writer.as_ref() {
+            Some(writer) => writer.send(Request::Watch(key, opts)).is_ok(),
+            None => {
+                let (writer, requests) = mpsc::unbounded_channel();
+                self.generation += 1;
+                let router = self.routes.commands.clone();
+                let open = open(
+                    self.client.clone(),
+                    (key, opts),
+                    requests,
+                    router,
+                    self.generation,
+                );
+                tokio::spawn(open);
+                self.writer = Some(writer);
+                true
+            }
+        };
+        if sent {
+            w.stage = Stage::Creating;
+            self.routes.pending.push_back(Some(id));
+        } else {
+            // The writer is gone: the stream broke (this watch is idle, with the rest).
+            self.broken();
+        }
+    }
+
+    fn cancel(&self, server_id: i64) {
+        if let Some(writer) = self.writer.as_ref() {
+            let _ = writer.send(Request::Cancel(server_id));
+        }
+    }
+
+    /// The stream broke or could not be opened: every watch is made again after a pause.
+    fn broken(&mut self) {
+        self.routes.break_all();
+        self.writer = None;
+        self.responses = None;
+        self.retry_later();
+    }
+
+    fn retry_later(&mut self) {
+        if self.retry_at.is_none() {
+            self.retry_at = Some(Instant::now() + self.backoff.next_delay());
+        }
+    }
+
+    /// Creates every idle watch again.
+    fn retry(&mut self) {
+        self.retry_at = None;
+        for id in self.routes.idle() {
+            self.create(id);
+        }
+    }
+
+    /// Reads the entry of `id`, whose watch the server cancelled (a task of its own: rare, and
+    /// its state is large); the answer comes back as [`Command::Read`].
+    fn read(&mut self, id: u64) {
+        let Some(w) = self.routes.watchers.get_mut(&id) else {
+            return;
+        };
+        w.end();
+        w.stage = Stage::Reading;
+        let (held, inner, router) = (
+            w.held.clone(),
+            self.routes.inner.clone(),
+            self.routes.commands.clone(),
+        );
+        tokio::spawn(async move {
+            let entry = match inner.upgrade() {
+                Some(inner) => read_entry(&inner, &held).await,
+                None => Entry::Unread,
+            };
+            if let Some(router) = router.upgrade() {
+                let _ = router.send(Command::Read { id, entry });
+            }
+        });
+    }
+}
+
+fn retry_backoff() -> Backoff {
+    Backoff::new(Duration::from_millis(50), Duration::from_secs(2))
 }
 
 /// What a read of a held entry found.
@@ -561,67 +779,15 @@ async fn read_entry(inner: &Inner, held: &Held) -> Entry {
     Entry::Ours(now.header().map(|h| h.revision()))
 }
 
-/// Completes when `held`'s entry is deleted (lease expired or revoked, key deleted), its
-/// session's lease is known to be gone, or it is found gone by a renewal. What it keeps while
-/// it waits is its watch's registration (an id, a sender, the shared signal): the rare paths
-/// (a read after a cancelled watch, the pause after a broken stream) are boxed, and the
-/// session's end is watched once per session by the routing task, not once per lock.
+/// Completes when `held`'s entry is deleted (lease expired or revoked, key deleted) or its
+/// session's lease is known to be gone. What it keeps while it waits is its watch's
+/// registration (an id, a sender, the shared signal): the routing task makes the watch again
+/// after a broken stream or a cancelled watch, and watches the session's end once per session.
 pub(crate) async fn watch_entry(inner: &Inner, held: &Arc<Held>) -> LossReason {
-    let mut backoff = None::<Box<Backoff>>;
-    let mut from = held.rev + 1;
-    loop {
-        if held.is_gone() {
-            return LossReason::Revoked;
-        }
-        let watch = inner.watches.watch_delete(held, from);
-        let deleted = match watch.ended().await {
-            Outcome::Deleted | Outcome::SessionGone => true,
-            Outcome::Broken => false,
-            Outcome::Canceled => {
-                // Compacted past our revision: look at the key itself (the read's state,
-                // ≈ 2.7 KiB, is boxed by `or_gone`).
-                match or_gone(held, read_entry(inner, held)).await {
-                    None | Some(Entry::Gone) => true,
-                    Some(Entry::Ours(revision)) => {
-                        from = revision.map_or(from, |r| r + 1);
-                        false
-                    }
-                    Some(Entry::Unread) => false,
-                }
-            }
-        };
-        drop(watch);
-        if deleted {
-            return LossReason::Revoked;
-        }
-        // The rare path's pause, and its backoff made only when needed.
-        let backoff = backoff.get_or_insert_with(|| {
-            Box::new(Backoff::new(
-                Duration::from_millis(50),
-                Duration::from_secs(2),
-            ))
-        });
-        if or_gone(held, sleep(backoff.next_delay())).await.is_none() {
-            return LossReason::Revoked;
-        }
+    if !held.is_gone() {
+        inner.watches.watch_delete(held).ended().await;
     }
-}
-
-/// Runs a step of `watch_entry`'s rare path — between two watches, when no watch of the
-/// routing task covers the entry — unless the session's lease is known gone first (`None`).
-/// Boxed here, not in an `async fn`: the future every held lock keeps for its whole life then
-/// holds none of this state (the step moves straight into the box).
-fn or_gone<'a, T: 'a>(
-    held: &'a Held,
-    step: impl Future<Output = T> + Send + 'a,
-) -> futures::future::BoxFuture<'a, Option<T>> {
-    Box::pin(async move {
-        tokio::select! {
-            biased;
-            () = held.session.gone.cancelled() => None,
-            out = step => Some(out),
-        }
-    })
+    LossReason::Revoked
 }
 
 #[cfg(test)]
@@ -629,7 +795,7 @@ fn or_gone<'a, T: 'a>(
 mod tests {
     use std::{sync::Arc, time::Duration};
 
-    use lock_core::raw::{Driver, LockKey};
+    use lock_core::raw::{Driver, LockKey, LossReason, LostSink};
 
     use crate::EtcdLock;
 
@@ -753,6 +919,208 @@ mod tests {
             .unwrap();
         assert_eq!(reason, lock_core::raw::LossReason::Revoked);
         proxy.pass();
+    }
+
+    /// Waits (10 s at most) until a watch covers `held`'s entry, or until none does.
+    async fn wait_covered(held: &crate::renew::Held, want: bool) {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while held.is_watched() != want {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("the entry's cover did not become {want}"));
+    }
+
+    fn held_of(lease: &lock_core::raw::Lease) -> Arc<crate::renew::Held> {
+        lease.shared_backend_state::<crate::renew::Held>().unwrap()
+    }
+
+    /// Issue 24: a renewal group's member has no `watch_lost` future; the routing task watches
+    /// its entry itself and pushes its loss to the member's sink. When the stream breaks, the
+    /// routing task makes the member's watch again on a new stream (nobody else would: no
+    /// future waits on it), and a deletion after that still reaches the sink — and nothing is
+    /// pushed before it.
+    #[tokio::test]
+    async fn a_member_s_watch_outlives_a_broken_stream_and_pushes_its_deletion() {
+        let Some(url) = conformance::backend_url("DISTLOCK_TEST_ETCD_URL") else {
+            return;
+        };
+        let (proxy, proxied) = conformance::drill::Proxy::start_for_url(&url)
+            .await
+            .unwrap();
+        let lock = EtcdLock::connect_url(&proxied).await.unwrap();
+        let operator = EtcdLock::connect_url(&url).await.unwrap();
+        let key = LockKey::new(format!("member-rewatch-{:x}", rand::random::<u32>())).unwrap();
+        let lease = lock
+            .try_acquire(&key, Duration::from_secs(10))
+            .await
+            .unwrap()
+            .unwrap();
+        let held = held_of(&lease);
+        let group = lock.renewal_group(&lease).unwrap();
+        let (sink, pushed) = LostSink::detached();
+        assert!(group.join(&lease, &sink), "etcd pushes a member's loss");
+        wait_covered(&held, true).await;
+        let watches = lock.request_counts().watch;
+        // Every connection reset: the stream breaks; the routing task makes the watch again.
+        proxy.reset();
+        wait_covered(&held, false).await;
+        wait_covered(&held, true).await;
+        assert!(
+            lock.request_counts().watch > watches,
+            "no new watch was made"
+        );
+        assert!(
+            pushed.take().is_empty(),
+            "a loss pushed for a lock still held"
+        );
+        assert!(operator.force_release(&key).await.unwrap());
+        let reason = tokio::time::timeout(Duration::from_secs(10), pushed.next())
+            .await
+            .expect("the deletion was not pushed to the member's sink");
+        assert_eq!(reason, LossReason::Revoked);
+        assert!(held.is_gone());
+        group.leave(&lease);
+    }
+
+    /// Issue 24: a member's watch whose start revision was compacted away while its stream was
+    /// down is refused by the server; the routing task reads the entry, finds it still ours,
+    /// and watches again from the revision read — covering the entry again, and pushing its
+    /// later deletion. (A private etcd: compacting the shared one would upset other tests.)
+    #[tokio::test]
+    async fn a_member_s_watch_refused_as_compacted_is_read_and_made_again() {
+        use conformance::servers::{PrivateServer, ServerKind, free_port};
+        if conformance::backend_url("DISTLOCK_TEST_ETCD_URL").is_none() {
+            return;
+        }
+        let server = PrivateServer::start(ServerKind::Etcd, free_port()).await;
+        let (proxy, proxied) = conformance::drill::Proxy::start_for_url(&server.url())
+            .await
+            .unwrap();
+        let lock = EtcdLock::connect_url(&proxied).await.unwrap();
+        let operator = EtcdLock::connect_url(&server.url()).await.unwrap();
+        let key = LockKey::new("member-compacted").unwrap();
+        let lease = lock
+            .try_acquire(&key, Duration::from_secs(10))
+            .await
+            .unwrap()
+            .unwrap();
+        let held = held_of(&lease);
+        let group = lock.renewal_group(&lease).unwrap();
+        let (sink, pushed) = LostSink::detached();
+        assert!(group.join(&lease, &sink));
+        wait_covered(&held, true).await;
+        // The link goes silent: the stream breaks and stays down while history is compacted.
+        proxy.blackhole();
+        proxy.reset();
+        wait_covered(&held, false).await;
+        let endpoint = server.url().replacen("etcd://", "http://", 1);
+        let mut admin = etcd_client::Client::connect([endpoint], None)
+            .await
+            .unwrap();
+        let mut revision = 0;
+        for i in 0..3 {
+            let put = admin
+                .put(format!("compact-filler-{i}"), "x", None)
+                .await
+                .unwrap();
+            revision = put.header().unwrap().revision();
+        }
+        assert!(revision > held.rev + 1);
+        admin.compact(revision, None).await.unwrap();
+        let reads = lock.request_counts().range;
+        proxy.pass();
+        // (etcd may answer "created" before it cancels the watch: the read comes after.)
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while lock.request_counts().range <= reads {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the refused watch's entry was not read");
+        wait_covered(&held, true).await;
+        assert!(
+            pushed.take().is_empty(),
+            "a loss pushed for a lock still held"
+        );
+        assert!(operator.force_release(&key).await.unwrap());
+        let reason = tokio::time::timeout(Duration::from_secs(10), pushed.next())
+            .await
+            .expect("the deletion after the new watch was not pushed");
+        assert_eq!(reason, LossReason::Revoked);
+        group.leave(&lease);
+    }
+
+    /// Issue 24: a group member no deletion watch covers (its watch forgotten, as between two
+    /// streams) is read by the group's renewal, as `renew` reads an uncovered entry: an
+    /// operator's deletion is found, the member's loss is pushed to its sink before the
+    /// renewal answers, and the entry is unregistered (its `renew` then says `NotHeld` without
+    /// a request), while a neighbour stays held. After leaving, a member is the reaper's again:
+    /// unrenewed, it is deleted at the deadline the group gave it.
+    #[tokio::test]
+    async fn a_group_reads_the_members_no_watch_covers() {
+        let Some(url) = conformance::backend_url("DISTLOCK_TEST_ETCD_URL") else {
+            return;
+        };
+        let lock = EtcdLock::connect_url(&url).await.unwrap();
+        let operator = EtcdLock::connect_url(&url).await.unwrap();
+        let ttl = Duration::from_secs(3);
+        let tag = rand::random::<u32>();
+        let (gone, kept) = (
+            LockKey::new(format!("uncovered-gone-{tag:x}")).unwrap(),
+            LockKey::new(format!("uncovered-kept-{tag:x}")).unwrap(),
+        );
+        let mut deleted = lock.try_acquire(&gone, ttl).await.unwrap().unwrap();
+        let neighbour = lock.try_acquire(&kept, ttl).await.unwrap().unwrap();
+        let group = lock.renewal_group(&deleted).unwrap();
+        let same = lock.renewal_group(&neighbour).unwrap();
+        assert_eq!(group.id(), same.id(), "one session, one group");
+        let (sink, pushed) = LostSink::detached();
+        let (neighbour_sink, neighbour_pushed) = LostSink::detached();
+        assert!(group.join(&deleted, &sink));
+        assert!(group.join(&neighbour, &neighbour_sink));
+        for lease in [&deleted, &neighbour] {
+            let held = held_of(lease);
+            lock.inner.watches.forget_member(&held);
+            wait_covered(&held, false).await;
+        }
+        assert!(operator.force_release(&gone).await.unwrap());
+
+        let before = lock.request_counts();
+        group
+            .renew(ttl, tokio::time::Instant::now() + Duration::from_secs(30))
+            .await
+            .expect("the group renews");
+        assert!(
+            lock.request_counts().txn > before.txn,
+            "the uncovered members were not read"
+        );
+        assert_eq!(
+            pushed.take(),
+            vec![LossReason::Revoked],
+            "the member found gone was not pushed before the renewal answered"
+        );
+        assert!(neighbour_pushed.take().is_empty());
+        let before = lock.request_counts();
+        let renewed = lock.renew(&mut deleted, ttl).await;
+        assert!(
+            matches!(renewed, Err(lock_core::Error::NotHeld { .. })),
+            "renew of the member found gone: {renewed:?}"
+        );
+        assert_eq!(lock.request_counts(), before, "not known gone already");
+
+        // The neighbour leaves without a release: the reaper deletes it at its deadline.
+        group.leave(&neighbour);
+        group.leave(&deleted);
+        let until = tokio::time::Instant::now() + ttl + Duration::from_secs(5);
+        while operator.inspect(&kept).await.unwrap().is_some() {
+            assert!(
+                tokio::time::Instant::now() < until,
+                "an unrenewed ex-member was never reaped"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// Issue 24: what a held lock keeps for its whole life is its `watch_lost` future (polled by

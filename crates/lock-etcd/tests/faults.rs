@@ -287,61 +287,6 @@ fn guards_on_one_session_renew_as_one_group() {
     });
 }
 
-/// Issue 24: a group member no deletion watch covers (here: a raw lease, no `watch_lost`) is
-/// read by the group's renewal, as `renew` reads an uncovered entry: an operator's deletion is
-/// found and the entry unregistered (its `renew` then says `NotHeld` without a request), while
-/// a neighbour stays held. After leaving, a member is the reaper's again: unrenewed, it is
-/// deleted at the deadline the group gave it.
-#[test]
-fn a_group_reads_the_members_no_watch_covers() {
-    rt().block_on(async {
-        let Some(env) = env().await else { return };
-        let (lock, operator) = (env.client().await, env.client().await);
-        let ttl = Duration::from_secs(3);
-        let (gone, kept) = (fresh("uncovered-gone"), fresh("uncovered-kept"));
-        let mut deleted = lock.try_acquire(&gone, ttl).await.unwrap().unwrap();
-        let neighbour = lock.try_acquire(&kept, ttl).await.unwrap().unwrap();
-        let group = lock
-            .renewal_group(&deleted)
-            .expect("etcd leases renew in groups");
-        let same = lock.renewal_group(&neighbour).unwrap();
-        assert_eq!(group.id(), same.id(), "one session, one group");
-        group.join(&deleted);
-        group.join(&neighbour);
-        assert!(operator.force_release(&gone).await.unwrap());
-
-        let before = lock.request_counts();
-        group
-            .renew(ttl, Instant::now() + LONG)
-            .await
-            .expect("the group renews");
-        let after = lock.request_counts();
-        assert!(
-            after.txn > before.txn,
-            "the uncovered members were not read"
-        );
-        let before = lock.request_counts();
-        let renewed = lock.renew(&mut deleted, ttl).await;
-        assert!(
-            matches!(renewed, Err(Error::NotHeld { .. })),
-            "renew of the member found gone: {renewed:?}"
-        );
-        assert_eq!(lock.request_counts(), before, "not known gone already");
-
-        // The neighbour leaves without a release: the reaper deletes it at its deadline.
-        group.leave(&neighbour);
-        group.leave(&deleted);
-        let until = Instant::now() + ttl + SLACK;
-        while !env.entries(&kept).await.is_empty() {
-            assert!(
-                Instant::now() < until,
-                "an unrenewed ex-member was never reaped"
-            );
-            sleep(Duration::from_millis(100)).await;
-        }
-    });
-}
-
 /// Review S3: a grant confirmed only after its local deadline passed (every chunk on the link
 /// delayed past the TTL) is withdrawn, never returned; the key is left free.
 #[test]

@@ -420,7 +420,11 @@ impl RenewalGroup for SessionGroup {
         Arc::as_ptr(&self.session) as usize
     }
 
-    fn join(&self, _lease: &Lease) {}
+    /// A member's node deleted from outside is pushed by its `watch_lost` (its node watch),
+    /// which lock-core keeps: not to the sink.
+    fn join(&self, _lease: &Lease, _lost: &lock_core::raw::LostSink) -> bool {
+        false
+    }
 
     fn leave(&self, _lease: &Lease) {}
 
