@@ -12,15 +12,40 @@ use crate::{FencingToken, LockKey, OwnershipToken, TokenDigest};
 /// The local deadline is measured on the monotonic clock from the moment the request was *sent*
 /// (`sent_at + ttl - margin`), so it can only be earlier than the coordinator's own expiry. Stop
 /// trusting the lease at that deadline even if the coordinator has not expired it yet.
+///
+/// A held lock keeps two leases (its guard's as granted, its renewal slot's as last renewed),
+/// so the lease is kept small (issue 24): 88 bytes, where an `Option<FencingToken>`, a
+/// `Duration` and two `Instant`s would take 112 — the deadline is kept as an offset from
+/// `acquired_at`, the TTL in nanoseconds with the fence's presence in its top bit.
 #[derive(Clone)]
 pub struct Lease {
     key: LockKey,
     token: OwnershipToken,
-    fencing: Option<FencingToken>,
-    ttl: Duration,
     acquired_at: Instant,
-    local_deadline: Instant,
+    /// The local deadline, in nanoseconds after `acquired_at` (before it when negative).
+    deadline: i64,
+    /// The TTL in nanoseconds (at most 2⁶³ − 1: 292 years), and [`HAS_FENCING`].
+    ttl: u64,
+    /// The fencing token when `ttl` has [`HAS_FENCING`].
+    fencing: u64,
     backend_state: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+/// In [`Lease`]'s `ttl`: the lease has a fencing token.
+const HAS_FENCING: u64 = 1 << 63;
+
+/// `ttl` in nanoseconds, capped at 2⁶³ − 1 (292 years: past every backend's maximum TTL).
+fn ttl_nanos(ttl: Duration) -> u64 {
+    u64::try_from(ttl.as_nanos()).map_or(HAS_FENCING - 1, |n| n.min(HAS_FENCING - 1))
+}
+
+/// `at` as nanoseconds from `base` (negative before it), saturating at ±292 years — a
+/// monotonic clock never spans that much, so the offset is exact.
+fn offset(base: Instant, at: Instant) -> i64 {
+    match at.checked_duration_since(base) {
+        Some(after) => i64::try_from(after.as_nanos()).unwrap_or(i64::MAX),
+        None => i64::try_from(base.duration_since(at).as_nanos()).map_or(i64::MIN, |n| -n),
+    }
 }
 
 impl Lease {
@@ -32,15 +57,26 @@ impl Lease {
         ttl: Duration,
         sent_at: Instant,
     ) -> Self {
-        Self {
+        let mut lease = Self {
             key,
             token,
-            fencing,
-            ttl,
             acquired_at: sent_at,
-            local_deadline: local_deadline(sent_at, ttl),
+            deadline: 0,
+            ttl: 0,
+            fencing: fencing.map_or(0, |f| f.0),
             backend_state: None,
-        }
+        };
+        lease.set_ttl(ttl, fencing.is_some());
+        lease.set_local_deadline(local_deadline(sent_at, ttl));
+        lease
+    }
+
+    fn set_ttl(&mut self, ttl: Duration, fenced: bool) {
+        self.ttl = ttl_nanos(ttl) | if fenced { HAS_FENCING } else { 0 };
+    }
+
+    fn set_local_deadline(&mut self, at: Instant) {
+        self.deadline = offset(self.acquired_at, at);
     }
 
     /// Attaches driver-private state (a session lease id, a node path, …) to the lease.
@@ -71,14 +107,16 @@ impl Lease {
 
     /// Records a successful renewal whose request was sent at `sent_at`.
     pub fn renewed(&mut self, ttl: Duration, sent_at: Instant) {
-        self.ttl = ttl;
-        self.local_deadline = local_deadline(sent_at, ttl);
+        let fenced = self.ttl & HAS_FENCING != 0;
+        self.set_ttl(ttl, fenced);
+        self.set_local_deadline(local_deadline(sent_at, ttl));
     }
 
     /// Moves the local deadline to `at` if that is later: a renewal group's renewal renewed
     /// this lease (see [`crate::raw::RenewalGroup`]).
     pub(crate) fn extend_local_deadline(&mut self, at: Instant) {
-        self.local_deadline = self.local_deadline.max(at);
+        let at = self.local_deadline().max(at);
+        self.set_local_deadline(at);
     }
 
     /// The lock key.
@@ -93,12 +131,12 @@ impl Lease {
 
     /// The fencing token minted with the grant, if the backend mints them.
     pub fn fencing_token(&self) -> Option<FencingToken> {
-        self.fencing
+        (self.ttl & HAS_FENCING != 0).then_some(FencingToken(self.fencing))
     }
 
     /// The TTL of the last grant or renewal.
     pub fn ttl(&self) -> Duration {
-        self.ttl
+        Duration::from_nanos(self.ttl & !HAS_FENCING)
     }
 
     /// When the granting request was sent (monotonic clock): the start of the hold.
@@ -108,18 +146,26 @@ impl Lease {
 
     /// The conservative local deadline (monotonic clock).
     pub fn local_deadline(&self) -> Instant {
-        self.local_deadline
+        let magnitude = Duration::from_nanos(self.deadline.unsigned_abs());
+        if self.deadline >= 0 {
+            self.acquired_at + magnitude
+        } else {
+            // Exact: the offset was taken between two instants of this clock.
+            self.acquired_at
+                .checked_sub(magnitude)
+                .unwrap_or(self.acquired_at)
+        }
     }
 
     /// Time left before the local deadline (zero once it has passed).
     pub fn remaining(&self) -> Duration {
-        self.local_deadline
+        self.local_deadline()
             .saturating_duration_since(Instant::now())
     }
 
     /// `true` while the local deadline has not passed.
     pub fn is_locally_valid(&self) -> bool {
-        Instant::now() < self.local_deadline
+        Instant::now() < self.local_deadline()
     }
 }
 
@@ -139,8 +185,8 @@ impl fmt::Debug for Lease {
         f.debug_struct("Lease")
             .field("key", &self.key)
             .field("token", &self.token.digest())
-            .field("fencing", &self.fencing)
-            .field("ttl", &self.ttl)
+            .field("fencing", &self.fencing_token())
+            .field("ttl", &self.ttl())
             .field("remaining", &self.remaining())
             .finish_non_exhaustive()
     }
@@ -321,5 +367,70 @@ mod identity_tests {
             HolderIdentity::from_stored(&long).unwrap().as_str().len(),
             HolderIdentity::MAX_LEN
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease(fencing: Option<FencingToken>, ttl: Duration, sent_at: Instant) -> Lease {
+        Lease::new(
+            LockKey::new("lease-repr").unwrap_or_else(|e| panic!("{e}")),
+            OwnershipToken::generate(),
+            fencing,
+            ttl,
+            sent_at,
+        )
+    }
+
+    /// Issue 24: a held lock keeps two leases; the compact form stays exact.
+    #[test]
+    fn a_lease_is_small_and_keeps_its_values_exactly() {
+        assert!(
+            size_of::<Lease>() <= 88,
+            "a lease takes {} B",
+            size_of::<Lease>()
+        );
+        let now = Instant::now();
+        for (fencing, ttl) in [
+            (None, Duration::from_millis(1)),
+            (Some(FencingToken(0)), Duration::from_nanos(1_234_567_891)),
+            (
+                Some(FencingToken(u64::MAX)),
+                Duration::from_secs(30 * 86_400),
+            ),
+        ] {
+            let mut l = lease(fencing, ttl, now);
+            assert_eq!(l.fencing_token(), fencing);
+            assert_eq!(l.ttl(), ttl);
+            assert_eq!(l.acquired_at(), now);
+            assert_eq!(l.local_deadline(), local_deadline(now, ttl));
+            // A renewal sent before the grant (a shared keepalive's send time): the deadline
+            // falls before `acquired_at` when the TTL is short enough, and stays exact.
+            let before = now.checked_sub(Duration::from_secs(5)).unwrap_or(now);
+            l.renewed(Duration::from_millis(10), before);
+            assert_eq!(
+                l.local_deadline(),
+                local_deadline(before, Duration::from_millis(10))
+            );
+            assert_eq!(l.ttl(), Duration::from_millis(10));
+            assert_eq!(l.fencing_token(), fencing, "a renewal keeps the fence");
+            l.extend_local_deadline(now + Duration::from_secs(3));
+            assert_eq!(l.local_deadline(), now + Duration::from_secs(3));
+            l.extend_local_deadline(now);
+            assert_eq!(
+                l.local_deadline(),
+                now + Duration::from_secs(3),
+                "never moved back"
+            );
+        }
+        // A TTL past 292 years is capped there (no backend grants one).
+        let huge = Duration::from_secs(1 << 40);
+        let l = lease(None, huge, now);
+        assert_eq!(l.ttl(), Duration::from_nanos(u64::MAX >> 1));
+        // Its deadline saturates 292 years out: earlier, never later, than asked.
+        assert!(l.local_deadline() <= local_deadline(now, huge));
+        assert!(l.local_deadline() > now + Duration::from_secs(290 * 365 * 86_400));
     }
 }

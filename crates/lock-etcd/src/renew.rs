@@ -44,16 +44,40 @@ pub(crate) enum KeepAliveError {
     Failed(RequestFailure),
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Users {
-    /// Name ranges with an entry (held or queued) on this lease. One entry per name per lease:
-    /// the entry key is `<name range><lease hex>`.
-    names: HashSet<Vec<u8>>,
+    /// Name ranges with an entry (held or queued) on this lease, by their keyed hash (8 bytes
+    /// per held lock, not a copy of the name: issue 24). One entry per name per lease: the
+    /// entry key is `<name range><lease hex>`. Two names with one hash (one chance in 2⁶⁴ per
+    /// pair, with a key of this session's own) are taken as one: the second lock's entry then
+    /// goes on another session, which is only a session more. A name is removed only by the
+    /// entry that added it.
+    names: HashSet<u64>,
+    /// The key of `names`' hashes.
+    keyed: std::hash::RandomState,
     /// No longer handed out (empty and being revoked, or dead).
     retired: bool,
     /// Bumped whenever the session goes idle (its last user leaves), so a grace-period reaper
     /// retires it only if it stayed idle since then.
     idle_since: u64,
+}
+
+impl Users {
+    fn new(first_user: &[u8]) -> Self {
+        let mut users = Self {
+            names: HashSet::new(),
+            keyed: std::hash::RandomState::new(),
+            retired: false,
+            idle_since: 0,
+        };
+        let first = users.hash(first_user);
+        users.names.insert(first);
+        users
+    }
+
+    fn hash(&self, name: &[u8]) -> u64 {
+        std::hash::BuildHasher::hash_one(&self.keyed, name)
+    }
 }
 
 /// What a `LeaseGrant` returned.
@@ -122,11 +146,7 @@ impl Session {
             stream: Mutex::new(None),
             inflight: Mutex::new(None),
             gone: CancellationToken::new(),
-            users: Mutex::new(Users {
-                names: HashSet::from([first_user]),
-                retired: false,
-                idle_since: 0,
-            }),
+            users: Mutex::new(Users::new(&first_user)),
             uncovered: Mutex::new(HashMap::new()),
         }
     }
@@ -152,17 +172,19 @@ impl Session {
     /// Registers an entry for `name` unless this session already has one or is retired.
     pub(crate) fn try_add_user(&self, name: &[u8]) -> bool {
         let mut users = lock(&self.users);
-        if users.retired || self.gone.is_cancelled() || users.names.contains(name) {
+        let name = users.hash(name);
+        if users.retired || self.gone.is_cancelled() || users.names.contains(&name) {
             return false;
         }
-        users.names.insert(name.to_vec())
+        users.names.insert(name)
     }
 
     /// Unregisters `name`. When that left the session empty, returns the idle period it began
     /// (for [`Session::retire_if_idle`]); the session stays usable until retired.
     pub(crate) fn remove_user(&self, name: &[u8]) -> Option<u64> {
         let mut users = lock(&self.users);
-        if !users.names.remove(name) || !users.names.is_empty() || users.retired {
+        let name = users.hash(name);
+        if !users.names.remove(&name) || !users.names.is_empty() || users.retired {
             return None;
         }
         users.idle_since += 1;
@@ -185,7 +207,8 @@ impl Session {
     /// caller revokes the lease, which deletes the entry with it).
     pub(crate) fn take_last_user(&self, name: &[u8]) -> bool {
         let mut users = lock(&self.users);
-        if !users.retired && users.names.len() == 1 && users.names.contains(name) {
+        let name = users.hash(name);
+        if !users.retired && users.names.len() == 1 && users.names.contains(&name) {
             users.names.clear();
             users.retired = true;
             return true;
