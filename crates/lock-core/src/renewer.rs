@@ -243,6 +243,36 @@ fn renewal_time(now: Instant, interval: Duration) -> Instant {
     }
 }
 
+/// The process-wide instant every [`Tick`] counts from (set before any scheduler exists).
+fn epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+/// An instant of the scheduler's timers in 8 bytes (an `Option<Instant>` takes 16, and a slot
+/// keeps three: issue 24): nanoseconds since [`epoch`], plus one.
+///
+/// Exact for every instant from the epoch on, for 584 years. An instant before the epoch
+/// becomes the epoch: every such instant is already past when the scheduler compares it
+/// with `now` (the epoch is set before the first scheduler, so `now` is never before it),
+/// and the epoch is past too, so no comparison changes its answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Tick(std::num::NonZeroU64);
+
+impl Tick {
+    fn at(instant: Instant) -> Self {
+        let nanos = instant.saturating_duration_since(epoch()).as_nanos();
+        let nanos = u64::try_from(nanos)
+            .unwrap_or(u64::MAX - 1)
+            .min(u64::MAX - 1);
+        Self(std::num::NonZeroU64::MIN.saturating_add(nanos))
+    }
+
+    fn instant(self) -> Instant {
+        epoch() + Duration::from_nanos(self.0.get() - 1)
+    }
+}
+
 /// The renewal scheduler of one client (one [`DynLock`]).
 pub(crate) struct Scheduler {
     lock: DynLock,
@@ -382,7 +412,7 @@ struct State {
     slots: Vec<Option<Slot>>,
     free: Vec<usize>,
     /// Every running slot sits here once, under its next wake-up.
-    timers: BTreeSet<(Instant, usize)>,
+    timers: BTreeSet<(Tick, usize)>,
     /// Running slots (the task ends when there are none).
     active: usize,
     /// Renewals in flight (at most [`MAX_IN_FLIGHT`]).
@@ -494,11 +524,11 @@ impl State {
             return;
         };
         if let Some(at) = group.wake.take() {
-            timers.remove(&(at, index | GROUP_BIT));
+            timers.remove(&(Tick::at(at), index | GROUP_BIT));
         }
         let wake = group.next_wake();
         group.wake = Some(wake);
-        timers.insert((wake, index | GROUP_BIT));
+        timers.insert((Tick::at(wake), index | GROUP_BIT));
     }
 
     /// Adds `lease` to the group `handle` names (made now if it has no member yet); returns its
@@ -580,7 +610,7 @@ impl State {
         }
         let group = self.groups[index].take()?;
         if let Some(at) = group.wake {
-            self.timers.remove(&(at, index | GROUP_BIT));
+            self.timers.remove(&(Tick::at(at), index | GROUP_BIT));
         }
         self.group_ids.remove(&group.key);
         self.group_free.push(index);
@@ -604,12 +634,12 @@ struct Slot {
     status: Arc<Status>,
     interval: Option<Duration>,
     /// Job mode's `at_most`: no renewal after this, and the guard is lost then.
-    renew_until: Option<Instant>,
-    next_renew: Option<Instant>,
+    renew_until: Option<Tick>,
+    next_renew: Option<Tick>,
     /// Only while renewals fail temporarily.
     retry: Option<Box<Backoff>>,
     /// The instant under which the slot sits in the timer set.
-    wake: Option<Instant>,
+    wake: Option<Tick>,
     /// Made when the slot first has a future to poll: a member whose loss its driver pushes
     /// has none.
     waker: Option<Arc<SlotWaker>>,
@@ -653,12 +683,12 @@ pub(crate) enum Taken {
 }
 
 impl Slot {
-    fn next_wake(&self) -> Option<Instant> {
+    fn next_wake(&self) -> Option<Tick> {
         if self.group.is_some() {
             // The group's timer serves the deadline.
             return self.renew_until;
         }
-        let deadline = self.lease.local_deadline();
+        let deadline = Tick::at(self.lease.local_deadline());
         let mut wake = deadline;
         if self.phase == Phase::Idle
             && let Some(t) = self.next_renew
@@ -692,6 +722,8 @@ pub(crate) fn for_lock(lock: &DynLock) -> Arc<Scheduler> {
     }
     // A live scheduler holds its client, so the address cannot have been reused by another
     // client while the entry was alive: a dead entry is simply replaced.
+    // The timers' epoch is set before the first scheduler (see `Tick`).
+    epoch();
     let scheduler = Arc::new(Scheduler {
         lock: lock.clone(),
         state: Mutex::new(State {
@@ -788,8 +820,8 @@ impl Scheduler {
                 lease: new.lease,
                 status: new.status,
                 interval: new.interval,
-                renew_until: new.renew_until,
-                next_renew,
+                renew_until: new.renew_until.map(Tick::at),
+                next_renew: next_renew.map(Tick::at),
                 retry: None,
                 wake: None,
                 waker: waker.clone(),
@@ -963,12 +995,12 @@ impl Scheduler {
             self.lose(state, index, LossReason::DeadlinePassed);
             return false;
         }
-        if slot.renew_until.is_some_and(|t| now >= t) {
+        if slot.renew_until.is_some_and(|t| Tick::at(now) >= t) {
             self.lose(state, index, LossReason::HeldTooLong);
             return false;
         }
         let mut started = false;
-        if slot.phase == Phase::Idle && slot.next_renew.is_some_and(|t| now >= t) {
+        if slot.phase == Phase::Idle && slot.next_renew.is_some_and(|t| Tick::at(now) >= t) {
             if state.in_flight < MAX_IN_FLIGHT {
                 self.start_renewal(state, index);
                 started = true;
@@ -1036,18 +1068,18 @@ impl Scheduler {
                 slot.status.renewals.fetch_add(1, Ordering::AcqRel);
                 slot.retry = None;
                 let interval = slot.interval.unwrap_or(slot.lease.ttl() / 3);
-                slot.next_renew = Some(next_renewal(
+                slot.next_renew = Some(Tick::at(next_renewal(
                     now,
                     interval,
                     slot.lease.local_deadline(),
                     slot.lease.ttl(),
-                ));
+                )));
             }
             Err(e) if e.is_temporary() => {
                 tracing::warn!(key = %slot.lease.key(), error = %e, "lease renewal failed; retrying until the local deadline");
                 let interval = slot.interval;
                 let retry = slot.retry.get_or_insert_with(|| retry_backoff(interval));
-                slot.next_renew = Some(now + retry.next_delay());
+                slot.next_renew = Some(Tick::at(now + retry.next_delay()));
             }
             Err(e) => {
                 tracing::warn!(key = %slot.lease.key(), error = %e, "lease renewal refused");
@@ -1332,12 +1364,13 @@ impl TaskRun {
             }
             // Then every slot whose time has come.
             let now = Instant::now();
+            let now_tick = Tick::at(now);
             loop {
                 {
                     let mut state = locked(&s.state);
                     while due.len() < CHUNK {
                         match state.timers.first() {
-                            Some(&(at, index)) if at <= now => {
+                            Some(&(at, index)) if at <= now_tick => {
                                 state.timers.pop_first();
                                 if index & GROUP_BIT != 0 {
                                     if s.fire_group(&mut state, index & !GROUP_BIT, now) {
@@ -1369,7 +1402,7 @@ impl TaskRun {
                     self.armed = false;
                     return;
                 }
-                state.timers.first().map(|&(at, _)| at)
+                state.timers.first().map(|&(at, _)| at.instant())
             };
             if !locked(&s.ready.woken).is_empty() || !locked(&s.ready.pushed).is_empty() {
                 continue;
@@ -1417,10 +1450,28 @@ mod tests {
         let (slot, status) = (size_of::<Option<Slot>>(), size_of::<Status>());
         eprintln!("slot {slot} B, status {status} B");
         // 264 B before renewal groups (a member's group index sits in the phase's padding);
-        // 240 B since the lease is 88 B, not 112.
-        assert!(slot <= 240, "a slot takes {slot} B");
+        // 240 B since the lease is 88 B, not 112; 216 B since its three instants are `Tick`s.
+        assert!(slot <= 216, "a slot takes {slot} B");
         // 48 B before: with its `Arc` counts, 72 B or less stays in glibc's 80-byte chunk.
         assert!(status <= 56, "a status takes {status} B");
+    }
+
+    /// A tick is exact from the epoch on, and an instant before the epoch compares as the
+    /// epoch: past, as it was.
+    #[test]
+    fn ticks_are_exact_and_an_instant_before_the_epoch_is_the_epoch() {
+        let epoch = epoch();
+        for later in [0, 1, 999, 1_000_000_007, 86_400 * 1_000_000_000 * 365] {
+            let at = epoch + Duration::from_nanos(later);
+            assert_eq!(Tick::at(at).instant(), at);
+        }
+        let now = Instant::now();
+        assert!(Tick::at(now) < Tick::at(now + Duration::from_nanos(1)));
+        if let Some(before) = epoch.checked_sub(Duration::from_secs(1)) {
+            assert_eq!(Tick::at(before), Tick::at(epoch));
+            assert!(Tick::at(before) <= Tick::at(now));
+        }
+        assert_eq!(size_of::<Option<Tick>>(), 8);
     }
 
     #[test]
