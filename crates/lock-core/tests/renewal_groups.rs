@@ -269,13 +269,7 @@ async fn a_tick_of_many_members_is_one_group_renewal_and_each_loss_stays_its_own
 
     // The operator removes one holder: pushed, that guard alone is lost and leaves.
     let victim = &guards[17];
-    assert!(
-        coordinator
-            .client()
-            .force_release(victim.key())
-            .await
-            .unwrap()
-    );
+    force_release(&coordinator, victim).await;
     timeout(ttl, victim.lost())
         .await
         .expect("a force-release was not pushed");
@@ -470,13 +464,7 @@ async fn a_group_that_pushes_losses_needs_no_watch_per_member() {
     assert_eq!(driver.watches.load(Ordering::SeqCst), 1);
 
     let victim = &pushed[5];
-    assert!(
-        coordinator
-            .client()
-            .force_release(victim.key())
-            .await
-            .unwrap()
-    );
+    force_release(&coordinator, victim).await;
     let renewals = driver.other.renewals.load(Ordering::SeqCst);
     // Found by the next renewal (one interval, a third of the TTL), not at the deadline.
     timeout(ttl / 2, victim.lost())
@@ -503,6 +491,19 @@ fn setup() -> (InMemoryLock, Arc<Grouped>, DynLock) {
     let driver = Grouped::new(&coordinator);
     let lock: DynLock = driver.clone();
     (coordinator, driver, lock)
+}
+
+/// An operator's `release --force` of `guard`'s key, which the coordinator held.
+async fn force_release(coordinator: &InMemoryLock, guard: &lock_core::LockGuard) {
+    assert!(
+        coordinator
+            .client()
+            .force_release(guard.key())
+            .await
+            .unwrap(),
+        "{} was not held",
+        guard.key()
+    );
 }
 
 /// Whether the coordinator still records `guard`'s key as held.

@@ -866,16 +866,7 @@ mod tests {
         let Some(url) = conformance::backend_url("DISTLOCK_TEST_ETCD_URL") else {
             return;
         };
-        let (proxy, proxied) = conformance::drill::Proxy::start_for_url(&url)
-            .await
-            .unwrap();
-        let lock = EtcdLock::connect_url(&proxied).await.unwrap();
-        let key = LockKey::new(format!("reopen-gone-{:x}", rand::random::<u32>())).unwrap();
-        let lease = lock
-            .try_acquire(&key, Duration::from_secs(10))
-            .await
-            .unwrap()
-            .unwrap();
+        let (proxy, lock, _key, lease) = proxied_lease(&url, "reopen-gone").await;
         let held = lease.shared_backend_state::<crate::renew::Held>().unwrap();
         let mut watch = lock.watch_lost(&lease);
         assert!(futures::poll!(watch.as_mut()).is_pending());
@@ -921,6 +912,28 @@ mod tests {
         proxy.pass();
     }
 
+    /// A lease on a fresh key (`label`-…), taken through a proxy in front of `url`'s etcd: the
+    /// proxy, the proxied client, the key and the lease.
+    async fn proxied_lease(
+        url: &str,
+        label: &str,
+    ) -> (
+        conformance::drill::Proxy,
+        EtcdLock,
+        LockKey,
+        lock_core::raw::Lease,
+    ) {
+        let (proxy, proxied) = conformance::drill::Proxy::start_for_url(url).await.unwrap();
+        let lock = EtcdLock::connect_url(&proxied).await.unwrap();
+        let key = LockKey::new(format!("{label}-{:x}", rand::random::<u32>())).unwrap();
+        let lease = lock
+            .try_acquire(&key, Duration::from_secs(10))
+            .await
+            .unwrap()
+            .unwrap();
+        (proxy, lock, key, lease)
+    }
+
     /// Waits (10 s at most) until a watch covers `held`'s entry, or until none does.
     async fn wait_covered(held: &crate::renew::Held, want: bool) {
         tokio::time::timeout(Duration::from_secs(10), async {
@@ -946,17 +959,8 @@ mod tests {
         let Some(url) = conformance::backend_url("DISTLOCK_TEST_ETCD_URL") else {
             return;
         };
-        let (proxy, proxied) = conformance::drill::Proxy::start_for_url(&url)
-            .await
-            .unwrap();
-        let lock = EtcdLock::connect_url(&proxied).await.unwrap();
+        let (proxy, lock, key, lease) = proxied_lease(&url, "member-rewatch").await;
         let operator = EtcdLock::connect_url(&url).await.unwrap();
-        let key = LockKey::new(format!("member-rewatch-{:x}", rand::random::<u32>())).unwrap();
-        let lease = lock
-            .try_acquire(&key, Duration::from_secs(10))
-            .await
-            .unwrap()
-            .unwrap();
         let held = held_of(&lease);
         let group = lock.renewal_group(&lease).unwrap();
         let (sink, pushed) = LostSink::detached();
@@ -995,17 +999,8 @@ mod tests {
             return;
         }
         let server = PrivateServer::start(ServerKind::Etcd, free_port()).await;
-        let (proxy, proxied) = conformance::drill::Proxy::start_for_url(&server.url())
-            .await
-            .unwrap();
-        let lock = EtcdLock::connect_url(&proxied).await.unwrap();
+        let (proxy, lock, key, lease) = proxied_lease(&server.url(), "member-compacted").await;
         let operator = EtcdLock::connect_url(&server.url()).await.unwrap();
-        let key = LockKey::new("member-compacted").unwrap();
-        let lease = lock
-            .try_acquire(&key, Duration::from_secs(10))
-            .await
-            .unwrap()
-            .unwrap();
         let held = held_of(&lease);
         let group = lock.renewal_group(&lease).unwrap();
         let (sink, pushed) = LostSink::detached();
