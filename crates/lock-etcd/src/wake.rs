@@ -934,6 +934,24 @@ mod tests {
         (proxy, lock, key, lease)
     }
 
+    /// Nothing was pushed while `key` was held; an operator's force-release of it is pushed to
+    /// the member's sink (10 s at most), as `Revoked`.
+    async fn deletion_is_pushed(
+        operator: &EtcdLock,
+        key: &LockKey,
+        pushed: &lock_core::raw::PushedLosses,
+    ) {
+        assert!(
+            pushed.take().is_empty(),
+            "a loss pushed for a lock still held"
+        );
+        assert!(operator.force_release(key).await.unwrap());
+        let reason = tokio::time::timeout(Duration::from_secs(10), pushed.next())
+            .await
+            .expect("the deletion was not pushed to the member's sink");
+        assert_eq!(reason, LossReason::Revoked);
+    }
+
     /// Waits (10 s at most) until a watch covers `held`'s entry, or until none does.
     async fn wait_covered(held: &crate::renew::Held, want: bool) {
         tokio::time::timeout(Duration::from_secs(10), async {
@@ -975,15 +993,7 @@ mod tests {
             lock.request_counts().watch > watches,
             "no new watch was made"
         );
-        assert!(
-            pushed.take().is_empty(),
-            "a loss pushed for a lock still held"
-        );
-        assert!(operator.force_release(&key).await.unwrap());
-        let reason = tokio::time::timeout(Duration::from_secs(10), pushed.next())
-            .await
-            .expect("the deletion was not pushed to the member's sink");
-        assert_eq!(reason, LossReason::Revoked);
+        deletion_is_pushed(&operator, &key, &pushed).await;
         assert!(held.is_gone());
         group.leave(&lease);
     }
@@ -1035,15 +1045,7 @@ mod tests {
         .await
         .expect("the refused watch's entry was not read");
         wait_covered(&held, true).await;
-        assert!(
-            pushed.take().is_empty(),
-            "a loss pushed for a lock still held"
-        );
-        assert!(operator.force_release(&key).await.unwrap());
-        let reason = tokio::time::timeout(Duration::from_secs(10), pushed.next())
-            .await
-            .expect("the deletion after the new watch was not pushed");
-        assert_eq!(reason, LossReason::Revoked);
+        deletion_is_pushed(&operator, &key, &pushed).await;
         group.leave(&lease);
     }
 
