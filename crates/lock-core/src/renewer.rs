@@ -262,9 +262,8 @@ struct Tick(std::num::NonZeroU64);
 impl Tick {
     fn at(instant: Instant) -> Self {
         let nanos = instant.saturating_duration_since(epoch()).as_nanos();
-        let nanos = u64::try_from(nanos)
-            .unwrap_or(u64::MAX - 1)
-            .min(u64::MAX - 1);
+        // Saturating at 584 years.
+        let nanos = u64::try_from(nanos).unwrap_or(u64::MAX);
         Self(std::num::NonZeroU64::MIN.saturating_add(nanos))
     }
 
@@ -395,6 +394,17 @@ struct SlotWaker {
     queued: AtomicBool,
 }
 
+impl SlotWaker {
+    /// The waker of the slot (or, with [`GROUP_BIT`], the group) at `index`.
+    fn new(ready: &Arc<Ready>, index: usize) -> Arc<Self> {
+        Arc::new(Self {
+            ready: ready.clone(),
+            index,
+            queued: AtomicBool::new(false),
+        })
+    }
+}
+
 impl Wake for SlotWaker {
     fn wake(self: Arc<Self>) {
         self.wake_by_ref();
@@ -464,7 +474,7 @@ struct Group {
     renewing: Option<GroupRenewal>,
     in_flight: bool,
     /// The instant under which the group sits in the timer set.
-    wake: Option<Instant>,
+    wake: Option<Tick>,
     waker: Arc<SlotWaker>,
 }
 
@@ -524,11 +534,11 @@ impl State {
             return;
         };
         if let Some(at) = group.wake.take() {
-            timers.remove(&(Tick::at(at), index | GROUP_BIT));
+            timers.remove(&(at, index | GROUP_BIT));
         }
-        let wake = group.next_wake();
+        let wake = Tick::at(group.next_wake());
         group.wake = Some(wake);
-        timers.insert((Tick::at(wake), index | GROUP_BIT));
+        timers.insert((wake, index | GROUP_BIT));
     }
 
     /// Adds `lease` to the group `handle` names (made now if it has no member yet); returns its
@@ -568,11 +578,7 @@ impl State {
                     renewing: None,
                     in_flight: false,
                     wake: None,
-                    waker: Arc::new(SlotWaker {
-                        ready: ready.clone(),
-                        index: index | GROUP_BIT,
-                        queued: AtomicBool::new(false),
-                    }),
+                    waker: SlotWaker::new(ready, index | GROUP_BIT),
                 });
                 self.group_ids.insert(key, index);
                 index
@@ -610,7 +616,7 @@ impl State {
         }
         let group = self.groups[index].take()?;
         if let Some(at) = group.wake {
-            self.timers.remove(&(Tick::at(at), index | GROUP_BIT));
+            self.timers.remove(&(at, index | GROUP_BIT));
         }
         self.group_ids.remove(&group.key);
         self.group_free.push(index);
@@ -814,7 +820,7 @@ impl Scheduler {
                         new.lease.ttl(),
                     )
                 });
-            let waker = watch.is_some().then(|| self.slot_waker(index));
+            let waker = watch.is_some().then(|| SlotWaker::new(&self.ready, index));
             let mut slot = Slot {
                 id,
                 lease: new.lease,
@@ -856,15 +862,6 @@ impl Scheduler {
             tokio::spawn(tokio::task::unconstrained(task.run()));
         }
         at
-    }
-
-    /// A new waker for the slot at `index`.
-    fn slot_waker(&self, index: usize) -> Arc<SlotWaker> {
-        Arc::new(SlotWaker {
-            ready: self.ready.clone(),
-            index,
-            queued: AtomicBool::new(false),
-        })
     }
 
     /// Applies the losses drivers pushed (a sink whose slot is gone, or lost already, is
@@ -926,10 +923,10 @@ impl Scheduler {
             if !matches!(slot.end, End::Running) {
                 return;
             }
-            let waker = match &slot.waker {
-                Some(waker) => waker.clone(),
-                None => slot.waker.insert(self.slot_waker(index)).clone(),
-            };
+            let waker = slot
+                .waker
+                .get_or_insert_with(|| SlotWaker::new(&self.ready, index))
+                .clone();
             waker.queued.store(false, Ordering::Release);
             (
                 SlotRef { index, id: slot.id },

@@ -130,7 +130,7 @@ impl std::fmt::Debug for Session {
 impl Session {
     pub(crate) fn new(
         grant: Grant,
-        first_user: Vec<u8>,
+        first_user: &[u8],
         lease: LeaseClient,
         timeout: Duration,
         counters: Arc<Counters>,
@@ -146,7 +146,7 @@ impl Session {
             stream: Mutex::new(None),
             inflight: Mutex::new(None),
             gone: CancellationToken::new(),
-            users: Mutex::new(Users::new(&first_user)),
+            users: Mutex::new(Users::new(first_user)),
             uncovered: Mutex::new(HashMap::new()),
         }
     }
@@ -597,12 +597,27 @@ impl Inner {
         true
     }
 
-    /// The entry is known to be gone: unregisters it from its session (once).
+    /// The entry is known to be gone: marks it (pushing a group member's loss at once) and
+    /// unregisters it from its session (once).
     pub(crate) async fn entry_gone(&self, held: &Arc<Held>) {
-        held.entry_gone_now();
-        if self.finish(held, false) {
+        if self.mark_gone(held) {
             self.drop_user(&held.session, held.name()).await;
         }
+    }
+
+    /// [`Inner::entry_gone`] from a context that cannot wait (the routing task): the mark and
+    /// the push now, the session's user dropped by a task of its own when there is one to drop.
+    pub(crate) fn entry_gone_then(self: Arc<Self>, held: Arc<Held>) {
+        if self.mark_gone(&held) {
+            tokio::spawn(async move { self.drop_user(&held.session, held.name()).await });
+        }
+    }
+
+    /// The synchronous part of [`Inner::entry_gone`]: whether the session's user is still to
+    /// be dropped.
+    fn mark_gone(&self, held: &Arc<Held>) -> bool {
+        held.entry_gone_now();
+        self.finish(held, false)
     }
 
     /// The reaper's look at an entry whose reap time came.
@@ -898,7 +913,7 @@ impl Inner {
                 granted,
                 sent_at: sent,
             },
-            name.to_vec(),
+            name,
             self.client.lease_client(),
             self.timeout(),
             self.counters.clone(),
@@ -1189,7 +1204,7 @@ mod tests {
                 granted: Duration::from_secs(30),
                 sent_at,
             },
-            b"n/".to_vec(),
+            b"n/",
             client.lease_client(),
             Duration::from_secs(5),
             Arc::new(Counters::default()),
