@@ -4,7 +4,7 @@
 
 use std::{
     future::Future,
-    sync::{Arc, Mutex, PoisonError, Weak},
+    sync::{Arc, Mutex, PoisonError, Weak, atomic::AtomicUsize},
     time::Duration,
 };
 
@@ -21,6 +21,7 @@ use zookeeper_client as zk;
 use crate::{
     BACKEND, ZkAcl, ZkLock, ZkLockConfig,
     lock::ZkLease,
+    members::RootWatch,
     renew::{MAX_CHECK_IN_BATCH, Trust, lag, watch_lapse},
 };
 
@@ -55,6 +56,11 @@ pub(crate) struct Session {
     pub(crate) ended: CancellationToken,
     /// The batched session check of renewals (see [`Session::check_in`]).
     pub(crate) check_ins: Batcher<(), std::result::Result<(), zk::Error>>,
+    /// The renewal-group members (held locks) of this session.
+    pub(crate) members: AtomicUsize,
+    /// The watch on the lock root that covers members past
+    /// [`ZkLockConfig::session_watch_from`] (see `crate::members`).
+    pub(crate) root_watch: Arc<RootWatch>,
 }
 
 /// The pause after a handshake that timed out before `Session::open` tries again (see there
@@ -154,6 +160,8 @@ impl Session {
             lapse: lapse.clone(),
             ended,
             check_ins: Batcher::new(MAX_CHECK_IN_BATCH),
+            members: AtomicUsize::new(0),
+            root_watch: Arc::new(RootWatch::new(config.root(), config.timeout)),
         });
         tokio::spawn(watch_lapse(vouched_rx, lapse, session.ended.clone()));
         tracing::debug!(session = %client.session_id(), timeout = ?negotiated, "zookeeper session established");

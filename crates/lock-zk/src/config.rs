@@ -32,6 +32,7 @@ pub enum ZkAcl {
 /// | `root` | `/distlock` | parent of every lock directory (`<root>/<escaped key>/_c_<uuid>-lock-<seq>`) |
 /// | `acl` | `open` | `open` (world:anyone) or `creator` (needs `user:password@`) |
 /// | `label` | none | a short label added to the holder identity stored as each lock node's data (1–64 of `A-Za-z0-9-_.:/@`) |
+/// | `session_watch_from` | `1000` | from how many held locks of one session on, further held locks are watched by one persistent recursive watch on `root` instead of a watch each (`0`: always; `off`: never); see [`ZkLockConfig::session_watch_from`] |
 ///
 /// Durations take a unit (`250ms`, `10s`, `2m`); a bare number is refused, not guessed. Credentials in
 /// the URL are sent as ZooKeeper `digest` auth (`user:password`) and never shown by `Debug`.
@@ -60,6 +61,13 @@ pub struct ZkLockConfig {
     /// A label added to the holder identity this client stores next to its grants (see
     /// [`lock_core::raw::HolderIdentity::check_label`] for what it may contain).
     pub label: Option<String>,
+    /// From how many held locks (renewal-group members) of one session on, a further held lock
+    /// is watched by the session's one persistent recursive watch on the lock root instead of
+    /// a node watch of its own; `None`: never. A node watch costs about 1 KiB of this process's
+    /// memory per held lock; the session watch costs every create and delete under the root, by
+    /// any client, an event to this session while it is in use. Needs ZooKeeper 3.6 or later
+    /// (older servers keep a watch per lock). Default [`ZkLockConfig::DEFAULT_SESSION_WATCH_FROM`].
+    pub session_watch_from: Option<usize>,
 }
 
 impl ZkLockConfig {
@@ -70,6 +78,8 @@ impl ZkLockConfig {
     /// The longest `connect_timeout` and `timeout` accepted (a day): longer ones are
     /// refused rather than overflowing an instant.
     pub const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+    /// The default [`ZkLockConfig::session_watch_from`].
+    pub const DEFAULT_SESSION_WATCH_FROM: usize = 1000;
 
     /// A configuration for `hosts` (`host:port[,host:port...]`) with every default.
     pub fn new(hosts: impl Into<String>) -> Self {
@@ -83,6 +93,7 @@ impl ZkLockConfig {
             auth: None,
             acl: ZkAcl::Open,
             label: None,
+            session_watch_from: Some(Self::DEFAULT_SESSION_WATCH_FROM),
         }
     }
 
@@ -167,6 +178,14 @@ impl ZkLockConfig {
                     }
                 }
                 "label" => cfg.label = Some(value.into_owned()),
+                "session_watch_from" => cfg.session_watch_from = match &*value {
+                    "off" => None,
+                    n => Some(n.parse().map_err(|_| {
+                        config(format!(
+                            "session_watch_from must be a number of held locks or off, not {n:?}"
+                        ))
+                    })?),
+                },
                 other => return Err(config(format!("unknown option {other:?}"))),
             }
         }

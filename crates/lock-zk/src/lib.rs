@@ -11,6 +11,7 @@
 //! | `lock.rs` | [`ZkLock`]'s `impl Driver`: the coordinator's algorithm for acquire, try_acquire, release, inspect, force_release |
 //! | `queue.rs` | the waiter queue: how a contender node queues, waits for its turn (watches on the nodes ahead) and leaves |
 //! | `renew.rs` | renewal, its batched `sync`, and the session's vouched window (the leases' local deadlines) |
+//! | `members.rs` | one persistent recursive watch on the lock root for a session's many held locks, pushing their losses |
 //! | `wake.rs` | the push channel: the deletion watch on our nodes, and the `watch_lost` future built on it |
 //! | `path.rs` | the wire layout: keys to ZooKeeper paths, Curator's node names and order |
 //! | `audit.rs` | [`audit()`]: reading and grading the server settings the invariant depends on |
@@ -20,6 +21,7 @@ mod audit;
 mod client;
 mod config;
 mod lock;
+mod members;
 mod path;
 mod queue;
 mod renew;

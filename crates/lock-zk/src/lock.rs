@@ -69,6 +69,8 @@ pub(crate) struct ZkLease {
     pub(crate) path: Arc<str>,
     pub(crate) czxid: i64,
     pub(crate) version: i32,
+    /// The session watch's epoch when our node's create was sent (see `crate::members`).
+    pub(crate) epoch: u32,
     /// The deletion watch on our node, shared by renewals and `watch_lost` (and armed while
     /// waiting, when the lock was waited for).
     pub(crate) watch: Arc<NodeWatch>,
@@ -697,6 +699,7 @@ impl Driver for ZkLock {
         Some(Arc::new(crate::renew::SessionGroup {
             session,
             limit: self.inner.config.timeout,
+            watch_from: self.inner.config.session_watch_from,
         }))
     }
 }

@@ -79,6 +79,8 @@ pub(crate) struct Contender {
     node: Option<(String, zk::Stat)>,
     /// The deletion watch on our node, armed while we wait in the queue; handed to the lease.
     watch: Arc<NodeWatch>,
+    /// The session watch's epoch when our create was first sent (see `crate::members`).
+    epoch: u32,
     /// The deadline of the `acquire` (or the bound of the `try_acquire`) this contender
     /// belongs to: no request gets more than what is left of it (`None`: each request gets
     /// `timeout`).
@@ -146,6 +148,8 @@ impl Contender {
         let mut last = None;
         // A create of ours may have been applied without our hearing of it.
         let mut uncertain = false;
+        // Before the first attempt: whichever attempt created the node was sent after this.
+        self.epoch = self.session.root_watch.epoch();
         for _ in 0..CREATE_ATTEMPTS {
             let client = &self.session.client;
             let probe = self.session.probe();
@@ -526,6 +530,7 @@ impl Contender {
             path: format!("{}/{name}", self.dir).into(),
             czxid: stat.czxid,
             version: stat.version,
+            epoch: self.epoch,
             watch: self.watch.clone(),
             kept: std::sync::Mutex::new(None),
         };
@@ -666,6 +671,7 @@ impl ZkLock {
             token,
             node: None,
             watch: Arc::new(NodeWatch::new()),
+            epoch: 0,
             deadline,
             keep_seen: AtomicBool::new(false),
             done: false,

@@ -405,6 +405,8 @@ pub(crate) struct SessionGroup {
     pub(crate) session: Arc<Session>,
     /// Each `sync`'s budget.
     pub(crate) limit: Duration,
+    /// [`crate::ZkLockConfig::session_watch_from`].
+    pub(crate) watch_from: Option<usize>,
 }
 
 impl std::fmt::Debug for SessionGroup {
@@ -420,22 +422,54 @@ impl RenewalGroup for SessionGroup {
         Arc::as_ptr(&self.session) as usize
     }
 
-    /// A member's node deleted from outside is pushed by its `watch_lost` (its node watch),
-    /// which lock-core keeps: not to the sink.
-    fn join(&self, _lease: &Lease, _lost: &lock_core::raw::LostSink) -> bool {
-        false
+    /// A member joins the session's watch on the lock root (which pushes its loss to `lost`)
+    /// once the session already has `watch_from` members; before, its node's deletion is
+    /// pushed by its `watch_lost` (its node watch), which lock-core keeps.
+    fn join(&self, lease: &Lease, lost: &lock_core::raw::LostSink) -> bool {
+        let before = self.session.members.fetch_add(1, Ordering::Relaxed);
+        let Some(state) = lease.backend_state::<ZkLease>() else {
+            return false;
+        };
+        if self.watch_from.is_none_or(|from| before < from) || state.session_id != self.session.id {
+            return false;
+        }
+        let joined = self.session.root_watch.join(
+            &self.session,
+            state.path.clone(),
+            state.czxid,
+            state.epoch,
+            lost,
+        );
+        if joined {
+            // Its own watch (armed while it waited) is not needed any more.
+            state.watch.disarm();
+        }
+        joined
     }
 
-    fn leave(&self, _lease: &Lease) {}
+    fn leave(&self, lease: &Lease) {
+        self.session.members.fetch_sub(1, Ordering::Relaxed);
+        if let Some(state) = lease.backend_state::<ZkLease>()
+            && self.session.root_watch.leave(&state.path)
+        {
+            crate::members::left(&self.session, state.path.clone(), state.czxid, self.limit);
+        }
+    }
 
     fn renew(
         &self,
         ttl: Duration,
-        _until: Instant,
+        until: Instant,
     ) -> BoxFuture<'static, std::result::Result<Instant, GroupRenewError>> {
         let (session, limit) = (self.session.clone(), self.limit);
         Box::pin(async move {
-            match session.check_in(limit).await {
+            // The session watch's members: every deletion applied before the `sync` pushed,
+            // every member covered on the current connection (see `crate::members`).
+            let checked = match session.check_in(limit).await {
+                Ok(()) => session.root_watch.settle(&session, until).await,
+                Err(e) => Err(e),
+            };
+            match checked {
                 Ok(()) => {}
                 // Every node went with the session (each `watch_lost` reports it too).
                 Err(e) if session_gone(&e) => {

@@ -199,6 +199,16 @@ impl NodeWatch {
         state.wake();
     }
 
+    /// Drops the armed watch (zookeeper-client then forgets it locally): the node is covered by
+    /// the session's watch from now on (see `crate::members`).
+    pub(crate) fn disarm(&self) {
+        let mut state = self.state();
+        if state.armed.take().is_some() {
+            state.generation += 1;
+            state.wake();
+        }
+    }
+
     /// Whether the node is known to be gone (or the session ended).
     pub(crate) fn is_lost(&self) -> bool {
         self.state().lost.is_some()
