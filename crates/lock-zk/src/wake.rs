@@ -65,8 +65,9 @@ struct State {
     /// checked before a request is the one it checks after.
     generation: u64,
     /// The tasks waiting in [`NodeWatch::poll_changed`] (a lease's `watch_lost` futures, a
-    /// waiter), all woken when the state changes.
-    waiters: Arc<Wakers>,
+    /// waiter), all woken when the state changes. Made when the first one registers: a held
+    /// lock on its session's watch (`crate::members`) never has one.
+    waiters: Option<Arc<Wakers>>,
 }
 
 /// Every registered waker; the armed event is polled with a waker that wakes them all, so no
@@ -233,13 +234,25 @@ impl State {
     /// stay registered however the poll was triggered), and records what fired.
     fn poll(&mut self, cx: Option<&mut Context<'_>>) {
         if let Some(cx) = cx {
-            self.waiters.register(cx.waker());
+            self.waiters
+                .get_or_insert_with(Arc::default)
+                .register(cx.waker());
         }
         let Some(armed) = &mut self.armed else {
             return;
         };
-        let waker = waker_ref(&self.waiters);
-        let Poll::Ready(event) = armed.event.as_mut().poll(&mut Context::from_waker(&waker)) else {
+        let polled = match &self.waiters {
+            Some(waiters) => armed
+                .event
+                .as_mut()
+                .poll(&mut Context::from_waker(&waker_ref(waiters))),
+            // Nobody to wake: the first waiter to register polls it again.
+            None => armed
+                .event
+                .as_mut()
+                .poll(&mut Context::from_waker(futures::task::noop_waker_ref())),
+        };
+        let Poll::Ready(event) = polled else {
             return;
         };
         self.armed = None;
@@ -257,7 +270,9 @@ impl State {
     }
 
     fn wake(&self) {
-        ArcWake::wake_by_ref(&self.waiters);
+        if let Some(waiters) = &self.waiters {
+            ArcWake::wake_by_ref(waiters);
+        }
     }
 }
 
