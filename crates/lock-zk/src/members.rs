@@ -534,11 +534,30 @@ mod tests {
             group.join(&lease, &sink),
             "a member past session_watch_from joins the watch"
         );
-        group
-            .renew(ttl, Instant::now() + Duration::from_secs(10))
+        renew(lock, &group)
             .await
             .expect("the first renewal covers it");
         (lease, group, pushed)
+    }
+
+    /// Deletes the lease's node from outside and waits for its loss to be pushed.
+    async fn deletion_is_pushed(url: &str, lease: &Lease, pushed: &PushedLosses) {
+        delete_node(url, lease).await;
+        let reason = timeout(Duration::from_secs(10), pushed.next())
+            .await
+            .expect("the deletion is pushed");
+        assert_eq!(reason, LossReason::Revoked);
+    }
+
+    /// One renewal of the group (the session's smallest TTL, 10 s to answer).
+    async fn renew(
+        lock: &ZkLock,
+        group: &lock_core::raw::SharedGroup,
+    ) -> Result<Instant, lock_core::raw::GroupRenewError> {
+        let ttl = Driver::capabilities(lock).min_ttl;
+        group
+            .renew(ttl, Instant::now() + Duration::from_secs(10))
+            .await
     }
 
     /// Deletes the lease's node from outside (what an operator's force-release does).
@@ -568,11 +587,7 @@ mod tests {
             crate::wake::Check::Unreliable,
             "no node watch armed"
         );
-        delete_node(&url, &lease).await;
-        let reason = timeout(Duration::from_secs(10), pushed.next())
-            .await
-            .expect("the deletion is pushed");
-        assert_eq!(reason, LossReason::Revoked);
+        deletion_is_pushed(&url, &lease, &pushed).await;
         group.leave(&lease);
     }
 
@@ -590,17 +605,45 @@ mod tests {
             .unwrap();
         session.root_watch.paused.store(true, Ordering::SeqCst);
         delete_node(&url, &lease).await;
-        let ttl = Driver::capabilities(&lock).min_ttl;
-        group
-            .renew(ttl, Instant::now() + Duration::from_secs(10))
-            .await
-            .expect("the session is fine");
+        renew(&lock, &group).await.expect("the session is fine");
         assert_eq!(
             pushed.take(),
             vec![LossReason::Revoked],
             "pushed by the time the renewal answered"
         );
         group.leave(&lease);
+    }
+
+    /// A member on a client that goes through a proxy, after the proxy reset the connection and
+    /// the client connected again (same session); with `paused`, the watch's task applies no
+    /// event from before the reset on.
+    async fn reconnected_member(
+        url: &str,
+        paused: bool,
+    ) -> (
+        conformance::drill::Proxy,
+        ZkLock,
+        Lease,
+        lock_core::raw::SharedGroup,
+        PushedLosses,
+    ) {
+        let (proxy, proxied) = conformance::drill::Proxy::start_for_url(url).await.unwrap();
+        let (lock, key) = client(&proxied).await;
+        let (lease, group, pushed) = member(&lock, &key).await;
+        let session = lock
+            .session_of(lease.backend_state::<ZkLease>().unwrap())
+            .unwrap();
+        session.root_watch.paused.store(paused, Ordering::SeqCst);
+        let mut states = session.client.state_watcher();
+        proxy.reset();
+        // Disconnected, then connected again.
+        while !matches!(
+            timeout(Duration::from_secs(10), states.changed())
+                .await
+                .expect("reconnects"),
+            zk::SessionState::SyncConnected
+        ) {}
+        (proxy, lock, lease, group, pushed)
     }
 
     /// After a reconnection (zookeeper-client does not register a persistent watch again, and
@@ -611,30 +654,9 @@ mod tests {
         let Some(url) = conformance::backend_url("DISTLOCK_TEST_ZK_URL") else {
             return;
         };
-        let (proxy, proxied) = conformance::drill::Proxy::start_for_url(&url)
-            .await
-            .unwrap();
-        let (lock, key) = client(&proxied).await;
-        let (lease, group, pushed) = member(&lock, &key).await;
-        let session = lock
-            .session_of(lease.backend_state::<ZkLease>().unwrap())
-            .unwrap();
-        session.root_watch.paused.store(true, Ordering::SeqCst);
-        let mut states = session.client.state_watcher();
-        proxy.reset();
-        // Disconnected, then connected again (same session).
-        while !matches!(
-            timeout(Duration::from_secs(10), states.changed())
-                .await
-                .expect("reconnects"),
-            zk::SessionState::SyncConnected
-        ) {}
+        let (_proxy, lock, lease, group, pushed) = reconnected_member(&url, true).await;
         delete_node(&url, &lease).await;
-        let ttl = Driver::capabilities(&lock).min_ttl;
-        group
-            .renew(ttl, Instant::now() + Duration::from_secs(10))
-            .await
-            .expect("the session survived");
+        renew(&lock, &group).await.expect("the session survived");
         assert_eq!(pushed.take(), vec![LossReason::Revoked]);
         group.leave(&lease);
     }
@@ -646,27 +668,8 @@ mod tests {
         let Some(url) = conformance::backend_url("DISTLOCK_TEST_ZK_URL") else {
             return;
         };
-        let (proxy, proxied) = conformance::drill::Proxy::start_for_url(&url)
-            .await
-            .unwrap();
-        let (lock, key) = client(&proxied).await;
-        let (lease, group, pushed) = member(&lock, &key).await;
-        let session = lock
-            .session_of(lease.backend_state::<ZkLease>().unwrap())
-            .unwrap();
-        let mut states = session.client.state_watcher();
-        proxy.reset();
-        while !matches!(
-            timeout(Duration::from_secs(10), states.changed())
-                .await
-                .expect("reconnects"),
-            zk::SessionState::SyncConnected
-        ) {}
-        delete_node(&url, &lease).await;
-        let reason = timeout(Duration::from_secs(10), pushed.next())
-            .await
-            .expect("the deletion is pushed");
-        assert_eq!(reason, LossReason::Revoked);
+        let (_proxy, _lock, lease, group, pushed) = reconnected_member(&url, false).await;
+        deletion_is_pushed(&url, &lease, &pushed).await;
         group.leave(&lease);
     }
 
@@ -686,10 +689,7 @@ mod tests {
         let (lease, group, _pushed) = member(&lock, &key).await;
         let (sink, pushed) = LostSink::detached();
         assert!(group.join(&early, &sink));
-        group
-            .renew(ttl, Instant::now() + Duration::from_secs(10))
-            .await
-            .expect("the session is fine");
+        renew(&lock, &group).await.expect("the session is fine");
         assert_eq!(pushed.take(), vec![LossReason::Revoked]);
         group.leave(&early);
         group.leave(&lease);
