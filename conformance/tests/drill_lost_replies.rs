@@ -168,13 +168,25 @@ async fn acquirable_after_heal(lock: &DynLock, key: &LockKey, healed: Instant) {
         .acquire(key, TTL, deadline)
         .await
         .unwrap_or_else(|e| panic!("the key is not acquirable within TTL + slack: {e}"));
-    assert!(lock.release(&lease).await.expect("release"));
+    released(lock.release(&lease).await);
     let again = lock
         .try_acquire(key, TTL)
         .await
         .expect("try_acquire")
         .expect("granted at once after a release: nothing stays queued");
-    assert!(lock.release(&again).await.expect("release"));
+    released(lock.release(&again).await);
+}
+
+/// A direct client's release of its own lease deleted it — or, on a loaded machine, its first
+/// send timed out and the re-send found the entry gone, which the driver rightly calls
+/// `Indeterminate` (that send may have deleted it; with this drill's 1 s TTL it may also have
+/// expired). Whether the key is then free is what the caller goes on to check.
+fn released(result: lock_core::Result<bool>) {
+    match result {
+        Ok(deleted) => assert!(deleted, "release found its own lease gone"),
+        Err(e @ Error::Indeterminate { .. }) => println!("release indeterminate under load: {e}"),
+        Err(e) => panic!("release: {e}"),
+    }
 }
 
 /// A holder connected directly, renewed by its guard.
