@@ -20,8 +20,8 @@
 //! * its node was created by a request sent after the registration's reply arrived, on the same
 //!   connection (the create records the registration's epoch, [`RootWatch::epoch`]); or
 //! * a read sent after the registration's reply, on the same connection, found the node (same
-//!   czxid, our session as its owner): [`RootWatch::establish`] reads every member that is not
-//!   covered.
+//!   czxid, our session as its owner), or a listing of the session's ephemeral nodes sent then
+//!   included it: [`RootWatch::establish`] checks every member that is not covered.
 //!
 //! A group renewal ([`RootWatch::settle`], after its `sync` was answered) applies every event
 //! already delivered, so a deletion the server applied before that `sync` is pushed before the
@@ -30,7 +30,9 @@
 //! A change of connection ends every member's cover: the server does not replay a persistent
 //! watch's events missed while disconnected (ZOOKEEPER-4698), and zookeeper-client 0.11.2 does
 //! not register persistent watches again on a new connection (`resend_watches` only ever sends
-//! the one-shot kinds). After one, the watch is registered again and every member read again.
+//! the one-shot kinds). After one, the watch is registered again and every member checked again:
+//! by one listing of the session's ephemeral nodes under the root when there are many
+//! (`LIST_FROM`), by a read each otherwise.
 //! A node path is never reused (a fresh token and a sequence number), so a read that finds it
 //! means the same node.
 
