@@ -211,6 +211,18 @@ impl RootWatch {
         state.uncovered = state.members.len();
     }
 
+    /// The session ended: every member went with it. The watcher goes too (it must not be polled
+    /// after its session's end: it panics).
+    fn end(&self, state: &mut State) {
+        state.watcher = None;
+        state.live = None;
+        self.epoch.store(0, Ordering::Release);
+        state.uncovered = 0;
+        for (_, member) in state.members.drain() {
+            member.sink.lost(LossReason::SessionExpired);
+        }
+    }
+
     /// Applies every event already delivered, without waiting. The watcher's channel keeps
     /// only the last poller's waker, which this poll replaced with a no-op one: the task is
     /// woken to poll again (and register its own).
@@ -242,15 +254,7 @@ impl RootWatch {
                     member.sink.lost(LossReason::Revoked);
                 }
             }
-            zk::EventType::Session if event.session_state.is_terminated() => {
-                // The watcher must not be polled after its session's end (it panics).
-                state.watcher = None;
-                self.unlive(state);
-                state.uncovered = 0;
-                for (_, member) in state.members.drain() {
-                    member.sink.lost(LossReason::SessionExpired);
-                }
-            }
+            zk::EventType::Session if event.session_state.is_terminated() => self.end(state),
             // A disconnection or a reconnection: see the module docs.
             zk::EventType::Session => self.unlive(state),
             _ => {}
@@ -481,9 +485,9 @@ async fn run(watch: Arc<RootWatch>, session: Weak<Session>) {
         let wanted = {
             let mut state = watch.state();
             if state.members.is_empty() {
+                // The last member left: the registration goes with the task.
                 state.task = false;
-                state.watcher = None;
-                watch.unlive(&mut state);
+                watch.end(&mut state);
                 return;
             }
             !state.unsupported && (state.live.is_none() || state.uncovered > 0)
@@ -527,15 +531,9 @@ async fn run(watch: Arc<RootWatch>, session: Weak<Session>) {
             }
         }
     }
-    // The session ended: every member went with it.
     let mut state = watch.state();
     state.task = false;
-    state.watcher = None;
-    watch.unlive(&mut state);
-    state.uncovered = 0;
-    for (_, member) in state.members.drain() {
-        member.sink.lost(LossReason::SessionExpired);
-    }
+    watch.end(&mut state);
 }
 
 /// What [`crate::renew::SessionGroup::leave`] does for a member of the watch: a lease lost to a
