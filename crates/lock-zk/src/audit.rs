@@ -46,8 +46,9 @@ impl Member {
 /// (need `4lw.commands.whitelist`), one session with the configured timeout (its negotiated
 /// timeout), `/zookeeper/config`, and an anonymous session's read of the lock root.
 ///
-/// Checks: `version` (container nodes, used for lock directories, need 3.5.3+; TTL nodes are
-/// not used), `members` and `quorum` (members of the URL that serve, and in which mode),
+/// Checks: `version` (the lowest of the members': container nodes, used for lock directories,
+/// need 3.5.3+, below FAILs; a session holding many locks needs 3.6+ for its persistent
+/// recursive watch and ephemeral listing, 3.5 WARNs; TTL nodes are not used), `members` and `quorum` (members of the URL that serve, and in which mode),
 /// `session-timeout` (negotiated vs asked: a raised one is refused by the driver, a lowered one
 /// shortens every lease; below 2 × tickTime the trust window's bound breaks), `auth` (whether a
 /// session without credentials may touch the lock root).
@@ -178,7 +179,10 @@ async fn four_letters(
     }
 }
 
-fn parse_version(v: &str) -> Option<(u32, u32, u32)> {
+/// A version as (major, minor, patch).
+type Version = (u32, u32, u32);
+
+fn parse_version(v: &str) -> Option<Version> {
     let core = v.split(['-', ' ', ',']).next()?;
     let mut parts = core.split('.').map(|p| p.parse::<u32>().ok());
     Some((
@@ -188,14 +192,19 @@ fn parse_version(v: &str) -> Option<(u32, u32, u32)> {
     ))
 }
 
+/// Grades the lowest version among the members that answered `srvr`: during a rolling upgrade
+/// a session may meet any of them, so the oldest bounds what the driver can use.
 fn grade_version(report: &mut AuditReport, members: &[Member]) {
-    let version = members.iter().find_map(|m| {
-        m.srvr
-            .as_ref()
-            .ok()
-            .and_then(|s| Member::line(s, "Zookeeper version"))
-    });
-    let Some(version) = version else {
+    let versions: Vec<String> = members
+        .iter()
+        .filter_map(|m| {
+            m.srvr
+                .as_ref()
+                .ok()
+                .and_then(|s| Member::line(s, "Zookeeper version"))
+        })
+        .collect();
+    if versions.is_empty() {
         let why = members
             .iter()
             .find_map(|m| m.srvr.as_ref().err().cloned())
@@ -207,30 +216,58 @@ fn grade_version(report: &mut AuditReport, members: &[Member]) {
             "add srvr and conf to 4lw.commands.whitelist so the audit can read the ensemble",
         );
         return;
+    }
+    let short = |v: &str| v.split(',').next().unwrap_or(v).trim().to_owned();
+    let parsed: Vec<(String, Option<Version>)> = versions
+        .iter()
+        .map(|v| (short(v), parse_version(v)))
+        .collect();
+    // Not understood comes first: it cannot be vouched for.
+    let Some((lowest, version)) = parsed.iter().min_by_key(|(_, v)| *v).cloned() else {
+        return;
     };
-    let short = version.split(',').next().unwrap_or(&version).to_owned();
-    match parse_version(&version) {
-        Some(v) if v >= (3, 5, 3) => {
+    let mut observed = lowest.clone();
+    if parsed.iter().any(|(s, _)| *s != lowest) {
+        observed.push_str(" (the lowest of the members: they differ)");
+    }
+    match version {
+        Some(v) if v >= (3, 6, 0) => {
             report.pass(
                 "version",
-                short,
-                "3.5.3+: container nodes (the lock directories) are supported; TTL nodes are not used",
+                observed,
+                "3.6+: container nodes (the lock directories), and the persistent recursive \
+                 watch and ephemeral listing that a session holding many locks uses; TTL nodes \
+                 are not used",
+            );
+        }
+        Some(v) if v >= (3, 5, 3) => {
+            report.warn(
+                "version",
+                observed,
+                "3.5: container nodes (the lock directories) are supported, but not persistent \
+                 recursive watches or listing a session's ephemeral nodes (3.6+): each held lock \
+                 keeps a watch of its own however many a session holds (about 1 KiB of client \
+                 memory each), and after a reconnection the client re-registers them all before \
+                 a renewal is answered — with 100,000 held locks that outlasted a 10 s session's \
+                 leases and every lock was lost",
+                "upgrade to ZooKeeper 3.6 or newer (3.8 is what the tests run); until then keep \
+                 the locks one process holds well below thousands",
             );
         }
         Some(_) => {
             report.fail(
                 "version",
-                short,
+                observed,
                 "older than 3.5.3: no container nodes, which the lock directories are",
-                "upgrade to ZooKeeper 3.5.3 or newer (3.8 is what the tests run)",
+                "upgrade to ZooKeeper 3.6 or newer (3.8 is what the tests run)",
             );
         }
         None => {
             report.warn(
                 "version",
-                short,
+                observed,
                 "version not understood",
-                "use ZooKeeper 3.5.3 or newer",
+                "use ZooKeeper 3.6 or newer",
             );
         }
     }
@@ -512,4 +549,68 @@ fn own_root(config: &ZkLockConfig) -> Result<String> {
         ));
     }
     Ok(root.to_owned())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use lock_core::raw::{AuditReport, Verdict};
+
+    use super::{Member, grade_version};
+
+    /// Members whose `srvr` said these versions (`None`: the four-letter word was refused).
+    fn members(versions: &[Option<&str>]) -> Vec<Member> {
+        versions
+            .iter()
+            .enumerate()
+            .map(|(i, v)| Member {
+                host: format!("127.0.0.1:{}", 2181 + i),
+                srvr: v
+                    .map(|v| {
+                        format!("Zookeeper version: {v}, built on 2023-01-01\nMode: follower\n")
+                    })
+                    .ok_or_else(|| "not in the whitelist".to_owned()),
+                conf: Err("not asked".to_owned()),
+            })
+            .collect()
+    }
+
+    fn graded(versions: &[Option<&str>]) -> (Verdict, String) {
+        let mut report = AuditReport::new("zookeeper");
+        grade_version(&mut report, &members(versions));
+        let f = report
+            .findings
+            .iter()
+            .find(|f| f.check == "version")
+            .unwrap();
+        (f.verdict, f.observed.clone())
+    }
+
+    #[test]
+    fn the_version_is_graded_by_what_the_driver_needs_of_it() {
+        assert_eq!(graded(&[Some("3.8.4-abc")]).0, Verdict::Pass);
+        assert_eq!(graded(&[Some("3.6.0")]).0, Verdict::Pass);
+        // No persistent recursive watch or ephemeral listing: a session with many locks keeps
+        // a watch per lock and may lose them all across a reconnection.
+        assert_eq!(graded(&[Some("3.5.10")]).0, Verdict::Warn);
+        assert_eq!(graded(&[Some("3.5.3")]).0, Verdict::Warn);
+        // No container nodes.
+        assert_eq!(graded(&[Some("3.5.2-alpha")]).0, Verdict::Fail);
+        assert_eq!(graded(&[Some("3.4.14")]).0, Verdict::Fail);
+        assert_eq!(graded(&[Some("banana")]).0, Verdict::Warn);
+        assert_eq!(graded(&[None]).0, Verdict::Warn);
+    }
+
+    #[test]
+    fn the_lowest_member_s_version_is_the_one_graded() {
+        // A rolling upgrade: a session may meet the old member.
+        let (verdict, observed) = graded(&[Some("3.8.4"), Some("3.5.9"), None]);
+        assert_eq!(verdict, Verdict::Warn);
+        assert!(observed.starts_with("3.5.9"), "{observed}");
+        assert!(observed.contains("differ"), "{observed}");
+        let (verdict, observed) = graded(&[Some("3.8.4"), Some("3.8.4")]);
+        assert_eq!((verdict, observed.as_str()), (Verdict::Pass, "3.8.4"));
+        let (verdict, _) = graded(&[Some("3.8.4"), Some("3.4.6")]);
+        assert_eq!(verdict, Verdict::Fail);
+    }
 }
