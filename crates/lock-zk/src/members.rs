@@ -85,9 +85,19 @@ pub(crate) struct RootWatch {
     establishing: tokio::sync::Mutex<()>,
     /// Wakes the task: a member joined that is not covered yet.
     wake: tokio::sync::Notify,
-    /// Tests: the task applies no event (so that what a renewal does is seen alone).
+    /// Tests: the task applies no event and reads no member (so that what a renewal does is
+    /// seen alone).
     #[cfg(test)]
     paused: std::sync::atomic::AtomicBool,
+    /// Tests: the next [`RootWatch::read_uncovered`] says it has read (the first sender) and
+    /// waits for the second before it applies what it read.
+    #[cfg(test)]
+    hold_after_read: Mutex<
+        Option<(
+            tokio::sync::oneshot::Sender<()>,
+            tokio::sync::oneshot::Receiver<()>,
+        )>,
+    >,
 }
 
 #[derive(Default)]
@@ -123,6 +133,8 @@ impl RootWatch {
             wake: tokio::sync::Notify::new(),
             #[cfg(test)]
             paused: std::sync::atomic::AtomicBool::new(false),
+            #[cfg(test)]
+            hold_after_read: Mutex::new(None),
         }
     }
 
@@ -359,6 +371,18 @@ impl RootWatch {
         } else {
             read_each(session, until, targets).await
         };
+        #[cfg(test)]
+        {
+            let hold = self
+                .hold_after_read
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            if let Some((read_done, go_on)) = hold {
+                let _ = read_done.send(());
+                let _ = go_on.await;
+            }
+        }
         let connection = session.connection();
         let mut state = self.state();
         self.refresh(&mut state, connection);
@@ -492,6 +516,8 @@ async fn run(watch: Arc<RootWatch>, session: Weak<Session>) {
             }
             !state.unsupported && (state.live.is_none() || state.uncovered > 0)
         };
+        #[cfg(test)]
+        let wanted = wanted && !watch.paused.load(Ordering::SeqCst);
         if wanted {
             match watch.establish(&live, Instant::now() + watch.limit).await {
                 Ok(()) => backoff = None,
@@ -752,6 +778,105 @@ mod tests {
         renew(&lock, &group).await.expect("the session is fine");
         assert_eq!(pushed.take(), vec![LossReason::Revoked]);
         group.leave(&early);
+        group.leave(&lease);
+    }
+
+    /// The watch counts its uncovered members, and a renewal answers at once when none is
+    /// left: members that leave, or whose node goes, before anything read them must leave
+    /// that count (else every later renewal reads and registers until its deadline).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn uncovered_members_that_leave_or_go_leave_no_renewal_waiting() {
+        let Some(url) = conformance::backend_url("DISTLOCK_TEST_ZK_URL") else {
+            return;
+        };
+        let (lock, key) = client(&url).await;
+        let ttl = Driver::capabilities(&lock).min_ttl;
+        // Created before the watch exists: each joins uncovered.
+        let mut early = Vec::new();
+        for name in ["a", "b"] {
+            let other = LockKey::new(format!("{}-{name}", key.as_str())).unwrap();
+            early.push(lock.try_acquire(&other, ttl).await.unwrap().expect("free"));
+        }
+        let (lease, group, _pushed) = member(&lock, &key).await;
+        let session = lock
+            .session_of(lease.backend_state::<ZkLease>().unwrap())
+            .unwrap();
+        // Nothing reads them in the background.
+        session.root_watch.paused.store(true, Ordering::SeqCst);
+        let mut pushed = Vec::new();
+        for lease in &early {
+            let (sink, p) = LostSink::detached();
+            assert!(group.join(lease, &sink));
+            pushed.push(p);
+        }
+        assert_eq!(session.root_watch.state().uncovered, 2);
+        // One leaves unread; the other's node goes (its event is applied by the renewal).
+        group.leave(&early[0]);
+        assert!(lock.release(&early[0]).await.unwrap());
+        delete_node(&url, &early[1]).await;
+        for _ in 0..2 {
+            let started = Instant::now();
+            renew(&lock, &group).await.expect("nothing is left to read");
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "the renewal read until its deadline: {:?}",
+                started.elapsed()
+            );
+        }
+        assert_eq!(pushed[1].take(), vec![LossReason::Revoked]);
+        assert!(pushed[0].take().is_empty(), "it left: nothing to push");
+        {
+            let state = session.root_watch.state();
+            assert_eq!((state.uncovered, state.members.len()), (0, 1));
+        }
+        group.leave(&lease);
+    }
+
+    /// A read of the members covers them only for the registration it was sent under: when
+    /// the connection changes between the read and its answer being applied, a member it found
+    /// is still uncovered, so a deletion after the read (which the new connection's watch never
+    /// reports) is found by the next read before any renewal answers.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_read_overtaken_by_a_reconnection_covers_nothing() {
+        let Some(url) = conformance::backend_url("DISTLOCK_TEST_ZK_URL") else {
+            return;
+        };
+        let (proxy, lock, lease, group, pushed) = reconnected_member(&url, true).await;
+        let session = lock
+            .session_of(lease.backend_state::<ZkLease>().unwrap())
+            .unwrap();
+        let (read_done_tx, read_done) = tokio::sync::oneshot::channel();
+        let (go_on, go_on_rx) = tokio::sync::oneshot::channel();
+        *session.root_watch.hold_after_read.lock().unwrap() = Some((read_done_tx, go_on_rx));
+        let ttl = Driver::capabilities(&lock).min_ttl;
+        let renewal = {
+            let group = group.clone();
+            tokio::spawn(async move {
+                group
+                    .renew(ttl, Instant::now() + Duration::from_secs(20))
+                    .await
+            })
+        };
+        // The renewal registered the watch again and read the member (found): before it
+        // applies that, the connection changes and the node goes.
+        timeout(Duration::from_secs(10), read_done)
+            .await
+            .expect("the renewal reads the member")
+            .unwrap();
+        reconnect(&proxy, &lock, &lease, true).await;
+        delete_node(&url, &lease).await;
+        go_on.send(()).unwrap();
+        let first = renewal.await.unwrap();
+        if first.is_ok() {
+            assert_eq!(
+                pushed.take(),
+                vec![LossReason::Revoked],
+                "a renewal answered with the member's node gone"
+            );
+        } else {
+            renew(&lock, &group).await.expect("the session survived");
+            assert_eq!(pushed.take(), vec![LossReason::Revoked]);
+        }
         group.leave(&lease);
     }
 

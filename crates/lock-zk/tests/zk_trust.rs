@@ -105,6 +105,20 @@ async fn client_behind_leaderless_proxy(config: &ZkLockConfig) -> (Arc<ZkLock>, 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_the_leader_never_saw_extend_no_trust_and_the_lost_node_goes_once_back() {
     let Some(config) = config() else { return };
+    no_trust_without_the_leader(config).await;
+}
+
+/// The same with the guard a member of the session watch on the lock root (a session's locks
+/// past `session_watch_from`): the lost member's node goes when it leaves the watch, as a node
+/// with a watch of its own goes when its `watch_lost` ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_watch_member_lost_to_a_lapse_has_its_node_removed_once_back() {
+    let Some(mut config) = config() else { return };
+    config.session_watch_from = Some(0);
+    no_trust_without_the_leader(config).await;
+}
+
+async fn no_trust_without_the_leader(config: ZkLockConfig) {
     let raw = raw_client(&config).await;
     let (a, cut) = client_behind_leaderless_proxy(&config).await;
     let key = plain_key();
