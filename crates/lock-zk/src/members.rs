@@ -781,6 +781,29 @@ mod tests {
         group.leave(&lease);
     }
 
+    /// The watch's task reads a member that joins uncovered by itself: one whose node was
+    /// deleted before the watch's registration is pushed with no renewal.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_task_reads_a_member_that_joins_uncovered() {
+        let Some(url) = conformance::backend_url("DISTLOCK_TEST_ZK_URL") else {
+            return;
+        };
+        let (lock, key) = client(&url).await;
+        let ttl = Driver::capabilities(&lock).min_ttl;
+        let other = LockKey::new(format!("{}-b", key.as_str())).unwrap();
+        let early = lock.try_acquire(&other, ttl).await.unwrap().expect("free");
+        delete_node(&url, &early).await;
+        let (lease, group, _pushed) = member(&lock, &key).await;
+        let (sink, pushed) = LostSink::detached();
+        assert!(group.join(&early, &sink));
+        let reason = timeout(Duration::from_secs(10), pushed.next())
+            .await
+            .expect("the task reads it and pushes its loss");
+        assert_eq!(reason, LossReason::Revoked);
+        group.leave(&early);
+        group.leave(&lease);
+    }
+
     /// The watch counts its uncovered members, and a renewal answers at once when none is
     /// left: members that leave, or whose node goes, before anything read them must leave
     /// that count (else every later renewal reads and registers until its deadline).
