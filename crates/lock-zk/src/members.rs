@@ -759,6 +759,29 @@ mod tests {
         group.leave(&lease);
     }
 
+    /// A lock whose node was created, then deleted, before the session watch's registration
+    /// (which no event reports), joining the group of a member covered by the watch: the
+    /// client, that lock, the member, the group and where the lock's loss is pushed.
+    async fn joins_gone_unread(
+        url: &str,
+    ) -> (
+        ZkLock,
+        Lease,
+        Lease,
+        lock_core::raw::SharedGroup,
+        PushedLosses,
+    ) {
+        let (lock, key) = client(url).await;
+        let ttl = Driver::capabilities(&lock).min_ttl;
+        let other = LockKey::new(format!("{}-b", key.as_str())).unwrap();
+        let early = lock.try_acquire(&other, ttl).await.unwrap().expect("free");
+        delete_node(url, &early).await;
+        let (lease, group, _pushed) = member(&lock, &key).await;
+        let (sink, pushed) = LostSink::detached();
+        assert!(group.join(&early, &sink));
+        (lock, early, lease, group, pushed)
+    }
+
     /// A member whose node was created before the watch's registration is read when it joins:
     /// deleted before the registration (which no event reports), it is pushed before the next
     /// renewal answers.
@@ -767,14 +790,7 @@ mod tests {
         let Some(url) = conformance::backend_url("DISTLOCK_TEST_ZK_URL") else {
             return;
         };
-        let (lock, key) = client(&url).await;
-        let ttl = Driver::capabilities(&lock).min_ttl;
-        let other = LockKey::new(format!("{}-b", key.as_str())).unwrap();
-        let early = lock.try_acquire(&other, ttl).await.unwrap().expect("free");
-        delete_node(&url, &early).await;
-        let (lease, group, _pushed) = member(&lock, &key).await;
-        let (sink, pushed) = LostSink::detached();
-        assert!(group.join(&early, &sink));
+        let (lock, early, lease, group, pushed) = joins_gone_unread(&url).await;
         renew(&lock, &group).await.expect("the session is fine");
         assert_eq!(pushed.take(), vec![LossReason::Revoked]);
         group.leave(&early);
@@ -788,14 +804,7 @@ mod tests {
         let Some(url) = conformance::backend_url("DISTLOCK_TEST_ZK_URL") else {
             return;
         };
-        let (lock, key) = client(&url).await;
-        let ttl = Driver::capabilities(&lock).min_ttl;
-        let other = LockKey::new(format!("{}-b", key.as_str())).unwrap();
-        let early = lock.try_acquire(&other, ttl).await.unwrap().expect("free");
-        delete_node(&url, &early).await;
-        let (lease, group, _pushed) = member(&lock, &key).await;
-        let (sink, pushed) = LostSink::detached();
-        assert!(group.join(&early, &sink));
+        let (_lock, early, lease, group, pushed) = joins_gone_unread(&url).await;
         let reason = timeout(Duration::from_secs(10), pushed.next())
             .await
             .expect("the task reads it and pushes its loss");
