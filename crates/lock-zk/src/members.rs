@@ -762,8 +762,12 @@ mod tests {
     /// A lock whose node was created, then deleted, before the session watch's registration
     /// (which no event reports), joining the group of a member covered by the watch: the
     /// client, that lock, the member, the group and where the lock's loss is pushed.
+    ///
+    /// `quiet_task`: the watch's task does nothing until the lock joins (so that it is idle
+    /// then, and only the join's wake-up can make it read).
     async fn joins_gone_unread(
         url: &str,
+        quiet_task: bool,
     ) -> (
         ZkLock,
         Lease,
@@ -775,8 +779,16 @@ mod tests {
         let ttl = Driver::capabilities(&lock).min_ttl;
         let other = LockKey::new(format!("{}-b", key.as_str())).unwrap();
         let early = lock.try_acquire(&other, ttl).await.unwrap().expect("free");
+        let session = lock
+            .session_of(early.backend_state::<ZkLease>().unwrap())
+            .unwrap();
+        session
+            .root_watch
+            .paused
+            .store(quiet_task, Ordering::SeqCst);
         delete_node(url, &early).await;
         let (lease, group, _pushed) = member(&lock, &key).await;
+        session.root_watch.paused.store(false, Ordering::SeqCst);
         let (sink, pushed) = LostSink::detached();
         assert!(group.join(&early, &sink));
         (lock, early, lease, group, pushed)
@@ -790,21 +802,21 @@ mod tests {
         let Some(url) = conformance::backend_url("DISTLOCK_TEST_ZK_URL") else {
             return;
         };
-        let (lock, early, lease, group, pushed) = joins_gone_unread(&url).await;
+        let (lock, early, lease, group, pushed) = joins_gone_unread(&url, false).await;
         renew(&lock, &group).await.expect("the session is fine");
         assert_eq!(pushed.take(), vec![LossReason::Revoked]);
         group.leave(&early);
         group.leave(&lease);
     }
 
-    /// The watch's task reads a member that joins uncovered by itself: one whose node was
-    /// deleted before the watch's registration is pushed with no renewal.
+    /// The watch's task, idle, reads a member that joins uncovered by itself: one whose node
+    /// was deleted before the watch's registration is pushed with no renewal.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_task_reads_a_member_that_joins_uncovered() {
         let Some(url) = conformance::backend_url("DISTLOCK_TEST_ZK_URL") else {
             return;
         };
-        let (_lock, early, lease, group, pushed) = joins_gone_unread(&url).await;
+        let (_lock, early, lease, group, pushed) = joins_gone_unread(&url, true).await;
         let reason = timeout(Duration::from_secs(10), pushed.next())
             .await
             .expect("the task reads it and pushes its loss");
