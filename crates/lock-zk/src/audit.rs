@@ -195,7 +195,9 @@ fn parse_version(v: &str) -> Option<Version> {
 /// Grades the lowest version among the members that answered `srvr`: during a rolling upgrade
 /// a session may meet any of them, so the oldest bounds what the driver can use.
 fn grade_version(report: &mut AuditReport, members: &[Member]) {
-    let versions: Vec<String> = members
+    let short = |v: &str| v.split(',').next().unwrap_or(v).trim().to_owned();
+    // (short form, parsed) of every member that told its version.
+    let versions: Vec<(String, Option<Version>)> = members
         .iter()
         .filter_map(|m| {
             m.srvr
@@ -203,8 +205,10 @@ fn grade_version(report: &mut AuditReport, members: &[Member]) {
                 .ok()
                 .and_then(|s| Member::line(s, "Zookeeper version"))
         })
+        .map(|v| (short(&v), parse_version(&v)))
         .collect();
-    if versions.is_empty() {
+    // Not understood comes first: it cannot be vouched for.
+    let Some((lowest, version)) = versions.iter().min_by_key(|(_, v)| *v).cloned() else {
         let why = members
             .iter()
             .find_map(|m| m.srvr.as_ref().err().cloned())
@@ -216,18 +220,9 @@ fn grade_version(report: &mut AuditReport, members: &[Member]) {
             "add srvr and conf to 4lw.commands.whitelist so the audit can read the ensemble",
         );
         return;
-    }
-    let short = |v: &str| v.split(',').next().unwrap_or(v).trim().to_owned();
-    let parsed: Vec<(String, Option<Version>)> = versions
-        .iter()
-        .map(|v| (short(v), parse_version(v)))
-        .collect();
-    // Not understood comes first: it cannot be vouched for.
-    let Some((lowest, version)) = parsed.iter().min_by_key(|(_, v)| *v).cloned() else {
-        return;
     };
     let mut observed = lowest.clone();
-    if parsed.iter().any(|(s, _)| *s != lowest) {
+    if versions.iter().any(|(s, _)| *s != lowest) {
         observed.push_str(" (the lowest of the members: they differ)");
     }
     match version {

@@ -456,6 +456,13 @@ impl RootWatch {
                 let mut state = self.state();
                 self.refresh(&mut state, connection);
                 self.drain(&mut state);
+                // `uncovered` is kept as a count so that this check costs the same however many
+                // members there are; debug builds (every test) recount it.
+                debug_assert_eq!(
+                    state.uncovered,
+                    state.members.values().filter(|m| m.covered == 0).count(),
+                    "the session watch's count of uncovered members"
+                );
                 if state.members.is_empty() || (state.live.is_some() && state.uncovered == 0) {
                     return Ok(());
                 }
