@@ -4,6 +4,11 @@
 //! driver's requests per acquisition by kind (`EtcdLock::request_counts`, summed over the
 //! clients) and the serial path: from a holder starting `release` to the next grant, and the
 //! `release` call itself.
+//!
+//! After that window the same clients' count again on etcd's own Lock RPC (`v3lockpb`, the
+//! bench's peer: one reused lease per client, `Lock` then `Unlock` at once), then distlock
+//! again and the peer again: the same two writes per acquisition (a queue entry's put and its
+//! delete), done by the server's own lock service, in alternating windows of the same run.
 
 use std::{
     sync::{Arc, Mutex},
@@ -16,9 +21,80 @@ use tokio::time::Instant;
 
 use crate::{backends::Res, stats::percentile};
 
-/// Runs the measurement on `url` and returns it as markdown.
+/// Runs the measurement on `url` and returns it as markdown: distlock's window with its
+/// breakdown, then the peer's, then one more of each (acquisitions per second only).
 pub async fn run(url: &str, clients: usize, window: Duration) -> Res<String> {
     let config = EtcdLockConfig::from_url(url)?;
+    let (mut md, _) = distlock_window(&config, clients, window).await?;
+    let mut rates = vec![];
+    for round in 0..2 {
+        if round > 0 {
+            let (_, rate) = distlock_window(&config, clients, window).await?;
+            rates.push(("distlock", rate));
+        }
+        rates.push(("Lock RPC", peer_window(&config, clients, window).await?));
+    }
+    md.push_str(&format!(
+        "\n## etcd: {clients} clients on 1 key, the server's Lock RPC against distlock, alternating {:.0} s windows\n\n",
+        window.as_secs_f64()
+    ));
+    for (what, rate) in rates {
+        md.push_str(&format!("- {what}: {rate:.0} acquisitions/s\n"));
+    }
+    Ok(md)
+}
+
+/// `clients` etcd clients, each with one lease for the window, take turns on one key through
+/// the server's Lock RPC; returns the acquisitions per second.
+async fn peer_window(config: &EtcdLockConfig, clients: usize, window: Duration) -> Res<f64> {
+    let endpoints: Vec<String> = config
+        .endpoints
+        .iter()
+        .map(|e| format!("http://{e}"))
+        .collect();
+    let name = format!("bench/{:08x}/peer-contention", rand::random::<u32>());
+    let mut peers = Vec::with_capacity(clients);
+    for _ in 0..clients {
+        let mut client = etcd_client::Client::connect(endpoints.clone(), None).await?;
+        // Outlives the window: no keepalive needed; revoked at the end.
+        let lease = client.lease_grant(60, None).await?.id();
+        peers.push((client, lease));
+    }
+    let end = Instant::now() + window;
+    let mut tasks = Vec::new();
+    for (mut client, lease) in peers {
+        let name = name.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut n = 0u64;
+            while Instant::now() < end {
+                let opts = etcd_client::LockOptions::new().with_lease(lease);
+                let held = tokio::select! {
+                    held = client.lock(name.clone(), Some(opts)) => held?,
+                    () = tokio::time::sleep_until(end) => break,
+                };
+                client.unlock(held.key().to_vec()).await?;
+                if Instant::now() <= end {
+                    n += 1;
+                }
+            }
+            client.lease_revoke(lease).await?;
+            Ok::<u64, etcd_client::Error>(n)
+        }));
+    }
+    let mut total = 0u64;
+    for t in tasks {
+        total += t.await??;
+    }
+    Ok(total as f64 / window.as_secs_f64())
+}
+
+/// One window of distlock's clients: the serial path's breakdown as markdown, and the
+/// acquisitions per second.
+async fn distlock_window(
+    config: &EtcdLockConfig,
+    clients: usize,
+    window: Duration,
+) -> Res<(String, f64)> {
     let mut locks = Vec::with_capacity(clients);
     for _ in 0..clients {
         locks.push(Arc::new(EtcdLock::connect(config.clone()).await?));
@@ -208,5 +284,5 @@ pub async fn run(url: &str, clients: usize, window: Duration) -> Res<String> {
             1e6 / median
         ));
     }
-    Ok(md)
+    Ok((md, total as f64 / elapsed))
 }
