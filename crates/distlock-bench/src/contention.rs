@@ -5,10 +5,11 @@
 //! clients) and the serial path: from a holder starting `release` to the next grant, and the
 //! `release` call itself.
 //!
-//! After that window the same clients' count again on etcd's own Lock RPC (`v3lockpb`, the
-//! bench's peer: one reused lease per client, `Lock` then `Unlock` at once), then distlock
-//! again and the peer again: the same two writes per acquisition (a queue entry's put and its
-//! delete), done by the server's own lock service, in alternating windows of the same run.
+//! After that window as many clients count their acquisitions on etcd's own Lock RPC
+//! (`v3lockpb`, the bench's peer: one reused lease per client, `Lock` then `Unlock` at once)
+//! and on the bare fair queue (distlock's protocol hand-written, [`bare_window`]), then distlock
+//! again, the peer and the bare queue again: windows alternating in one run, each doing the
+//! same two writes per acquisition (a queue entry's put and its delete).
 
 use std::{
     sync::{Arc, Mutex},
@@ -33,9 +34,10 @@ pub async fn run(url: &str, clients: usize, window: Duration) -> Res<String> {
             rates.push(("distlock", rate));
         }
         rates.push(("Lock RPC", peer_window(&config, clients, window).await?));
+        rates.push(("bare queue", bare_window(&config, clients, window).await?));
     }
     md.push_str(&format!(
-        "\n## etcd: {clients} clients on 1 key, the server's Lock RPC against distlock, alternating {:.0} s windows\n\n",
+        "\n## etcd: {clients} clients on 1 key, distlock, the server's Lock RPC and the bare queue protocol, alternating {:.0} s windows\n\n",
         window.as_secs_f64()
     ));
     for (what, rate) in rates {
@@ -44,18 +46,112 @@ pub async fn run(url: &str, clients: usize, window: Duration) -> Res<String> {
     Ok(md)
 }
 
-/// `clients` etcd clients, each with one lease for the window, take turns on one key through
-/// the server's Lock RPC; returns the acquisitions per second.
-async fn peer_window(config: &EtcdLockConfig, clients: usize, window: Duration) -> Res<f64> {
-    let endpoints: Vec<String> = config
+/// The endpoints as `etcd-client` takes them.
+fn endpoints(config: &EtcdLockConfig) -> Vec<String> {
+    config
         .endpoints
         .iter()
         .map(|e| format!("http://{e}"))
-        .collect();
+        .collect()
+}
+
+/// distlock's fair queue with nothing else, hand-written over `etcd-client`: `clients` clients,
+/// each with one lease and one queue watch (deletions only) for the window, take turns on one
+/// key: a txn puts the attempt's entry and reads the queue (keys only), the attempt waits on
+/// the watch until every earlier entry is deleted, then deletes its own. The same two writes
+/// and the same reads as the driver (2 txn per acquisition), without its checks, budgets,
+/// renewal and bookkeeping; returns the acquisitions per second.
+async fn bare_window(config: &EtcdLockConfig, clients: usize, window: Duration) -> Res<f64> {
+    use etcd_client::{
+        Compare, CompareOp, EventType, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
+        TxnOpResponse, WatchFilterType, WatchOptions,
+    };
+    let name = format!("bench/{:08x}/bare-contention/", rand::random::<u32>());
+    let mut bare = Vec::with_capacity(clients);
+    for _ in 0..clients {
+        let mut client = etcd_client::Client::connect(endpoints(config), None).await?;
+        let lease = client.lease_grant(60, None).await?.id();
+        let opts = WatchOptions::new()
+            .with_prefix()
+            .with_filters([WatchFilterType::NoPut]);
+        let stream = client.watch(name.clone(), Some(opts)).await?;
+        bare.push((client, lease, stream));
+    }
+    let end = Instant::now() + window;
+    let mut tasks = Vec::new();
+    for (me, (mut client, lease, mut stream)) in bare.into_iter().enumerate() {
+        let name = name.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut n = 0u64;
+            while Instant::now() < end {
+                let key = format!("{name}{me:02}-{n}");
+                let txn = Txn::new()
+                    .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+                    .and_then([
+                        TxnOp::put(key.clone(), "", Some(PutOptions::new().with_lease(lease))),
+                        TxnOp::get(
+                            name.clone(),
+                            Some(
+                                GetOptions::new()
+                                    .with_prefix()
+                                    .with_sort(SortTarget::Create, SortOrder::Descend)
+                                    .with_keys_only(),
+                            ),
+                        ),
+                    ]);
+                let resp = client.txn(txn).await?;
+                let own_rev = resp.header().map_or(0, |h| h.revision());
+                let mut ahead: std::collections::HashSet<Vec<u8>> = resp
+                    .op_responses()
+                    .into_iter()
+                    .filter_map(|r| match r {
+                        TxnOpResponse::Get(g) => Some(g),
+                        _ => None,
+                    })
+                    .flat_map(|g| g.kvs().to_vec())
+                    .filter(|kv| kv.create_revision() < own_rev)
+                    .map(|kv| kv.key().to_vec())
+                    .collect();
+                // Deletions already reported are of keys no longer in the queue: harmless.
+                while !ahead.is_empty() {
+                    let left = end + Duration::from_secs(10) - Instant::now();
+                    let Ok(msg) = tokio::time::timeout(left, stream.message()).await else {
+                        return Err("the bare queue's wait outlived the window".into());
+                    };
+                    let Some(msg) = msg? else {
+                        return Err("the bare queue's watch ended".into());
+                    };
+                    for ev in msg.events() {
+                        if ev.event_type() == EventType::Delete
+                            && let Some(kv) = ev.kv()
+                        {
+                            ahead.remove(kv.key());
+                        }
+                    }
+                }
+                client.delete(key, None).await?;
+                if Instant::now() <= end {
+                    n += 1;
+                }
+            }
+            client.lease_revoke(lease).await?;
+            Ok::<u64, lock_core::BoxError>(n)
+        }));
+    }
+    let mut total = 0u64;
+    for t in tasks {
+        total += t.await??;
+    }
+    Ok(total as f64 / window.as_secs_f64())
+}
+
+/// `clients` etcd clients, each with one lease for the window, take turns on one key through
+/// the server's Lock RPC; returns the acquisitions per second.
+async fn peer_window(config: &EtcdLockConfig, clients: usize, window: Duration) -> Res<f64> {
     let name = format!("bench/{:08x}/peer-contention", rand::random::<u32>());
     let mut peers = Vec::with_capacity(clients);
     for _ in 0..clients {
-        let mut client = etcd_client::Client::connect(endpoints.clone(), None).await?;
+        let mut client = etcd_client::Client::connect(endpoints(config), None).await?;
         // Outlives the window: no keepalive needed; revoked at the end.
         let lease = client.lease_grant(60, None).await?.id();
         peers.push((client, lease));
