@@ -54,12 +54,22 @@ impl OwnershipToken {
     /// The full token as 32 lowercase hex digits, for storing in the coordinator.
     /// Treat as a secret: never log it.
     pub fn expose_hex(&self) -> String {
-        let mut s = String::with_capacity(32);
-        for b in self.0 {
-            s.push(char::from(HEX[usize::from(b >> 4)]));
-            s.push(char::from(HEX[usize::from(b & 0xf)]));
+        self.expose_hex_bytes()
+            .iter()
+            .copied()
+            .map(char::from)
+            .collect()
+    }
+
+    /// [`OwnershipToken::expose_hex`] without an allocation: the 32 lowercase hex digits as
+    /// ASCII bytes (a driver writing many tokens straight into a request). Treat as a secret.
+    pub fn expose_hex_bytes(&self) -> [u8; 32] {
+        let mut out = [0u8; 32];
+        for (pair, b) in out.chunks_exact_mut(2).zip(self.0) {
+            pair[0] = HEX[usize::from(b >> 4)];
+            pair[1] = HEX[usize::from(b & 0xf)];
         }
-        s
+        out
     }
 
     /// A short, non-reversible digest that is safe to log and display.

@@ -33,9 +33,20 @@ pub(crate) struct KeyNames {
 impl KeyNames {
     pub(crate) fn new(namespace: &str, key: &LockKey) -> Self {
         let mut lock = Vec::with_capacity(namespace.len() + key.as_str().len());
-        lock.extend_from_slice(namespace.as_bytes());
-        lock.extend_from_slice(key.as_str().as_bytes());
+        Self::write_lock(namespace, key, &mut lock);
         Self { lock }
+    }
+
+    /// Appends the lock key's name to `out` (what [`KeyNames::new`] holds as `lock`).
+    pub(crate) fn write_lock(namespace: &str, key: &LockKey, out: &mut Vec<u8>) {
+        out.extend_from_slice(namespace.as_bytes());
+        out.extend_from_slice(key.as_str().as_bytes());
+    }
+
+    /// Appends the holder key's name of the lock key named `lock` to `out` (what
+    /// [`KeyNames::holder`] returns).
+    pub(crate) fn write_holder(lock: &[u8], out: &mut Vec<u8>) {
+        write_derived_key(lock, b"holder", out);
     }
 
     /// The fence counter key.
@@ -75,6 +86,12 @@ impl KeyNames {
 /// A key belonging to the lock (`fence`, `waiters`), in the lock key's hash slot.
 fn derived_key(lock: &[u8], name: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(lock.len() + 24);
+    write_derived_key(lock, name, &mut out);
+    out
+}
+
+/// Appends [`derived_key`]'s name to `out`.
+fn write_derived_key(lock: &[u8], name: &[u8], out: &mut Vec<u8>) {
     if hash_tag(lock).is_some() {
         out.extend_from_slice(lock);
         out.push(SEP);
@@ -92,14 +109,13 @@ fn derived_key(lock: &[u8], name: &[u8]) -> Vec<u8> {
             .copied()
             .unwrap_or_default();
         out.push(b'{');
-        out.extend_from_slice(format!("{tag:x}").as_bytes());
+        out.extend_from_slice(hex_digits(tag, &mut [0u8; 8]));
         out.push(b'}');
         out.push(SEP);
         out.extend_from_slice(lock);
         out.push(SEP);
         out.extend_from_slice(name);
     }
-    out
 }
 
 /// For each hash slot, the smallest number whose lowercase hex form hashes to it (computed once,
