@@ -4,7 +4,7 @@
 
 use std::{collections::HashSet, sync::Arc, time::Duration};
 
-use lock_core::raw::{Error, Lease, Result};
+use lock_core::raw::{Error, Lease, LockKey, OwnershipToken, Result};
 use sqlx::Row;
 use tokio::time::Instant;
 
@@ -21,8 +21,8 @@ impl Inner {
         const OP: &str = "renew";
         let key = lease.key().clone();
         let item = Renewal {
-            name: key.as_str().to_owned(),
-            owner: lease.token().expose_hex(),
+            name: key.clone(),
+            token: *lease.token(),
             fence: lease_fence(lease, OP)?,
             ttl_micros: micros(ttl),
         };
@@ -61,9 +61,17 @@ impl Inner {
         let mut answers: Vec<RenewAnswer> = vec![Ok(false); batch.len()];
         for mut group in distinct_name_groups(&batch) {
             // Bound in name order (the statement also locks in name order).
-            group.sort_by(|&a, &b| batch[a].name.cmp(&batch[b].name));
+            group.sort_by(|&a, &b| batch[a].name.as_str().cmp(batch[b].name.as_str()));
             let names: Vec<&str> = group.iter().map(|&i| batch[i].name.as_str()).collect();
-            let owners: Vec<&str> = group.iter().map(|&i| batch[i].owner.as_str()).collect();
+            // Every owner's 32 hex digits in one buffer, bound as slices of it.
+            let hex: String = group
+                .iter()
+                .flat_map(|&i| batch[i].token.expose_hex_bytes())
+                .map(char::from)
+                .collect();
+            let owners: Vec<&str> = (0..group.len())
+                .map(|k| hex.get(32 * k..32 * (k + 1)).unwrap_or_default())
+                .collect();
             let fences: Vec<i64> = group.iter().map(|&i| batch[i].fence).collect();
             let ttls: Vec<i64> = group.iter().map(|&i| batch[i].ttl_micros).collect();
             let outcome = self
@@ -79,15 +87,12 @@ impl Inner {
                 )
                 .await
                 .map(|(rows, _)| rows);
-            let renewed = outcome.map_err(Failure::from).and_then(|rows| {
-                rows.iter()
-                    .map(|row| row.try_get::<String, _>(0))
-                    .collect::<std::result::Result<HashSet<String>, _>>()
-                    .map_err(|e| Failure::refused(PgError::new(e)))
-            });
-            for &i in &group {
+            let renewed = outcome
+                .map_err(Failure::from)
+                .and_then(|rows| renewed_in_group(&rows, group.len()));
+            for (k, &i) in group.iter().enumerate() {
                 answers[i] = match &renewed {
-                    Ok(names) => Ok(names.contains(&batch[i].name)),
+                    Ok(renewed) => Ok(renewed[k]),
                     Err(failure) => Err(failure.clone()),
                 };
             }
@@ -96,13 +101,41 @@ impl Inner {
     }
 }
 
+/// Which of a group's `len` leases the renew statement's `rows` renewed: each row is one
+/// lease's 1-based position in the bound arrays. A position outside them (never written by
+/// our statement) fails the group: no renewal is confirmed on an answer that cannot be read.
+fn renewed_in_group(
+    rows: &[sqlx::postgres::PgRow],
+    len: usize,
+) -> std::result::Result<Vec<bool>, Failure> {
+    let mut renewed = vec![false; len];
+    for row in rows {
+        let at = row
+            .try_get::<i64, _>(0)
+            .map_err(|e| Failure::refused(PgError::new(e)))?;
+        let slot = usize::try_from(at)
+            .ok()
+            .and_then(|at| at.checked_sub(1))
+            .and_then(|k| renewed.get_mut(k))
+            .ok_or_else(|| {
+                Failure::refused(PgError::new(sqlx::Error::Protocol(format!(
+                    "the renew statement answered position {at} for {len} leases"
+                ))))
+            })?;
+        *slot = true;
+    }
+    Ok(renewed)
+}
+
 /// The most leases renewed by one statement.
 pub(crate) const MAX_RENEW_BATCH: usize = 1000;
 
 /// One lease to renew, as bound into the batch statement.
 pub(crate) struct Renewal {
-    name: String,
-    owner: String,
+    /// The lock's name (its table row); shared with the lease, not copied.
+    name: LockKey,
+    /// Its owner column is the token's hex, written when the batch is bound.
+    token: OwnershipToken,
     fence: i64,
     ttl_micros: i64,
 }
@@ -116,15 +149,14 @@ pub(crate) type RenewAnswer = std::result::Result<bool, Failure>;
 fn distinct_name_groups(batch: &[Renewal]) -> Vec<Vec<usize>> {
     let mut groups: Vec<(HashSet<&str>, Vec<usize>)> = Vec::new();
     for (i, item) in batch.iter().enumerate() {
+        let name = item.name.as_str();
+        // The first group the name is new to takes it (one hash per group tried: normally one).
         match groups
             .iter_mut()
-            .find(|(names, _)| !names.contains(item.name.as_str()))
+            .find_map(|(names, indices)| names.insert(name).then_some(indices))
         {
-            Some((names, indices)) => {
-                names.insert(&item.name);
-                indices.push(i);
-            }
-            None => groups.push((HashSet::from([item.name.as_str()]), vec![i])),
+            Some(indices) => indices.push(i),
+            None => groups.push((HashSet::from([name]), vec![i])),
         }
     }
     groups.into_iter().map(|(_, indices)| indices).collect()
@@ -137,8 +169,8 @@ mod tests {
     #[test]
     fn a_batch_splits_into_groups_of_distinct_names() {
         let item = |name: &str| Renewal {
-            name: name.to_owned(),
-            owner: String::new(),
+            name: LockKey::new(name).unwrap(),
+            token: OwnershipToken::generate(),
             fence: 1,
             ttl_micros: 1,
         };

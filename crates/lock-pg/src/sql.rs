@@ -450,12 +450,14 @@ impl Statements {
         // locked first, in name order, whatever join the planner picks, so two batches that
         // share rows lock them in the same order and cannot deadlock each other. A row that is
         // no longer this lease's (released, expired, taken over) is simply not returned.
+        // Each renewed row answers with its lease's position in the arrays (1-based), which
+        // the client maps back without decoding or hashing names.
         let renew = format!(
             "WITH r AS (\
                  SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[]) \
-                     AS r(name, owner, fence, ttl)\
+                     WITH ORDINALITY AS r(name, owner, fence, ttl, i)\
              ), mine AS MATERIALIZED (\
-                 SELECT l.name, r.ttl FROM {t} AS l JOIN r ON l.name = r.name \
+                 SELECT l.name, r.ttl, r.i FROM {t} AS l JOIN r ON l.name = r.name \
                  WHERE l.owner = r.owner AND l.fence = r.fence \
                      AND l.expires_at > clock_timestamp() \
                  ORDER BY l.name \
@@ -463,7 +465,7 @@ impl Statements {
              ) \
              UPDATE {t} AS l SET expires_at = clock_timestamp() + mine.ttl * interval '1 microsecond' \
              FROM mine WHERE l.name = mine.name AND l.expires_at > clock_timestamp() \
-             RETURNING l.name, {durable}",
+             RETURNING mine.i, {durable}",
             durable = durable()
         );
         // Releases: each locks the row first and then hands it to the first waiter in the
