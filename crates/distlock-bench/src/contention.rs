@@ -55,6 +55,30 @@ fn endpoints(config: &EtcdLockConfig) -> Vec<String> {
         .collect()
 }
 
+/// `n` etcd clients, each with a lease of its own that outlives a window (no keepalive needed;
+/// each client revokes its lease when its window ends).
+async fn leased_clients(config: &EtcdLockConfig, n: usize) -> Res<Vec<(etcd_client::Client, i64)>> {
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut client = etcd_client::Client::connect(endpoints(config), None).await?;
+        let lease = client.lease_grant(60, None).await?.id();
+        out.push((client, lease));
+    }
+    Ok(out)
+}
+
+/// The acquisitions per second of a window's client tasks, each answering its count.
+async fn rate<E: Into<lock_core::BoxError>>(
+    tasks: Vec<tokio::task::JoinHandle<Result<u64, E>>>,
+    window: Duration,
+) -> Res<f64> {
+    let mut total = 0u64;
+    for t in tasks {
+        total += t.await?.map_err(Into::into)?;
+    }
+    Ok(total as f64 / window.as_secs_f64())
+}
+
 /// distlock's fair queue with nothing else, hand-written over `etcd-client`: `clients` clients,
 /// each with one lease and one queue watch (deletions only) for the window, take turns on one
 /// key: a txn puts the attempt's entry and reads the queue (keys only), the attempt waits on
@@ -68,9 +92,7 @@ async fn bare_window(config: &EtcdLockConfig, clients: usize, window: Duration) 
     };
     let name = format!("bench/{:08x}/bare-contention/", rand::random::<u32>());
     let mut bare = Vec::with_capacity(clients);
-    for _ in 0..clients {
-        let mut client = etcd_client::Client::connect(endpoints(config), None).await?;
-        let lease = client.lease_grant(60, None).await?.id();
+    for (mut client, lease) in leased_clients(config, clients).await? {
         let opts = WatchOptions::new()
             .with_prefix()
             .with_filters([WatchFilterType::NoPut]);
@@ -138,24 +160,14 @@ async fn bare_window(config: &EtcdLockConfig, clients: usize, window: Duration) 
             Ok::<u64, lock_core::BoxError>(n)
         }));
     }
-    let mut total = 0u64;
-    for t in tasks {
-        total += t.await??;
-    }
-    Ok(total as f64 / window.as_secs_f64())
+    rate(tasks, window).await
 }
 
 /// `clients` etcd clients, each with one lease for the window, take turns on one key through
 /// the server's Lock RPC; returns the acquisitions per second.
 async fn peer_window(config: &EtcdLockConfig, clients: usize, window: Duration) -> Res<f64> {
     let name = format!("bench/{:08x}/peer-contention", rand::random::<u32>());
-    let mut peers = Vec::with_capacity(clients);
-    for _ in 0..clients {
-        let mut client = etcd_client::Client::connect(endpoints(config), None).await?;
-        // Outlives the window: no keepalive needed; revoked at the end.
-        let lease = client.lease_grant(60, None).await?.id();
-        peers.push((client, lease));
-    }
+    let peers = leased_clients(config, clients).await?;
     let end = Instant::now() + window;
     let mut tasks = Vec::new();
     for (mut client, lease) in peers {
@@ -177,11 +189,7 @@ async fn peer_window(config: &EtcdLockConfig, clients: usize, window: Duration) 
             Ok::<u64, etcd_client::Error>(n)
         }));
     }
-    let mut total = 0u64;
-    for t in tasks {
-        total += t.await??;
-    }
-    Ok(total as f64 / window.as_secs_f64())
+    rate(tasks, window).await
 }
 
 /// One window of distlock's clients: the serial path's breakdown as markdown, and the
