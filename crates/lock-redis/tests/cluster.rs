@@ -210,14 +210,27 @@ async fn a_waiter_follows_its_shard_channel_to_the_slots_new_master() {
         .map(|n| n.port)
         .find(|p| cli(*p, &["INFO", "replication"]).contains(&format!("master_port:{master}")))
         .expect("the slot's master has a replica");
-    assert_eq!(cli(replica, &["CLUSTER", "FAILOVER"]), "OK");
+    // A manual failover that does not complete within the server's own bound (5 s: the master
+    // must pause its clients and the replica catch up and win the masters' votes) is dropped
+    // by the server without notice, which a loaded machine can cause (seen once in CI); so it
+    // is asked again every 6 s, within one overall bound.
     tokio::task::block_in_place(|| {
+        let mut asked: Option<Instant> = None;
         wait_until(
             "the replica to take over the slot",
-            Duration::from_secs(30),
+            Duration::from_secs(60),
             || {
-                cluster.master_of(redis_key.as_bytes()) == Some(replica)
-                    && cli(replica, &["ROLE"]).starts_with("master")
+                let is_master = cli(replica, &["ROLE"]).starts_with("master");
+                if !is_master && asked.is_none_or(|at| at.elapsed() > Duration::from_secs(6)) {
+                    let answer = cli(replica, &["CLUSTER", "FAILOVER"]);
+                    if asked.is_some() {
+                        eprintln!("the failover was dropped; asked again: {answer}");
+                    } else {
+                        assert_eq!(answer, "OK");
+                    }
+                    asked = Some(Instant::now());
+                }
+                is_master && cluster.master_of(redis_key.as_bytes()) == Some(replica)
             },
         );
     });
