@@ -20,10 +20,13 @@ use lock_core::{DistributedLock, LockKey};
 use lock_etcd::{EtcdLock, EtcdLockConfig};
 use tokio::time::Instant;
 
-use crate::{backends::Res, stats::percentile};
+use crate::{
+    backends::{Res, etcd::endpoints},
+    stats::percentile,
+};
 
 /// Runs the measurement on `url` and returns it as markdown: distlock's window with its
-/// breakdown, then the peer's, then one more of each (acquisitions per second only).
+/// breakdown, then the peer's and the bare queue's, then one more of each (the rates only).
 pub async fn run(url: &str, clients: usize, window: Duration) -> Res<String> {
     let config = EtcdLockConfig::from_url(url)?;
     let (mut md, _) = distlock_window(&config, clients, window).await?;
@@ -44,15 +47,6 @@ pub async fn run(url: &str, clients: usize, window: Duration) -> Res<String> {
         md.push_str(&format!("- {what}: {rate:.0} acquisitions/s\n"));
     }
     Ok(md)
-}
-
-/// The endpoints as `etcd-client` takes them.
-fn endpoints(config: &EtcdLockConfig) -> Vec<String> {
-    config
-        .endpoints
-        .iter()
-        .map(|e| format!("http://{e}"))
-        .collect()
 }
 
 /// `n` etcd clients, each with a lease of its own that outlives a window (no keepalive needed;

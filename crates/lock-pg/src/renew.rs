@@ -63,7 +63,8 @@ impl Inner {
             // Bound in name order (the statement also locks in name order).
             group.sort_by(|&a, &b| batch[a].name.as_str().cmp(batch[b].name.as_str()));
             let names: Vec<&str> = group.iter().map(|&i| batch[i].name.as_str()).collect();
-            // Every owner's 32 hex digits in one buffer, bound as slices of it.
+            // Every owner's 32 hex digits in one buffer, bound as slices of it (ASCII, so each
+            // slice exists; were one missing, the empty owner would match no row: not renewed).
             let hex: String = group
                 .iter()
                 .flat_map(|&i| batch[i].token.expose_hex_bytes())

@@ -118,19 +118,22 @@ fn renew_command(namespace: &str, sha: &str, chunk: &[RenewItem]) -> redis::Cmd 
     // Per lock: its name, the holder's (the name and ~16 bytes), the prefix (33) and the TTL.
     let mut cmd = redis::Cmd::with_capacity(3 + 4 * chunk.len(), 2 * names + 80 * chunk.len());
     cmd.arg("EVALSHA").arg(sha).arg(2 * chunk.len());
-    let mut name = Vec::new();
+    // The lock names, written once: each is a key and then derives its holder key.
+    let mut locks = Vec::with_capacity(names);
+    let mut ends = Vec::with_capacity(chunk.len());
     for item in chunk {
-        name.clear();
-        KeyNames::write_lock(namespace, &item.key, &mut name);
-        cmd.arg(&name[..]);
+        let start = locks.len();
+        KeyNames::write_lock(namespace, &item.key, &mut locks);
+        cmd.arg(&locks[start..]);
+        ends.push(locks.len());
     }
     let mut holder = Vec::new();
-    for item in chunk {
-        name.clear();
-        KeyNames::write_lock(namespace, &item.key, &mut name);
+    let mut start = 0;
+    for end in ends {
         holder.clear();
-        KeyNames::write_holder(&name, &mut holder);
+        KeyNames::write_holder(&locks[start..end], &mut holder);
         cmd.arg(&holder[..]);
+        start = end;
     }
     let mut prefix = [0u8; 33];
     prefix[32] = b':';

@@ -18,6 +18,15 @@ pub struct Etcd {
     config: EtcdLockConfig,
 }
 
+/// The driver's endpoints as `etcd-client` takes them.
+pub fn endpoints(config: &EtcdLockConfig) -> Vec<String> {
+    config
+        .endpoints
+        .iter()
+        .map(|e| format!("http://{e}"))
+        .collect()
+}
+
 impl Etcd {
     /// Parses the URL (no I/O).
     ///
@@ -30,13 +39,7 @@ impl Etcd {
     }
 
     async fn bare_client(&self) -> Res<Client> {
-        let endpoints: Vec<String> = self
-            .config
-            .endpoints
-            .iter()
-            .map(|e| format!("http://{e}"))
-            .collect();
-        Ok(Client::connect(endpoints, None).await?)
+        Ok(Client::connect(endpoints(&self.config), None).await?)
     }
 
     fn whole_seconds(ttl: Duration) -> i64 {
