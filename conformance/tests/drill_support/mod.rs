@@ -278,8 +278,17 @@ impl Client {
         } = held;
         let op = self.rec.release(hold);
         loss.abort();
+        // Why the guard gave the lease up, if it did (a release answering `false` is then
+        // explained in the test's output).
+        let reason = guard.loss_reason();
         match tokio::time::timeout(SOON, guard.release()).await {
             Ok(Ok(released)) => {
+                if !released {
+                    eprintln!(
+                        "{}: release answered not held; the guard's loss reason: {reason:?}",
+                        self.rec.id()
+                    );
+                }
                 op.released(released);
                 Some(released)
             }
