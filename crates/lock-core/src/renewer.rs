@@ -500,6 +500,22 @@ impl Group {
 }
 
 impl State {
+    fn new() -> Self {
+        Self {
+            slots: Vec::new(),
+            free: Vec::new(),
+            timers: BTreeSet::new(),
+            active: 0,
+            in_flight: 0,
+            waiting: VecDeque::new(),
+            next_id: 0,
+            running: false,
+            groups: Vec::new(),
+            group_free: Vec::new(),
+            group_ids: HashMap::new(),
+        }
+    }
+
     fn slot(&mut self, at: SlotRef) -> Option<&mut Slot> {
         self.slots
             .get_mut(at.index)?
@@ -732,19 +748,7 @@ pub(crate) fn for_lock(lock: &DynLock) -> Arc<Scheduler> {
     epoch();
     let scheduler = Arc::new(Scheduler {
         lock: lock.clone(),
-        state: Mutex::new(State {
-            slots: Vec::new(),
-            free: Vec::new(),
-            timers: BTreeSet::new(),
-            active: 0,
-            in_flight: 0,
-            waiting: VecDeque::new(),
-            next_id: 0,
-            running: false,
-            groups: Vec::new(),
-            group_free: Vec::new(),
-            group_ids: HashMap::new(),
-        }),
+        state: Mutex::new(State::new()),
         ready: Ready::new(),
     });
     map.insert(key, Arc::downgrade(&scheduler));
@@ -1485,5 +1489,117 @@ mod tests {
         }
         // 2 s of acquisition times land on at most 5 distinct renewal instants.
         assert!(seen.len() <= 5, "{} distinct renewal times", seen.len());
+    }
+
+    /// A group that is never renewed here: the timer-set test below only moves its timer.
+    #[derive(Debug)]
+    struct IdleGroup;
+
+    impl crate::raw::RenewalGroup for IdleGroup {
+        fn id(&self) -> usize {
+            1
+        }
+
+        fn join(&self, _lease: &Lease, _lost: &LostSink) -> bool {
+            false
+        }
+
+        fn leave(&self, _lease: &Lease) {}
+
+        fn renew(
+            &self,
+            _ttl: Duration,
+            _until: Instant,
+        ) -> BoxFuture<'static, std::result::Result<Instant, GroupRenewError>> {
+            Box::pin(std::future::pending())
+        }
+    }
+
+    /// A group's timer and a slot's can sit under the same instant (both on the renewal grid):
+    /// moving the group's takes out the group's entry, never the slot's, or the slot would
+    /// never be served again — its local deadline included.
+    #[tokio::test(start_paused = true)]
+    async fn moving_a_groups_timer_leaves_a_slots_timer_at_the_same_instant() {
+        let mut state = State::new();
+        let now = Instant::now();
+        let at = Tick::at(now);
+        let ttl = Duration::from_secs(3);
+        state.groups.push(Some(Group {
+            id: 0,
+            key: (1, ttl, ttl / 3),
+            handle: Arc::new(IdleGroup),
+            clock: Arc::new(GroupClock {
+                deadline: Mutex::new(now + ttl),
+                renewals: AtomicU64::new(0),
+            }),
+            members: 1,
+            next_renew: now + ttl / 3,
+            retry: None,
+            renewing: None,
+            in_flight: false,
+            wake: Some(at),
+            waker: SlotWaker::new(&Ready::new(), GROUP_BIT),
+        }));
+        // Slot 0 and group 0, both due at `at`.
+        state.timers.insert((at, 0));
+        state.timers.insert((at, GROUP_BIT));
+        state.reschedule_group(0);
+        let moved = Tick::at(now + ttl / 3);
+        assert_eq!(
+            state.timers.iter().copied().collect::<Vec<_>>(),
+            vec![(at, 0), (moved, GROUP_BIT)],
+            "the slot's timer stays, the group's moves to its next renewal"
+        );
+    }
+
+    /// A released guard's timer leaves the timer set with its slot (else the task would wake
+    /// for it, or serve whatever slot takes its place, at the old instant); the scheduler's
+    /// `Debug` counts the slots in use, not the vector's length.
+    #[tokio::test(start_paused = true)]
+    async fn a_released_guard_leaves_no_timer_behind() {
+        use crate::DistributedLockExt;
+        let lock: DynLock = Arc::new(crate::InMemoryLock::new());
+        let ttl = Duration::from_secs(3);
+        let a = lock.lock("renewer/timers/a").ttl(ttl).try_acquire().await;
+        let b = lock.lock("renewer/timers/b").ttl(ttl).try_acquire().await;
+        let (a, b) = (a.unwrap().unwrap(), b.unwrap().unwrap());
+        let scheduler = for_lock(&lock);
+        let timers = || locked(&scheduler.state).timers.len();
+        assert_eq!(timers(), 2);
+        assert!(a.release().await.unwrap());
+        assert_eq!(timers(), 1, "the released guard's timer stayed");
+        let debug = format!("{scheduler:?}");
+        assert!(
+            debug.starts_with("Scheduler") && debug.contains("slots: 1,"),
+            "{debug}"
+        );
+        assert!(b.release().await.unwrap());
+        assert_eq!(timers(), 0);
+    }
+
+    /// A detached sink (drivers' tests read their pushes through it) hands its pushes over
+    /// one by one or all at once, in the order they came, and `next` waits for one.
+    #[tokio::test(start_paused = true)]
+    async fn a_detached_sink_hands_its_pushes_over_in_order() {
+        let (sink, pushed) = LostSink::detached();
+        assert_eq!(format!("{sink:?}"), "LostSink");
+        assert_eq!(format!("{pushed:?}"), "PushedLosses");
+        assert!(pushed.take().is_empty());
+        assert!(
+            tokio::time::timeout(Duration::from_secs(1), pushed.next())
+                .await
+                .is_err(),
+            "next() answered with nothing pushed"
+        );
+        sink.lost(LossReason::Revoked);
+        sink.lost(LossReason::NotHeld);
+        sink.clone().lost(LossReason::SessionExpired);
+        let first = tokio::time::timeout(Duration::from_secs(1), pushed.next()).await;
+        assert_eq!(first.ok(), Some(LossReason::Revoked));
+        assert_eq!(
+            pushed.take(),
+            vec![LossReason::NotHeld, LossReason::SessionExpired]
+        );
+        assert!(pushed.take().is_empty());
     }
 }
