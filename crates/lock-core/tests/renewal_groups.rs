@@ -485,6 +485,41 @@ async fn a_group_that_pushes_losses_needs_no_watch_per_member() {
     assert!(driver.other.members.lock().unwrap().is_empty());
 }
 
+/// A member's sink outlives its guard (a driver may still hold a clone when the guard is
+/// released): a late push through it never reaches the guard that takes its place in the
+/// scheduler next, even in a group made anew at the same place. Slots and groups are told
+/// apart by ids that only grow.
+#[tokio::test(start_paused = true)]
+async fn a_released_members_late_push_never_reaches_the_next_guard_in_its_place() {
+    let (_coordinator, driver, lock) = setup();
+    let ttl = Duration::from_secs(3);
+    // Keeps the client's scheduler (and its ids) alive across the release below.
+    let keeper = hold(&lock, "groups/keeper", 1, ttl).await;
+    let first = hold(&lock, &format!("{OTHER}first"), 1, ttl).await;
+    let sink = {
+        let members = driver.other.members.lock().unwrap();
+        let (_, sink) = &members[&format!("{OTHER}first/0")];
+        sink.clone()
+            .expect("the other group keeps its members' sinks")
+    };
+    for g in first {
+        assert!(g.release().await.unwrap());
+    }
+    // The next guard takes the released slot's place, in a new group of the same driver group.
+    let next = hold(&lock, &format!("{OTHER}next"), 1, ttl).await;
+    sink.lost(LossReason::Revoked);
+    sleep(ttl * 2).await;
+    assert!(
+        !next[0].is_lost(),
+        "a released member's push reached the next guard: {:?}",
+        next[0].loss_reason()
+    );
+    assert!(!keeper[0].is_lost());
+    for g in next.into_iter().chain(keeper) {
+        assert!(g.release().await.unwrap());
+    }
+}
+
 /// A coordinator and a client of it whose every lease is in a renewal group.
 fn setup() -> (InMemoryLock, Arc<Grouped>, DynLock) {
     let coordinator = InMemoryLock::new();
