@@ -730,14 +730,19 @@ impl Slot {
     }
 }
 
+/// Each client's scheduler by the client's address, and the map's size at its last sweep.
+type Registry = (HashMap<usize, Weak<Scheduler>>, usize);
+
+fn registry() -> &'static Mutex<Registry> {
+    static REGISTRY: OnceLock<Mutex<Registry>> = OnceLock::new();
+    REGISTRY.get_or_init(Default::default)
+}
+
 /// The scheduler of `lock`, created on first use; one per client for as long as any of its
 /// guards lives.
 pub(crate) fn for_lock(lock: &DynLock) -> Arc<Scheduler> {
-    /// Each client's scheduler by the client's address, and the map's size at its last sweep.
-    type Registry = (HashMap<usize, Weak<Scheduler>>, usize);
-    static REGISTRY: OnceLock<Mutex<Registry>> = OnceLock::new();
     let key = Arc::as_ptr(lock).cast::<()>() as usize;
-    let mut registry = locked(REGISTRY.get_or_init(Default::default));
+    let mut registry = locked(registry());
     let (map, swept_at) = &mut *registry;
     if let Some(found) = map.get(&key).and_then(Weak::upgrade) {
         return found;
@@ -1601,5 +1606,68 @@ mod tests {
             vec![LossReason::NotHeld, LossReason::SessionExpired]
         );
         assert!(pushed.take().is_empty());
+    }
+
+    /// The last member leaving takes its group's timer out, and only the group's: a slot's
+    /// timer under the same instant stays.
+    #[tokio::test(start_paused = true)]
+    async fn a_group_gone_with_its_last_member_leaves_a_slots_timer_at_the_same_instant() {
+        let mut state = State::new();
+        let now = Instant::now();
+        let at = Tick::at(now);
+        let ttl = Duration::from_secs(3);
+        let key = (1, ttl, ttl / 3);
+        state.groups.push(Some(Group {
+            id: 0,
+            key,
+            handle: Arc::new(IdleGroup),
+            clock: Arc::new(GroupClock {
+                deadline: Mutex::new(now + ttl),
+                renewals: AtomicU64::new(0),
+            }),
+            members: 1,
+            next_renew: now + ttl / 3,
+            retry: None,
+            renewing: None,
+            in_flight: false,
+            wake: Some(at),
+            waker: SlotWaker::new(&Ready::new(), GROUP_BIT),
+        }));
+        state.group_ids.insert(key, 0);
+        state.timers.insert((at, 0));
+        state.timers.insert((at, GROUP_BIT));
+        assert!(
+            state.left_group(0).is_some(),
+            "the last member's group goes"
+        );
+        assert_eq!(
+            state.timers.iter().copied().collect::<Vec<_>>(),
+            vec![(at, 0)]
+        );
+        assert!(state.group_ids.is_empty());
+        assert_eq!(state.group_free, vec![0]);
+    }
+
+    /// The registry of schedulers forgets clients whose scheduler is gone (it is swept as it
+    /// grows, so it stays bounded however many clients come and go) and never a live one: a
+    /// client keeps its one scheduler across every sweep.
+    #[tokio::test(start_paused = true)]
+    async fn the_scheduler_registry_stays_bounded_and_keeps_live_clients() {
+        let live: DynLock = Arc::new(crate::InMemoryLock::new());
+        let scheduler = for_lock(&live);
+        // Kept alive, so that no address is reused: every entry below stays a distinct dead one.
+        let mut gone = Vec::new();
+        for _ in 0..300 {
+            let client: DynLock = Arc::new(crate::InMemoryLock::new());
+            drop(for_lock(&client));
+            gone.push(client);
+        }
+        assert!(
+            Arc::ptr_eq(&scheduler, &for_lock(&live)),
+            "a sweep dropped a live client's scheduler"
+        );
+        // Swept whenever it doubles past 16 live entries (other tests' clients included).
+        let entries = locked(registry()).0.len();
+        assert!(entries <= 100, "{entries} entries for 300 clients gone");
     }
 }
