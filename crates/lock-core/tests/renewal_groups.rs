@@ -487,35 +487,47 @@ async fn a_group_that_pushes_losses_needs_no_watch_per_member() {
 
 /// A member's sink outlives its guard (a driver may still hold a clone when the guard is
 /// released): a late push through it never reaches the guard that takes its place in the
-/// scheduler next, even in a group made anew at the same place. Slots and groups are told
-/// apart by ids that only grow.
+/// scheduler next — whether that guard makes its group anew at the same place or joins a group
+/// that lived on. Slots and groups are told apart by ids that only grow.
 #[tokio::test(start_paused = true)]
 async fn a_released_members_late_push_never_reaches_the_next_guard_in_its_place() {
     let (_coordinator, driver, lock) = setup();
     let ttl = Duration::from_secs(3);
-    // Keeps the client's scheduler (and its ids) alive across the release below.
+    // Keeps the client's scheduler (and its ids) alive throughout.
     let keeper = hold(&lock, "groups/keeper", 1, ttl).await;
-    let first = hold(&lock, &format!("{OTHER}first"), 1, ttl).await;
-    let sink = {
+    let sink_of = |key: &str| {
         let members = driver.other.members.lock().unwrap();
-        let (_, sink) = &members[&format!("{OTHER}first/0")];
+        let (_, sink) = &members[key];
         sink.clone()
             .expect("the other group keeps its members' sinks")
     };
+    // 1. The released guard was its group's only member: the next guard makes the group anew.
+    let first = hold(&lock, &format!("{OTHER}first"), 1, ttl).await;
+    let sink = sink_of(&format!("{OTHER}first/0"));
     for g in first {
         assert!(g.release().await.unwrap());
     }
-    // The next guard takes the released slot's place, in a new group of the same driver group.
     let next = hold(&lock, &format!("{OTHER}next"), 1, ttl).await;
     sink.lost(LossReason::Revoked);
+    // 2. The group lives on (`next` stays in it): the released guard's place goes to a guard
+    // that joins it.
+    let second = hold(&lock, &format!("{OTHER}second"), 1, ttl).await;
+    let sink = sink_of(&format!("{OTHER}second/0"));
+    for g in second {
+        assert!(g.release().await.unwrap());
+    }
+    let third = hold(&lock, &format!("{OTHER}third"), 1, ttl).await;
+    sink.lost(LossReason::Revoked);
     sleep(ttl * 2).await;
-    assert!(
-        !next[0].is_lost(),
-        "a released member's push reached the next guard: {:?}",
-        next[0].loss_reason()
-    );
-    assert!(!keeper[0].is_lost());
-    for g in next.into_iter().chain(keeper) {
+    for g in [&keeper[0], &next[0], &third[0]] {
+        assert!(
+            !g.is_lost(),
+            "a released member's push reached {}: {:?}",
+            g.key(),
+            g.loss_reason()
+        );
+    }
+    for g in keeper.into_iter().chain(next).chain(third) {
         assert!(g.release().await.unwrap());
     }
 }
