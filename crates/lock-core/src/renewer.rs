@@ -1670,4 +1670,71 @@ mod tests {
         let entries = locked(registry()).0.len();
         assert!(entries <= 100, "{entries} entries for 300 clients gone");
     }
+
+    /// The in-memory coordinator behind renewals that take 50 ms.
+    #[derive(Debug)]
+    struct SlowRenewals(crate::InMemoryLock);
+
+    #[crate::raw::async_trait]
+    impl crate::raw::Driver for SlowRenewals {
+        fn backend_name(&self) -> &'static str {
+            "slow-renewals"
+        }
+        fn capabilities(&self) -> crate::Capabilities {
+            crate::DistributedLock::capabilities(&self.0)
+        }
+        async fn try_acquire(&self, key: &crate::LockKey, ttl: Duration) -> Result<Option<Lease>> {
+            crate::DistributedLock::try_acquire(&self.0, key, ttl).await
+        }
+        async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            crate::DistributedLock::renew(&self.0, lease, ttl).await
+        }
+        async fn release(&self, lease: &Lease) -> Result<bool> {
+            crate::DistributedLock::release(&self.0, lease).await
+        }
+        async fn inspect(&self, key: &crate::LockKey) -> Result<Option<crate::HolderInfo>> {
+            crate::DistributedLock::inspect(&self.0, key).await
+        }
+    }
+
+    /// A guard released while its renewal is in flight gives its place in flight back (the
+    /// places are capped: places never given back would stop every later renewal, and every
+    /// held lock would be lost at its deadline).
+    #[tokio::test(start_paused = true)]
+    async fn guards_released_while_their_renewal_is_in_flight_give_their_place_back() {
+        use crate::DistributedLockExt;
+        let lock: DynLock = Arc::new(SlowRenewals(crate::InMemoryLock::new()));
+        let ttl = Duration::from_secs(3);
+        let acquire = |key: String| {
+            let lock = lock.clone();
+            async move {
+                let guard = lock.lock(key).ttl(ttl).try_acquire().await;
+                guard.unwrap().expect("a fresh key is free")
+            }
+        };
+        let keeper = acquire("renewer/in-flight/keeper".into()).await;
+        let mut guards = Vec::new();
+        for i in 0..64 {
+            guards.push(acquire(format!("renewer/in-flight/{i}")).await);
+        }
+        let scheduler = for_lock(&lock);
+        let in_flight = || locked(&scheduler.state).in_flight;
+        tokio::time::timeout(ttl, async {
+            while in_flight() < 60 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the renewals never went out together");
+        for g in guards {
+            assert!(g.release().await.unwrap());
+        }
+        assert!(in_flight() <= 1, "{} places in flight kept", in_flight());
+        tokio::time::sleep(ttl * 2).await;
+        assert!(in_flight() <= 1, "{} places in flight kept", in_flight());
+        assert!(!keeper.is_lost());
+        assert!(keeper.renewals() >= 4, "{}", keeper.renewals());
+        assert!(keeper.release().await.unwrap());
+    }
 }
