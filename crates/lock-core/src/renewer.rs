@@ -1696,15 +1696,19 @@ mod tests {
         async fn inspect(&self, key: &crate::LockKey) -> Result<Option<crate::HolderInfo>> {
             crate::DistributedLock::inspect(&self.0, key).await
         }
+        fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
+            crate::DistributedLock::watch_lost(&self.0, lease)
+        }
     }
 
-    /// A guard released while its renewal is in flight gives its place in flight back (the
-    /// places are capped: places never given back would stop every later renewal, and every
-    /// held lock would be lost at its deadline).
+    /// A guard released, or lost, while its renewal is in flight gives its place in flight
+    /// back (the places are capped: places never given back would stop every later renewal,
+    /// and every held lock would be lost at its deadline).
     #[tokio::test(start_paused = true)]
-    async fn guards_released_while_their_renewal_is_in_flight_give_their_place_back() {
+    async fn guards_released_or_lost_while_their_renewal_is_in_flight_give_their_place_back() {
         use crate::DistributedLockExt;
-        let lock: DynLock = Arc::new(SlowRenewals(crate::InMemoryLock::new()));
+        let coordinator = crate::InMemoryLock::new();
+        let lock: DynLock = Arc::new(SlowRenewals(coordinator.client()));
         let ttl = Duration::from_secs(3);
         let acquire = |key: String| {
             let lock = lock.clone();
@@ -1714,23 +1718,49 @@ mod tests {
             }
         };
         let keeper = acquire("renewer/in-flight/keeper".into()).await;
-        let mut guards = Vec::new();
-        for i in 0..64 {
-            guards.push(acquire(format!("renewer/in-flight/{i}")).await);
-        }
         let scheduler = for_lock(&lock);
         let in_flight = || locked(&scheduler.state).in_flight;
-        tokio::time::timeout(ttl, async {
-            while in_flight() < 60 {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-        })
-        .await
-        .expect("the renewals never went out together");
+        let all_in_flight = || {
+            tokio::time::timeout(ttl, async {
+                while in_flight() < 60 {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            })
+        };
+        // Released.
+        let mut guards = Vec::new();
+        for i in 0..64 {
+            guards.push(acquire(format!("renewer/in-flight/released/{i}")).await);
+        }
+        all_in_flight()
+            .await
+            .expect("the renewals never went out together");
         for g in guards {
             assert!(g.release().await.unwrap());
         }
         assert!(in_flight() <= 1, "{} places in flight kept", in_flight());
+        // Lost: an operator's force-release, pushed while the renewal is out.
+        let mut guards = Vec::new();
+        for i in 0..64 {
+            guards.push(acquire(format!("renewer/in-flight/lost/{i}")).await);
+        }
+        all_in_flight()
+            .await
+            .expect("the renewals never went out together");
+        for g in &guards {
+            assert!(
+                crate::DistributedLock::force_release(&coordinator, g.key())
+                    .await
+                    .unwrap()
+            );
+        }
+        for g in &guards {
+            tokio::time::timeout(Duration::from_millis(10), g.lost())
+                .await
+                .expect("a force-release was not pushed at once");
+        }
+        assert!(in_flight() <= 1, "{} places in flight kept", in_flight());
+        drop(guards);
         tokio::time::sleep(ttl * 2).await;
         assert!(in_flight() <= 1, "{} places in flight kept", in_flight());
         assert!(!keeper.is_lost());
