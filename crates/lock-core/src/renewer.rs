@@ -1767,4 +1767,34 @@ mod tests {
         assert!(keeper.renewals() >= 4, "{}", keeper.renewals());
         assert!(keeper.release().await.unwrap());
     }
+
+    /// The task dropped unfinished (its runtime shut down) loses every slot it served: nothing
+    /// renews them any more, so no guard may go on looking held.
+    #[test]
+    fn a_task_whose_runtime_shuts_down_loses_every_slot() {
+        use crate::DistributedLockExt;
+        let lock: DynLock = Arc::new(crate::InMemoryLock::new());
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let guards: Vec<_> = runtime.block_on(async {
+            let mut guards = Vec::new();
+            for i in 0..3 {
+                let guard = lock
+                    .lock(format!("renewer/runtime-gone/{i}"))
+                    .ttl(Duration::from_secs(30))
+                    .try_acquire()
+                    .await;
+                guards.push(guard.unwrap().expect("a fresh key is free"));
+            }
+            guards
+        });
+        assert!(guards.iter().all(|g| !g.is_lost()));
+        drop(runtime);
+        for g in &guards {
+            assert!(g.is_lost(), "{} still looks held", g.key());
+            assert_eq!(g.loss_reason(), Some(LossReason::RenewFailed));
+        }
+    }
 }
