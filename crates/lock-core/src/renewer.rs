@@ -1520,16 +1520,9 @@ mod tests {
         }
     }
 
-    /// A group's timer and a slot's can sit under the same instant (both on the renewal grid):
-    /// moving the group's takes out the group's entry, never the slot's, or the slot would
-    /// never be served again — its local deadline included.
-    #[tokio::test(start_paused = true)]
-    async fn moving_a_groups_timer_leaves_a_slots_timer_at_the_same_instant() {
-        let mut state = State::new();
-        let now = Instant::now();
-        let at = Tick::at(now);
-        let ttl = Duration::from_secs(3);
-        state.groups.push(Some(Group {
+    /// Group 0 with one member, due at `at`, renewed every third of `ttl` from `now`.
+    fn idle_group(now: Instant, ttl: Duration, at: Tick) -> Group {
+        Group {
             id: 0,
             key: (1, ttl, ttl / 3),
             handle: Arc::new(IdleGroup),
@@ -1544,7 +1537,19 @@ mod tests {
             in_flight: false,
             wake: Some(at),
             waker: SlotWaker::new(&Ready::new(), GROUP_BIT),
-        }));
+        }
+    }
+
+    /// A group's timer and a slot's can sit under the same instant (both on the renewal grid):
+    /// moving the group's takes out the group's entry, never the slot's, or the slot would
+    /// never be served again — its local deadline included.
+    #[tokio::test(start_paused = true)]
+    async fn moving_a_groups_timer_leaves_a_slots_timer_at_the_same_instant() {
+        let mut state = State::new();
+        let now = Instant::now();
+        let at = Tick::at(now);
+        let ttl = Duration::from_secs(3);
+        state.groups.push(Some(idle_group(now, ttl, at)));
         // Slot 0 and group 0, both due at `at`.
         state.timers.insert((at, 0));
         state.timers.insert((at, GROUP_BIT));
@@ -1616,24 +1621,9 @@ mod tests {
         let now = Instant::now();
         let at = Tick::at(now);
         let ttl = Duration::from_secs(3);
-        let key = (1, ttl, ttl / 3);
-        state.groups.push(Some(Group {
-            id: 0,
-            key,
-            handle: Arc::new(IdleGroup),
-            clock: Arc::new(GroupClock {
-                deadline: Mutex::new(now + ttl),
-                renewals: AtomicU64::new(0),
-            }),
-            members: 1,
-            next_renew: now + ttl / 3,
-            retry: None,
-            renewing: None,
-            in_flight: false,
-            wake: Some(at),
-            waker: SlotWaker::new(&Ready::new(), GROUP_BIT),
-        }));
-        state.group_ids.insert(key, 0);
+        let group = idle_group(now, ttl, at);
+        state.group_ids.insert(group.key, 0);
+        state.groups.push(Some(group));
         state.timers.insert((at, 0));
         state.timers.insert((at, GROUP_BIT));
         assert!(
