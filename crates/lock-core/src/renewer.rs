@@ -1710,33 +1710,29 @@ mod tests {
         let keeper = acquire("renewer/in-flight/keeper".into()).await;
         let scheduler = for_lock(&lock);
         let in_flight = || locked(&scheduler.state).in_flight;
-        let all_in_flight = || {
+        // 64 guards on `prefix`, once their renewals are out together.
+        let hold_in_flight = |prefix: &'static str| async move {
+            let mut guards = Vec::new();
+            for i in 0..64 {
+                guards.push(acquire(format!("renewer/in-flight/{prefix}/{i}")).await);
+            }
             tokio::time::timeout(ttl, async {
                 while in_flight() < 60 {
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
             })
-        };
-        // Released.
-        let mut guards = Vec::new();
-        for i in 0..64 {
-            guards.push(acquire(format!("renewer/in-flight/released/{i}")).await);
-        }
-        all_in_flight()
             .await
             .expect("the renewals never went out together");
+            guards
+        };
+        // Released.
+        let guards = hold_in_flight("released").await;
         for g in guards {
             assert!(g.release().await.unwrap());
         }
         assert!(in_flight() <= 1, "{} places in flight kept", in_flight());
         // Lost: an operator's force-release, pushed while the renewal is out.
-        let mut guards = Vec::new();
-        for i in 0..64 {
-            guards.push(acquire(format!("renewer/in-flight/lost/{i}")).await);
-        }
-        all_in_flight()
-            .await
-            .expect("the renewals never went out together");
+        let guards = hold_in_flight("lost").await;
         for g in &guards {
             assert!(
                 crate::DistributedLock::force_release(&coordinator, g.key())

@@ -495,27 +495,30 @@ async fn a_released_members_late_push_never_reaches_the_next_guard_in_its_place(
     let ttl = Duration::from_secs(3);
     // Keeps the client's scheduler (and its ids) alive throughout.
     let keeper = hold(&lock, "groups/keeper", 1, ttl).await;
-    let sink_of = |key: &str| {
-        let members = driver.other.members.lock().unwrap();
-        let (_, sink) = &members[key];
-        sink.clone()
-            .expect("the other group keeps its members' sinks")
+    // Holds one guard on `name` in the other group, releases it, and hands back its sink.
+    let released_sink = |name: &'static str| {
+        let (lock, driver) = (lock.clone(), driver.clone());
+        async move {
+            let held = hold(&lock, &format!("{OTHER}{name}"), 1, ttl).await;
+            let sink = {
+                let members = driver.other.members.lock().unwrap();
+                let (_, sink) = &members[&format!("{OTHER}{name}/0")];
+                sink.clone()
+                    .expect("the other group keeps its members' sinks")
+            };
+            for g in held {
+                assert!(g.release().await.unwrap());
+            }
+            sink
+        }
     };
     // 1. The released guard was its group's only member: the next guard makes the group anew.
-    let first = hold(&lock, &format!("{OTHER}first"), 1, ttl).await;
-    let sink = sink_of(&format!("{OTHER}first/0"));
-    for g in first {
-        assert!(g.release().await.unwrap());
-    }
+    let sink = released_sink("first").await;
     let next = hold(&lock, &format!("{OTHER}next"), 1, ttl).await;
     sink.lost(LossReason::Revoked);
     // 2. The group lives on (`next` stays in it): the released guard's place goes to a guard
     // that joins it.
-    let second = hold(&lock, &format!("{OTHER}second"), 1, ttl).await;
-    let sink = sink_of(&format!("{OTHER}second/0"));
-    for g in second {
-        assert!(g.release().await.unwrap());
-    }
+    let sink = released_sink("second").await;
     let third = hold(&lock, &format!("{OTHER}third"), 1, ttl).await;
     sink.lost(LossReason::Revoked);
     sleep(ttl * 2).await;
