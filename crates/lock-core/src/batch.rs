@@ -190,12 +190,25 @@ mod tests {
             })
             .collect();
         until(|| batcher.queued() == 19).await;
+        // What `Debug` shows of a batcher with one batch out and 19 behind it.
+        assert_eq!(
+            format!("{batcher:?}"),
+            "Batcher { queued: 19, running: true, max_batch: 100 }"
+        );
         gate_tx.send(true).unwrap();
         assert_eq!(first.await.unwrap(), Some(10));
         for (i, handle) in (2..=20).zip(rest) {
             assert_eq!(handle.await.unwrap(), Some(i * 10));
         }
         assert_eq!(*calls.lock().unwrap(), vec![1, 19]);
+    }
+
+    #[test]
+    fn an_idle_batcher_takes_at_least_one_item_per_batch() {
+        assert_eq!(
+            format!("{:?}", Batcher::<u32, u32>::new(0)),
+            "Batcher { queued: 0, running: false, max_batch: 1 }"
+        );
     }
 
     #[tokio::test]
