@@ -10,9 +10,16 @@
 //! and on the bare fair queue (distlock's protocol hand-written, [`bare_window`]), then distlock
 //! again, the peer and the bare queue again: windows alternating in one run, each doing the
 //! same two writes per acquisition (a queue entry's put and its delete).
+//!
+//! `--idle-watchers N` adds N clients that, during distlock's and the bare queue's windows,
+//! only watch the lock's queue prefix (deletions only), as a waiter does: every release then
+//! goes to N more watch streams, which is what a longer queue costs beyond its own requests.
 
 use std::{
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
@@ -27,20 +34,23 @@ use crate::{
 
 /// Runs the measurement on `url` and returns it as markdown: distlock's window with its
 /// breakdown, then the peer's and the bare queue's, then one more of each (the rates only).
-pub async fn run(url: &str, clients: usize, window: Duration) -> Res<String> {
+pub async fn run(url: &str, clients: usize, idle: usize, window: Duration) -> Res<String> {
     let config = EtcdLockConfig::from_url(url)?;
-    let (mut md, _) = distlock_window(&config, clients, window).await?;
+    let (mut md, _) = distlock_window(&config, clients, idle, window).await?;
     let mut rates = vec![];
     for round in 0..2 {
         if round > 0 {
-            let (_, rate) = distlock_window(&config, clients, window).await?;
+            let (_, rate) = distlock_window(&config, clients, idle, window).await?;
             rates.push(("distlock", rate));
         }
         rates.push(("Lock RPC", peer_window(&config, clients, window).await?));
-        rates.push(("bare queue", bare_window(&config, clients, window).await?));
+        rates.push((
+            "bare queue",
+            bare_window(&config, clients, idle, window).await?,
+        ));
     }
     md.push_str(&format!(
-        "\n## etcd: {clients} clients on 1 key, distlock, the server's Lock RPC and the bare queue protocol, alternating {:.0} s windows\n\n",
+        "\n## etcd: {clients} clients on 1 key ({idle} more only watching the queue in distlock's and the bare queue's windows), distlock, the server's Lock RPC and the bare queue protocol, alternating {:.0} s windows\n\n",
         window.as_secs_f64()
     ));
     for (what, rate) in rates {
@@ -79,7 +89,12 @@ async fn rate<E: Into<lock_core::BoxError>>(
 /// the watch until every earlier entry is deleted, then deletes its own. The same two writes
 /// and the same reads as the driver (2 txn per acquisition), without its checks, budgets,
 /// renewal and bookkeeping; returns the acquisitions per second.
-async fn bare_window(config: &EtcdLockConfig, clients: usize, window: Duration) -> Res<f64> {
+async fn bare_window(
+    config: &EtcdLockConfig,
+    clients: usize,
+    idle: usize,
+    window: Duration,
+) -> Res<f64> {
     use etcd_client::{
         Compare, CompareOp, EventType, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
         TxnOpResponse, WatchFilterType, WatchOptions,
@@ -93,6 +108,7 @@ async fn bare_window(config: &EtcdLockConfig, clients: usize, window: Duration) 
         let stream = client.watch(name.clone(), Some(opts)).await?;
         bare.push((client, lease, stream));
     }
+    let watchers = idle_watchers(config, &name, idle, &Arc::default()).await?;
     let end = Instant::now() + window;
     let mut tasks = Vec::new();
     for (me, (mut client, lease, mut stream)) in bare.into_iter().enumerate() {
@@ -154,7 +170,11 @@ async fn bare_window(config: &EtcdLockConfig, clients: usize, window: Duration) 
             Ok::<u64, lock_core::BoxError>(n)
         }));
     }
-    rate(tasks, window).await
+    let rate = rate(tasks, window).await;
+    for w in watchers {
+        w.abort();
+    }
+    rate
 }
 
 /// `clients` etcd clients, each with one lease for the window, take turns on one key through
@@ -186,18 +206,53 @@ async fn peer_window(config: &EtcdLockConfig, clients: usize, window: Duration) 
     rate(tasks, window).await
 }
 
-/// One window of distlock's clients: the serial path's breakdown as markdown, and the
-/// acquisitions per second.
+/// `n` clients, each watching the deletions under `prefix` and reading every event off its
+/// stream until the window ends (the returned tasks are aborted then), counting the events in
+/// `seen`.
+async fn idle_watchers(
+    config: &EtcdLockConfig,
+    prefix: &str,
+    n: usize,
+    seen: &Arc<AtomicU64>,
+) -> Res<Vec<tokio::task::JoinHandle<()>>> {
+    use etcd_client::{WatchFilterType, WatchOptions};
+    let mut tasks = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut client = etcd_client::Client::connect(endpoints(config), None).await?;
+        let opts = WatchOptions::new()
+            .with_prefix()
+            .with_filters([WatchFilterType::NoPut]);
+        let mut stream = client.watch(prefix, Some(opts)).await?;
+        let seen = seen.clone();
+        tasks.push(tokio::spawn(async move {
+            let _client = client;
+            while let Ok(Some(msg)) = stream.message().await {
+                seen.fetch_add(msg.events().len() as u64, Ordering::Relaxed);
+            }
+        }));
+    }
+    Ok(tasks)
+}
+
+/// One window of distlock's clients (with `idle` more clients only watching the lock's
+/// queue): the serial path's breakdown as markdown, and the acquisitions per second.
 async fn distlock_window(
     config: &EtcdLockConfig,
     clients: usize,
+    idle: usize,
     window: Duration,
 ) -> Res<(String, f64)> {
     let mut locks = Vec::with_capacity(clients);
     for _ in 0..clients {
         locks.push(Arc::new(EtcdLock::connect(config.clone()).await?));
     }
-    let key = LockKey::new(format!("bench/{:08x}/contention", rand::random::<u32>()))?;
+    let run = format!("{:08x}", rand::random::<u32>());
+    let key = LockKey::new(format!("bench/{run}/contention"))?;
+    // The queue's keys are under the configured prefix, the lock name's `/` escaped; a prefix
+    // one level up holds them and nothing of another run.
+    let seen = Arc::new(AtomicU64::new(0));
+    let prefix = format!("{}bench%2F{run}", config.prefix);
+    let watchers = idle_watchers(config, &prefix, idle, &seen).await?;
     let ttl = Duration::from_secs(30);
     let started = Instant::now();
     let end = started + window;
@@ -265,6 +320,9 @@ async fn distlock_window(
     let mut total = 0u64;
     for t in tasks {
         total += t.await??;
+    }
+    for w in watchers {
+        w.abort();
     }
     let elapsed = window.as_secs_f64();
     let mut sum = lock_etcd::EtcdRequestCounts::default();
@@ -350,7 +408,7 @@ async fn distlock_window(
     };
     let mut md = String::new();
     md.push_str(&format!(
-        "## etcd: {clients} clients on 1 key, {elapsed:.0} s\n\n- acquisitions: {total} ({:.0}/s)\n",
+        "## etcd: {clients} clients on 1 key ({idle} more only watching its queue), {elapsed:.0} s\n\n- acquisitions: {total} ({:.0}/s)\n",
         total as f64 / elapsed
     ));
     md.push_str(&format!(
@@ -376,6 +434,12 @@ async fn distlock_window(
     md.push_str(&format!(
         "- release start → next grant by length: {tail_md}\n"
     ));
+    if idle > 0 {
+        md.push_str(&format!(
+            "- the {idle} idle watchers received {:.2} deletions per acquisition each\n",
+            seen.load(Ordering::Relaxed) as f64 / (a * idle as f64)
+        ));
+    }
     if let Some([median, ..]) = gaps {
         md.push_str(&format!(
             "- the serial path alone would allow {:.0} acquisitions/s (1 / median gap)\n",

@@ -83,6 +83,11 @@ struct Args {
     /// Clients in the contention probe (default 16).
     #[arg(long, default_value_t = 16)]
     contenders: usize,
+    /// Clients in the contention probe that only watch the lock's queue (deletions only, one
+    /// watch each, as a waiter does) during its distlock windows: what a release's fan-out to
+    /// that many more watches costs the contended path (default 0).
+    #[arg(long, default_value_t = 0)]
+    idle_watchers: usize,
     /// Concurrent tasks sharing one client in the pool comparison (default 8,32).
     #[arg(long, value_delimiter = ',', default_value = "8,32")]
     pool_tasks: Vec<usize>,
@@ -547,7 +552,12 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         };
         let window = Duration::from_secs(if args.quick { 2 } else { 5 });
-        return match runtime.block_on(contention::run(&url, args.contenders.max(2), window)) {
+        return match runtime.block_on(contention::run(
+            &url,
+            args.contenders.max(2),
+            args.idle_watchers,
+            window,
+        )) {
             Ok(md) => {
                 println!("{md}");
                 std::process::ExitCode::SUCCESS
