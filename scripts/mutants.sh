@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Mutation testing (issue 19). Slow, and not part of scripts/test.sh.
 #
-#   scripts/mutants.sh core      cargo-mutants over lock-core's guard, lease, fencing, handoff and
-#                                memory modules (.cargo/mutants.toml), tested by lock-core's tests
-#                                and the memory conformance suite (crates/memory-suite)
+#   scripts/mutants.sh core      cargo-mutants over the lock-core modules .cargo/mutants.toml
+#                                lists, tested by lock-core's tests and the memory conformance
+#                                suite (crates/memory-suite)
 #   scripts/mutants.sh drivers   the curated driver breakages (conformance/mutants/driver-*.patch)
 #   scripts/mutants.sh drills    one breakage per drill claim (conformance/mutants/drill-*.patch)
 #   scripts/mutants.sh all       (default) all three

@@ -188,6 +188,7 @@ mod tests {
     async fn retries_start_at_once_pause_within_the_policy_and_stop_at_the_end() {
         let start = Instant::now();
         let mut retries = Retries::until(start + Duration::from_secs(3));
+        assert_eq!(retries.end(), Some(start + Duration::from_secs(3)));
         assert!(retries.next().await);
         assert_eq!(Instant::now(), start, "the first attempt does not wait");
         let mut last = Instant::now();

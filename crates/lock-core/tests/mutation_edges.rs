@@ -6,7 +6,8 @@
 use std::time::Duration;
 
 use lock_core::{
-    FencedRegister, FencingToken, HolderIdentity, Lease, LockKey, OwnershipToken, drift_margin,
+    FencedRegister, FencingToken, HolderIdentity, Lease, LockKey, LossReason, OwnershipToken,
+    drift_margin,
 };
 use tokio::time::{Instant, advance};
 
@@ -245,4 +246,31 @@ fn the_memory_coordinator_advertises_a_1ms_minimum_ttl() {
     assert_eq!(caps.min_ttl, Duration::from_millis(1));
     assert_eq!(caps.fencing, FencingGuarantee::Quorum);
     assert!(caps.renew && caps.wait_notify && caps.fair_queue && caps.force_release);
+}
+
+/// The "lock ownership lost" warning names its reason in words: one text per reason.
+#[test]
+fn each_loss_reason_reads_as_its_own_words() {
+    let shown: Vec<String> = [
+        LossReason::NotHeld,
+        LossReason::DeadlinePassed,
+        LossReason::Revoked,
+        LossReason::SessionExpired,
+        LossReason::RenewFailed,
+        LossReason::HeldTooLong,
+    ]
+    .iter()
+    .map(ToString::to_string)
+    .collect();
+    assert_eq!(
+        shown,
+        [
+            "renewal refused: not held",
+            "local deadline passed without renewal",
+            "revoked by the coordinator",
+            "session expired",
+            "renewal failed",
+            "held for its at_most limit",
+        ]
+    );
 }
