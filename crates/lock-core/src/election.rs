@@ -693,8 +693,45 @@ mod tests {
             DistributedLock::release(&self.0, lease).await
         }
         async fn inspect(&self, key: &LockKey) -> Result<Option<HolderInfo>> {
-            DistributedLock::inspect(&self.0, key).await
+            // No fencing, so no term to report.
+            let info = DistributedLock::inspect(&self.0, key).await?;
+            Ok(info.map(|info| HolderInfo {
+                fencing_token: None,
+                ..info
+            }))
         }
+    }
+
+    /// Without terms (a backend without fencing), a change of holder is news and the same
+    /// holder read again is not.
+    #[tokio::test(start_paused = true)]
+    async fn observe_without_terms_reports_each_change_of_holder_once() {
+        let coordinator = InMemoryLock::new();
+        let client = |label: &str| Unfenced(coordinator.client().with_label(label).unwrap());
+        let (a, b) = (client("a"), client("b"));
+        let election = Election::new(Arc::new(client("watcher")), "plain").unwrap();
+        let key = election.key().clone();
+        let mut stream = Box::pin(election.observe(Duration::from_millis(10)));
+        let mut next = async || {
+            tokio::time::timeout(Duration::from_secs(1), stream.next())
+                .await
+                .map(|item| item.expect("the stream goes on").unwrap())
+        };
+        assert_eq!(next().await.expect("the first read"), None);
+        let ttl = Duration::from_secs(10);
+        let held = Driver::try_acquire(&a, &key, ttl).await.unwrap().unwrap();
+        let first = next().await.expect("a leads").expect("a leader");
+        assert_eq!(first.term, None);
+        // The holder changes between two reads: never seen free.
+        assert!(Driver::release(&a, &held).await.unwrap());
+        let held = Driver::try_acquire(&b, &key, ttl).await.unwrap().unwrap();
+        let second = next()
+            .await
+            .expect("a change of holder is news")
+            .expect("a leader");
+        assert_ne!(first.holder, second.holder);
+        assert!(next().await.is_err(), "the same holder was reported again");
+        assert!(Driver::release(&b, &held).await.unwrap());
     }
 
     #[tokio::test]
@@ -718,8 +755,19 @@ mod tests {
         let (coordinator, all) = elections(2);
         let lead = all[0].campaign(WAIT).await.unwrap();
         let token = lead.guard.granted_lease().token().expose_hex();
+        let for_spawned_work = lead.lost_token();
+        assert!(
+            format!("{lead:?}")
+                .starts_with(r#"Leadership { key: LockKey("election/scheduler"), term: "#)
+                && format!("{lead:?}").ends_with("lost: false }"),
+            "{lead:?}"
+        );
         let shown = format!("{lead:?} {:?} {:?}", all[0], all[0].leader().await.unwrap());
         assert!(!shown.contains(&token), "{shown}");
+        assert_eq!(
+            format!("{:?}", all[0]),
+            r#"Election { backend: "memory", key: LockKey("election/scheduler"), ttl: 10s }"#
+        );
         assert!(!lead.is_lost());
         assert!(
             DistributedLock::force_release(&coordinator, all[0].key())
@@ -730,6 +778,10 @@ mod tests {
             .await
             .expect("lost() fires");
         assert!(lead.is_lost());
+        assert!(
+            for_spawned_work.is_cancelled(),
+            "the token for spawned work was not cancelled"
+        );
         assert_eq!(lead.loss_reason(), Some(LossReason::Revoked));
         let next = all[1]
             .try_campaign()

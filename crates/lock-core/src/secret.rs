@@ -57,6 +57,10 @@ mod tests {
     fn debug_never_shows_the_value_even_nested() {
         let s = Secret::new("hunter2");
         assert_eq!(format!("{s:?}"), "<redacted>");
+        // Only `expose` gives the value, whichever way the secret was made.
+        assert_eq!(s.expose(), "hunter2");
+        assert_eq!(Secret::from("hunter2"), s);
+        assert_eq!(Secret::from("hunter2".to_owned()), s);
         assert!(!format!("{:#?}", Some(("user", s.clone()))).contains("hunter2"));
         assert_eq!(s, Secret::from("hunter2".to_owned()));
         assert_ne!(s, Secret::default());

@@ -158,14 +158,40 @@ mod tests {
         let b = OwnershipToken::generate();
         assert_ne!(a, b);
         assert_eq!(OwnershipToken::from_hex(&a.expose_hex()).unwrap(), a);
+        let bytes = *a.as_bytes();
+        assert_ne!(bytes, [0; 16], "a fresh token is random");
+        assert_eq!(OwnershipToken::from_bytes(bytes), a);
+        // Every digit's value, in both cases (the stored form is lowercase; an operator may
+        // paste uppercase).
+        assert_eq!(
+            OwnershipToken::from_hex("0123456789abcdefABCDEF0123456789")
+                .unwrap()
+                .as_bytes(),
+            &[
+                0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd, 0xef, 0xab, 0xcd, 0xef, 0x01, 0x23, 0x45,
+                0x67, 0x89
+            ]
+        );
         assert!(OwnershipToken::from_hex("xyz").is_err());
         assert!(OwnershipToken::from_hex(&"g".repeat(32)).is_err());
+    }
+
+    #[test]
+    fn a_fencing_token_is_its_number() {
+        let t = FencingToken(u64::MAX - 1);
+        assert_eq!(t.get(), u64::MAX - 1);
+        assert_eq!(t.to_string(), "18446744073709551614");
+        assert_eq!(FencingToken(7).get(), 7);
     }
 
     #[test]
     fn debug_and_display_never_show_the_token() {
         let t = OwnershipToken::generate();
         let full = t.expose_hex();
+        // What they show instead: the digest's 8 hex digits.
+        assert_eq!(format!("{t:?}"), format!("OwnershipToken({})", t.digest()));
+        assert_eq!(format!("{t}").len(), 8);
+        assert_eq!(format!("{:?}", t.digest()), format!("TokenDigest({t})"));
         for shown in [
             format!("{t:?}"),
             format!("{t}"),
