@@ -25,7 +25,7 @@ use std::{
 
 use lock_core::{DistributedLock, LockKey};
 use lock_etcd::{EtcdLock, EtcdLockConfig};
-use tokio::time::Instant;
+use tokio::{task::JoinSet, time::Instant};
 
 use crate::{
     backends::{Res, etcd::endpoints},
@@ -171,9 +171,7 @@ async fn bare_window(
         }));
     }
     let rate = rate(tasks, window).await;
-    for w in watchers {
-        w.abort();
-    }
+    drop(watchers);
     rate
 }
 
@@ -207,16 +205,16 @@ async fn peer_window(config: &EtcdLockConfig, clients: usize, window: Duration) 
 }
 
 /// `n` clients, each watching the deletions under `prefix` and reading every event off its
-/// stream until the window ends (the returned tasks are aborted then), counting the events in
-/// `seen`.
+/// stream, counting the events in `seen`, until the returned set is dropped (which aborts them,
+/// on an early error too).
 async fn idle_watchers(
     config: &EtcdLockConfig,
     prefix: &str,
     n: usize,
     seen: &Arc<AtomicU64>,
-) -> Res<Vec<tokio::task::JoinHandle<()>>> {
+) -> Res<JoinSet<()>> {
     use etcd_client::{WatchFilterType, WatchOptions};
-    let mut tasks = Vec::with_capacity(n);
+    let mut tasks = JoinSet::new();
     for _ in 0..n {
         let mut client = etcd_client::Client::connect(endpoints(config), None).await?;
         let opts = WatchOptions::new()
@@ -224,12 +222,12 @@ async fn idle_watchers(
             .with_filters([WatchFilterType::NoPut]);
         let mut stream = client.watch(prefix, Some(opts)).await?;
         let seen = seen.clone();
-        tasks.push(tokio::spawn(async move {
+        tasks.spawn(async move {
             let _client = client;
             while let Ok(Some(msg)) = stream.message().await {
                 seen.fetch_add(msg.events().len() as u64, Ordering::Relaxed);
             }
-        }));
+        });
     }
     Ok(tasks)
 }
@@ -321,9 +319,7 @@ async fn distlock_window(
     for t in tasks {
         total += t.await??;
     }
-    for w in watchers {
-        w.abort();
-    }
+    drop(watchers);
     let elapsed = window.as_secs_f64();
     let mut sum = lock_etcd::EtcdRequestCounts::default();
     for l in &locks {
