@@ -89,7 +89,7 @@ async fn rate<E: Into<lock_core::BoxError>>(
 /// the watch until every earlier entry is deleted, then deletes its own. The same two writes
 /// and the same reads as the driver (2 txn per acquisition), without its checks, budgets,
 /// renewal and bookkeeping; returns the acquisitions per second.
-async fn bare_window(
+pub(crate) async fn bare_window(
     config: &EtcdLockConfig,
     clients: usize,
     idle: usize,

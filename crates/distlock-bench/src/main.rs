@@ -186,16 +186,7 @@ async fn run_backend(
     held: &[usize],
     run: &str,
 ) -> BackendReport {
-    let mut report = BackendReport {
-        name: b.name().to_owned(),
-        server: b.server(),
-        wait_notify: false,
-        uncontended: Vec::new(),
-        handoff: None,
-        throughput: Vec::new(),
-        watchdog: Vec::new(),
-        notes: b.notes(),
-    };
+    let mut report = BackendReport::empty(b.name().to_owned(), b.server(), b.notes());
     let name = b.name();
     if let Err(e) = b.prepare().await {
         report.notes.push(format!("setup failed: {e}"));
@@ -264,6 +255,20 @@ async fn run_backend(
                     Err(e) => report
                         .notes
                         .push(format!("throughput on {keys} key(s) failed: {e}")),
+                }
+                if keys == 1
+                    && let Some(bare) = b.bare_one_key(plan.clients, plan.window).await
+                {
+                    progress(format!(
+                        "{name}: throughput of the bare protocol, {} clients on 1 key",
+                        plan.clients
+                    ));
+                    match bare {
+                        Ok(rate) => report.bare_one_key = Some(rate),
+                        Err(e) => report.notes.push(format!(
+                            "the bare protocol's throughput on 1 key failed: {e}"
+                        )),
+                    }
                 }
             }
         }
@@ -579,16 +584,11 @@ fn main() -> std::process::ExitCode {
                 let b: Arc<dyn Backend> = Arc::from(b);
                 reports.push(runtime.block_on(run_backend(b.as_ref(), &args, &plan, &held, &run)));
             }
-            Err(e) => reports.push(BackendReport {
-                name: name.to_owned(),
-                server: String::new(),
-                wait_notify: false,
-                uncontended: Vec::new(),
-                handoff: None,
-                throughput: Vec::new(),
-                watchdog: Vec::new(),
-                notes: vec![format!("skipped: {e}")],
-            }),
+            Err(e) => reports.push(BackendReport::empty(
+                name.to_owned(),
+                String::new(),
+                vec![format!("skipped: {e}")],
+            )),
         }
     }
     // Background releases of dropped clients finish or are abandoned here.

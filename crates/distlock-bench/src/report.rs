@@ -164,6 +164,10 @@ pub struct BackendReport {
     pub handoff: Option<Handoff>,
     /// Contended throughput, one key and one key per client.
     pub throughput: Vec<Throughput>,
+    /// The bare protocol's acquisitions per second on one key with as many clients, in the
+    /// window after distlock's (only where it can be written bare with the same guarantee:
+    /// etcd's fair queue).
+    pub bare_one_key: Option<f64>,
     /// Watchdog cost per number of held locks.
     pub watchdog: Vec<WatchdogCost>,
     /// What went wrong or what to know about these numbers.
@@ -171,6 +175,21 @@ pub struct BackendReport {
 }
 
 impl BackendReport {
+    /// A report with no measurements yet.
+    pub fn empty(name: String, server: String, notes: Vec<String>) -> Self {
+        Self {
+            name,
+            server,
+            wait_notify: false,
+            uncontended: Vec::new(),
+            handoff: None,
+            throughput: Vec::new(),
+            bare_one_key: None,
+            watchdog: Vec::new(),
+            notes,
+        }
+    }
+
     /// The distlock variant's latency.
     pub fn distlock(&self) -> Option<&Summary> {
         self.uncontended
@@ -331,6 +350,28 @@ pub fn markdown(r: &Report) -> String {
             if b.wait_notify { "yes" } else { "no" },
             tp(1),
             tp(16)
+        );
+    }
+    for b in &r.backends {
+        let (Some(bare), Some(one)) = (b.bare_one_key, b.throughput.iter().find(|t| t.keys == 1))
+        else {
+            continue;
+        };
+        // Acquisitions per hand-off time: what "≥ 0.8 × 1 / (hand-off p50)" compares.
+        let per_handoff = |rate: f64| {
+            fmt_opt(
+                b.handoff.as_ref().map(|h| rate * h.latency.median_us / 1e6),
+                2,
+            )
+        };
+        let _ = writeln!(
+            out,
+            "\n- {}, {} clients on 1 key: distlock {:.0} acq/s; the bare protocol (the same requests per acquisition, hand-written on the server's client crate) {bare:.0} acq/s in the window after it. × hand-off median: distlock {}, bare {}.",
+            b.name,
+            one.clients,
+            one.acquisitions_per_s,
+            per_handoff(one.acquisitions_per_s),
+            per_handoff(bare),
         );
     }
 
@@ -677,6 +718,7 @@ mod tests {
                     seconds: 1.0,
                     acquisitions_per_s: 1234.4,
                 }],
+                bare_one_key: Some(1000.0),
                 watchdog: vec![WatchdogCost {
                     held: 1000,
                     ttl_s: 6.0,
@@ -709,6 +751,16 @@ mod tests {
         );
         assert!(md.contains("| redis | peer | rslock | failed: boom |"));
         assert!(md.contains("| redis | yes | 300 | 900 | 3.0 | 2.0 | 1.5 | 100 (8) | 1234 | – |"));
+        // 1234.4/s × 300 µs and 1000/s × 300 µs.
+        assert!(
+            md.contains(
+                "acq/s in the window after it. × hand-off median: distlock 0.37, bare 0.30."
+            ),
+            "{md}"
+        );
+        assert!(
+            md.contains("- redis, 16 clients on 1 key: distlock 1234 acq/s; the bare protocol")
+        );
         assert!(md.contains(
             "| redis | 1000 | 6 s / 2 s | 0.5 | 1000.3 | 1000 | 12.5 | 2048 B | 0 | evalsha 990, publish 2 | INFO commandstats |"
         ));

@@ -295,6 +295,10 @@ impl Backend for Etcd {
         Ok((lock.clone(), Box::new(DriverCounts { lock })))
     }
 
+    async fn bare_one_key(&self, clients: usize, window: Duration) -> Option<Res<f64>> {
+        Some(crate::contention::bare_window(&self.config, clients, 0, window).await)
+    }
+
     fn notes(&self) -> Vec<String> {
         vec!["etcd 3.4's server Lock RPC lacks the post-wait ownership check (etcd#11456); it is measured as the peer, not used by distlock.".into()]
     }

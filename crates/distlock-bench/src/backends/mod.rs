@@ -125,6 +125,14 @@ pub trait Backend: Send + Sync {
     fn notes(&self) -> Vec<String> {
         Vec::new()
     }
+    /// The bare protocol's acquisitions per second with `clients` clients taking turns on one
+    /// key for `window`, beside distlock's "16 clients, 1 key" — for a backend whose contended
+    /// protocol can be written bare with the same guarantee (etcd's fair queue); `None` where
+    /// it cannot.
+    async fn bare_one_key(&self, clients: usize, window: Duration) -> Option<Res<f64>> {
+        let _ = (clients, window);
+        None
+    }
 }
 
 /// The distlock variant, the same for every backend: `try_acquire` + `release` through the
