@@ -126,11 +126,36 @@ mod tests {
         assert!(caps.check_ttl(Duration::from_millis(999)).is_err());
         assert!(caps.check_ttl(Duration::from_secs(61)).is_err());
         assert!(caps.check_ttl(Duration::from_secs(1)).is_ok());
+        // Both limits are inclusive.
+        assert!(caps.check_ttl(Duration::from_secs(60)).is_ok());
+        assert!(
+            caps.check_ttl(Duration::from_secs(60) + Duration::from_nanos(1))
+                .is_err()
+        );
         assert!(
             Capabilities::default()
                 .check_ttl(Duration::from_micros(10))
                 .is_err()
         );
+    }
+
+    #[test]
+    fn the_longest_ttl_is_365_days_inclusive() {
+        let days = Duration::from_secs(365 * 86_400);
+        assert_eq!(Capabilities::MAX_TTL, days);
+        for caps in [
+            Capabilities::default(),
+            crate::raw::server_expired_lease(FencingGuarantee::SingleNode),
+        ] {
+            assert!(caps.check_ttl(days).is_ok(), "{caps:?}");
+            assert!(
+                matches!(
+                    caps.check_ttl(days + Duration::from_millis(1)),
+                    Err(Error::InvalidTtl { .. })
+                ),
+                "{caps:?}"
+            );
+        }
     }
 
     #[test]

@@ -124,7 +124,12 @@ mod tests {
             "/",
             "zookeeper",
         ] {
-            assert_eq!(LockKey::new(name).unwrap().as_str(), name);
+            let key = LockKey::new(name).unwrap();
+            assert_eq!(key.as_str(), name);
+            // What error messages, the CLI and drivers' names print and read: the key as given.
+            assert_eq!(key.to_string(), name);
+            assert_eq!(AsRef::<str>::as_ref(&key), name);
+            assert_eq!(format!("{key:?}"), format!("LockKey({name:?})"));
         }
         assert!(LockKey::new("x".repeat(LockKey::MAX_LEN)).is_ok());
     }

@@ -392,6 +392,70 @@ mod tests {
         }
     }
 
+    /// Anywhere in the `source()` chain, also inside an `io::Error`, as the drivers' TLS errors
+    /// arrive; any other failure is not a rejected certificate (retrying may fix it).
+    #[cfg(feature = "rustls")]
+    #[test]
+    fn a_rejected_certificate_is_found_anywhere_in_the_chain_and_nothing_else_is() {
+        use rustls::{CertificateError, Error as Tls};
+        use std::io::{Error as Io, ErrorKind};
+
+        #[derive(Debug)]
+        struct Wrapper(Io);
+        impl fmt::Display for Wrapper {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("connect failed")
+            }
+        }
+        impl std::error::Error for Wrapper {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let rejected = || Tls::InvalidCertificate(CertificateError::UnknownIssuer);
+        assert!(is_rejected_certificate(&rejected()));
+        assert!(is_rejected_certificate(&Io::new(
+            ErrorKind::InvalidData,
+            rejected()
+        )));
+        assert!(is_rejected_certificate(&Wrapper(Io::new(
+            ErrorKind::InvalidData,
+            rejected()
+        ))));
+        assert!(!is_rejected_certificate(&Tls::General("handshake".into())));
+        assert!(!is_rejected_certificate(&Io::new(
+            ErrorKind::ConnectionRefused,
+            "refused"
+        )));
+        assert!(!is_rejected_certificate(&Wrapper(Io::other(Tls::General(
+            "closed".into()
+        )))));
+    }
+
+    /// Redis, Redlock and PostgreSQL claim exactly this; a claim dropped here would silently
+    /// turn off renewals, the operator override or job mode on all three.
+    #[test]
+    fn a_server_expired_lease_claims_what_its_docs_say() {
+        for fencing in [FencingGuarantee::SingleNode, FencingGuarantee::Quorum] {
+            let caps = server_expired_lease(fencing);
+            assert_eq!(
+                caps,
+                Capabilities {
+                    lease_ttl: true,
+                    renew: true,
+                    fencing,
+                    lost_notify: true,
+                    force_release: true,
+                    keep_until: true,
+                    min_ttl: Duration::from_millis(100),
+                    max_ttl: Capabilities::MAX_TTL,
+                    ..Capabilities::default()
+                }
+            );
+            assert!(!caps.wait_notify && !caps.fair_queue && !caps.session_bound);
+        }
+    }
+
     #[test]
     fn no_answer_is_unavailable_and_names_the_budget() {
         let e = no_answer("x", "connect", Duration::from_millis(250));

@@ -219,3 +219,109 @@ async fn operations_a_backend_does_not_claim_are_unsupported_before_any_call() {
     assert!(user(&d).inspect(&key()).await.unwrap().is_none());
     assert_eq!(d.called(), 2);
 }
+
+/// Implements only what a driver must; claims force_release and relabel anyway.
+#[derive(Debug)]
+struct ClaimsWithoutImplementing;
+
+#[async_trait]
+impl Driver for ClaimsWithoutImplementing {
+    fn backend_name(&self) -> &'static str {
+        "claims"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            force_release: true,
+            relabel: true,
+            ..caps()
+        }
+    }
+
+    async fn try_acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>> {
+        Ok(Some(Counting::lease(key, ttl)))
+    }
+
+    async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
+        lease.renewed(ttl, Instant::now());
+        Ok(())
+    }
+
+    async fn release(&self, _lease: &Lease) -> Result<bool> {
+        Ok(true)
+    }
+
+    async fn inspect(&self, _key: &LockKey) -> Result<Option<HolderInfo>> {
+        Ok(None)
+    }
+}
+
+/// A driver that claims an operator override or a relabel but never implemented it gets the
+/// trait's defaults: `Unsupported`, never a reported success for something that did not happen.
+#[tokio::test]
+async fn a_claimed_operation_the_driver_does_not_implement_is_unsupported_not_a_success() {
+    let d = ClaimsWithoutImplementing;
+    let user: &dyn DistributedLock = &d;
+    assert!(matches!(
+        user.force_release(&key()).await,
+        Err(Error::Unsupported { .. })
+    ));
+    assert!(matches!(
+        user.force_release_grant(&key(), FencingToken(1)).await,
+        Err(Error::Unsupported { .. })
+    ));
+    let lease = Counting::lease(&key(), Duration::from_secs(10));
+    assert!(matches!(
+        lock_core::raw::relabel(user, &lease, "web-1").await,
+        Err(Error::Unsupported { .. })
+    ));
+}
+
+/// Job mode's `at_least` (hold_at_least, keep) needs both `keep_until` and `renew`: with either
+/// one alone, or neither, it is `Unsupported` before the driver is called.
+#[tokio::test]
+async fn keeping_a_lease_needs_keep_until_and_renew_both() {
+    for (keep_until, renew) in [(false, false), (true, false), (false, true)] {
+        let d = Counting::new(Capabilities {
+            keep_until,
+            renew,
+            ..caps()
+        });
+        let mut lease = Counting::lease(&key(), Duration::from_secs(10));
+        assert!(
+            matches!(
+                user(&d)
+                    .hold_at_least(&lease, Duration::from_secs(20))
+                    .await,
+                Err(Error::Unsupported { .. })
+            ),
+            "keep_until {keep_until}, renew {renew}"
+        );
+        assert!(
+            matches!(
+                user(&d).keep(&mut lease, Duration::from_secs(20)).await,
+                Err(Error::Unsupported { .. })
+            ),
+            "keep_until {keep_until}, renew {renew}"
+        );
+        assert_eq!(d.called(), 0);
+    }
+    let d = Counting::new(Capabilities {
+        keep_until: true,
+        ..caps()
+    });
+    let mut lease = Counting::lease(&key(), Duration::from_secs(10));
+    user(&d)
+        .hold_at_least(&lease, Duration::from_secs(20))
+        .await
+        .unwrap();
+    // The default keep is a renew to what is left, which reaches the driver.
+    assert!(
+        user(&d)
+            .keep(&mut lease, Duration::from_secs(20))
+            .await
+            .unwrap()
+    );
+    assert_eq!(d.called(), 1);
+    assert_eq!(lease.ttl(), Duration::from_secs(20));
+}
