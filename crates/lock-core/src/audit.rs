@@ -168,5 +168,43 @@ mod tests {
             report.finding("b").map(|f| f.fix.as_deref()),
             Some(Some("change b"))
         );
+        assert_eq!(
+            report.finding("a"),
+            Some(&Finding {
+                check: "a".into(),
+                verdict: Verdict::Pass,
+                observed: "1".into(),
+                why: "fine".into(),
+                fix: None,
+            })
+        );
+        let checks: Vec<_> = report.findings.iter().map(|f| f.check.as_str()).collect();
+        assert_eq!(checks, ["a", "b", "c"]);
+    }
+
+    /// Each adder returns the same report, so a driver's checks chain into one.
+    #[test]
+    fn findings_chain_in_the_order_they_ran() {
+        let mut report = AuditReport::new("x");
+        report
+            .pass("a", "1", "fine")
+            .warn("b", "2", "weak", "change b")
+            .pass("c", "3", "fine");
+        let verdicts: Vec<_> = report.findings.iter().map(|f| f.verdict).collect();
+        assert_eq!(verdicts, [Verdict::Pass, Verdict::Warn, Verdict::Pass]);
+        assert_eq!(report.backend, "x");
+    }
+
+    /// What `distlock check` prints in its verdict column and JSON.
+    #[test]
+    fn verdicts_read_as_their_words() {
+        for (verdict, word) in [
+            (Verdict::Pass, "PASS"),
+            (Verdict::Warn, "WARN"),
+            (Verdict::Fail, "FAIL"),
+        ] {
+            assert_eq!(verdict.as_str(), word);
+            assert_eq!(verdict.to_string(), word);
+        }
     }
 }

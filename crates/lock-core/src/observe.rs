@@ -484,6 +484,26 @@ mod tests {
         }
     }
 
+    /// A granted attempt's span carries what was granted (the token's digest, the fence), and
+    /// spans their duration: what an operator finds a grant's log lines by.
+    #[test]
+    fn a_grants_span_records_its_token_digest_fence_and_duration() {
+        let (logs, _, tokens) = lifecycle();
+        let digest = crate::OwnershipToken::from_hex(&tokens[0])
+            .unwrap()
+            .digest()
+            .to_string();
+        let granted = logs
+            .lines()
+            .find(|l| l.contains("distlock.try_acquire{") && l.contains("outcome=\"acquired\""))
+            .unwrap_or_else(|| panic!("no granted try_acquire was logged:\n{logs}"));
+        assert!(
+            granted.contains(&format!("token={digest} fencing=1}}")),
+            "{granted}"
+        );
+        assert!(granted.contains(" elapsed="), "{granted}");
+    }
+
     #[test]
     fn metrics_count_outcomes() {
         let (_, counters, _) = lifecycle();
