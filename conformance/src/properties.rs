@@ -59,7 +59,7 @@ macro_rules! __conformance_properties {
             $setup,
             keys_at_the_length_limit_and_of_every_character_class_are_distinct
         );
-        $callback!($setup, deadlines_already_past_time_out_without_io);
+        $callback!($setup, past_deadlines_still_make_one_attempt);
         $callback!($setup, zero_length_waits_return_promptly);
         $callback!($setup, fences_stay_exact_across_2_pow_53_and_up_to_i64_max);
         $callback!($setup, a_release_hands_the_lock_to_the_first_waiter);
@@ -120,7 +120,7 @@ pub use cancel::{
 #[path = "boundary.rs"]
 mod boundary;
 pub use boundary::{
-    deadlines_already_past_time_out_without_io,
+    past_deadlines_still_make_one_attempt,
     fences_stay_exact_across_2_pow_53_and_up_to_i64_max,
     keys_at_the_length_limit_and_of_every_character_class_are_distinct,
     ttl_at_the_minimum_works_end_to_end, ttl_limits_are_honoured_or_refused_before_io,

@@ -313,7 +313,9 @@ pub async fn acquire(
             };
             let holder = match timeout(INSPECT_LIMIT, lock.inspect(key)).await {
                 Ok(Ok(Some(h))) => format!("held by {}", describe_holder(&h)),
-                Ok(Ok(None)) => "held by another owner, free by now".to_owned(),
+                Ok(Ok(None)) => {
+                    "another owner held it when it was tried; nobody holds it now".to_owned()
+                }
                 // The wait ran out and the coordinator does not answer now: that may be an
                 // outage as well as a conflict, so it is not reported as a conflict.
                 failed if !matches!(wait, Wait::No) => {

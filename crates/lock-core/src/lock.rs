@@ -68,8 +68,14 @@ pub trait DistributedLock: sealed::Sealed + Send + Sync + fmt::Debug + 'static {
     /// coordinator (`wait_notify`) override it; FIFO backends (`fair_queue`) grant in arrival
     /// order.
     ///
+    /// A deadline always allows one complete attempt (`flock -w 0`): when it is nearer than
+    /// [`crate::raw::ONE_ATTEMPT_WINDOW`] — zero or already past included — the check layer
+    /// makes one [`DistributedLock::try_acquire`] first, so a free key is taken whatever the
+    /// deadline; the deadline decides only whether to wait after that.
+    ///
     /// # Errors
-    /// [`crate::Error::Timeout`] at the deadline (immediately, without I/O, when it has passed);
+    /// [`crate::Error::Timeout`] at the deadline (for a deadline already past: right after the
+    /// one attempt found the key held); the attempt's own errors;
     /// [`crate::Error::InvalidTtl`] before any I/O.
     ///
     /// # Cancellation safety

@@ -13,6 +13,10 @@
 //! | `renew` without [`Capabilities::renew`] | [`Error::Unsupported`] |
 //! | `force_release` / `force_release_grant` without [`Capabilities::force_release`] | [`Error::Unsupported`] |
 //!
+//! A wait never stops an attempt: an `acquire` whose deadline is nearer than
+//! [`ONE_ATTEMPT_WINDOW`] (zero or already past included) makes one complete `try_acquire`
+//! before the driver's own wait, so a free key is taken whatever the deadline.
+//!
 //! The rest of this module is the toolbox drivers share: [`failure`] (one request's failure
 //! classified by what it may have applied — [`Failure::NotSent`], [`Failure::Unknown`],
 //! [`Failure::Refused`] — mapped to the one error enum, and [`within`], the request budget),
@@ -218,6 +222,21 @@ impl<T: Driver + ?Sized> DistributedLock for T {
 
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
         Driver::capabilities(self).check_ttl(ttl)?;
+        let started = Instant::now();
+        if deadline.saturating_duration_since(started) < ONE_ATTEMPT_WINDOW {
+            // `flock -w 0`: a deadline decides whether to wait, never whether to try. A wait
+            // this short might end before the driver's first request is answered (or, past
+            // already, before it is sent), so one complete attempt goes first.
+            if let Some(lease) = Driver::try_acquire(self, key, ttl).await? {
+                return Ok(lease);
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    key: key.as_str().to_owned(),
+                    waited: started.elapsed(),
+                });
+            }
+        }
         Driver::acquire(self, key, ttl, deadline).await
     }
 
@@ -296,6 +315,12 @@ impl<T: Driver + ?Sized> DistributedLock for T {
         Driver::watch_holder(self, key)
     }
 }
+
+/// An `acquire` whose deadline is nearer than this makes one complete `try_acquire` before it
+/// waits (the check layer's rule): a deadline shorter than a round trip — zero, or already past —
+/// decides only whether to *wait*, never whether to *try*, so a free key is always taken.
+/// Longer waits go straight to the driver, whose first attempt has the time it needs.
+pub const ONE_ATTEMPT_WINDOW: Duration = Duration::from_secs(1);
 
 /// The shortest TTL a driver whose grants cross the network claims by default
 /// ([`Capabilities::min_ttl`]): a lease must outlast a round trip and the drift margin, or every
