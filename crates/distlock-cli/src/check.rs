@@ -119,9 +119,11 @@ fn finish(
         Ok(_) => exit::FAILED,
         Err(e) => code_for(e),
     };
-    // A failed audit outranks a self-test that could not connect: it says why.
+    // The table: the audit ran and found a FAIL → 1, whatever the self-test met (a FAIL says
+    // why it failed, e.g. a full Redis refusing writes); else the self-test's code (69 could
+    // not reach, 78 refused credentials), else the audit's.
     let code = match (&test.error, audit_code) {
-        (Some(_), exit::FAILED) if lock.is_none() => exit::FAILED,
+        (_, exit::FAILED) => exit::FAILED,
         (Some((_, code)), _) => *code,
         (None, code) => code,
     };

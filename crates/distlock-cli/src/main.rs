@@ -271,9 +271,10 @@ pub struct ReleaseArgs {
 /// Arguments of `distlock check`.
 #[derive(Debug, Args)]
 pub struct CheckArgs {
-    /// The coordinator URL (instead of --url / --url-file / DISTLOCK_URL).
-    #[arg(value_name = "URL")]
-    pub url: Option<String>,
+    /// The coordinator URL (instead of --url / --url-file / DISTLOCK_URL; `check --url URL`
+    /// works as for every other command).
+    #[arg(value_name = "URL", conflicts_with_all = ["url", "url_file"])]
+    pub target: Option<String>,
     /// Print one JSON object (findings, self-test steps) instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -309,7 +310,10 @@ pub struct ConformanceArgs {
 /// The coordinator URL: --url, --url-file, the file named by DISTLOCK_URL_FILE, DISTLOCK_URL,
 /// in that order (a flag given on the command line wins over the environment).
 fn coordinator_url(cli: &Cli) -> Result<String, u8> {
-    if let Command::Check(CheckArgs { url: Some(url), .. }) = &cli.command {
+    if let Command::Check(CheckArgs {
+        target: Some(url), ..
+    }) = &cli.command
+    {
         return non_empty(url.trim()).ok_or_else(no_url);
     }
     if let Some(url) = &cli.url {

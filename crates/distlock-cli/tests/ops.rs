@@ -142,3 +142,191 @@ fn a_zero_wait_on_a_held_key_is_75_at_once() {
         assert!(took < Duration::from_secs(10), "{backend:?}: took {took:?}");
     }
 }
+
+/// `url` with its password replaced by `WRONG` (the user kept).
+fn with_wrong_password(url: &str) -> String {
+    let at = url.find('@').expect("a URL with credentials");
+    let colon = url[..at].rfind(':').expect("user:password@");
+    format!("{}:WRONG{}", &url[..colon], &url[at..])
+}
+
+/// ZooKeeper's digest scheme accepts any password at login, so a wrong one used to take a free
+/// key and run the command. Now the lock root's ACL proves the identity at connect: 78 and the
+/// command never starts, on a free key and on one the right credentials hold; `check` says 78
+/// too. (The right credentials connect first, so the root is theirs.)
+#[test]
+fn a_wrong_zookeeper_password_is_78_before_the_command_runs() {
+    if !Backend::ZooKeeper.is_enabled() {
+        return;
+    }
+    let Some(url) = conformance::backend_url("DISTLOCK_TEST_ZK_SECURE_URL") else {
+        assert!(
+            !conformance::backends_required(),
+            "DISTLOCK_TEST_ZK_SECURE_URL is needed"
+        );
+        return;
+    };
+    let dir = support::temp_dir("zk-wrong");
+    let url_file = |name: &str, url: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, url).unwrap();
+        path
+    };
+    let right = url_file("right", &url);
+    let wrong = url_file("wrong", &with_wrong_password(&url));
+    let cli = |file: &std::path::Path| {
+        let mut command = Command::new(BIN);
+        command
+            .env_remove("DISTLOCK_URL")
+            .arg("--url-file")
+            .arg(file)
+            .stdin(Stdio::null());
+        command
+    };
+    let mut first = cli(&right);
+    first.args(["run", &fresh_key("zk-right"), "--", "true"]);
+    let out = output_within(first, Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+
+    let held = fresh_key("zk-held");
+    let started = dir.join("started");
+    let mut holder = cli(&right)
+        .args(["run", "--ttl", "10s", &held, "--", "sh", "-c"])
+        .arg(format!("touch {}; sleep 30", started.display()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    support::wait_for_file(&started, &mut holder, Duration::from_secs(30));
+    for key in [fresh_key("zk-free"), held] {
+        let ran = dir.join("ran");
+        let mut run = cli(&wrong);
+        run.args(["run", &key, "--", "sh", "-c"])
+            .arg(format!("touch {}", ran.display()));
+        let out = output_within(run, Duration::from_secs(30));
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(78), "{key}: {err}");
+        assert!(err.starts_with("distlock: refused by zk"), "{err}");
+        assert!(!err.contains("WRONG"), "the password leaked: {err}");
+        assert!(
+            !ran.exists(),
+            "{key}: the command ran with a wrong password"
+        );
+    }
+    let mut check = cli(&wrong);
+    check.arg("check");
+    let out = output_within(check, Duration::from_secs(60));
+    assert_eq!(out.status.code(), Some(78), "{}", stderr(&out));
+    let _ = holder.kill();
+    let _ = holder.wait();
+}
+
+/// A certificate signed by a CA the client does not trust is a configuration error (78) on
+/// etcd as on Redis, not an outage (69).
+#[test]
+fn a_certificate_from_the_wrong_ca_is_78() {
+    let Some(wrong_ca) = conformance::backend_url("DISTLOCK_TEST_SECURE_WRONG_CA") else {
+        assert!(
+            !conformance::backends_required(),
+            "DISTLOCK_TEST_SECURE_WRONG_CA is needed"
+        );
+        return;
+    };
+    let mut tried = 0;
+    for (backend, var) in [
+        (Backend::Etcd, "DISTLOCK_TEST_ETCD_SECURE_URL"),
+        (Backend::Redis, "DISTLOCK_TEST_REDIS_SECURE_URL"),
+    ] {
+        if !backend.is_enabled() {
+            continue;
+        }
+        let Some(url) = conformance::backend_url(var) else {
+            assert!(!conformance::backends_required(), "{var} is needed");
+            continue;
+        };
+        let (head, query) = url.split_once('?').expect("a secure URL names its CA");
+        let query: Vec<String> = query
+            .split('&')
+            .map(|kv| match kv.split_once('=') {
+                Some(("ca" | "ca_file", _)) => format!("ca={wrong_ca}"),
+                _ => kv.to_owned(),
+            })
+            .collect();
+        let dir = support::temp_dir("wrong-ca");
+        let file = dir.join("url");
+        std::fs::write(&file, format!("{head}?{}", query.join("&"))).unwrap();
+        let mut inspect = Command::new(BIN);
+        inspect
+            .env_remove("DISTLOCK_URL")
+            .arg("--url-file")
+            .arg(&file)
+            .args(["inspect", "k"])
+            .stdin(Stdio::null());
+        let out = output_within(inspect, Duration::from_secs(30));
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(78), "{backend:?}: {err}");
+        assert!(err.starts_with("distlock: refused by "), "{err}");
+        tried += 1;
+    }
+    if conformance::backends_required() {
+        assert_eq!(tried, 2);
+    }
+}
+
+/// A Redis whose memory is full under `noeviction` refuses every write: `check` grades it FAIL
+/// with a sentence saying so and exits 1 (audit FAIL), not 69 with the raw OOM line. `check
+/// --url` is accepted as for every other command.
+#[test]
+fn check_on_a_full_redis_fails_with_1() {
+    use conformance::servers::{PrivateServer, ServerKind, free_port, redis};
+    if !Backend::Redis.is_enabled() {
+        return;
+    }
+    if std::process::Command::new("redis-server")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        assert!(!conformance::backends_required(), "redis-server is needed");
+        return;
+    }
+    let server = PrivateServer::start_blocking_with(
+        ServerKind::Redis,
+        free_port(),
+        &["--maxmemory", "64mb", "--maxmemory-policy", "noeviction"],
+    );
+    let port = server.port;
+    let url = format!("redis://127.0.0.1:{port}");
+    let check = || {
+        let mut command = Command::new(BIN);
+        command
+            .env_remove("DISTLOCK_URL")
+            .args(["check", "--url", &url])
+            .stdin(Stdio::null());
+        output_within(command, Duration::from_secs(60))
+    };
+    let out = check();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    // Fill it, then set the limit below what it uses: every write is refused from then on.
+    assert_eq!(
+        redis::cli(port, &["debug", "populate", "20000", "fill", "64"]),
+        "OK"
+    );
+    assert_eq!(
+        redis::cli(port, &["config", "set", "maxmemory", "1mb"]),
+        "OK"
+    );
+    assert!(redis::cli(port, &["set", "x", "y"]).starts_with("OOM"));
+    let out = check();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{text}{}", stderr(&out));
+    let memory = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("memory "))
+        .unwrap_or_else(|| panic!("no memory finding: {text}"));
+    assert!(memory.contains("FAIL"), "{memory}");
+    assert!(
+        memory.contains("refuses writes because it is out of memory"),
+        "{memory}"
+    );
+}

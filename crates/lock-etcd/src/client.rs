@@ -261,7 +261,15 @@ pub(crate) async fn connect(config: &EtcdLockConfig) -> Result<Client> {
         Client::connect(endpoints, Some(options)),
     )
     .await
-    .map_err(|e| e.into_read_error("connect"))
+    .map_err(|e| {
+        // A certificate the server or we refused is a configuration to fix, as on every
+        // backend (the CLI's 78), not an outage to wait out.
+        if rejected_certificate(&*e.source) {
+            Error::backend(BACKEND, "connect", e.source)
+        } else {
+            e.into_read_error("connect")
+        }
+    })
 }
 
 /// How many requests one [`EtcdLock`](crate::EtcdLock) client has sent to etcd, by kind (for measuring overhead).
@@ -349,6 +357,23 @@ pub(crate) async fn probe_min_ttl(
     }
     let secs = u64::try_from(resp.ttl()).unwrap_or(0).max(1);
     Ok(Duration::from_secs(secs))
+}
+
+/// Whether `e` is a TLS certificate refused in the handshake (by us or by the server), through
+/// any chain of sources or in tonic's flattened message.
+fn rejected_certificate(e: &(dyn std::error::Error + 'static)) -> bool {
+    if lock_core::raw::is_rejected_certificate(e) {
+        return true;
+    }
+    let mut next = Some(e);
+    while let Some(e) = next {
+        let text = e.to_string();
+        if text.contains("invalid peer certificate") || text.contains("UnknownIssuer") {
+            return true;
+        }
+        next = e.source();
+    }
+    false
 }
 
 #[cfg(test)]

@@ -247,6 +247,7 @@ async fn audit_server(config: &RedisLockConfig, host: &str, port: u16) -> Result
     )
     .await;
     eviction(&mut report, settings.as_ref());
+    writes(&mut report, &mut conn, budget, config, &info).await;
     persistence(&mut report, settings.as_ref());
     replication(&mut report, &info, settings.as_ref(), config);
     clock(&mut report, &mut conn, budget).await;
@@ -403,6 +404,53 @@ async fn scripts(report: &mut AuditReport, conn: &mut MultiplexedConnection, bud
                 "EVALSHA failed after SCRIPT LOAD",
                 format!("loaded scripts are not found again (a proxy spreading requests over servers?): {e}"),
                 "connect to one Redis primary directly, not through a proxy that drops SCRIPT LOAD",
+            );
+        }
+    }
+}
+
+/// Whether the server takes a script's write now: a `SET` of a probe key that no lock can have
+/// (a NUL after the namespace; lock keys have no control characters), gone after 1 ms. A full
+/// Redis under `noeviction` refuses it with `OOM command not allowed`, and then so is every
+/// acquire: graded FAIL with what to change, not left to the self-test's raw error.
+async fn writes(
+    report: &mut AuditReport,
+    conn: &mut MultiplexedConnection,
+    budget: Duration,
+    config: &RedisLockConfig,
+    info: &InfoDict,
+) {
+    let mut eval = redis::cmd("EVAL");
+    eval.arg("return redis.call('SET', KEYS[1], '1', 'PX', 1)")
+        .arg(1)
+        .arg(format!("{}\0audit-probe", config.namespace));
+    let used = info.get::<u64>("used_memory");
+    let limit = info.get::<u64>("maxmemory").filter(|m| *m > 0);
+    let observed = match (used, limit) {
+        (Some(used), Some(limit)) => format!("used_memory {used} of maxmemory {limit}"),
+        (Some(used), None) => format!("used_memory {used}, no maxmemory"),
+        _ => "memory use unknown".to_owned(),
+    };
+    match query::<redis::Value>(conn, eval, budget, "eval").await {
+        Ok(_) => {
+            report.pass("memory", observed, "the server accepts writes");
+        }
+        Err(e) if e.to_string().contains("OOM") => {
+            report.fail(
+                "memory",
+                observed,
+                "the server refuses writes because it is out of memory (maxmemory reached): every acquire fails",
+                "raise maxmemory, free memory, or give the locks a Redis of their own",
+            );
+        }
+        Err(e) => {
+            report.warn(
+                "memory",
+                observed,
+                format!(
+                    "a probe write was refused, so whether the server takes writes is unknown: {e}"
+                ),
+                "allow the audit's user to write keys under the namespace",
             );
         }
     }

@@ -317,8 +317,61 @@ impl ZkLock {
     /// [`Error::Unavailable`] when no server answers.
     pub async fn connect(config: ZkLockConfig) -> Result<Self> {
         let this = Self::new(config)?;
-        this.session().await?;
+        let session = this.session().await?;
+        if this.inner.config.acl == ZkAcl::Creator {
+            this.claim_root(&session).await?;
+        }
         Ok(this)
+    }
+
+    /// With `acl=creator`, proves the credentials before anything runs. ZooKeeper's digest
+    /// scheme accepts any password at `addauth` — a wrong one only names another identity — so
+    /// the lock root's ACL is the check: the root is created persistent (never reaped, unlike the
+    /// lock directories) with `CREATOR_ALL_ACL`, and reading its ACL needs READ or ADMIN on it,
+    /// which only the identity that created it has. `NoAuth` there is a refused credential
+    /// ([`Error::Backend`] during `connect`, which the CLI reports as 78), also on a key nobody
+    /// holds.
+    async fn claim_root(&self, session: &Session) -> Result<()> {
+        let root = self.inner.config.root();
+        if root.is_empty() {
+            return Ok(());
+        }
+        let client = &session.client;
+        let refused = || {
+            let user = self
+                .inner
+                .config
+                .auth
+                .as_ref()
+                .map_or("", |(user, _)| user.as_str());
+            Error::backend(
+                BACKEND,
+                "connect",
+                format!(
+                    "the lock root {root} refuses the digest identity of user {user:?}: a wrong \
+                     password, or a root created by other credentials (ZooKeeper accepts any \
+                     digest password at login; the root's ACL is what checks it)"
+                ),
+            )
+        };
+        match self.call(client.get_acl(root)).await {
+            Ok(_) => return Ok(()),
+            Err(zk::Error::NoAuth) => return Err(refused()),
+            Err(zk::Error::NoNode) => {}
+            Err(e) => return Err(to_error("connect", e)),
+        }
+        let persistent = zk::CreateMode::Persistent.with_acls(self.acls());
+        match self.call(client.mkdir(root, &persistent)).await {
+            Ok(()) => {}
+            Err(zk::Error::NoAuth) => return Err(refused()),
+            Err(e) => return Err(to_error("connect", e)),
+        }
+        // Created by us or, in a race, by another client: only the creator may read its ACL.
+        match self.call(client.get_acl(root)).await {
+            Ok(_) => Ok(()),
+            Err(zk::Error::NoAuth) => Err(refused()),
+            Err(e) => Err(to_error("connect", e)),
+        }
     }
 
     /// [`ZkLock::connect`] with [`ZkLockConfig::from_url`].
