@@ -12,41 +12,16 @@ use std::{
     time::{Duration, Instant},
 };
 
-use distlock::Backend;
 use nix::{
     sys::signal::{Signal, killpg},
     unistd::Pid,
 };
-use support::{fresh_key, temp_dir, wait_for_file};
+use support::{Tally, backends, fresh_key, on_every_backend, temp_dir, wait_for_file};
 
 fn distlock(url: &str) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_distlock"));
     command.env("DISTLOCK_URL", url).stdin(Stdio::null());
     command
-}
-
-fn backends() -> Vec<(Backend, String)> {
-    [
-        (Backend::Redis, "DISTLOCK_TEST_REDIS_URL"),
-        (Backend::Etcd, "DISTLOCK_TEST_ETCD_URL"),
-        (Backend::ZooKeeper, "DISTLOCK_TEST_ZK_URL"),
-        (Backend::Postgres, "DISTLOCK_TEST_PG_URL"),
-    ]
-    .into_iter()
-    .filter(|(backend, _)| backend.is_enabled())
-    .filter_map(|(backend, var)| {
-        conformance::backend_url(var).map(|url| (backend, with_short_session(backend, url)))
-    })
-    .collect()
-}
-
-/// Short sessions for ZooKeeper, whose smallest TTL is its session timeout (10 s by default).
-fn with_short_session(backend: Backend, url: String) -> String {
-    if backend != Backend::ZooKeeper {
-        return url;
-    }
-    let separator = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{separator}session_timeout=2s")
 }
 
 /// Waits for distlock to exit; on timeout kills it and the command's process group `group`.
@@ -69,7 +44,9 @@ fn wait_with_timeout(mut child: Child, within: Duration, group: Option<i32>) -> 
 /// other line in between, and the fencing tokens T strictly increase.
 #[test]
 fn two_runs_on_one_key_never_overlap() {
-    for (backend, url) in backends() {
+    let backends = backends();
+    let tally = Tally::new("two_runs_on_one_key_never_overlap", &backends);
+    for (backend, url) in backends {
         let key = fresh_key("overlap");
         let dir = temp_dir("overlap");
         let log = dir.join("log");
@@ -122,7 +99,9 @@ fn two_runs_on_one_key_never_overlap() {
             last = token;
         }
         let _ = std::fs::remove_dir_all(&dir);
+        tally.ran(backend);
     }
+    tally.assert_each_ran_once();
 }
 
 /// Starts `distlock run KEY` holding the lock with a command that sleeps 30 s, once the
@@ -166,7 +145,12 @@ fn inspect_json(url: &str, key: &str) -> serde_json::Value {
 
 #[test]
 fn a_held_lock_is_not_acquired_with_the_documented_exit_status() {
-    for (backend, url) in backends() {
+    let backends = backends();
+    let tally = Tally::new(
+        "a_held_lock_is_not_acquired_with_the_documented_exit_status",
+        &backends,
+    );
+    for (backend, url) in backends {
         let key = fresh_key("conflict");
         let dir = temp_dir("conflict");
         let holder = hold(&url, &key, &dir);
@@ -206,14 +190,18 @@ fn a_held_lock_is_not_acquired_with_the_documented_exit_status() {
             String::from_utf8_lossy(&out.stderr)
         );
         let _ = std::fs::remove_dir_all(&dir);
+        tally.ran(backend);
     }
+    tally.assert_each_ran_once();
 }
 
 /// A command whose lease is taken away is terminated: SIGTERM to its group, then SIGKILL for a
 /// command that ignores SIGTERM; distlock exits with 76.
 #[test]
 fn a_command_whose_lease_is_lost_is_terminated() {
-    for (backend, url) in backends() {
+    let backends = backends();
+    let tally = Tally::new("a_command_whose_lease_is_lost_is_terminated", &backends);
+    for (backend, url) in backends {
         let key = fresh_key("lost");
         let dir = temp_dir("lost");
         let pidfile = dir.join("pid");
@@ -273,7 +261,9 @@ fn a_command_whose_lease_is_lost_is_terminated() {
             "{backend}: the command's process group survived: {alive:?}"
         );
         let _ = std::fs::remove_dir_all(&dir);
+        tally.ran(backend);
     }
+    tally.assert_each_ran_once();
 }
 
 /// Pids of the processes in process group `pgid` that are not zombies (from /proc/*/stat).
@@ -303,7 +293,12 @@ fn live_members_of_group(pgid: i32) -> Vec<i32> {
 /// would leave the lock unused until that waiter's TTL ran out).
 #[test]
 fn a_waiter_interrupted_while_waiting_leaves_the_queue() {
-    for (backend, url) in backends() {
+    let backends = backends();
+    let tally = Tally::new(
+        "a_waiter_interrupted_while_waiting_leaves_the_queue",
+        &backends,
+    );
+    for (backend, url) in backends {
         let key = fresh_key("interrupted");
         let dir = temp_dir("interrupted");
         let holder = hold(&url, &key, &dir);
@@ -342,14 +337,18 @@ fn a_waiter_interrupted_while_waiting_leaves_the_queue() {
             String::from_utf8_lossy(&out.stderr)
         );
         let _ = std::fs::remove_dir_all(&dir);
+        tally.ran(backend);
     }
+    tally.assert_each_ran_once();
 }
 
 /// `run --label` records who holds the lock next to the grant; `inspect` (another process)
 /// shows that holder — host, distlock's pid, the label — in text and JSON.
 #[test]
 fn inspect_says_who_holds_the_lock() {
-    for (backend, url) in backends() {
+    let backends = backends();
+    let tally = Tally::new("inspect_says_who_holds_the_lock", &backends);
+    for (backend, url) in backends {
         let key = fresh_key("identity");
         let dir = temp_dir("identity");
         let started = dir.join("started");
@@ -386,7 +385,9 @@ fn inspect_says_who_holds_the_lock() {
         );
         let _ = stop(holder, Signal::SIGTERM);
         let _ = std::fs::remove_dir_all(&dir);
+        tally.ran(backend);
     }
+    tally.assert_each_ran_once();
 }
 
 #[test]
@@ -409,38 +410,33 @@ fn a_bad_label_is_a_usage_error_before_any_io() {
 /// guard counting the whole session terminated every such command a few seconds in.
 #[test]
 fn a_command_outlasting_its_ttl_is_not_terminated() {
-    let workers: Vec<_> = backends()
-        .into_iter()
-        .map(|(backend, url)| {
-            thread::spawn(move || {
-                let key = fresh_key("outlasting");
-                let started = Instant::now();
-                let out = distlock(&url)
-                    .args([
-                        "run",
-                        &key,
-                        "--ttl",
-                        "3s",
-                        "--",
-                        "sh",
-                        "-c",
-                        "sleep 4; exit 3",
-                    ])
-                    .output()
-                    .unwrap();
-                assert_eq!(
-                    out.status.code(),
-                    Some(3),
-                    "{backend}: after {:?}: {}",
-                    started.elapsed(),
-                    String::from_utf8_lossy(&out.stderr)
-                );
-            })
-        })
-        .collect();
-    for worker in workers {
-        worker.join().unwrap();
-    }
+    on_every_backend(
+        "a_command_outlasting_its_ttl_is_not_terminated",
+        |backend, url| {
+            let key = fresh_key("outlasting");
+            let started = Instant::now();
+            let out = distlock(&url)
+                .args([
+                    "run",
+                    &key,
+                    "--ttl",
+                    "3s",
+                    "--",
+                    "sh",
+                    "-c",
+                    "sleep 4; exit 3",
+                ])
+                .output()
+                .unwrap();
+            assert_eq!(
+                out.status.code(),
+                Some(3),
+                "{backend}: after {:?}: {}",
+                started.elapsed(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        },
+    );
 }
 
 /// Job mode for cron lines (issue 21): `--at-least` keeps the lock after the command exited —
@@ -449,7 +445,12 @@ fn a_command_outlasting_its_ttl_is_not_terminated() {
 /// backend (ZooKeeper through its keep marker).
 #[test]
 fn run_at_least_keeps_the_lock_after_the_command_and_at_most_stops_it() {
-    for (backend, url) in backends() {
+    let backends = backends();
+    let tally = Tally::new(
+        "run_at_least_keeps_the_lock_after_the_command_and_at_most_stops_it",
+        &backends,
+    );
+    for (backend, url) in backends {
         let key = fresh_key("at-least");
         let started = Instant::now();
         let out = distlock(&url)
@@ -506,5 +507,7 @@ fn run_at_least_keeps_the_lock_after_the_command_and_at_most_stops_it() {
             started.elapsed() >= Duration::from_secs(2),
             "{backend}: terminated before --at-most"
         );
+        tally.ran(backend);
     }
+    tally.assert_each_ran_once();
 }

@@ -2,6 +2,8 @@
 //! through a TCP proxy that can be switched to swallow all traffic (a blackholed coordinator).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
 use std::{
     io::{Read, Write},
     net::{TcpListener, TcpStream},
@@ -20,37 +22,12 @@ use nix::{
     sys::signal::{Signal, kill},
     unistd::Pid,
 };
+use support::{Tally, backends, fresh_key, on_every_backend};
 
 fn distlock(url: &str) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_distlock"));
     command.env("DISTLOCK_URL", url).stdin(Stdio::null());
     command
-}
-
-fn backends() -> Vec<(Backend, String)> {
-    [
-        (Backend::Redis, "DISTLOCK_TEST_REDIS_URL"),
-        (Backend::Etcd, "DISTLOCK_TEST_ETCD_URL"),
-        (Backend::ZooKeeper, "DISTLOCK_TEST_ZK_URL"),
-        (Backend::Postgres, "DISTLOCK_TEST_PG_URL"),
-    ]
-    .into_iter()
-    .filter(|(backend, _)| backend.is_enabled())
-    .filter_map(|(backend, var)| {
-        conformance::backend_url(var).map(|url| {
-            if backend == Backend::ZooKeeper {
-                let separator = if url.contains('?') { '&' } else { '?' };
-                (backend, format!("{url}{separator}session_timeout=2s"))
-            } else {
-                (backend, url)
-            }
-        })
-    })
-    .collect()
-}
-
-fn fresh_key(label: &str) -> String {
-    format!("distlock-cli-test/{label}/{:016x}", rand::random::<u64>())
 }
 
 fn stderr(out: &Output) -> String {
@@ -158,6 +135,11 @@ fn stop(mut holder: Child) {
 }
 
 fn wait_until_queued(url: &str, key: &str) {
+    wait_until_waiters(url, key, 1);
+}
+
+/// Waits until at least `n` waiters are queued on `key`.
+fn wait_until_waiters(url: &str, key: &str, n: u64) {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let out = distlock(url)
@@ -165,10 +147,13 @@ fn wait_until_queued(url: &str, key: &str) {
             .output()
             .unwrap();
         let value: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        if value["waiters"].as_u64().unwrap_or(0) >= 1 {
+        if value["waiters"].as_u64().unwrap_or(0) >= n {
             return;
         }
-        assert!(Instant::now() < deadline, "the waiter never queued");
+        assert!(
+            Instant::now() < deadline,
+            "fewer than {n} waiters ever queued: {value}"
+        );
         thread::sleep(Duration::from_millis(20));
     }
 }
@@ -184,54 +169,52 @@ const WAIT_LIMIT: Duration = Duration::from_millis(2000 + 3000);
 fn wait_is_a_time_limit_when_the_coordinator_is_blackholed() {
     let silent = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = silent.local_addr().unwrap().port();
-    let workers: Vec<_> = backends()
-        .into_iter()
-        .map(|(backend, url)| {
-            thread::spawn(move || {
-                // Connecting to a listener that never answers.
-                let unanswered = url.replace(&address(&url), &format!("127.0.0.1:{port}"));
-                let started = Instant::now();
-                let out = distlock(&unanswered)
-                    .args(["run", &fresh_key("silent"), "--wait", "2s", "--", "true"])
-                    .output()
-                    .unwrap();
-                let took = started.elapsed();
-                assert_eq!(out.status.code(), Some(69), "{backend}: {}", stderr(&out));
-                assert!(took < WAIT_LIMIT, "{backend}: took {took:?}");
+    on_every_backend(
+        "wait_is_a_time_limit_when_the_coordinator_is_blackholed",
+        move |backend, url| {
+            // Connecting to a listener that never answers.
+            let unanswered = url.replace(&address(&url), &format!("127.0.0.1:{port}"));
+            let started = Instant::now();
+            let out = distlock(&unanswered)
+                .args(["run", &fresh_key("silent"), "--wait", "2s", "--", "true"])
+                .output()
+                .unwrap();
+            let took = started.elapsed();
+            assert_eq!(out.status.code(), Some(69), "{backend}: {}", stderr(&out));
+            assert!(took < WAIT_LIMIT, "{backend}: took {took:?}");
 
-                // Cut off while queued behind a holder.
-                let key = fresh_key("blackholed");
-                let dir = std::env::temp_dir();
-                let holder = hold(&url, &key, &dir);
-                let proxy = Proxy::start(address(&url));
-                let waiter = distlock(&proxy.url(&url))
-                    .args(["run", &key, "--wait", "2s", "--", "true"])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::piped())
-                    .spawn()
-                    .unwrap();
-                let started = Instant::now();
-                wait_until_queued(&url, &key);
-                proxy.cut();
-                let out = wait_with_timeout(waiter, Duration::from_secs(30));
-                let took = started.elapsed();
-                stop(holder);
-                let err = stderr(&out);
-                assert_eq!(out.status.code(), Some(69), "{backend}: {err}");
-                assert!(!err.contains("held by another owner"), "{backend}: {err}");
-                assert!(took < WAIT_LIMIT, "{backend}: took {took:?}: {err}");
-                eprintln!("{backend}: blackholed --wait 2s exited 69 after {took:?}");
-            })
-        })
-        .collect();
-    for worker in workers {
-        worker.join().unwrap();
-    }
+            // Cut off while queued behind a holder.
+            let key = fresh_key("blackholed");
+            let dir = std::env::temp_dir();
+            let holder = hold(&url, &key, &dir);
+            let proxy = Proxy::start(address(&url));
+            let waiter = distlock(&proxy.url(&url))
+                .args(["run", &key, "--wait", "2s", "--", "true"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let started = Instant::now();
+            wait_until_queued(&url, &key);
+            proxy.cut();
+            let out = wait_with_timeout(waiter, Duration::from_secs(30));
+            let took = started.elapsed();
+            stop(holder);
+            let err = stderr(&out);
+            assert_eq!(out.status.code(), Some(69), "{backend}: {err}");
+            assert!(!err.contains("held by another owner"), "{backend}: {err}");
+            assert!(took < WAIT_LIMIT, "{backend}: took {took:?}: {err}");
+            eprintln!("{backend}: blackholed --wait 2s exited 69 after {took:?}");
+        },
+    );
     drop(silent);
 }
 
 /// A second Ctrl-C ends the clean-up wait at exit at once (here a waiter's leaving the queue,
-/// which hangs: the coordinator was cut off after the waiter queued).
+/// which hangs: the coordinator was cut off after the waiter queued). Two waiters queued and cut
+/// off alike both get a first SIGINT, which leaves each in its clean-up wait (both still run
+/// 300 ms later); only one gets a second SIGINT: it exits within a second of it, while the
+/// other — the control, without a second SIGINT — is still waiting its clean-up out then.
 #[test]
 fn a_second_interrupt_ends_the_clean_up_wait() {
     let Some(url) = conformance::backend_url("DISTLOCK_TEST_REDIS_URL") else {
@@ -240,27 +223,53 @@ fn a_second_interrupt_ends_the_clean_up_wait() {
     let key = fresh_key("second-interrupt");
     let holder = hold(&url, &key, &std::env::temp_dir());
     let proxy = Proxy::start(address(&url));
-    let waiter = distlock(&proxy.url(&url))
-        .args(["run", &key, "--wait", "60s", "--", "true"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_until_queued(&url, &key);
+    let spawn_waiter = || {
+        distlock(&proxy.url(&url))
+            .args(["run", &key, "--wait", "60s", "--", "true"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (mut twice, mut once) = (spawn_waiter(), spawn_waiter());
+    wait_until_waiters(&url, &key, 2);
     proxy.cut();
-    let pid = Pid::from_raw(i32::try_from(waiter.id()).unwrap());
-    kill(pid, Signal::SIGINT).unwrap();
+    let pid = |child: &Child| Pid::from_raw(i32::try_from(child.id()).unwrap());
+    let first = Instant::now();
+    kill(pid(&twice), Signal::SIGINT).unwrap();
+    kill(pid(&once), Signal::SIGINT).unwrap();
     thread::sleep(Duration::from_millis(300));
+    // The first SIGINT alone has not ended either: each is in its clean-up wait.
+    for (name, child) in [("twice", &mut twice), ("once", &mut once)] {
+        assert_eq!(
+            child.try_wait().unwrap(),
+            None,
+            "the waiter interrupted {name} exited 300 ms after its first SIGINT: no clean-up wait to end"
+        );
+    }
     let second = Instant::now();
-    kill(pid, Signal::SIGINT).unwrap();
-    let out = wait_with_timeout(waiter, Duration::from_secs(30));
+    kill(pid(&twice), Signal::SIGINT).unwrap();
+    let out = wait_with_timeout(twice, Duration::from_secs(30));
     let took = second.elapsed();
+    // The control is still in the clean-up wait the second SIGINT ended.
+    let control_waiting = once.try_wait().unwrap().is_none();
+    let control = wait_with_timeout(once, Duration::from_secs(30));
+    let control_took = first.elapsed();
     stop(holder);
+    eprintln!(
+        "second SIGINT: exited {took:?} after it; the control exited {control_took:?} after its only SIGINT"
+    );
     assert_eq!(out.status.code(), Some(130), "{}", stderr(&out));
     assert!(
         took < Duration::from_secs(1),
         "exited {took:?} after the second SIGINT"
     );
+    assert!(
+        control_waiting,
+        "the waiter interrupted once had exited by then too ({control_took:?} after its SIGINT): \
+         the second SIGINT ended nothing that would not have ended anyway"
+    );
+    assert_eq!(control.status.code(), Some(130), "{}", stderr(&control));
 }
 
 /// The coordinator refusing our credentials or database is a configuration error (78), not an
@@ -320,7 +329,12 @@ fn a_loss_noticed_after_the_command_finished_is_not_reported_as_terminated() {
 /// nothing), and exits non-zero when it released nothing.
 #[test]
 fn release_force_exits_non_zero_when_nothing_was_released() {
-    for (backend, url) in backends() {
+    let backends = backends();
+    let tally = Tally::new(
+        "release_force_exits_non_zero_when_nothing_was_released",
+        &backends,
+    );
+    for (backend, url) in backends {
         let key = fresh_key("release");
         let holder = hold(&url, &key, &std::env::temp_dir());
         // -q: not acquired says nothing (cron mails nothing); --json says it as an event.
@@ -361,5 +375,7 @@ fn release_force_exits_non_zero_when_nothing_was_released() {
         assert_eq!(out.status.code(), Some(1), "{backend}: {}", stderr(&out));
         assert!(stderr(&out).contains("nothing released"), "{backend}");
         stop(holder);
+        tally.ran(backend);
     }
+    tally.assert_each_ran_once();
 }
