@@ -14,7 +14,7 @@ use std::{
     thread,
     time::{Duration, Instant, SystemTime},
 };
-use support::{fresh_key, temp_dir};
+use support::{Tally, backends, fresh_key, on_every_backend, temp_dir};
 
 use distlock::Backend;
 use nix::{
@@ -26,39 +26,6 @@ fn distlock(url: &str) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_distlock"));
     command.env("DISTLOCK_URL", url).stdin(Stdio::null());
     command
-}
-
-fn backends() -> Vec<(Backend, String)> {
-    [
-        (Backend::Redis, "DISTLOCK_TEST_REDIS_URL"),
-        (Backend::Etcd, "DISTLOCK_TEST_ETCD_URL"),
-        (Backend::ZooKeeper, "DISTLOCK_TEST_ZK_URL"),
-        (Backend::Postgres, "DISTLOCK_TEST_PG_URL"),
-    ]
-    .into_iter()
-    .filter(|(backend, _)| backend.is_enabled())
-    .filter_map(|(backend, var)| {
-        conformance::backend_url(var).map(|url| {
-            if backend == Backend::ZooKeeper {
-                let separator = if url.contains('?') { '&' } else { '?' };
-                (backend, format!("{url}{separator}session_timeout=2s"))
-            } else {
-                (backend, url)
-            }
-        })
-    })
-    .collect()
-}
-
-/// Runs `test` for every backend at once, each in its own thread.
-fn on_every_backend(test: fn(Backend, String)) {
-    let workers: Vec<_> = backends()
-        .into_iter()
-        .map(|(backend, url)| thread::spawn(move || test(backend, url)))
-        .collect();
-    for worker in workers {
-        worker.join().unwrap();
-    }
 }
 
 /// Waits for `path` (written with a rename, so complete) and returns its trimmed content.
@@ -278,17 +245,32 @@ fn distlock_signalled_mid_run(signal: Signal, backend: Backend, url: String) {
 
 #[test]
 fn a_killed_distlock_leaves_no_command_running_past_the_lease() {
-    on_every_backend(|backend, url| distlock_signalled_mid_run(Signal::SIGKILL, backend, url));
+    on_every_backend(
+        "a_killed_distlock_leaves_no_command_running_past_the_lease",
+        |backend, url| {
+            distlock_signalled_mid_run(Signal::SIGKILL, backend, url);
+        },
+    );
 }
 
 #[test]
 fn a_hung_up_distlock_stops_its_command_before_releasing() {
-    on_every_backend(|backend, url| distlock_signalled_mid_run(Signal::SIGHUP, backend, url));
+    on_every_backend(
+        "a_hung_up_distlock_stops_its_command_before_releasing",
+        |backend, url| {
+            distlock_signalled_mid_run(Signal::SIGHUP, backend, url);
+        },
+    );
 }
 
 #[test]
 fn a_frozen_distlock_leaves_no_command_running_past_the_lease() {
-    on_every_backend(|backend, url| distlock_signalled_mid_run(Signal::SIGSTOP, backend, url));
+    on_every_backend(
+        "a_frozen_distlock_leaves_no_command_running_past_the_lease",
+        |backend, url| {
+            distlock_signalled_mid_run(Signal::SIGSTOP, backend, url);
+        },
+    );
 }
 
 /// The lease is taken away (force-released) while the command runs; the command's top process
@@ -296,7 +278,10 @@ fn a_frozen_distlock_leaves_no_command_running_past_the_lease() {
 /// deadline, before distlock exits with 76.
 #[test]
 fn a_lost_lease_kills_a_background_child_that_ignores_sigterm() {
-    on_every_backend(lost_lease_with_a_background_child);
+    on_every_backend(
+        "a_lost_lease_kills_a_background_child_that_ignores_sigterm",
+        lost_lease_with_a_background_child,
+    );
 }
 
 fn lost_lease_with_a_background_child(backend: Backend, url: String) {
@@ -387,31 +372,85 @@ fn under_a_terminal(shell: &str, input: &str, within: Duration) -> (Option<i32>,
     (out.status.code(), text)
 }
 
+/// The in-memory backend and every coordinator of [`backends`], for the terminal tests.
+fn terminal_targets() -> Vec<(Backend, String)> {
+    let mut targets = vec![(Backend::Memory, "memory://".to_owned())];
+    targets.extend(backends());
+    targets
+}
+
+/// Whether `key` is held, asked of the coordinator by another process. `None` on memory://,
+/// whose coordinator lived in the process that ran.
+fn held_after(backend: Backend, url: &str, key: &str) -> Option<bool> {
+    if backend == Backend::Memory {
+        return None;
+    }
+    let out = distlock(url)
+        .args(["inspect", key, "--json"])
+        .output()
+        .unwrap();
+    let value: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{backend}: inspect --json ({e}): {}", stderr(&out)));
+    Some(
+        value["held"]
+            .as_bool()
+            .unwrap_or_else(|| panic!("{backend}: {value}")),
+    )
+}
+
 /// A command that reads the terminal gets it (it is the terminal's foreground process group for
-/// its run), reads what is typed, and releases the lock when done.
+/// its run), reads what is typed, and releases the lock when done. On every backend.
 #[test]
 fn a_command_that_reads_the_terminal_gets_it() {
-    let shell = format!(
-        "{} --url memory:// run --ttl 3s k -- sh -c 'read x; echo got:$x'",
-        env!("CARGO_BIN_EXE_distlock")
-    );
-    let (code, text) = under_a_terminal(&shell, "hello\n", Duration::from_secs(10));
-    assert!(text.contains("got:hello"), "{text}");
-    assert_eq!(code, Some(0), "{text}");
+    let targets = terminal_targets();
+    let tally = Tally::new("a_command_that_reads_the_terminal_gets_it", &targets);
+    for (backend, url) in targets {
+        let key = fresh_key("terminal-reader");
+        let shell = format!(
+            "{} --url '{url}' run --ttl 3s '{key}' -- sh -c 'read x; echo got:$x'",
+            env!("CARGO_BIN_EXE_distlock")
+        );
+        let (code, text) = under_a_terminal(&shell, "hello\n", Duration::from_secs(20));
+        assert!(text.contains("got:hello"), "{backend}: {text}");
+        assert_eq!(code, Some(0), "{backend}: {text}");
+        assert_ne!(
+            held_after(backend, &url, &key),
+            Some(true),
+            "{backend}: the lock is still held after the run: {text}"
+        );
+        tally.ran(backend);
+    }
+    tally.assert_each_ran_once();
 }
 
 /// distlock itself runs in the background of a terminal (a job-control shell's `&`): the
 /// command cannot get the terminal; reading it stops the command (SIGTTIN), which is reported
-/// and terminated instead of holding the lock forever.
+/// and terminated instead of holding the lock forever: the lock is free once distlock exited.
+/// On every backend.
 #[test]
 fn a_command_stopped_by_the_terminal_does_not_hold_the_lock_forever() {
-    let shell = format!(
-        "sh -c 'set -m; {} --url memory:// run --ttl 3s k -- sh -c \"read x; echo got:\\$x\" & wait $!; echo status:$?'",
-        env!("CARGO_BIN_EXE_distlock")
+    let targets = terminal_targets();
+    let tally = Tally::new(
+        "a_command_stopped_by_the_terminal_does_not_hold_the_lock_forever",
+        &targets,
     );
-    let (_, text) = under_a_terminal(&shell, "hello\n", Duration::from_secs(10));
-    assert!(text.contains("stopped by SIGTTIN"), "{text}");
-    assert!(text.contains("status:149"), "{text}");
+    for (backend, url) in targets {
+        let key = fresh_key("terminal-stopped");
+        let shell = format!(
+            "sh -c 'set -m; {} --url \"{url}\" run --ttl 3s \"{key}\" -- sh -c \"read x; echo got:\\$x\" & wait $!; echo status:$?'",
+            env!("CARGO_BIN_EXE_distlock")
+        );
+        let (_, text) = under_a_terminal(&shell, "hello\n", Duration::from_secs(20));
+        assert!(text.contains("stopped by SIGTTIN"), "{backend}: {text}");
+        assert!(text.contains("status:149"), "{backend}: {text}");
+        assert_ne!(
+            held_after(backend, &url, &key),
+            Some(true),
+            "{backend}: the lock is still held after distlock exited: {text}"
+        );
+        tally.ran(backend);
+    }
+    tally.assert_each_ran_once();
 }
 
 /// distlock's stderr is a pipe nobody reads any more (`distlock … 2>&1 | head -1`): its
