@@ -67,19 +67,19 @@ fn wait_until(what: &str, within: Duration, mut ready: impl FnMut() -> bool) {
     }
 }
 
+/// The server in `var` when `backend` is compiled in; `None` (skip) when either is missing —
+/// unless `DISTLOCK_REQUIRE_BACKENDS=1` (scripts/test.sh starts every server these tests name:
+/// the single ones, the clusters of `up3`, the secured ones of `up-secure`), where a missing
+/// server or driver fails the test.
 fn shared(var: &str, backend: Backend) -> Option<String> {
     if !backend.is_enabled() {
+        assert!(
+            !conformance::backends_required(),
+            "{var}: {backend} is not compiled in but DISTLOCK_REQUIRE_BACKENDS=1"
+        );
         return None;
     }
     conformance::backend_url(var)
-}
-
-/// `DISTLOCK_TEST_*_URL` that are set but optional (the secured and clustered servers).
-fn optional(var: &str, backend: Backend) -> Option<String> {
-    (backend.is_enabled())
-        .then(|| std::env::var(var).ok())
-        .flatten()
-        .filter(|u| !u.is_empty())
 }
 
 #[test]
@@ -142,25 +142,33 @@ fn the_shared_servers_pass_what_their_setup_gets_right() {
         assert_eq!(strict, Some(if warns > 0 { 1 } else { 0 }), "{url}");
         checked += 1;
     }
-    // The clustered and secured servers, when up: a 3-member cluster tolerates a failure; auth
-    // refuses anonymous clients.
-    for (var, backend, name) in [
+    // The clustered and secured servers (required with DISTLOCK_REQUIRE_BACKENDS=1, as the
+    // others): a 3-member cluster tolerates a failure; auth refuses anonymous clients.
+    let clustered_and_secured = [
         ("DISTLOCK_TEST_ETCD3_URL", Backend::Etcd, "members"),
         ("DISTLOCK_TEST_ETCD3_URL", Backend::Etcd, "health"),
         ("DISTLOCK_TEST_ZK3_URL", Backend::ZooKeeper, "members"),
         ("DISTLOCK_TEST_ZK3_URL", Backend::ZooKeeper, "quorum"),
         ("DISTLOCK_TEST_ETCD_SECURE_URL", Backend::Etcd, "auth"),
         ("DISTLOCK_TEST_ZK_SECURE_URL", Backend::ZooKeeper, "auth"),
-    ] {
-        let Some(url) = optional(var, backend) else {
+    ];
+    let mut graded = 0;
+    for (var, backend, name) in clustered_and_secured {
+        let Some(url) = shared(var, backend) else {
             continue;
         };
         let (code, report, _) = check(&url, &[]);
         assert_eq!(code, Some(0), "{var}: {report:#}");
         assert_eq!(verdict(&report, name), "PASS", "{var} {name}: {report:#}");
+        graded += 1;
     }
     if conformance::backends_required() {
         assert_eq!(checked, 4, "every shared server is checked");
+        assert_eq!(
+            graded,
+            clustered_and_secured.len(),
+            "every clustered and secured server is checked"
+        );
     }
 }
 
