@@ -7,14 +7,16 @@
 //! - **with job mode** (`at_least` = 2.2 s, between the largest skew and the period): every
 //!   period runs exactly once — also the period in which the instance that got the lock dies
 //!   mid-job (its link blackholed: nothing it sends arrives, its release included), after which
-//!   it never fires again. A backend without `keep_until` must refuse `at_least` before any
-//!   I/O; the drill says so and checks the refusal (all five claim it).
+//!   it never fires again. Read from the fenced table (the protected resource): nobody's write
+//!   follows the dead instance's before `at_least` has passed since it asked for the lock (its
+//!   lease is kept that long though nothing it sends arrives). Every backend here claims
+//!   `keep_until` (what `at_least` needs); the drill fails on one that does not.
 //! - **without it** (plain skip-if-held): the duplicates the article starts from — the 100 ms
 //!   job is long released when the next instance's timer fires, so periods run more than once.
 //! - **a crash** (with job mode): a holder *process* granted with `at_least` is SIGKILLed right
-//!   after its grant; nobody else is granted the key until `at_least` after the holder was
-//!   started (its grant came later still), and somebody is soon after (not on memory://, whose
-//!   coordinator lives in the holder's process).
+//!   after its grant; nobody else is granted the key until `at_least` after the holder asked
+//!   for its grant (its own clock, read just before its acquire: no later than the grant), and
+//!   somebody is soon after (not on memory://, whose coordinator lives in the holder's process).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed expectation is a failed test
 
 mod drill_support;
@@ -27,7 +29,7 @@ use std::{
 
 use conformance::drill::{
     History,
-    holder::{HolderOptions, HolderProcess},
+    holder::{HolderEvent, HolderOptions, HolderProcess, monotonic_to_instant},
 };
 use drill_support::{FencedLog, HOLDER_BIN, Link, SOON, client, linked_client};
 use lock_core::{DistributedLockExt, DynLock, Error, LockOptions};
@@ -50,6 +52,21 @@ const DIES_IN: u32 = 2;
 /// Who ran which period.
 type Runs = Arc<Mutex<BTreeMap<u32, Vec<usize>>>>;
 
+/// One accepted write of the fenced table: who ran which period, when it asked for the lock
+/// and when it wrote (microseconds since the drill's start).
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct Entry {
+    period: u32,
+    instance: usize,
+    fence: u64,
+    asked_us: u64,
+    wrote_us: u64,
+}
+
+fn micros_since(t0: Instant, at: Instant) -> u64 {
+    u64::try_from(at.saturating_duration_since(t0).as_micros()).unwrap_or(u64::MAX)
+}
+
 struct Instance {
     id: usize,
     lock: DynLock,
@@ -71,20 +88,31 @@ async fn fire(
         sleep_until(t0 + PERIOD * k + SKEWS[me.id]).await;
         let dies = me.dies_in == Some(k);
         let (runs, table, link) = (runs.clone(), table.clone(), me.link.as_ref());
+        // No later than the coordinator's grant, if this attempt gets one.
+        let asked = Instant::now();
         let result = me
             .lock
             .run_exclusive(key.as_str(), opts, |ctx| async move {
                 runs.lock().unwrap().entry(k).or_default().push(me.id);
-                if let Some(fence) = ctx.fencing_token() {
-                    let owner = format!("instance-{}", me.id);
-                    assert!(
-                        table
-                            .write(fence.get(), &owner, format!("period {k}"))
-                            .is_ok(),
-                        "the fenced table refused instance {}'s write in period {k}",
-                        me.id
-                    );
-                }
+                let fence = ctx
+                    .fencing_token()
+                    .expect("every backend of this drill mints fencing tokens")
+                    .get();
+                let entry = Entry {
+                    period: k,
+                    instance: me.id,
+                    fence,
+                    asked_us: micros_since(t0, asked),
+                    wrote_us: micros_since(t0, Instant::now()),
+                };
+                let owner = format!("instance-{}", me.id);
+                assert!(
+                    table
+                        .write(fence, &owner, serde_json::to_string(&entry).unwrap())
+                        .is_ok(),
+                    "the fenced table refused instance {}'s write in period {k}",
+                    me.id
+                );
                 if dies && let Some(link) = link {
                     // Dead from here on: nothing it sends reaches the coordinator.
                     link.set(conformance::drill::Fault::Blackhole);
@@ -127,14 +155,15 @@ async fn instances(history: &History, url: &str, dying: bool) -> Vec<Instance> {
     out
 }
 
-/// Runs the three instances for `periods` periods with `opts`; who ran each period.
+/// Runs the three instances for `periods` periods with `opts`; who ran each period, and the
+/// fenced table's accepted writes as stored, in order.
 async fn scenario(
     history: &History,
     url: &str,
     opts: LockOptions,
     periods: u32,
     dying: bool,
-) -> BTreeMap<u32, Vec<usize>> {
+) -> (BTreeMap<u32, Vec<usize>>, Vec<Entry>) {
     let key = conformance::fresh_key("drill-periodic").as_str().to_owned();
     let runs: Runs = Arc::default();
     let table = FencedLog::new();
@@ -158,17 +187,23 @@ async fn scenario(
     for task in tasks {
         task.await.expect("an instance panicked");
     }
-    runs.lock().unwrap().clone()
+    let entries = table
+        .read_back()
+        .iter()
+        .map(|line| serde_json::from_str(line).expect("an entry of the fenced table"))
+        .collect();
+    (runs.lock().unwrap().clone(), entries)
 }
 
 /// A holder process granted with `at_least` is SIGKILLed at once: the coordinator keeps its
-/// lease until `at_least` after the grant. Returns when the contender was granted, counted from
-/// the holder's start.
-async fn killed_holder_keeps_at_least(backend: &str, url: &str) -> Duration {
+/// lease until `at_least` after the grant. Counted from when the holder asked for the grant (its
+/// own clock, no later than the coordinator's grant) to when the contender's grant returned (no
+/// earlier than the coordinator's second grant), so a lease kept for less than `at_least` shows
+/// as less. Returns that, and the same counted from when the holder's grant returned.
+async fn killed_holder_keeps_at_least(backend: &str, url: &str) -> (Duration, Duration) {
     let key = conformance::fresh_key("drill-periodic-kill");
     let mut options = HolderOptions::new(url, key.clone(), TTL);
     options.at_least = Some(AT_LEAST);
-    let started = Instant::now();
     let holder = HolderProcess::spawn_with(std::path::Path::new(HOLDER_BIN), &options)
         .await
         .expect("spawn the holder");
@@ -178,12 +213,30 @@ async fn killed_holder_keeps_at_least(backend: &str, url: &str) -> Duration {
         holder.events()
     );
     holder.kill().expect("SIGKILL the holder");
+    let (asked, granted) = holder
+        .events()
+        .into_iter()
+        .find_map(|e| match e {
+            HolderEvent::Acquired {
+                asked_mono_ns: Some(asked),
+                granted_mono_ns: Some(granted),
+                ..
+            } => Some((asked, granted)),
+            _ => None,
+        })
+        .and_then(|(a, g)| Some((monotonic_to_instant(a)?, monotonic_to_instant(g)?)))
+        .unwrap_or_else(|| {
+            panic!(
+                "{backend}: the holder's grant carries no times: {:?}",
+                holder.events()
+            )
+        });
     let contender = client(url).await;
     let deadline = Instant::now() + AT_LEAST + TTL + SOON;
-    let granted = loop {
+    let next = loop {
         match contender.lock(key.as_str()).ttl(TTL).try_acquire().await {
             Ok(Some(guard)) => {
-                let at = started.elapsed();
+                let at = Instant::now();
                 let _ = guard.release().await;
                 break at;
             }
@@ -196,47 +249,42 @@ async fn killed_holder_keeps_at_least(backend: &str, url: &str) -> Duration {
         );
         sleep(Duration::from_millis(50)).await;
     };
+    let kept = next.saturating_duration_since(asked);
     assert!(
-        granted >= AT_LEAST,
-        "{backend}: the contender was granted {granted:?} after the killed holder started, before its at_least {AT_LEAST:?} ran out"
+        kept >= AT_LEAST,
+        "{backend}: the contender was granted {kept:?} after the killed holder asked for its grant, before its at_least {AT_LEAST:?} ran out"
     );
-    granted
+    (kept, next.saturating_duration_since(granted))
 }
 
 async fn periodic(backend: &str, url: String) {
     let history = History::new(format!("{backend}_periodic"));
-    let probe = client(&url).await;
-    let caps = probe.capabilities();
+    let caps = client(&url).await.capabilities();
+    // What at_least needs (a backend without them refuses it before any I/O): every backend
+    // of this drill claims both; one that stops claiming them fails here, not as a skip.
+    assert!(
+        caps.keep_until && caps.renew,
+        "{backend}: keep_until and renew are claimed by every backend of this drill: {caps:?}"
+    );
     let job_mode = LockOptions::with_ttl(TTL).at_least(AT_LEAST);
     let plain = LockOptions::with_ttl(TTL);
-    let with = async {
-        if !(caps.keep_until && caps.renew) {
-            let refused = probe
-                .run_exclusive("drill-periodic-refused", job_mode, |_| async {})
-                .await;
-            assert!(
-                matches!(refused, Err(Error::Unsupported { .. })),
-                "{backend}: at_least without keep_until must be refused before any I/O: {refused:?}"
+    // A memory:// coordinator lives in its process: a holder process would have its own.
+    let crash = async {
+        if backend == "memory" {
+            println!("SKIP the SIGKILLed holder on memory: its coordinator dies with it");
+        } else {
+            let (asked, granted) = killed_holder_keeps_at_least(backend, &url).await;
+            println!(
+                "{backend}: a holder SIGKILLed right after its grant with at_least {AT_LEAST:?}: the next grant came {asked:?} after it asked for its grant, {granted:?} after its grant returned"
             );
-            println!("SKIP periodic with at_least on {backend}: keep_until not claimed (refused)");
-            return None;
         }
-        // A memory:// coordinator lives in its process: a holder process would have its own.
-        let crash = async {
-            if backend == "memory" {
-                println!("SKIP the SIGKILLed holder on memory: its coordinator dies with it");
-            } else {
-                let killed = killed_holder_keeps_at_least(backend, &url).await;
-                println!(
-                    "{backend}: a holder SIGKILLed right after its grant with at_least {AT_LEAST:?}: the next grant came {killed:?} after it started"
-                );
-            }
-        };
+    };
+    let with = async {
         let (with, ()) = tokio::join!(scenario(&history, &url, job_mode, PERIODS, true), crash);
-        Some(with)
+        with
     };
     let without = scenario(&history, &url, plain, 2, false);
-    let (with, without) = tokio::join!(with, without);
+    let ((with, entries), (without, _)) = tokio::join!(with, without);
     let duplicated = without.values().filter(|who| who.len() > 1).count();
     println!(
         "{backend}: without at_least, runs per period {without:?} ({duplicated} of 2 periods ran more than once)"
@@ -245,24 +293,43 @@ async fn periodic(backend: &str, url: String) {
         duplicated > 0,
         "{backend}: skip-if-held alone never ran a period twice — the drill shows nothing: {without:?}"
     );
-    if let Some(with) = with {
-        println!(
-            "{backend}: with at_least {AT_LEAST:?}, runs per period {with:?} (instance 0 died in period {DIES_IN})"
-        );
-        for k in 0..PERIODS {
-            let who = with.get(&k).cloned().unwrap_or_default();
-            assert_eq!(
-                who.len(),
-                1,
-                "{backend}: period {k} ran {} times with at_least ({who:?}); all: {with:?}",
-                who.len()
-            );
-        }
-        assert!(
-            with.range(DIES_IN + 1..).all(|(_, who)| !who.contains(&0)),
-            "the dead instance ran again: {with:?}"
+    println!(
+        "{backend}: with at_least {AT_LEAST:?}, runs per period {with:?} (instance 0 died in period {DIES_IN})"
+    );
+    for k in 0..PERIODS {
+        let who = with.get(&k).cloned().unwrap_or_default();
+        assert_eq!(
+            who.len(),
+            1,
+            "{backend}: period {k} ran {} times with at_least ({who:?}); all: {with:?}",
+            who.len()
         );
     }
+    // The dead instance's lease, read from the protected resource: it wrote in the period it
+    // died in, and the next write — whoever made it — came no sooner than at_least after the
+    // dead instance asked for the lock (the coordinator kept the grant though the holder's
+    // release never arrived; a lease that lapsed with its TTL lets the next instance in first).
+    let dead = entries
+        .iter()
+        .position(|e| e.period == DIES_IN && e.instance == 0)
+        .unwrap_or_else(|| {
+            panic!("{backend}: instance 0 did not write in period {DIES_IN}, the one it dies in: {entries:?}")
+        });
+    let next = entries
+        .get(dead + 1)
+        .unwrap_or_else(|| panic!("{backend}: nobody wrote after the dead instance: {entries:?}"));
+    let dead = &entries[dead];
+    let after = Duration::from_micros(next.wrote_us.saturating_sub(dead.asked_us));
+    println!(
+        "{backend}: the next write after the dead instance's (instance {} in period {}, fence {} after {}) came {after:?} after it asked for the lock",
+        next.instance, next.period, next.fence, dead.fence
+    );
+    assert!(
+        after >= AT_LEAST,
+        "{backend}: instance {} wrote in period {} {after:?} after the dead instance asked for the lock, inside its at_least {AT_LEAST:?}: {entries:?}",
+        next.instance,
+        next.period
+    );
 }
 
 macro_rules! drill {

@@ -127,15 +127,19 @@ async fn main() -> ExitCode {
     if let Some(at_least) = args.at_least {
         builder = builder.at_least(at_least);
     }
+    let asked = conformance::drill::holder::instant_to_monotonic(Instant::now());
     let guard = match builder.acquire().await {
         Ok(guard) => guard,
         Err(e) => return fail(e),
     };
+    let granted = conformance::drill::holder::instant_to_monotonic(Instant::now());
     emit(&HolderEvent::Acquired {
         key: args.key.to_string(),
         fencing: guard.fencing_token().map(|f| f.get()),
         token: guard.token_digest().to_string(),
         ttl_ms: u64::try_from(args.ttl.as_millis()).unwrap_or(u64::MAX),
+        asked_mono_ns: asked,
+        granted_mono_ns: granted,
     });
 
     let lost = guard.lost();

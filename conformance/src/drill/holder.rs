@@ -56,6 +56,15 @@ pub enum HolderEvent {
         token: String,
         /// The TTL.
         ttl_ms: u64,
+        /// When the holder asked for the grant (just before its acquire was sent), on the
+        /// machine's monotonic clock like [`HolderEvent::Renewed`]'s deadline: no later than
+        /// the coordinator's grant, so job mode's `at_least` can be counted from it (see
+        /// [`monotonic_to_instant`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        asked_mono_ns: Option<u64>,
+        /// When the holder's acquire returned the grant, on the same clock.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        granted_mono_ns: Option<u64>,
     },
     /// The watchdog renewed the lease (reported within a tenth of the TTL).
     Renewed {
