@@ -601,8 +601,9 @@ fn loss_lead(ttl: Duration) -> Duration {
 /// the runtime's scheduling, which paused time does not have.
 ///
 /// Measured with the loss decided at the deadline (before issue 45): the last waiter ran
-/// 32–56 ms after it (once 97 ms), so this fails; with the loss decided a tenth of the TTL
-/// earlier, the last one ran 52–62 ms before the deadline.
+/// 33–41 ms after it and 590–750 of the 1,000 past the coordinator's expiry (6 runs), so this
+/// fails; with the loss decided a tenth of the TTL earlier, the last one ran 52–67 ms before the
+/// deadline (24 runs). A loss signal delayed by 1.5 s fails it too.
 #[test]
 fn every_lost_waiter_of_a_busy_runtime_runs_before_the_coordinators_expiry() {
     const MEMBERS: usize = 1000;
@@ -672,8 +673,8 @@ fn every_lost_waiter_of_a_busy_runtime_runs_before_the_coordinators_expiry() {
         );
 
         let (margin, lead) = (drift_margin(ttl), loss_lead(ttl));
-        // The latest waiter, in ms after its deadline (negative: before it).
-        let mut latest = f64::NEG_INFINITY;
+        // Each waiter's time from its deadline, in ms (negative: before it).
+        let mut from_deadline = Vec::with_capacity(MEMBERS);
         for (g, &at) in guards.iter().zip(&ran_at) {
             assert_eq!(
                 g.loss_reason(),
@@ -688,21 +689,26 @@ fn every_lost_waiter_of_a_busy_runtime_runs_before_the_coordinators_expiry() {
                 g.key(),
                 (deadline - lead) - at
             );
-            assert!(
-                at < deadline + margin,
-                "{}: lost() ran {:?} after its deadline, past the coordinator's expiry \
-                 ({margin:?} after it)",
-                g.key(),
-                at - deadline
-            );
             let ms = if at >= deadline {
                 (at - deadline).as_secs_f64()
             } else {
                 -(deadline - at).as_secs_f64()
             } * 1e3;
-            latest = latest.max(ms);
+            from_deadline.push(ms);
         }
-        eprintln!("the last lost() waiter ran at {latest:+.1} ms from its deadline");
+        let latest = from_deadline
+            .iter()
+            .copied()
+            .fold(f64::NEG_INFINITY, f64::max);
+        let earliest = from_deadline.iter().copied().fold(f64::INFINITY, f64::min);
+        eprintln!("lost() waiters ran from {earliest:+.1} to {latest:+.1} ms from their deadline");
+        let bound = margin.as_secs_f64() * 1e3;
+        let late = from_deadline.iter().filter(|&&ms| ms >= bound).count();
+        assert_eq!(
+            late, 0,
+            "{late} of {MEMBERS} lost() waiters ran at or past the coordinator's expiry \
+             ({margin:?} after the deadline), the last {latest:+.1} ms from its deadline"
+        );
         drop(guards);
         drop(coordinator);
     });
