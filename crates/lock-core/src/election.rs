@@ -2,8 +2,10 @@
 //! leader changes.
 //!
 //! An [`Election`] is the lock on the key `election/<name>`: its holder is the leader. The
-//! leader's *value* is the [`HolderIdentity`] its connection records beside each grant (host,
-//! pid and the `label=` option of the URL, or [`crate::InMemoryLock::with_label`]); its *term*
+//! leader's *value* ([`Leader::value`]) is the label of its connection (the `label=` option of
+//! the URL, `distlock elect --value`, or [`crate::InMemoryLock::with_label`]) until it
+//! [proclaims](Leadership::proclaim) another; beside it the connection records its
+//! [`HolderIdentity`] (host, pid, start time and that label, [`Leader::holder`]). Its *term*
 //! is the grant's fencing token, strictly increasing per key on every backend that claims
 //! fencing. It works on every backend with no driver support beyond the lock itself, and a
 //! backend that mints no fencing tokens is refused ([`Error::Unsupported`], before any I/O):
@@ -27,6 +29,7 @@
 //! assert!(election_b.try_campaign().await?.is_none());
 //! let leader = election_b.leader().await?.expect("A leads");
 //! assert_eq!(leader.term, Some(leadership.term()));
+//! assert_eq!(leader.value.as_deref(), Some("scheduler-a"));
 //! assert!(leader.holder.is_some_and(|who| who.as_str().ends_with("label=scheduler-a")));
 //!
 //! // The term is a fencing token: the resource refuses a deposed leader's writes.
@@ -60,8 +63,8 @@
 //! On etcd and ZooKeeper it **interoperates** with them: the drivers put the lock
 //! `election/<name>` where the native recipe keeps the election of that path, and that recipe
 //! is the same mutex as our lock, so each side waits for the other and [`Election::leader`]
-//! reports a foreign leader (its value as [`Leader::holder`], its create revision / czxid as the
-//! term):
+//! reports a foreign leader (its value as [`Leader::value`], no [`Leader::holder`], its create
+//! revision / czxid as the term):
 //!
 //! | backend | the election `<name>` is | a foreign leader's value |
 //! |---|---|---|
@@ -69,13 +72,19 @@
 //! | ZooKeeper, root `R` (`/distlock`) | Curator's `LeaderSelector` on the leader path `R/election/<name>` | its participant id |
 //!
 //! `/` and `%` in `<name>` are percent-escaped as in any lock key (and `lock-` is written
-//! `lock%2D` on ZooKeeper). Our leader's value as they see it is what our entry stores: on etcd
-//! `<token hex> <identity>`, on ZooKeeper the identity. Curator's `LeaderLatch` (its `latch-`
-//! nodes) does not interoperate. On Redis and PostgreSQL the election is our lock only.
+//! `lock%2D` on ZooKeeper). What they read for our leader is exactly its value: the candidate
+//! key's value on etcd (what `Election.Observe` / `etcdctl elect -l` print), the contender
+//! node's data on ZooKeeper (Curator's participant id). Our identity and ownership token are
+//! kept where no peer parses them — on etcd a sidecar key `<prefix>\0holder/…` written in the
+//! same txn on the same lease, on ZooKeeper the token in the node's name and the identity in
+//! an ephemeral node of the session outside the election's directory (see each driver's
+//! README). A leader of ours without a value shows them its identity (`host=… pid=… since=…`),
+//! never its token. Curator's `LeaderLatch` (its `latch-` nodes) does not interoperate. On
+//! Redis and PostgreSQL the election is our lock only.
 //!
 //! # Proclaim and push
 //!
-//! [`Leadership::proclaim`] is etcd's `Proclaim`: the leader changes its value (the label of
+//! [`Leadership::proclaim`] is etcd's `Proclaim`: the leader changes its value (and the label of
 //! its identity) while keeping its grant and term, by a write that compares on the grant
 //! ([`crate::raw::Driver::relabel`], [`crate::Capabilities::relabel`]); [`Election::leader`]
 //! and [`Election::observe`] then report the new value with the same term, and so does
@@ -363,11 +372,11 @@ impl Observer {
                         || (term == highest
                             && last
                                 .as_ref()
-                                .is_some_and(|l| l.term == Some(term) && l.holder != leader.holder))
+                                .is_some_and(|l| l.term == Some(term) && !l.says_the_same(leader)))
                 }
                 (Some(_), None) => true,
                 // No terms (a backend without fencing): a change of holder is news.
-                (None, _) => last.as_ref().is_none_or(|l| l.holder != leader.holder),
+                (None, _) => last.as_ref().is_none_or(|l| !l.says_the_same(leader)),
             },
         }
     }
@@ -426,10 +435,11 @@ impl Leadership {
         self.guard.token_digest()
     }
 
-    /// etcd's `Proclaim`: the leader changes its value without losing leadership. The value
-    /// recorded beside the grant becomes this process's identity with the label `value` (as a
-    /// connection with `label=<value>` records it), so [`Election::leader`] and
-    /// [`Election::observe`] report it, with the same term. The write compares on this grant
+    /// etcd's `Proclaim`: the leader changes its value without losing leadership. Its value
+    /// becomes `value` — on etcd and ZooKeeper exactly the bytes their peers read — and the
+    /// identity recorded beside the grant this process's identity with the label `value` (as a
+    /// connection with `label=<value>` records it, returned), so [`Election::leader`] and
+    /// [`Election::observe`] report both, with the same term. The write compares on this grant
     /// (never a blind write): a deposed leader's proclaim changes nothing.
     ///
     /// # Errors
@@ -476,19 +486,38 @@ impl fmt::Debug for Leadership {
 pub struct Leader {
     /// The leader's term (its grant's fencing token).
     pub term: Option<FencingToken>,
-    /// Who leads: the identity its connection recorded beside the grant.
+    /// The leader's value, as its peers read it: for one of ours, the label it campaigned with
+    /// or last proclaimed (`None` when it has none); for a foreign leader (`etcdctl elect`,
+    /// Curator's `LeaderSelector`), what it proclaimed / its participant id, as printable ASCII.
+    pub value: Option<String>,
+    /// Who leads, when the leader is one of ours: the identity its connection recorded beside
+    /// the grant (host, pid, start time and the value as `label=`). `None` for a foreign leader,
+    /// which records nothing but its value.
     pub holder: Option<HolderIdentity>,
     /// Time left on the leader's lease, when the coordinator keeps one per lock.
     pub ttl_remaining: Option<Duration>,
 }
 
 impl Leader {
+    /// A holder identity in distlock's form is one of ours (its label is the value); any other
+    /// text a driver reports is a foreign leader's value.
     fn from_info(info: HolderInfo) -> Self {
+        let (value, holder) = match info.holder {
+            Some(ours) if ours.is_process_form() => (ours.label().map(str::to_owned), Some(ours)),
+            Some(foreign) => (Some(foreign.as_str().to_owned()), None),
+            None => (None, None),
+        };
         Self {
             term: info.fencing_token,
-            holder: info.holder,
+            value,
+            holder,
             ttl_remaining: info.ttl_remaining,
         }
+    }
+
+    /// Whether `other` is the same leader saying the same: value and identity.
+    fn says_the_same(&self, other: &Self) -> bool {
+        self.value == other.value && self.holder == other.holder
     }
 }
 
@@ -554,6 +583,30 @@ mod tests {
         assert_eq!(all[1].leader().await.unwrap(), None);
     }
 
+    #[test]
+    fn a_leader_of_ours_has_its_label_as_value_and_a_foreign_one_its_text() {
+        let info = |holder: Option<HolderIdentity>| HolderInfo {
+            token_digest: None,
+            fencing_token: Some(FencingToken(7)),
+            ttl_remaining: None,
+            waiters: None,
+            holder,
+        };
+        let ours = HolderIdentity::process(Some("10.0.0.7:8080")).unwrap();
+        let leader = Leader::from_info(info(Some(ours.clone())));
+        assert_eq!(leader.value.as_deref(), Some("10.0.0.7:8080"));
+        assert_eq!(leader.holder, Some(ours));
+        let bare = HolderIdentity::process(None).unwrap();
+        let leader = Leader::from_info(info(Some(bare.clone())));
+        assert_eq!((leader.value, leader.holder), (None, Some(bare)));
+        let foreign = HolderIdentity::from_stored(b"http://10.0.0.8:80 primary").unwrap();
+        let leader = Leader::from_info(info(Some(foreign)));
+        assert_eq!(leader.value.as_deref(), Some("http://10.0.0.8:80 primary"));
+        assert_eq!((leader.holder, leader.term), (None, Some(FencingToken(7))));
+        let nobody = Leader::from_info(info(None));
+        assert_eq!((nobody.value, nobody.holder), (None, None));
+    }
+
     #[tokio::test(start_paused = true)]
     async fn observe_sees_every_term_in_order_when_polled_faster_than_changes() {
         let (_c, all) = elections(3);
@@ -611,6 +664,7 @@ mod tests {
         };
         let at = |t: u64| Leader {
             term: Some(FencingToken(t)),
+            value: None,
             holder: None,
             ttl_remaining: None,
         };
@@ -838,6 +892,7 @@ mod tests {
         assert!(shown.as_str().ends_with(" label=scheduler-2"), "{shown}");
         let leader = b.leader().await.unwrap().expect("a leader");
         assert_eq!(leader.term, Some(lead.term()));
+        assert_eq!(leader.value.as_deref(), Some("scheduler-2"));
         assert_eq!(leader.holder.as_ref(), Some(&shown));
         // Bad values are refused before any I/O.
         let before = coordinator.requests();

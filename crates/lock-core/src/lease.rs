@@ -285,6 +285,43 @@ impl HolderIdentity {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// Whether the text is in the form [`HolderIdentity::process`] writes (`host=… pid=<digits>
+    /// since=<digits>`, then ` label=<label>` or nothing) — a distlock holder's identity — and
+    /// not some other text read back from a coordinator (a foreign peer's value).
+    pub fn is_process_form(&self) -> bool {
+        self.parts().is_some()
+    }
+
+    /// The label of an identity in the [process form](HolderIdentity::is_process_form); `None`
+    /// without one or for any other text.
+    pub fn label(&self) -> Option<&str> {
+        self.parts().and_then(|(_, label)| label)
+    }
+
+    /// The identity's text without its label: `host=… pid=… since=…`; `None` unless in the
+    /// [process form](HolderIdentity::is_process_form).
+    pub fn unlabelled(&self) -> Option<&str> {
+        self.parts().map(|(base, _)| base)
+    }
+
+    /// `(host=… pid=… since=…, label)` of an identity in the process form.
+    fn parts(&self) -> Option<(&str, Option<&str>)> {
+        let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+        let rest = self.0.strip_prefix("host=")?;
+        let (host, rest) = rest.rsplit_once(" pid=")?;
+        let (pid, rest) = rest.split_once(" since=")?;
+        let (since, label) = match rest.split_once(" label=") {
+            Some((since, label)) => (since, Some(label)),
+            None => (rest, None),
+        };
+        let ok = !host.is_empty()
+            && digits(pid)
+            && digits(since)
+            && label.is_none_or(|l| Self::check_label(l).is_ok());
+        let base = self.0.len() - label.map_or(0, |l| l.len() + " label=".len());
+        ok.then(|| (&self.0[..base], label))
+    }
 }
 
 /// Printable ASCII only (no control characters, no newlines), at most `max` bytes.
@@ -355,6 +392,28 @@ mod identity_tests {
             );
         }
         assert!(HolderIdentity::check_label("cron@web-1:/etc/cron.d/x").is_ok());
+    }
+
+    #[test]
+    fn the_process_form_is_told_from_foreign_text_and_gives_its_label() {
+        let labelled = HolderIdentity::process(Some("scheduler-a")).unwrap();
+        assert!(labelled.is_process_form());
+        assert_eq!(labelled.label(), Some("scheduler-a"));
+        let bare = HolderIdentity::process(None).unwrap();
+        assert_eq!((bare.is_process_form(), bare.label()), (true, None));
+        assert_eq!(labelled.unlabelled(), Some(bare.as_str()));
+        assert_eq!(bare.unlabelled(), Some(bare.as_str()));
+        for foreign in [
+            "10.0.0.7:8080",
+            "host=a pid=x since=1",
+            "host= pid=1 since=1",
+            "host=a pid=1 since=1 label=has space",
+            "pid=1 since=1",
+        ] {
+            let id = HolderIdentity::from_stored(foreign.as_bytes()).unwrap();
+            assert!(!id.is_process_form(), "{foreign}");
+            assert_eq!((id.label(), id.unlabelled()), (None, None), "{foreign}");
+        }
     }
 
     #[test]
