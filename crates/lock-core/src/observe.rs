@@ -145,6 +145,12 @@ impl crate::raw::Driver for Observed {
         result
     }
 
+    /// The inner lock's `acquire` makes the attempt a short deadline allows: counted as part
+    /// of the `acquire`, not as a `try_acquire`.
+    fn acquire_tries_first(&self) -> bool {
+        true
+    }
+
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
         let span = tracing::debug_span!("distlock.acquire", backend = self.inner.backend_name(), %key, ?ttl,
             token = field::Empty, fencing = field::Empty, elapsed = field::Empty);

@@ -83,6 +83,15 @@ pub trait Driver: Send + Sync + fmt::Debug + 'static {
         poll_acquire(self, key, ttl, deadline).await
     }
 
+    /// Whether [`Driver::acquire`] makes one complete attempt itself whatever its deadline —
+    /// a wrapper whose `acquire` is another [`DistributedLock`]'s, which does — so that the
+    /// check layer adds none of its own (see [`ONE_ATTEMPT_WINDOW`]); a wrapper that records
+    /// operations (metrics, tracing) then sees that attempt as part of the `acquire`. Default
+    /// `false`: the layer makes the attempt.
+    fn acquire_tries_first(&self) -> bool {
+        false
+    }
+
     /// See [`DistributedLock::renew`]; only called with `renew` claimed and a `ttl` the layer
     /// accepted.
     async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()>;
@@ -223,7 +232,9 @@ impl<T: Driver + ?Sized> DistributedLock for T {
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
         Driver::capabilities(self).check_ttl(ttl)?;
         let started = Instant::now();
-        if deadline.saturating_duration_since(started) < ONE_ATTEMPT_WINDOW {
+        if !Driver::acquire_tries_first(self)
+            && deadline.saturating_duration_since(started) < ONE_ATTEMPT_WINDOW
+        {
             // `flock -w 0`: a deadline decides whether to wait, never whether to try. A wait
             // this short might end before the driver's first request is answered (or, past
             // already, before it is sent), so one complete attempt goes first.

@@ -362,13 +362,18 @@ pub(crate) async fn probe_min_ttl(
 /// Whether `e` is a TLS certificate refused in the handshake (by us or by the server), through
 /// any chain of sources or in tonic's flattened message.
 fn rejected_certificate(e: &(dyn std::error::Error + 'static)) -> bool {
-    if lock_core::raw::is_rejected_certificate(e) {
-        return true;
-    }
+    // By text: tonic flattens rustls's error into its status message, so no typed source
+    // survives to downcast (lock-core's typed check needs its `rustls` feature and a source).
+    const REJECTED: [&str; 4] = [
+        "invalid peer certificate",
+        "received fatal alert: BadCertificate",
+        "received fatal alert: UnknownCA",
+        "received fatal alert: CertificateRequired",
+    ];
     let mut next = Some(e);
     while let Some(e) = next {
         let text = e.to_string();
-        if text.contains("invalid peer certificate") || text.contains("UnknownIssuer") {
+        if REJECTED.iter().any(|needle| text.contains(needle)) {
             return true;
         }
         next = e.source();

@@ -51,19 +51,25 @@ async fn bad_input_makes_no_request() {
     let past = tokio::time::Instant::now() - Duration::from_millis(1);
     assert!(
         coordinator
-            .acquire(&key, Duration::from_secs(1), past)
+            .acquire(&key, Duration::ZERO, past)
             .await
             .is_err()
     );
     assert_eq!(coordinator.requests(), before);
-    assert!(
-        coordinator
-            .try_acquire(&key, Duration::from_secs(1))
-            .await
-            .unwrap()
-            .is_some()
-    );
+    // A deadline already past is no bad input: exactly one attempt, which takes the free key;
+    // on the held key, one attempt again and then `Timeout`, with no wait.
+    let lease = coordinator
+        .acquire(&key, Duration::from_secs(1), past)
+        .await
+        .unwrap();
     assert_eq!(coordinator.requests(), before + 1);
+    let err = coordinator
+        .acquire(&key, Duration::from_secs(1), past)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, lock_core::Error::Timeout { .. }), "{err}");
+    assert_eq!(coordinator.requests(), before + 2);
+    drop(lease);
 }
 
 /// The whole suite on a backend that does not claim `renew` (the in-memory coordinator behind a
