@@ -130,8 +130,10 @@ pub struct RunArgs {
     /// Job mode, for cron lines: keep the lock until at least this long after it was granted,
     /// even if the command ends sooner or distlock dies right after — another instance whose
     /// timer fires a little later in the same period then skips (ShedLock's lockAtLeastFor).
-    /// Kept by the coordinator's own expiry; backends that cannot keep a lease alone (etcd,
-    /// ZooKeeper today) refuse it before anything runs.
+    /// Kept by the coordinator's own expiry on every backend (etcd: the entry moves onto a
+    /// lease of its own for what is left; ZooKeeper: a keep marker acquirers wait out), so the
+    /// key is free again at max(at-least, the command's end); a backend that could not keep a
+    /// lease alone would be refused before anything runs. memory:// keeps it in this process.
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
     pub at_least: Option<Duration>,
     /// Job mode: never hold the lock longer than this after it was granted; the command is then

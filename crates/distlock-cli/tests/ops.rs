@@ -330,3 +330,61 @@ fn check_on_a_full_redis_fails_with_1() {
         "{memory}"
     );
 }
+
+/// Job mode's `--at-least 3s` with `--ttl 30s` and a command that ends at once: the next
+/// `run` is granted no sooner than 3 s after the first grant and long before the TTL — on every
+/// backend, etcd included (whose keepalive used to hold the key for the whole TTL). distlock
+/// exits right after the job, so the coordinator alone frees the key.
+#[test]
+fn at_least_frees_the_key_at_at_least_not_at_the_ttl() {
+    let all = backends();
+    let mut checked = 0;
+    for (backend, url) in &all {
+        let key = fresh_key("at-least");
+        let dir = support::temp_dir("at-least");
+        let (first, second) = (dir.join("first"), dir.join("second"));
+        let stamp = |path: &std::path::Path| format!("date +%s%N > {}", path.display());
+        let mut run = distlock(url);
+        run.args([
+            "run",
+            "--ttl",
+            "30s",
+            "--at-least",
+            "3s",
+            &key,
+            "--",
+            "sh",
+            "-c",
+        ])
+        .arg(stamp(&first));
+        let out = output_within(run, Duration::from_secs(30));
+        assert_eq!(out.status.code(), Some(0), "{backend:?}: {}", stderr(&out));
+        let mut next = distlock(url);
+        next.args(["run", "--wait", "40s", &key, "--", "sh", "-c"])
+            .arg(stamp(&second));
+        let out = output_within(next, Duration::from_secs(60));
+        assert_eq!(out.status.code(), Some(0), "{backend:?}: {}", stderr(&out));
+        let read = |path: &std::path::Path| -> u128 {
+            std::fs::read_to_string(path)
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap()
+        };
+        let apart = Duration::from_nanos(
+            u64::try_from(read(&second).saturating_sub(read(&first))).unwrap(),
+        );
+        // The first stamp is taken after its grant and the second after its own: the gap is
+        // at most a little shorter than grant to grant.
+        assert!(
+            apart >= Duration::from_millis(2900),
+            "{backend:?}: granted again {apart:?} after an at-least of 3 s"
+        );
+        assert!(
+            apart <= Duration::from_secs(6),
+            "{backend:?}: free only {apart:?} after the grant (at-least 3 s, ttl 30 s)"
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, all.len());
+}

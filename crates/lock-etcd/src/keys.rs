@@ -63,10 +63,19 @@ pub(crate) fn entry_name(key: &[u8], lease_id: i64) -> &[u8] {
 /// lock under a longer prefix that nests inside this one (`a/` + `b` vs `a/b/` + `x`) — is not
 /// a contender and never blocks the lock.
 pub(crate) fn is_entry(name_prefix: &[u8], key: &[u8], lease: i64) -> bool {
-    lease != 0
-        && key
-            .strip_prefix(name_prefix)
-            .is_some_and(|suffix| suffix == format!("{lease:x}").as_bytes())
+    lease != 0 && key.strip_prefix(name_prefix).is_some_and(is_go_lease_hex)
+}
+
+/// Whether `suffix` is a lease id as Go formats it (`%x` of a non-zero id: 1–16 lowercase hex
+/// digits, no leading zero). An entry's suffix is the id of the session lease it was created
+/// on; job mode's keep may since have moved it onto a lease of its own (see
+/// `renew::keep`), so the suffix is not compared with the lease it is attached to now.
+fn is_go_lease_hex(suffix: &[u8]) -> bool {
+    (1..=16).contains(&suffix.len())
+        && suffix[0] != b'0'
+        && suffix
+            .iter()
+            .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(c))
 }
 
 /// The marker that abandons one acquisition attempt (a random id of that attempt, never its
@@ -246,8 +255,14 @@ mod tests {
         let range = p("a/", "b").into_bytes();
         assert!(is_entry(&range, b"a/b/ff", 255));
         assert!(
-            !is_entry(&range, b"a/b/ff", 254),
-            "attached to another lease"
+            is_entry(&range, b"a/b/ff", 254),
+            "moved onto another lease by job mode's keep"
+        );
+        assert!(!is_entry(&range, b"a/b/fF", 255), "not Go's lowercase hex");
+        assert!(!is_entry(&range, b"a/b/orders", 255), "not hex at all");
+        assert!(
+            !is_entry(&range, b"a/b/11112222333344445", 255),
+            "longer than an i64"
         );
         assert!(!is_entry(&range, b"a/b/ff", 0), "no lease");
         assert!(

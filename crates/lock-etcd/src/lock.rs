@@ -577,6 +577,10 @@ impl Driver for EtcdLock {
         renew::renew(&self.inner, lease, ttl).await
     }
 
+    async fn keep(&self, lease: &mut Lease, left: Duration) -> Result<bool> {
+        renew::keep(&self.inner, lease, left).await
+    }
+
     async fn release(&self, lease: &Lease) -> Result<bool> {
         let Some(held) = lease.shared_backend_state::<Held>() else {
             return Ok(false);

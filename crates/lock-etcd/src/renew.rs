@@ -13,12 +13,15 @@ use std::{
     collections::{BTreeMap, HashMap, HashSet},
     sync::{
         Arc, Mutex, Weak,
-        atomic::{AtomicBool, AtomicU32, Ordering},
+        atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering},
     },
     time::Duration,
 };
 
-use etcd_client::{GetOptions, LeaseClient, LeaseKeepAliveStream, LeaseKeeper, Txn, TxnOp};
+use etcd_client::{
+    Compare, CompareOp, GetOptions, LeaseClient, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
+    Txn, TxnOp,
+};
 use futures::future::BoxFuture;
 use lock_core::raw::{Error, GroupRenewError, Lease, LossReason, LostSink, RenewalGroup, Result};
 use tokio::{
@@ -402,6 +405,9 @@ pub(crate) struct Held {
     /// A member of its session's renewal group ([`SessionGroup`]): renewed by the group, so
     /// out of the reaper's queue.
     grouped: AtomicBool,
+    /// The lease job mode's `keep` moved the entry onto ([`keep`]), 0 before: a put that
+    /// attaches the entry to it leaves the entry ours.
+    kept_on: AtomicI64,
 }
 
 pub(crate) struct Phase {
@@ -453,7 +459,14 @@ impl Held {
             phase: Mutex::new(phase),
             watches: AtomicU32::new(0),
             grouped: AtomicBool::new(false),
+            kept_on: AtomicI64::new(0),
         }
+    }
+
+    /// Whether an entry attached to etcd lease `lease` is still ours: our session's lease, or
+    /// the one [`keep`] moved it onto.
+    pub(crate) fn is_own_lease(&self, lease: i64) -> bool {
+        lease != 0 && (lease == self.session.id || lease == self.kept_on.load(Ordering::Acquire))
     }
 
     /// A deletion watch of the entry was created on the server (see [`crate::wake`]).
@@ -1039,6 +1052,104 @@ pub(crate) async fn renew(inner: &Inner, lease: &mut Lease, ttl: Duration) -> Re
     phase.base = phase.base.max(base);
     phase.deadline = lease.local_deadline();
     Ok(())
+}
+
+/// Job mode's keep (`Capabilities::keep_until`): the entry stays until at least `left` from now,
+/// also if this process dies now, and is free soon after.
+///
+/// etcd cannot shorten a lease, and a keepalive renews the session's lease to the TTL it was
+/// granted — for a job lease at least `at_least`, up to the whole `ttl` — so a keepalive would
+/// keep the entry that long after a job that ended at once. Instead the entry moves onto a lease
+/// of its own, granted for `left` (whole seconds, rounded up, at least the server's minimum):
+/// one txn that compares the entry's create revision (its fence, which a put keeps, so it keeps
+/// its place at the head of the queue) and puts it with `ignore_value` on the new lease. etcd
+/// then deletes it when that lease expires, at least `granted >= left` after the grant was sent,
+/// so at_least holds without this process; the lease's local deadline counts from that send
+/// (the invariant). While the process lives, the reaper deletes the entry once both that
+/// deadline and `now + left` have passed, as for any unrenewed entry; the session keeps the name
+/// registered until then, so no later acquisition on this session reuses the entry's key.
+///
+/// A `left` the session's own lease would not outlast by a second is kept with a keepalive, as
+/// before. `Ok(false)`: the entry was already gone.
+pub(crate) async fn keep(inner: &Inner, lease: &mut Lease, left: Duration) -> Result<bool> {
+    let Some(held) = lease.shared_backend_state::<Held>() else {
+        return Ok(false);
+    };
+    let kept_until = Instant::now() + left;
+    let hold = left.max(inner.caps.min_ttl);
+    let secs = ttl_secs(hold);
+    if secs >= ttl_secs(held.session.granted) {
+        return match renew(inner, lease, hold).await {
+            Ok(()) => Ok(true),
+            Err(Error::NotHeld { .. }) => Ok(false),
+            Err(e) => Err(e),
+        };
+    }
+    {
+        let phase = lock(&held.phase);
+        if phase.finished || phase.gone || held.session.gone.is_cancelled() {
+            return Ok(false);
+        }
+    }
+    let until = Instant::now() + inner.timeout();
+    let sent = Instant::now();
+    Counters::bump(&inner.counters.lease_grant);
+    let grant = client::request_until(
+        inner.timeout(),
+        until,
+        inner.client.lease_client().grant(secs, None),
+    )
+    .await
+    .map_err(|e| e.into_read_error("keep"))?;
+    let granted = Duration::from_secs(u64::try_from(grant.ttl()).unwrap_or(0));
+    if granted.is_zero() {
+        return Err(protocol("keep", "etcd granted a lease of 0 s"));
+    }
+    // Before the put: its own watch event must not read as the entry leaving us.
+    held.kept_on.store(grant.id(), Ordering::Release);
+    let txn = Txn::new()
+        .when([Compare::create_revision(
+            held.key.clone(),
+            CompareOp::Equal,
+            held.rev,
+        )])
+        .and_then([TxnOp::put(
+            held.key.clone(),
+            Vec::<u8>::new(),
+            Some(PutOptions::new().with_lease(grant.id()).with_ignore_value()),
+        )]);
+    Counters::bump(&inner.counters.txn);
+    match client::request_until(inner.timeout(), until, inner.client.kv_client().txn(txn)).await {
+        Ok(resp) if resp.succeeded() => {
+            lease.renewed(granted, sent);
+            {
+                let mut phase = lock(&held.phase);
+                phase.base = sent;
+                // The reaper deletes no earlier than at_least allows; the lease's own local
+                // deadline stays the conservative one.
+                phase.deadline = lease.local_deadline().max(kept_until);
+            }
+            if !held.grouped.load(Ordering::Acquire) {
+                inner.reap_later(held.clone());
+            }
+            Ok(true)
+        }
+        Ok(_) => {
+            // The entry is gone (deleted or expired): the new lease holds nothing.
+            held.kept_on.store(0, Ordering::Release);
+            let _ = client::request(
+                inner.timeout(),
+                inner.client.lease_client().revoke(grant.id()),
+            )
+            .await;
+            inner.entry_gone(&held).await;
+            Ok(false)
+        }
+        // Applied or not, the entry is held at least `left` more: on the new lease, or on the
+        // session's, whose last keepalive keeps it past grant + at_least. Nothing to undo (a
+        // revoke of the new lease could delete the entry before at_least).
+        Err(e) => Err(e.into_read_error("keep")),
+    }
 }
 
 /// A session's renewal group (lock-core's [`RenewalGroup`]): every guard whose entry is on

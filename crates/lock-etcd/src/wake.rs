@@ -437,7 +437,7 @@ impl Routes {
         let gone = self.watchers.get(&id).is_some_and(|w| {
             resp.events()
                 .iter()
-                .any(|event| !still_ours(event, w.held.session.id))
+                .any(|event| !still_ours(event, &w.held))
         });
         if gone {
             return self.finish(id).map_or(Routed::Nothing, Routed::Cancel);
@@ -447,10 +447,11 @@ impl Routes {
 }
 
 /// Whether `event` on a held entry leaves it ours: a put on our lease (a relabel, by this
-/// client) does; a delete, or a put that moved the key to another lease (or none), which
-/// detaches it from our renewals, does not.
-fn still_ours(event: &etcd_client::Event, lease: i64) -> bool {
-    event.event_type() == EventType::Put && event.kv().is_some_and(|kv| kv.lease() == lease)
+/// client) or onto the lease job mode's keep moved it to does; a delete, or a put that moved the
+/// key to any other lease (or none), which detaches it from our renewals, does not.
+fn still_ours(event: &etcd_client::Event, held: &Held) -> bool {
+    event.event_type() == EventType::Put
+        && event.kv().is_some_and(|kv| held.is_own_lease(kv.lease()))
 }
 
 /// A request for the stream's writer task.
