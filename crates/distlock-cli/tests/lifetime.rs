@@ -93,10 +93,17 @@ fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
-/// When the lease on `key` ends at the coordinator at the earliest, from `inspect` (no renewal
-/// can come any more). Only where `inspect` tells it to the millisecond: etcd rounds to
-/// seconds, ZooKeeper says nothing (its session expires).
+/// When the lease on `key` ends at the coordinator at the earliest (no renewal can come any
+/// more), by the coordinator's own view. Redis and PostgreSQL tell the key's or row's expiry to
+/// the millisecond through `inspect`. etcd rounds its lease TTL to whole seconds and ZooKeeper
+/// says nothing of a session's expiry, so there the end is watched as it happens: an in-process
+/// client reads the key every 5 ms until the coordinator has removed it (the lease expired, the
+/// session timed out); the last read that still saw it held was sent before the end, so its
+/// send time is a lower bound of the end, within one read.
 fn lease_end(backend: Backend, url: &str, key: &str) -> Option<SystemTime> {
+    if matches!(backend, Backend::Etcd | Backend::ZooKeeper) {
+        return Some(observed_end(url, key));
+    }
     if !matches!(backend, Backend::Redis | Backend::Postgres) {
         return None;
     }
@@ -108,6 +115,31 @@ fn lease_end(backend: Backend, url: &str, key: &str) -> Option<SystemTime> {
     let value: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(value["held"], true, "{value}");
     Some(asked + Duration::from_millis(value["ttl_remaining_ms"].as_u64().unwrap()))
+}
+
+/// See [`lease_end`]: the send time of the last read that saw `key` held, reading until it is
+/// free (at most 30 s).
+fn observed_end(url: &str, key: &str) -> SystemTime {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let lock = distlock::connect(url).await.unwrap();
+        let key = distlock::LockKey::new(key).unwrap();
+        let give_up = Instant::now() + Duration::from_secs(30);
+        let mut last_held = None;
+        loop {
+            let sent = SystemTime::now();
+            match lock.inspect(&key).await {
+                Ok(Some(_)) => last_held = Some(sent),
+                Ok(None) => return last_held.expect("the lease had ended before it was watched"),
+                Err(e) => panic!("inspect {key}: {e}"),
+            }
+            assert!(Instant::now() < give_up, "{key} stayed held for 30 s");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
 }
 
 /// The holder's command: it and a background grandchild that ignores SIGTERM both append
