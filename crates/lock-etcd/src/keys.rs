@@ -90,6 +90,43 @@ pub(crate) fn attempt_marker(prefix: &str, attempt: u128) -> Vec<u8> {
     out
 }
 
+/// The sidecar of an election entry: `<prefix>\0holder/<the entry key after the prefix>`,
+/// holding [`entry_value`] (token and identity), attached to the entry's lease and written,
+/// relabelled and deleted in the same txn as the entry. Like the [`attempt_marker`]s it starts
+/// with a control character, so it is in no lock's range and no Go client reads it as a
+/// candidate; it is named after the entry key, so each entry has exactly one.
+fn holder_key(prefix: &str, entry_key: &[u8]) -> Vec<u8> {
+    let mut out = prefix.as_bytes().to_vec();
+    out.extend_from_slice(b"\0holder/");
+    out.extend_from_slice(
+        entry_key
+            .strip_prefix(prefix.as_bytes())
+            .unwrap_or(entry_key),
+    );
+    out
+}
+
+/// The [`holder_key`] of `entry_key` when it is an election's entry
+/// (`<prefix>election/<escaped name>/<lease hex>`, see [`name_prefix`]); `None` for any other
+/// lock's (a key `election` has no second `/`), whose entry keeps token and identity in its value.
+pub(crate) fn sidecar_of(prefix: &str, entry_key: &[u8]) -> Option<Vec<u8>> {
+    let rest = entry_key
+        .strip_prefix(prefix.as_bytes())?
+        .strip_prefix(ELECTION_KEYS.as_bytes())?;
+    let slash = rest.iter().position(|&c| c == b'/')?;
+    let (name, lease) = (&rest[..slash], &rest[slash + 1..]);
+    (!name.is_empty() && !lease.is_empty() && !lease.contains(&b'/'))
+        .then(|| holder_key(prefix, entry_key))
+}
+
+/// An election entry's value: exactly what its peers read as the leader's value (Go's
+/// `Election.Observe` / `Leader`, `etcdctl elect -l`) — the identity's label (the value given
+/// to `distlock elect --value` or proclaimed), or, without a label, the identity itself
+/// (`host=… pid=… since=…`). Never the token.
+pub(crate) fn candidate_value(identity: &HolderIdentity) -> String {
+    identity.label().unwrap_or(identity.as_str()).to_owned()
+}
+
 /// An entry's value: the ownership token in hex, then a space and the holder's identity, written
 /// by the same put that creates the entry (so it is always the identity of that entry's
 /// contender, and it goes with the entry). An older distlock wrote the token alone.
@@ -122,6 +159,42 @@ pub(crate) fn parse_entry_value(value: &[u8]) -> (Option<OwnershipToken>, Option
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
+
+    /// An election's sidecar is outside every lock's range and Go's election range, one per
+    /// entry; its candidate value is the label alone, or the identity without one.
+    #[test]
+    fn an_election_keeps_its_value_in_the_entry_and_token_and_identity_beside_it() {
+        let key = LockKey::new("election/orders/eu").unwrap();
+        let range = name_prefix("distlock/", &key);
+        let entry = entry_key(&range, 0x1f);
+        let sidecar = sidecar_of("distlock/", &entry).expect("an election's entry");
+        assert_eq!(sidecar, b"distlock/\0holder/election/orders%2Feu/1f");
+        assert!(!sidecar.starts_with(&range));
+        assert!(!is_entry(&range, &sidecar, 0x1f));
+        assert_ne!(
+            sidecar_of("distlock/", &entry_key(&range, 0x20)),
+            Some(sidecar)
+        );
+        for not in [
+            "election",
+            "election/",
+            "orders",
+            "elections/x",
+            "election%2Fx",
+        ] {
+            let range = name_prefix("distlock/", &LockKey::new(not).unwrap());
+            assert_eq!(
+                sidecar_of("distlock/", &entry_key(&range, 0x1f)),
+                None,
+                "{not}"
+            );
+        }
+        assert_eq!(sidecar_of("other/", &entry), None, "another prefix");
+        let labelled = HolderIdentity::process(Some("10.0.0.7:8080")).unwrap();
+        assert_eq!(candidate_value(&labelled), "10.0.0.7:8080");
+        let bare = HolderIdentity::process(None).unwrap();
+        assert_eq!(candidate_value(&bare), bare.as_str());
+    }
 
     /// A held lock keeps its entry key only; its name range is read back from it.
     #[test]

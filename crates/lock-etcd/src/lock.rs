@@ -382,7 +382,7 @@ impl Inner {
                             name: entry.name.clone(),
                             key: entry.key.clone(),
                             rev,
-                            value: entry.value(),
+                            value: entry.proof(),
                             marker: None,
                         };
                         if let Err(e) = self.remove_entry(&target, until).await {
@@ -465,8 +465,8 @@ impl Inner {
         .await;
         if let Ok(resp) = found
             && let Some(kv) = resp.kvs().first()
-            && kv.value() == entry.value().as_bytes()
             && kv.lease() == entry.session.id
+            && self.proves_ours(&entry, kv, until).await
         {
             entry.rev = kv.create_revision();
             if let Ok(owner) = self.entries_of(&entry.name, None, until).await {
@@ -491,6 +491,46 @@ impl Inner {
                 Err(err.into_error(BACKEND, op, key, Effect::Write))
             }
         }
+    }
+
+    /// Whether `kv`, the entry's key read back, is this attempt's: its value carries our token
+    /// ([`Entry::proof`]), or for an election's entry its sidecar's does (read here).
+    async fn proves_ours(&self, entry: &Entry, kv: &KeyValue, until: Instant) -> bool {
+        let proof = entry.proof();
+        let Some(sidecar) = entry.sidecar() else {
+            return kv.value() == proof.as_bytes();
+        };
+        Counters::bump(&self.counters.range);
+        let found = client::request_until(
+            self.timeout(),
+            until,
+            self.client.kv_client().get(sidecar, None),
+        )
+        .await;
+        found.is_ok_and(|resp| {
+            resp.kvs()
+                .first()
+                .is_some_and(|side| side.value() == proof.as_bytes())
+        })
+    }
+
+    /// An election owner's token and identity from its sidecar ([`keys::sidecar_of`]); `None`
+    /// when it has none (a Go candidate's) or it cannot be read. A sidecar last written before
+    /// the entry was created is an earlier entry's leftover on the same key (the reaper deletes
+    /// an unrenewed entry alone), never shown: the entry's put rewrites it at the entry's
+    /// create revision, a relabel later.
+    async fn sidecar_of(
+        &self,
+        owner: &KeyValue,
+    ) -> Option<(Option<OwnershipToken>, Option<HolderIdentity>)> {
+        let sidecar = keys::sidecar_of(&self.config.prefix, owner.key())?;
+        Counters::bump(&self.counters.range);
+        let resp = client::request(self.timeout(), self.client.kv_client().get(sidecar, None))
+            .await
+            .ok()?;
+        let side = resp.kvs().first()?;
+        (side.mod_revision() >= owner.create_revision())
+            .then(|| keys::parse_entry_value(side.value()))
     }
 
     /// Turns an owning entry into a lease, and queues it in the client's reaper. Hands the entry back when the
@@ -596,7 +636,7 @@ impl Driver for EtcdLock {
                 CompareOp::Equal,
                 held.rev,
             )])
-            .and_then([TxnOp::delete(held.key.clone(), None)]);
+            .and_then(deletes_of(inner, &held.key));
         let deleted = delete_if_created_at(inner, txn, "release", lease.key()).await?;
         if inner.finish(&held, true) {
             inner.drop_user(&held.session, held.name()).await;
@@ -610,8 +650,17 @@ impl Driver for EtcdLock {
             return Ok(None);
         };
         // The owner entry's own value: its identity was written with it, so it can never be a
-        // previous holder's. A Go election's leader: the value it proclaimed.
-        let (token, holder) = keys::parse_entry_value(kv.value());
+        // previous holder's. A Go election's leader: the value it proclaimed. One of our
+        // election entries: its value is the leader's value, its token and identity (whose
+        // label is that value) are in its sidecar, written and rewritten with it; without a
+        // sidecar only the value is shown (never read as a token: it is a Go candidate's).
+        let (token, holder) = match inner.sidecar_of(&kv).await {
+            Some(ours) => ours,
+            None if keys::sidecar_of(&inner.config.prefix, kv.key()).is_some() => {
+                (None, HolderIdentity::from_stored(kv.value()))
+            }
+            None => keys::parse_entry_value(kv.value()),
+        };
         let token_digest = token.map(|t| t.digest());
         let ttl_remaining = if kv.lease() != 0 {
             Counters::bump(&inner.counters.range);
@@ -643,9 +692,11 @@ impl Driver for EtcdLock {
         force_release_if(&self.inner, key, Some(holder)).await
     }
 
-    /// Go's `Proclaim`: a txn that puts the entry's new value (`<token hex> <identity>`, what
-    /// `etcdctl elect -l` prints) with the same lease, iff the entry still has the create
-    /// revision of this grant (so it still holds the lock: every other entry is younger).
+    /// Go's `Proclaim`: a txn that puts the entry's new value — for an election's entry the new
+    /// value alone (what `etcdctl elect -l` prints, [`keys::candidate_value`]) and
+    /// `<token hex> <identity>` in its sidecar; for any other lock `<token hex> <identity>` —
+    /// keeping its lease, iff the entry still has the create revision of this grant (so it
+    /// still holds the lock: every other entry is younger).
     async fn relabel(&self, lease: &Lease, holder: &HolderIdentity) -> Result<()> {
         let not_held = || Error::not_held(lease.key());
         let Some(held) = lease.shared_backend_state::<Held>() else {
@@ -661,11 +712,7 @@ impl Driver for EtcdLock {
                 CompareOp::Equal,
                 held.rev,
             )])
-            .and_then([TxnOp::put(
-                held.key.clone(),
-                keys::entry_value(lease.token(), holder),
-                Some(PutOptions::new().with_lease(held.session.id)),
-            )]);
+            .and_then(relabel_ops(inner, &held, lease, holder));
         Counters::bump(&inner.counters.txn);
         match client::request(inner.timeout(), inner.client.kv_client().txn(txn)).await {
             Ok(resp) if resp.succeeded() => Ok(()),
@@ -766,10 +813,44 @@ async fn force_release_if(
             CompareOp::Equal,
             owner.create_revision(),
         )])
-        .and_then([TxnOp::delete(owner.key().to_vec(), None)]);
+        .and_then(deletes_of(inner, owner.key()));
     let deleted = delete_if_created_at(inner, txn, "force_release", key).await?;
     tracing::warn!(%key, fencing = owner.create_revision(), "lock force-released by an operator");
     Ok(deleted)
+}
+
+/// The deletes of entry `key`: the key, and an election entry's sidecar with it.
+fn deletes_of(inner: &Inner, key: &[u8]) -> Vec<TxnOp> {
+    std::iter::once(key.to_vec())
+        .chain(keys::sidecar_of(&inner.config.prefix, key))
+        .map(|key| TxnOp::delete(key, None))
+        .collect()
+}
+
+/// The puts of a relabel to `holder` (see [`EtcdLock`]'s `relabel`). The entry keeps its lease
+/// (`ignore_lease`: the session's, or the one job mode's keep moved it onto); the sidecar is
+/// put on the session's, where the entry's put wrote it.
+fn relabel_ops(inner: &Inner, held: &Held, lease: &Lease, holder: &HolderIdentity) -> Vec<TxnOp> {
+    let proof = keys::entry_value(lease.token(), holder);
+    match keys::sidecar_of(&inner.config.prefix, &held.key) {
+        None => vec![TxnOp::put(
+            held.key.clone(),
+            proof,
+            Some(PutOptions::new().with_ignore_lease()),
+        )],
+        Some(sidecar) => vec![
+            TxnOp::put(
+                held.key.clone(),
+                keys::candidate_value(holder),
+                Some(PutOptions::new().with_ignore_lease()),
+            ),
+            TxnOp::put(
+                sidecar,
+                proof,
+                Some(PutOptions::new().with_lease(held.session.id)),
+            ),
+        ],
+    }
 }
 
 /// Runs `txn` — a delete of one entry compared on its create revision — and answers whether it

@@ -170,11 +170,28 @@ pub(crate) struct Entry {
 }
 
 impl Entry {
-    /// The entry's value: token and this client's holder identity ([`keys::entry_value`]). The
-    /// identity rides in the put that creates the entry: no extra request, and it is deleted
-    /// with the entry (lease expiry, release, force-release).
+    /// The entry's value: token and this client's holder identity ([`keys::entry_value`]); for
+    /// an election's entry the leader's value alone ([`keys::candidate_value`]), what Go's
+    /// election peers read, with token and identity in its [`Entry::sidecar`]. The identity
+    /// rides in the put that creates the entry: no extra request, and it is deleted with the
+    /// entry (lease expiry, release, force-release).
     pub(crate) fn value(&self) -> String {
+        if self.sidecar().is_some() {
+            keys::candidate_value(&self.inner.identity)
+        } else {
+            self.proof()
+        }
+    }
+
+    /// What proves an entry this attempt's: token and identity, the entry's value or its
+    /// sidecar's.
+    pub(crate) fn proof(&self) -> String {
         keys::entry_value(&self.token, &self.inner.identity)
+    }
+
+    /// An election entry's sidecar key ([`keys::sidecar_of`]), which holds [`Entry::proof`].
+    pub(crate) fn sidecar(&self) -> Option<Vec<u8>> {
+        keys::sidecar_of(&self.inner.config.prefix, &self.key)
     }
 
     /// The attempt's put (Go's `tryAcquire` txn): put our key if it does not exist and read the
@@ -188,29 +205,37 @@ impl Entry {
     /// read by etcd, encoded, sent and decoded once per contender — larger. One read, not a
     /// second one for the oldest key: etcd reads and sorts the whole range for each sorted read
     /// (it cannot stop at a limit when sorting), and every contended acquisition has a put.
+    ///
+    /// An election's entry puts its sidecar too, on the same lease, after the read (so the
+    /// replies' indices are the same for every lock).
     pub(crate) fn put_txn(&self) -> Txn {
+        let on_lease = || Some(PutOptions::new().with_lease(self.session.id));
+        let sidecar = self
+            .sidecar()
+            .map(|sidecar| TxnOp::put(sidecar, self.proof(), on_lease()));
         Txn::new()
             .when([
                 Compare::create_revision(self.key.clone(), CompareOp::Equal, 0),
                 Compare::create_revision(self.marker.clone(), CompareOp::Equal, 0),
             ])
-            .and_then([
-                TxnOp::put(
-                    self.key.clone(),
-                    self.value(),
-                    Some(PutOptions::new().with_lease(self.session.id)),
-                ),
-                TxnOp::get(
-                    self.name.clone(),
-                    Some(
-                        GetOptions::new()
-                            .with_prefix()
-                            .with_sort(SortTarget::Create, SortOrder::Descend)
-                            .with_limit(QUEUE_WATCH_MAX as i64 + 1)
-                            .with_keys_only(),
+            .and_then(
+                [
+                    TxnOp::put(self.key.clone(), self.value(), on_lease()),
+                    TxnOp::get(
+                        self.name.clone(),
+                        Some(
+                            GetOptions::new()
+                                .with_prefix()
+                                .with_sort(SortTarget::Create, SortOrder::Descend)
+                                .with_limit(QUEUE_WATCH_MAX as i64 + 1)
+                                .with_keys_only(),
+                        ),
                     ),
-                ),
-            ])
+                ]
+                .into_iter()
+                .chain(sidecar)
+                .collect::<Vec<_>>(),
+            )
             .or_else([TxnOp::get(
                 self.key.clone(),
                 Some(GetOptions::new().with_keys_only()),
@@ -244,7 +269,8 @@ pub(crate) struct Target {
     pub(crate) name: Vec<u8>,
     pub(crate) key: Vec<u8>,
     pub(crate) rev: i64,
-    /// The entry's value (token and identity), matched when the create revision is unknown.
+    /// The entry's token and identity ([`Entry::proof`]), matched when the create revision is
+    /// unknown: the entry's value, or an election entry's sidecar's.
     pub(crate) value: String,
     /// Set when the create revision is unknown (a put whose outcome is unknown may still be
     /// applied later): removing it also puts this marker, which the put requires absent.
@@ -258,7 +284,7 @@ impl Target {
             name: e.name.clone(),
             key: e.key.clone(),
             rev: e.rev,
-            value: e.value(),
+            value: e.proof(),
             marker: (e.rev <= 0).then(|| e.marker.clone()),
         }
     }
@@ -267,7 +293,16 @@ impl Target {
     /// token, and also puts the attempt's marker in the same txn whatever the compare says:
     /// from then on the original put (conditional on the marker's absence) can never apply, so
     /// a put still in flight cannot leave a ghost entry behind (review L1).
-    pub(crate) fn removal(&self) -> Txn {
+    ///
+    /// An election entry's sidecar ([`keys::sidecar_of`] under `prefix`) goes in the same txn,
+    /// and with an unknown create revision it is the sidecar that is matched on the token.
+    pub(crate) fn removal(&self, prefix: &str) -> Txn {
+        let sidecar = keys::sidecar_of(prefix, &self.key);
+        let deletes = || {
+            std::iter::once(self.key.clone())
+                .chain(sidecar.clone())
+                .map(|key| TxnOp::delete(key, None))
+        };
         match &self.marker {
             None => Txn::new()
                 .when([Compare::create_revision(
@@ -275,7 +310,7 @@ impl Target {
                     CompareOp::Equal,
                     self.rev,
                 )])
-                .and_then([TxnOp::delete(self.key.clone(), None)]),
+                .and_then(deletes().collect::<Vec<_>>()),
             Some(marker) => {
                 let put_marker = TxnOp::put(
                     marker.clone(),
@@ -284,11 +319,11 @@ impl Target {
                 );
                 Txn::new()
                     .when([Compare::value(
-                        self.key.clone(),
+                        sidecar.clone().unwrap_or_else(|| self.key.clone()),
                         CompareOp::Equal,
                         self.value.clone(),
                     )])
-                    .and_then([TxnOp::delete(self.key.clone(), None), put_marker.clone()])
+                    .and_then(deletes().chain([put_marker.clone()]).collect::<Vec<_>>())
                     .or_else([put_marker])
             }
         }
@@ -398,7 +433,7 @@ impl Inner {
         match client::request_until(
             self.timeout(),
             until,
-            self.client.kv_client().txn(t.removal()),
+            self.client.kv_client().txn(t.removal(&self.config.prefix)),
         )
         .await
         {

@@ -152,7 +152,8 @@ fn etcdctl_elect_leads_and_we_follow() {
         let (rev, lease) = env.rev_and_lease(&key).await;
 
         let leader = ours.leader().await.unwrap().expect("etcdctl leads");
-        assert_eq!(leader.holder.unwrap().as_str(), proposal);
+        assert_eq!(leader.value.as_deref(), Some(proposal.as_str()));
+        assert_eq!(leader.holder, None);
         assert_eq!(leader.term, Some(FencingToken(u64::try_from(rev).unwrap())));
         assert!(ours.try_campaign().await.unwrap().is_none());
 
@@ -201,8 +202,8 @@ fn we_lead_and_etcdctl_elect_follows() {
         let (_listener, mut observed) = env.etcdctl_elect(&["-l", &path]);
         let (key, value) = next_leader(&mut observed).await;
         assert_eq!(key, our_key);
-        // Our entry's value: `<token hex> <identity>` (never printed here: it holds the token).
-        assert!(value.ends_with(" label=ours"), "not our identity");
+        // Our entry's value: our value alone.
+        assert_eq!(value, "ours");
 
         let proposal = fresh("go-follower");
         let (mut child, mut out) = env.etcdctl_elect(&[&path, &proposal]);
@@ -230,7 +231,7 @@ fn we_lead_and_etcdctl_elect_follows() {
 
         let (rev, _) = env.rev_and_lease(&key).await;
         let leader = ours.leader().await.unwrap().expect("etcdctl leads");
-        assert_eq!(leader.holder.unwrap().as_str(), proposal);
+        assert_eq!(leader.value.as_deref(), Some(proposal.as_str()));
         assert_eq!(leader.term, Some(FencingToken(u64::try_from(rev).unwrap())));
         assert!(leader.term > Some(old_term));
         assert!(ours.try_campaign().await.unwrap().is_none());
@@ -261,7 +262,7 @@ fn proclaim_changes_the_value_etcdctl_sees_and_a_deposed_leader_changes_nothing(
         let lead = ea.campaign(SLACK).await.unwrap();
         let (_listener, mut out) = env.etcdctl_elect(&["-l", &format!("distlock/election/{name}")]);
         let (_, value) = next_leader(&mut out).await;
-        assert!(value.ends_with(" label=a"), "not a's identity: {value}");
+        assert_eq!(value, "a", "not a's value");
 
         let shown = lead.proclaim("scheduler-2").await.unwrap();
         assert!(shown.as_str().ends_with(" label=scheduler-2"), "{shown}");
@@ -269,10 +270,7 @@ fn proclaim_changes_the_value_etcdctl_sees_and_a_deposed_leader_changes_nothing(
         assert_eq!(leader.term, Some(lead.term()));
         assert_eq!(leader.holder.as_ref(), Some(&shown));
         let (_, value) = next_leader(&mut out).await;
-        assert!(
-            value.ends_with(shown.as_str()),
-            "etcdctl shows the old value: {value}"
-        );
+        assert_eq!(value, "scheduler-2", "etcdctl shows the old value");
 
         // Still the same grant, and not taken for lost: it renews.
         let mut lease = lead.granted_lease().clone();
@@ -292,9 +290,26 @@ fn proclaim_changes_the_value_etcdctl_sees_and_a_deposed_leader_changes_nothing(
             after, before,
             "a deposed leader's proclaim changed the leader"
         );
+        let next_key =
+            String::from_utf8(EtcdLock::entry_key(next.granted_lease()).unwrap()).unwrap();
+        assert_eq!(next_leader(&mut out).await, (next_key, "b".to_owned()));
         assert!(next.resign().await.unwrap());
-        // No entry of a's came back to lead next.
+        // No entry of a's came back to lead next, and no sidecar of a's or b's is left.
         assert_eq!(eb.leader().await.unwrap(), None);
+        let sidecars = env
+            .admin
+            .kv_client()
+            .get(
+                format!("distlock/\0holder/election/{name}/"),
+                Some(
+                    etcd_client::GetOptions::new()
+                        .with_prefix()
+                        .with_count_only(),
+                ),
+            )
+            .await
+            .unwrap();
+        assert_eq!(sidecars.count(), 0, "a sidecar outlived its entry");
     });
 }
 
@@ -325,8 +340,100 @@ fn observe_is_pushed_by_a_watch() {
         let (seen, _) = next().await;
         let seen = seen.expect("a leader");
         assert_eq!(seen.term, Some(lead.term()));
+        assert_eq!(seen.value.as_deref(), Some("v2"));
         assert!(seen.holder.unwrap().as_str().ends_with(" label=v2"));
         assert!(lead.resign().await.unwrap());
         assert_eq!(next().await.0, None);
+    });
+}
+
+/// `etcdctl get <key> --print-value-only`: the value of the etcd key `key`.
+async fn etcdctl_get(endpoint: &str, key: &str) -> String {
+    let out = Command::new("etcdctl")
+        .env("ETCDCTL_API", "3")
+        .arg(format!("--endpoints=http://{endpoint}"))
+        .args(["get", key, "--print-value-only"])
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "etcdctl get {key}: {out:?}");
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .trim_end_matches('\n')
+        .to_owned()
+}
+
+/// Issue 44, item 11: while our candidate leads, a Go observer (`etcdctl elect -l`, which is
+/// `Election.Observe`) and `etcdctl get` read exactly its value — the label it campaigned with,
+/// then what it proclaimed, with the same create revision — and never its token or identity;
+/// our `leader()` reads exactly the value `etcdctl elect NAME V` proclaims, and no identity.
+#[test]
+fn peers_read_exactly_our_value_and_we_read_exactly_theirs() {
+    rt().block_on(async {
+        let Some(env) = env().await else { return };
+        let name = fresh("value");
+        let path = format!("distlock/election/{name}");
+        let value = format!("10.0.0.7:8080/{}", fresh("api"));
+        let ours = env.election(&name, &value).await;
+        let lead = ours.campaign(SLACK).await.unwrap();
+        let token = lead.granted_lease().token().expose_hex();
+        let our_key =
+            String::from_utf8(EtcdLock::entry_key(lead.granted_lease()).unwrap()).unwrap();
+        let (rev, _) = env.rev_and_lease(&our_key).await;
+
+        let (_listener, mut observed) = env.etcdctl_elect(&["-l", &path]);
+        assert_eq!(
+            next_leader(&mut observed).await,
+            (our_key.clone(), value.clone())
+        );
+        assert_eq!(etcdctl_get(&env.endpoint, &our_key).await, value);
+        let leader = ours.leader().await.unwrap().expect("we lead");
+        assert_eq!(leader.value.as_deref(), Some(value.as_str()));
+        let who = leader.holder.expect("our identity, read beside the value");
+        assert!(
+            who.as_str()
+                .contains(&format!(" pid={} ", std::process::id())),
+            "{who}"
+        );
+        assert!(!who.as_str().contains(&token));
+
+        let proclaimed = format!("10.0.0.8:8080/{}", fresh("api"));
+        lead.proclaim(&proclaimed).await.unwrap();
+        assert_eq!(
+            next_leader(&mut observed).await,
+            (our_key.clone(), proclaimed.clone())
+        );
+        assert_eq!(etcdctl_get(&env.endpoint, &our_key).await, proclaimed);
+        assert_eq!(
+            env.rev_and_lease(&our_key).await.0,
+            rev,
+            "a proclaim changed the term"
+        );
+        let leader = ours.leader().await.unwrap().expect("we lead");
+        assert_eq!(leader.value.as_deref(), Some(proclaimed.as_str()));
+        assert_eq!(leader.term, Some(lead.term()));
+        assert!(
+            leader
+                .holder
+                .unwrap()
+                .as_str()
+                .ends_with(&format!(" label={proclaimed}"))
+        );
+        assert!(lead.resign().await.unwrap());
+
+        let theirs = format!("http://10.0.0.9:80/{}", fresh("go"));
+        let (mut child, mut out) = env.etcdctl_elect(&[&path, &theirs]);
+        let (key, shown) = next_leader(&mut out).await;
+        assert_eq!(shown, theirs);
+        let leader = ours.leader().await.unwrap().expect("etcdctl leads");
+        assert_eq!(leader.value.as_deref(), Some(theirs.as_str()));
+        assert_eq!(
+            leader.holder, None,
+            "a Go leader records no identity of ours"
+        );
+        let (rev, _) = env.rev_and_lease(&key).await;
+        assert_eq!(leader.term, Some(FencingToken(u64::try_from(rev).unwrap())));
+        signal(&child, Signal::SIGTERM);
+        assert!(child.wait().await.unwrap().success());
     });
 }
