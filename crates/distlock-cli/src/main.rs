@@ -532,10 +532,12 @@ fn main() -> ExitCode {
         // guard's release) get done before the process goes; they need the client alive. Not
         // for long when the coordinator is unavailable (they would most likely time out), and
         // a signal ends the wait at once.
-        let budget = if code == exit::UNAVAILABLE {
-            Duration::from_secs(1)
-        } else {
-            Duration::from_secs(5)
+        let budget = match code {
+            exit::UNAVAILABLE => Duration::from_secs(1),
+            // The command is dead and the lease gone: exit within --kill-after + 1 s of the
+            // command's death, whatever the coordinator does (frozen, unreachable).
+            exit::LOST | exit::LOST_UNTERMINATED | exit::INTERNAL => run::AFTER_LOSS,
+            _ => Duration::from_secs(5),
         };
         let code = match run::Signals::new() {
             Ok(mut signals) => tokio::select! {

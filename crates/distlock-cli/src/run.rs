@@ -596,7 +596,7 @@ pub async fn supervise(lease: LockGuard, job: &Job, timing: &Timing) -> u8 {
         Ok(signals) => signals,
         Err(e) => {
             say!("distlock: cannot install signal handlers: {e}");
-            let _ = lease.release().await;
+            release_after_loss(lease).await;
             return exit::INTERNAL;
         }
     };
@@ -684,7 +684,7 @@ pub async fn supervise(lease: LockGuard, job: &Job, timing: &Timing) -> u8 {
                     // Without its guard the command is not safe to leave running.
                     let code = without_guard(&mut child, &guard, &lease, kill_after, margin).await;
                     drop(foreground);
-                    let _ = lease.release().await;
+                    release_after_loss(lease).await;
                     return code;
                 }
             }
@@ -728,7 +728,7 @@ pub async fn supervise(lease: LockGuard, job: &Job, timing: &Timing) -> u8 {
     let status = leader.unwrap_or_else(|| ExitStatus::from_raw(Signal::SIGKILL as i32));
 
     if let Some(signal) = tty_stop {
-        let _ = lease.release().await;
+        release_after_loss(lease).await;
         return exit::signalled(signal as i32);
     }
     if let Some(reason) = &guard.terminating {
@@ -737,7 +737,7 @@ pub async fn supervise(lease: LockGuard, job: &Job, timing: &Timing) -> u8 {
                 "distlock: the command was terminated because the lease on {key} was not renewed in time"
             );
         }
-        let _ = lease.release().await;
+        release_after_loss(lease).await;
         return exit::LOST;
     }
     if lease.is_lost() {
@@ -745,7 +745,7 @@ pub async fn supervise(lease: LockGuard, job: &Job, timing: &Timing) -> u8 {
             "distlock: lost the lock {key} before the command finished (it exited with {}, not terminated)",
             describe_status(status)
         );
-        let _ = lease.release().await;
+        release_after_loss(lease).await;
         return exit::LOST_UNTERMINATED;
     }
     match lease.release().await {
@@ -764,6 +764,18 @@ pub async fn supervise(lease: LockGuard, job: &Job, timing: &Timing) -> u8 {
         Err(e) => say!("distlock: releasing {key} failed ({e}); it will expire by its ttl"),
     }
     status_code(status)
+}
+
+/// How long `run` waits for a release once the lease is lost or its command was terminated
+/// (then the release goes on in the background, for [`AFTER_LOSS`] more in `main`): a frozen
+/// or unreachable coordinator must not hold distlock's exit back, which comes within one
+/// --kill-after + 1 s of the command's death.
+pub const AFTER_LOSS: Duration = Duration::from_millis(400);
+
+/// Releases a lease that is lost or whose command was terminated, waiting at most
+/// [`AFTER_LOSS`] (the release is cancellation safe: it finishes in the background).
+async fn release_after_loss(lease: LockGuard) {
+    let _ = timeout(AFTER_LOSS, lease.release()).await;
 }
 
 /// What to do about the command's top process having been stopped by `signal`; `Some` when the

@@ -231,3 +231,92 @@ fn an_outage_during_conformance_is_69_naming_the_property() {
     assert!(line.contains("not a property failure"), "{line}");
     assert!(!stdout.contains("FAILED"), "counted as failures: {stdout}");
 }
+
+/// Whether process `pid` is gone (or a zombie).
+fn is_dead(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| matches!(state, "Z" | "X")),
+    }
+}
+
+/// Waits for `path` to hold a pid and returns it.
+fn read_pid(path: &std::path::Path, child: &mut Child) -> i32 {
+    support::wait_for_file(path, child, Duration::from_secs(30));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Ok(pid) = std::fs::read_to_string(path).unwrap().trim().parse() {
+            return pid;
+        }
+        assert!(Instant::now() < deadline, "no pid in {}", path.display());
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Item 6: an etcd frozen (SIGSTOP) under `run`: the guard kills the command before the
+/// lease's deadline, and then distlock exits 76 within one --kill-after + 1 s of the command's
+/// death, whatever the server does (it stays frozen) — it used to wait ~15 s more for the
+/// release and the background clean-ups.
+#[test]
+fn a_frozen_etcd_does_not_hold_back_the_exit_after_the_kill() {
+    if !Backend::Etcd.is_enabled() {
+        assert!(!conformance::backends_required(), "etcd is not compiled in");
+        return;
+    }
+    if !have("etcd") {
+        return;
+    }
+    let server = PrivateServer::start_blocking(ServerKind::Etcd, free_port());
+    let dir = support::temp_dir("frozen-etcd");
+    let pid_file = dir.join("pid");
+    let kill_after = Duration::from_secs(1);
+    let mut child = distlock(
+        &server.url(),
+        &[
+            "run",
+            "--ttl",
+            "6s",
+            "--kill-after",
+            "1s",
+            &support::fresh_key("frozen-etcd"),
+            "--",
+            "sh",
+            "-c",
+        ],
+    )
+    .arg(format!("echo $$ > {}; exec sleep 600", pid_file.display()))
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let command = read_pid(&pid_file, &mut child);
+    server.ctl_blocking("pause");
+    let frozen = Instant::now();
+    while !is_dead(command) {
+        assert!(
+            frozen.elapsed() < Duration::from_secs(20),
+            "the command outlived the lease (6 s) by far"
+        );
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("distlock exited ({status}) before its command died");
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+    let died = Instant::now();
+    let out = wait_output(child, Duration::from_secs(60));
+    let after = died.elapsed();
+    server.ctl_blocking("resume");
+    let stderr = text(&out.stderr);
+    eprintln!(
+        "command killed {:?} after the freeze; distlock exited {after:?} after that",
+        died - frozen
+    );
+    assert_eq!(out.status.code(), Some(76), "{stderr}");
+    assert!(
+        after <= kill_after + Duration::from_secs(1),
+        "distlock exited {after:?} after its command died (at most --kill-after + 1 s): {stderr}"
+    );
+}
