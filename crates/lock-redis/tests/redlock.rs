@@ -196,3 +196,182 @@ async fn drill_redlock_master_restarted_without_persistence_mid_hold_double_gran
         files.svg.display()
     );
 }
+
+/// A master's own connection, for reading what the drill left there.
+async fn admin(server: &support::Server) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(format!("redis://{}", server.addr()))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+async fn get(admin: &mut redis::aio::MultiplexedConnection, key: &str) -> Option<String> {
+    redis::cmd("GET").arg(key).query_async(admin).await.unwrap()
+}
+
+/// Resumes the frozen master however the drill ends (a failed assertion included), so the
+/// topology's drop can kill it.
+struct Thaw<'a>(&'a support::Server);
+
+impl Drop for Thaw<'_> {
+    fn drop(&mut self) {
+        if self.0.pid().is_some() {
+            self.0.resume();
+        }
+    }
+}
+
+/// One of three masters frozen (`SIGSTOP`: its port still accepts connections, nothing is ever
+/// answered). With the default timeouts, every call is decided by the two live masters: a TTL of
+/// 1 s (and 3 s) is granted within the goal (2 × the slowest live round trip + the per-master
+/// timeout), `acquire` returns within its deadline, renew and release within the request
+/// budget; a client built while the master is frozen works too. A refused attempt returns
+/// without waiting for its undo, and the undo still reaches the frozen master once it is
+/// thawed: the late `SET` it had buffered leaves nothing behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drill_redlock_one_of_three_masters_frozen() {
+    let Some(masters) = masters().await else {
+        return;
+    };
+    let url = masters.url("namespace=redlock-frozen:");
+    let lock = RedlockLock::connect_url(&url).await.unwrap();
+    let budget = Duration::from_secs(1); // the default `timeout`: the per-master timeout
+    let key = fresh_key("redlock-frozen");
+    // Every connection is up before the freeze (a grant and its release on all three).
+    let lease = lock.try_acquire(&key, TTL).await.unwrap().unwrap();
+    assert!(lock.release(&lease).await.unwrap());
+    let frozen = &masters.nodes[0];
+    let mut live = [
+        admin(&masters.nodes[1]).await,
+        admin(&masters.nodes[2]).await,
+    ];
+    let mut frozen_admin = admin(frozen).await;
+    frozen.pause();
+    let _thaw = Thaw(frozen);
+    let rtt = {
+        let started = Instant::now();
+        for c in &mut live {
+            redis::cmd("PING").query_async::<()>(c).await.unwrap();
+        }
+        started.elapsed()
+    };
+    let goal = rtt * 2 + budget;
+    let mut report = Vec::new();
+
+    for ttl in [Duration::from_secs(1), Duration::from_secs(3)] {
+        let started = Instant::now();
+        let got = lock.try_acquire(&key, ttl).await;
+        let took = started.elapsed();
+        report.push(format!("try_acquire(ttl {ttl:?}): {took:?}"));
+        let mut lease = got
+            .unwrap_or_else(|e| panic!("ttl {ttl:?}: {e} after {took:?}"))
+            .unwrap_or_else(|| panic!("ttl {ttl:?}: refused after {took:?}"));
+        assert!(
+            took < goal,
+            "ttl {ttl:?}: granted after {took:?} (goal {goal:?})"
+        );
+        assert!(lease.is_locally_valid());
+
+        let started = Instant::now();
+        lock.renew(&mut lease, ttl).await.unwrap();
+        let took = started.elapsed();
+        report.push(format!("renew(ttl {ttl:?}): {took:?}"));
+        assert!(took < goal, "renewed after {took:?} (goal {goal:?})");
+
+        let started = Instant::now();
+        assert!(lock.release(&lease).await.unwrap());
+        let took = started.elapsed();
+        report.push(format!("release: {took:?}"));
+        assert!(took < goal, "released after {took:?} (goal {goal:?})");
+    }
+
+    // acquire with a 1 s deadline: a free key at once, a held one refused by the deadline.
+    let deadline = Duration::from_secs(1);
+    let started = Instant::now();
+    let lease = lock
+        .acquire(&key, Duration::from_secs(1), Instant::now() + deadline)
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    report.push(format!("acquire(free, deadline 1s): {took:?}"));
+    assert!(took < deadline, "acquire took {took:?}");
+    assert!(lock.release(&lease).await.unwrap());
+    let lease = lock.try_acquire(&key, TTL).await.unwrap().unwrap();
+    let other = RedlockLock::connect_url(&url).await.unwrap();
+    let started = Instant::now();
+    let err = other
+        .acquire(&key, Duration::from_secs(1), Instant::now() + deadline)
+        .await
+        .unwrap_err();
+    let took = started.elapsed();
+    report.push(format!("acquire(held, deadline 1s): {took:?} ({err})"));
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    assert!(
+        took < deadline + Duration::from_millis(300),
+        "acquire outlived its deadline: {took:?}"
+    );
+    assert!(lock.release(&lease).await.unwrap());
+
+    // A client built while the master is frozen (its connection there never completes).
+    let started = Instant::now();
+    let fresh = RedlockLock::connect_url(&url).await.unwrap();
+    let lease = fresh
+        .try_acquire(&key, Duration::from_secs(1))
+        .await
+        .unwrap()
+        .expect("the two live masters grant");
+    let took = started.elapsed();
+    report.push(format!("connect + try_acquire by a new client: {took:?}"));
+    assert!(took < goal * 2, "a new client took {took:?}");
+    assert!(fresh.release(&lease).await.unwrap());
+
+    // A refused attempt: one live master is held by someone else, the other grants, the frozen
+    // one never answers. The refusal comes within the validity time, without waiting for the
+    // undo; the undo deletes the live grant in the background.
+    let name = lock.redis_key(&key);
+    let foreign = "someone-else";
+    redis::cmd("SET")
+        .arg(&name)
+        .arg(foreign)
+        .arg("PX")
+        .arg(60_000)
+        .query_async::<()>(&mut live[0])
+        .await
+        .unwrap();
+    let ttl = Duration::from_secs(1);
+    let started = Instant::now();
+    let refused = lock.try_acquire(&key, ttl).await;
+    let took = started.elapsed();
+    report.push(format!(
+        "try_acquire(one live master held): {took:?} ({refused:?})"
+    ));
+    assert!(
+        matches!(refused, Ok(None) | Err(Error::Unavailable { .. })),
+        "{refused:?}"
+    );
+    assert!(took < ttl + budget, "refused after {took:?}");
+    let until = Instant::now() + Duration::from_secs(5);
+    while get(&mut live[1], &name).await.is_some() {
+        assert!(
+            Instant::now() < until,
+            "the undo did not reach the live master"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(get(&mut live[0], &name).await.as_deref(), Some(foreign));
+
+    // Thawed, the frozen master runs what it had buffered (the late SETs among it); the undo
+    // still in the background reaches it, and nothing of ours is left there.
+    frozen.resume();
+    assert!(
+        lock_core::raw::cleanup::finish(Duration::from_secs(30)).await,
+        "the undo did not finish"
+    );
+    let left = get(&mut frozen_admin, &name).await;
+    assert!(left.is_none(), "left on the thawed master: {left:?}");
+    eprintln!(
+        "redlock, one of three masters frozen: {}",
+        report.join("; ")
+    );
+}
