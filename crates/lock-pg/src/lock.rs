@@ -13,7 +13,7 @@ use std::{
 
 use lock_core::raw::{
     AcquireWait, Backoff, Batcher, Capabilities, Driver, Error, FencingGuarantee, FencingToken,
-    HolderIdentity, HolderInfo, Lease, LockKey, OwnershipToken, Result, async_trait,
+    HolderIdentity, HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result, async_trait,
     cleanup::Retries,
     handoff::{self, Asked, Registered},
     server_expired_lease,
@@ -631,10 +631,44 @@ impl Driver for PgLock {
     /// waiter, if any); a grant in flight at that moment is undone in the background.
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
         let poll = self.inner.config.poll_interval;
-        let mut wait =
-            AcquireWait::new(key, deadline, Backoff::new(Duration::from_millis(10), poll))?;
-        let mut waiter = QueueWaiter::new(self, Asked { key, ttl, deadline });
-        handoff::acquire_queued(&mut waiter, &mut wait, Backoff::new(poll, poll)).await
+        loop {
+            let mut wait =
+                AcquireWait::new(key, deadline, Backoff::new(Duration::from_millis(10), poll))?;
+            let mut waiter = QueueWaiter::new(self, Asked { key, ttl, deadline });
+            let mut lease =
+                handoff::acquire_queued(&mut waiter, &mut wait, Backoff::new(poll, poll)).await?;
+            drop(waiter);
+            if lease.ttl() >= ttl {
+                return Ok(lease);
+            }
+            // A release's direct grant, taken from its notification: the release gave it only
+            // the entry's short first lease (`queue::HANDOFF_LEASE`), so that a waiter that died
+            // before it could take it blocks the lock that long at most. Confirmed here — one
+            // renewal to `ttl`, counted from its sending — before the caller sees it.
+            // Dropped meanwhile, or unconfirmed, the grant is released (handed on) in the
+            // background, until it would have expired even if the renewal applied.
+            let mut undo = UndoOnDrop {
+                inner: Some(self.inner.clone()),
+                key: key.clone(),
+                token: *lease.token(),
+                until: self.inner.undo_until(Instant::now(), ttl),
+            };
+            match self.inner.renew(&mut lease, ttl).await {
+                Ok(()) => {
+                    undo.disarm();
+                    return Ok(lease);
+                }
+                Err(e) => {
+                    // Gone (expired or force-released first), or unconfirmed: released by the
+                    // undo and, while the deadline allows, the wait starts again.
+                    tracing::debug!(%key, error = %e, "a direct grant could not be confirmed; waiting again");
+                    drop(undo);
+                    if Instant::now() >= deadline {
+                        return Err(wait.timeout());
+                    }
+                }
+            }
+        }
     }
 
     async fn renew(&self, lease: &mut Lease, ttl: Duration) -> Result<()> {
@@ -693,6 +727,54 @@ impl Driver for PgLock {
 
     async fn force_release(&self, key: &LockKey) -> Result<bool> {
         self.inner.force_release(key, None).await
+    }
+
+    /// Pushed: an operator's force-release notifies the grant it removed on
+    /// `wake::LOST_CHANNEL`, which the client's `LISTEN` connection hears; the holder then reads
+    /// the row, and only when it is no longer this grant (another owner or fence, or free) is
+    /// the lease lost — a forged or stale notification (the row still ours) is ignored, and so
+    /// is a read that fails (the renewals decide then). With `listen=false`, and for anything
+    /// else (an expiry, a failover or restore that lost the grant), the renewals and the local
+    /// deadline find the loss.
+    fn watch_lost(
+        &self,
+        lease: &Lease,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = LossReason> + Send + 'static>> {
+        if !self.inner.config.listen {
+            return Box::pin(std::future::pending());
+        }
+        let (lock, lease) = (self.clone(), lease.clone());
+        Box::pin(async move {
+            let Some(fence) = lease
+                .fencing_token()
+                .and_then(|f| i64::try_from(f.get()).ok())
+            else {
+                return std::future::pending().await;
+            };
+            let watch = lock
+                .notifier()
+                .watch_lost(lease.key().as_str(), fence)
+                .await;
+            let mine = lease.token().digest();
+            loop {
+                watch.announced().await;
+                match lock.inner.inspect(lease.key()).await {
+                    Ok(Some(info))
+                        if info.token_digest == Some(mine)
+                            && info.fencing_token == lease.fencing_token() =>
+                    {
+                        tracing::debug!(key = %lease.key(), "a force-release notification named this grant, which still holds; ignored");
+                    }
+                    Ok(_) => {
+                        tracing::warn!(key = %lease.key(), %fence, "the lock was force-released: lease lost");
+                        return LossReason::Revoked;
+                    }
+                    Err(e) => {
+                        tracing::debug!(key = %lease.key(), error = %e, "cannot read the lock after a force-release notification; renewals will tell");
+                    }
+                }
+            }
+        })
     }
 
     /// As `force_release`, only while the holder is the grant with fencing token `holder` (one

@@ -88,11 +88,27 @@ impl Queued {
         ttl: Duration,
     ) -> Option<Lease> {
         let grant = self.subscription.mark_seen()?;
-        // A lease already past its local deadline is not taken: the next attempt confirms
-        // and extends the grant instead.
-        let lease = by?
-            .lease(grant, key, self.grant_owner, ttl)
-            .filter(Lease::is_locally_valid)?;
+        // The release granted the entry's short first lease (see [`HANDOFF_LEASE`]), from
+        // after `by` was sent: the lease counts that long from then, and `acquire` extends it
+        // to `ttl` before returning it. One already past its local deadline is not taken: the
+        // next attempt confirms and extends the grant instead (if it still holds).
+        let by = by?;
+        // As `Registered::lease`: a grant of an older attempt, or one seen more than a quarter
+        // of the TTL after the attempt, is confirmed by the next attempt instead.
+        if by.seq != grant.seq || by.sent_at.elapsed() > ttl / 4 {
+            return None;
+        }
+        let first = first_lease(ttl);
+        let lease = Lease::new(
+            key.clone(),
+            self.grant_owner,
+            Some(grant.fence),
+            first,
+            by.sent_at,
+        );
+        if !lease.is_locally_valid() {
+            return None;
+        }
         // The release read the entry this attempt wrote, so it granted after `sent_at`: the
         // local deadline cannot be later than the server's expiry.
         self.queued = false;
@@ -298,6 +314,18 @@ impl Drop for Queued {
             tracing::debug!(%key, "could not leave the wait queue in time");
         });
     }
+}
+
+/// The longest first lease a release grants a queued waiter (the TTL in its entry, see
+/// [`crate::sql`]): a waiter that died after its last attempt — while its entry was still live,
+/// up to two poll intervals — holds the lock this long at most, not for the TTL it asked for. A
+/// live waiter extends it at once (one renewal to its TTL, before `acquire` returns), so this
+/// only needs to outlast the notification's delivery and one statement.
+pub(crate) const HANDOFF_LEASE: Duration = Duration::from_millis(1500);
+
+/// The first lease of a direct grant to a waiter asking for `ttl`: [`HANDOFF_LEASE`] at most.
+pub(crate) fn first_lease(ttl: Duration) -> Duration {
+    ttl.min(HANDOFF_LEASE)
 }
 
 /// How long past its deadline an `acquire` that gives up may spend leaving the queue before it

@@ -398,9 +398,13 @@ impl Statements {
         // or appended. Only a grant waits for a durable commit: a lost queue entry costs a poll,
         // a lost grant could cost a fence.
         let (qid, qexpiry, mine) = (id("q.w"), expiry("q.w"), has_entry("$4"));
-        let mut entry = "$4 || ' ' || (d.now_ms + $5::bigint) || ' ' || $7::bigint || ' ' \
-                         || $3::bigint || ' ' || $6"
-            .to_owned();
+        // The entry's TTL is the short first lease a release grants from it (the waiter
+        // extends it when it takes the grant; see `crate::queue::HANDOFF_LEASE`).
+        let mut entry = format!(
+            "$4 || ' ' || (d.now_ms + $5::bigint) || ' ' || $7::bigint || ' ' \
+             || LEAST($3::bigint, {}) || ' ' || $6",
+            crate::lock::micros(crate::queue::HANDOFF_LEASE)
+        );
         let (hcols, hvals, _) = grant_holder("$8");
         // A free row granted, or a grant to this waiter extended: this client's identity.
         let hqueued = if holders {
@@ -503,14 +507,20 @@ impl Statements {
              FROM {t} AS l WHERE name = $1 AND owner IS NOT NULL AND expires_at > clock_timestamp()",
             live = live_entries()
         );
-        let force_release = free_and_grant(
-            &t,
-            "l.name = $1 AND l.owner IS NOT NULL AND l.expires_at > clock_timestamp() \
-                 AND ($2::bigint IS NULL OR l.fence = $2)",
-            "true",
-            "true",
-            false,
-            holders,
+        // The removed grant is announced to its holder (see `crate::wake::LOST_CHANNEL`):
+        // `<fence>:<name>`, delivered when the statement commits.
+        let force_release = format!(
+            "{}, pg_notify('{}', $2::bigint::text || ':' || $1::text)",
+            free_and_grant(
+                &t,
+                "l.name = $1 AND l.owner IS NOT NULL AND l.expires_at > clock_timestamp() \
+                     AND ($2::bigint IS NULL OR l.fence = $2)",
+                "true",
+                "true",
+                false,
+                holders,
+            ),
+            crate::wake::LOST_CHANNEL
         );
         // Guarded like a release (name, owner token, fence, live): never a blind write. The
         // fence is the grant's own, so `inspect` keeps showing it as this grant's identity.

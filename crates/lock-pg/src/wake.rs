@@ -37,6 +37,20 @@ use tokio::{
 
 use crate::PgLockConfig;
 
+/// The channel a force-release announces the grant it removed on: `<fence>:<name>` (see the
+/// force-release statement in [`crate::sql`]). One per database, not per client: a grant made by
+/// an attempt records no channel of its holder's, and a force-release is an operator's rare act,
+/// so every client that holds a lock hearing each one costs nothing. The listener task `LISTEN`s
+/// to it beside the client's own channel.
+pub(crate) const LOST_CHANNEL: &str = "distlock_lost";
+
+/// One held grant whose removal is watched: its name, its fence, and its watcher's wake-up.
+struct LostSlot {
+    name: String,
+    fence: i64,
+    notify: tokio::sync::Notify,
+}
+
 /// The state shared by the client side and the listener task.
 struct Shared {
     /// `distlock_w_` and 32 random hex digits: a valid identifier, unique per client.
@@ -47,6 +61,8 @@ struct Shared {
     next: AtomicU64,
     /// The channel is `LISTEN`ed to on a live connection.
     listening: AtomicBool,
+    /// Held grants whose force-release is watched (`watch_lost`), by watch number.
+    holders: Mutex<HashMap<u64, Arc<LostSlot>>>,
 }
 
 impl Shared {
@@ -75,6 +91,30 @@ impl Shared {
         for w in self.waiters().values() {
             w.send_modify(|_| {});
         }
+    }
+
+    fn holders(&self) -> MutexGuard<'_, HashMap<u64, Arc<LostSlot>>> {
+        self.holders.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A force-release announced `<fence>:<name>`: wakes the watchers of that grant (a scan:
+    /// such notifications are rare, holders many).
+    fn announce_lost(&self, payload: &str) {
+        let Some((fence, name)) = payload.split_once(':') else {
+            return;
+        };
+        let Ok(fence) = fence.parse::<i64>() else {
+            return;
+        };
+        self.holders()
+            .values()
+            .filter(|s| s.fence == fence && s.name == name)
+            .for_each(|s| s.notify.notify_one());
+    }
+
+    /// Whether the task has anyone to listen for.
+    fn wanted(&self) -> bool {
+        !self.waiters().is_empty() || !self.holders().is_empty()
     }
 }
 
@@ -108,6 +148,7 @@ impl Notifier {
             waiters: Mutex::default(),
             next: AtomicU64::new(1),
             listening: AtomicBool::new(false),
+            holders: Mutex::default(),
         });
         let (tx, rx) = mpsc::unbounded_channel();
         let task = ListenerTask {
@@ -147,6 +188,57 @@ impl Notifier {
             }
         }
         subscription
+    }
+}
+
+impl Notifier {
+    /// Watches the grant with `fence` of lock `name` for a force-release's notification; returns
+    /// once the channels are listened to, or listening failed (the task keeps reconnecting, and
+    /// listens to [`LOST_CHANNEL`] whenever it listens at all).
+    pub(crate) async fn watch_lost(&self, name: &str, fence: i64) -> LostWatch {
+        let id = self.shared.next.fetch_add(1, Ordering::Relaxed);
+        let slot = Arc::new(LostSlot {
+            name: name.to_owned(),
+            fence,
+            notify: tokio::sync::Notify::new(),
+        });
+        self.shared.holders().insert(id, slot.clone());
+        let watch = LostWatch {
+            shared: self.shared.clone(),
+            id,
+            slot,
+        };
+        if !self.shared.listening.load(Ordering::Acquire) {
+            let (ack, acked) = oneshot::channel();
+            if self.commands.send(ack).is_ok() && acked.await != Ok(true) {
+                tracing::debug!(
+                    "LISTEN is not active; a force-release is found by renewals until it is"
+                );
+            }
+        }
+        watch
+    }
+}
+
+/// One held grant's watch for a force-release's notification; dropping it ends the watch.
+pub(crate) struct LostWatch {
+    shared: Arc<Shared>,
+    id: u64,
+    slot: Arc<LostSlot>,
+}
+
+impl LostWatch {
+    /// Completes when a notification named this grant (its name and fence) since the watch
+    /// began or since the last call: the grant *may* be gone. The caller reads the row before
+    /// it believes it (any role may `NOTIFY`).
+    pub(crate) async fn announced(&self) {
+        self.slot.notify.notified().await;
+    }
+}
+
+impl Drop for LostWatch {
+    fn drop(&mut self) {
+        self.shared.holders().remove(&self.id);
     }
 }
 
@@ -209,7 +301,8 @@ struct ListenerTask {
 
 enum Event {
     Listen(Option<oneshot::Sender<bool>>),
-    Notified(Result<Option<String>, sqlx::Error>),
+    /// A notification: its channel and payload.
+    Notified(Result<Option<(String, String)>, sqlx::Error>),
     Retry,
 }
 
@@ -221,10 +314,10 @@ impl ListenerTask {
                     biased;
                     ack = self.commands.recv() => Event::Listen(ack),
                     // Cancel-safe: sqlx reads whole messages only.
-                    n = listener.try_recv() => Event::Notified(n.map(|n| n.map(|n| n.payload().to_owned()))),
+                    n = listener.try_recv() => Event::Notified(n.map(|n| n.map(|n| (n.channel().to_owned(), n.payload().to_owned())))),
                 },
                 None => {
-                    let retry = self.retry_at.filter(|_| !self.shared.waiters().is_empty());
+                    let retry = self.retry_at.filter(|_| self.shared.wanted());
                     tokio::select! {
                         ack = self.commands.recv() => Event::Listen(ack),
                         () = sleep_until(retry.unwrap_or_else(far_future)), if retry.is_some() => Event::Retry,
@@ -241,7 +334,11 @@ impl ListenerTask {
                     };
                     let _ = ack.send(ok);
                 }
-                Event::Notified(Ok(Some(payload))) => match Message::parse(payload.as_bytes()) {
+                Event::Notified(Ok(Some((channel, payload)))) if channel == LOST_CHANNEL => {
+                    self.shared.announce_lost(&payload);
+                }
+                Event::Notified(Ok(Some((_, payload)))) => match Message::parse(payload.as_bytes())
+                {
                     Some(message) => self.shared.deliver(message),
                     None => tracing::debug!("ignoring a notification with a foreign payload"),
                 },
@@ -263,7 +360,9 @@ impl ListenerTask {
         let connect = async {
             let mut listener = PgListener::connect_with(&self.pool).await?;
             listener.ignore_pool_close_event(true);
-            listener.listen(&self.shared.channel).await?;
+            listener
+                .listen_all([self.shared.channel.as_str(), LOST_CHANNEL])
+                .await?;
             Ok::<_, sqlx::Error>(listener)
         };
         match timeout(self.timeout, connect).await {

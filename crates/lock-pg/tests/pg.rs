@@ -786,11 +786,16 @@ async fn a_release_grants_the_lock_to_the_first_waiter() {
         .unwrap();
     assert_eq!(got.fencing_token(), Some(next));
     assert_eq!(info.token_digest, Some(got.token().digest()));
+    // The release granted only the entry's short first lease (a dead waiter would hold the
+    // lock that long at most); the waiter took the grant from the notification, without an
+    // attempt, and extended it to its TTL with one renewal before `acquire` returned.
+    assert!(info.ttl_remaining.unwrap() <= Duration::from_millis(1500));
     assert_eq!(
         waiter.statements_sent(),
-        sent,
-        "the waiter needed a statement to take a lock it was granted"
+        sent + 1,
+        "the waiter needed more than its confirming renewal to take a lock it was granted"
     );
+    assert_eq!(got.ttl(), LONG);
     assert!(got.remaining() > LONG / 2, "{:?}", got.remaining());
     assert!(!holder.release(&lease).await.unwrap());
     assert!(waiter.release(&got).await.unwrap());

@@ -5,9 +5,11 @@
 
 use std::{fmt, future::Future, sync::Arc, time::Duration};
 
+use futures::future::BoxFuture;
 use lock_core::raw::{
     AcquireWait, Backoff, Batcher, Capabilities, Driver, Error, FencingGuarantee, FencingToken,
-    HolderIdentity, HolderInfo, Lease, LockKey, OwnershipToken, Result, TokenDigest, async_trait,
+    HolderIdentity, HolderInfo, Lease, LockKey, LossReason, OwnershipToken, Result, TokenDigest,
+    async_trait,
     cleanup::Retries,
     handoff::{self, Asked},
     server_expired_lease,
@@ -359,6 +361,53 @@ impl RedisLock {
     }
 }
 
+/// [`Driver::watch_lost`]: waits for a force-release's message naming this grant (its lock and
+/// fence, on [`crate::wake::LOST_CHANNEL`]), then reads the lock: only when its value is no
+/// longer this grant's (another token, or gone) is the lease lost — a forged or stale message
+/// (the value is still ours) is ignored and the watch goes on, and so is a read that got no
+/// answer (the renewals decide then). Never completes when the subscription fails (the renewals
+/// find the loss, as before).
+async fn watch_force_release(inner: Arc<Inner>, lease: Lease) -> LossReason {
+    let Some(fence) = lease.fencing_token() else {
+        return std::future::pending().await;
+    };
+    let names = KeyNames::new(&inner.config.namespace, lease.key());
+    let watch = match inner
+        .wakeups
+        .watch_lost(&inner.conn, names.lock.clone(), fence.get())
+        .await
+    {
+        Ok(watch) => watch,
+        Err(e) => {
+            tracing::debug!(key = %lease.key(), error = %e, "cannot subscribe to force-release messages; renewals will find a loss");
+            return std::future::pending().await;
+        }
+    };
+    let mine = owner_prefix(lease.token());
+    loop {
+        watch.announced().await;
+        let read = run_until(
+            redis::cmd("GET")
+                .arg(&names.lock)
+                .query_async::<Option<Vec<u8>>>(&mut inner.conn.clone()),
+            request_until(&inner.config, None),
+        )
+        .await;
+        match read {
+            Ok(Some(value)) if value.starts_with(mine.as_bytes()) => {
+                tracing::debug!(key = %lease.key(), "a force-release message named this grant, which still holds; ignored");
+            }
+            Ok(_) => {
+                tracing::warn!(key = %lease.key(), fencing = %fence, "the lock was force-released: lease lost");
+                return LossReason::Revoked;
+            }
+            Err(_) => {
+                tracing::debug!(key = %lease.key(), "cannot read the lock after a force-release message; renewals will tell");
+            }
+        }
+    }
+}
+
 /// Compare-and-delete by owner prefix, handing the lock to the next waiter when one marked it;
 /// `leaving`: waiter queue members removed first (a waiter that gives up); `marker`: leave the
 /// undo marker of `prefix` for this long (the clean-up of a request that may still arrive);
@@ -552,9 +601,11 @@ impl Driver for RedisLock {
     /// passes. Each wake-up or poll is an attempt that renews the registration and finds a
     /// grant whose message was missed.
     ///
-    /// A waiter that gives up passes on a grant that crossed its leaving. A waiter whose
-    /// process died may be granted the lock before its registration lapses, and then holds it
-    /// until its TTL runs out.
+    /// A waiter that gives up passes on a grant that crossed its leaving. A release grants a
+    /// waiter only a short first lease (1.5 s at most, `queue::HANDOFF_LEASE`), which the waiter
+    /// extends to its TTL with one renewal before `acquire` returns: a waiter whose process died
+    /// while its registration was still live (up to 2 s by default) may be granted the lock, and
+    /// then holds it for that first lease, not for its TTL.
     ///
     /// Every request gets at most what is left of `deadline` (leaving the queue: 200 ms past
     /// it); clean-ups that need longer go on in the background.
@@ -565,9 +616,48 @@ impl Driver for RedisLock {
     async fn acquire(&self, key: &LockKey, ttl: Duration, deadline: Instant) -> Result<Lease> {
         let max = self.inner.config.max_poll_interval;
         let quick = Backoff::new(Duration::from_millis(25), max);
-        let mut wait = AcquireWait::new(key, deadline, quick.clone())?;
-        let mut waiter = QueueWaiter::new(self, Asked { key, ttl, deadline }, quick);
-        handoff::acquire_queued(&mut waiter, &mut wait, Backoff::new(max, max)).await
+        loop {
+            let mut wait = AcquireWait::new(key, deadline, quick.clone())?;
+            let mut waiter = QueueWaiter::new(self, Asked { key, ttl, deadline }, quick.clone());
+            let mut lease =
+                handoff::acquire_queued(&mut waiter, &mut wait, Backoff::new(max, max)).await?;
+            drop(waiter);
+            if lease.ttl() >= ttl {
+                return Ok(lease);
+            }
+            // A release's grant, taken from its message: the server gave it only its short
+            // first lease (`queue::HANDOFF_LEASE`), so that a waiter that died before it could
+            // take it blocks the lock that long at most. Confirmed here — one renewal to `ttl`,
+            // from its send time — before the caller sees it.
+            // Dropped meanwhile, or unconfirmed, the grant is released (passed on) in the
+            // background, retried for as long as the renewal could have extended it.
+            let inflight = Inflight {
+                inner: Some(self.inner.clone()),
+                undo: Undo {
+                    names: self.names(key),
+                    prefix: owner_prefix(lease.token()),
+                    members: Vec::new(),
+                    marker: None,
+                },
+                ttl,
+            };
+            match renew::renew(&self.inner, &mut lease, ttl).await {
+                Ok(()) => {
+                    inflight.disarm();
+                    return Ok(lease);
+                }
+                Err(e) => {
+                    // Gone (expired or force-released before the renewal), or unconfirmed:
+                    // released by the undo and, while the deadline allows, the wait starts
+                    // again.
+                    drop(inflight.undo(false));
+                    tracing::debug!(%key, error = %e, "a hand-off could not be confirmed; waiting again");
+                    if Instant::now() >= deadline {
+                        return Err(wait.timeout());
+                    }
+                }
+            }
+        }
     }
 
     /// Renewals are batched: while one batch is in flight, the renewals that arrive are queued
@@ -631,6 +721,17 @@ impl Driver for RedisLock {
 
     async fn force_release_grant(&self, key: &LockKey, holder: FencingToken) -> Result<bool> {
         self.force_release_if(key, Some(holder)).await
+    }
+
+    /// Pushed: an operator's force-release announces the grant it removed, and the holder reads
+    /// the lock to confirm (see `watch_force_release`); on a Cluster (whose force-release
+    /// announces nothing) and for anything else — an expiry, an eviction, a failover that lost
+    /// the grant — the renewals and the local deadline find the loss.
+    fn watch_lost(&self, lease: &Lease) -> BoxFuture<'static, LossReason> {
+        if self.inner.conn.is_cluster() {
+            return Box::pin(std::future::pending());
+        }
+        Box::pin(watch_force_release(self.inner.clone(), lease.clone()))
     }
 
     /// One script (`RELABEL` in `scripts.rs`): the holder key is rewritten only while the lock's

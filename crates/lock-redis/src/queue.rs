@@ -25,6 +25,19 @@ use crate::{
 /// the queue: a round trip on a loaded machine, far less than a stalled request's budget.
 pub(crate) const LEAVE_GRACE: Duration = Duration::from_millis(200);
 
+/// The longest first lease a release hands a waiter (its grant's TTL on the server until the
+/// waiter confirms it): a waiter that died after its last attempt — while its registration was
+/// still live, up to its lifetime (2 s by default) — holds the lock this long at most, not for
+/// the TTL it asked for. A live waiter confirms at once (one renewal to its TTL, see
+/// [`RedisLock::acquire`](lock_core::raw::Driver::acquire)), so this only needs to outlast the
+/// grant message's delivery and one round trip.
+pub(crate) const HANDOFF_LEASE: Duration = Duration::from_millis(1500);
+
+/// The TTL a release's grant to a waiter asking for `ttl` gets: [`HANDOFF_LEASE`] at most.
+pub(crate) fn first_lease(ttl: Duration) -> Duration {
+    ttl.min(HANDOFF_LEASE)
+}
+
 /// How long a waiter's registration lives unless its next attempt renews it (saturating).
 pub(crate) fn registration_lifetime(config: &RedisLockConfig) -> Duration {
     config
@@ -118,9 +131,10 @@ impl Registration {
     /// What the next attempt sends: a new member, the last of `members`.
     pub(crate) fn next_attempt(&mut self, ttl: Duration) -> Waiting<'_> {
         self.seq += 1;
+        // A release grants the member only its short first lease (the waiter confirms it).
         let member = self.watch.member(
             self.seq,
-            ttl_millis(ttl),
+            ttl_millis(first_lease(ttl)),
             &self.grant.expose_hex(),
             &self.inner.identity,
         );
@@ -149,9 +163,14 @@ impl Registration {
         });
     }
 
-    /// A lease from a grant message, if one came for the current registration, left most of
-    /// its TTL and is still locally valid; otherwise the next attempt finds the grant and
-    /// restarts its TTL (or `leave` passes it on).
+    /// A lease from a grant message, if one came for the current registration within a quarter
+    /// of `ttl` of its sending and its first lease is still locally valid; otherwise the next
+    /// attempt finds the grant and restarts its TTL (or `leave` passes it on).
+    ///
+    /// The lease is the grant's first lease ([`first_lease`] of `ttl`, what the release set on
+    /// the server), counted from the registering attempt's send time (the release read what
+    /// that attempt wrote), so its local deadline is never later than the server's expiry;
+    /// `acquire` extends it to `ttl` before returning it.
     pub(crate) fn granted(&mut self, key: &LockKey, ttl: Duration) -> Option<Lease> {
         let grant = self.watch.take_grant()?;
         // With replica acknowledgement the releaser's grant was not WAITed for: the waiter's
@@ -159,7 +178,21 @@ impl Registration {
         if self.inner.config.replicas > 0 {
             return None;
         }
-        let lease = self.registered?.lease(grant, key, self.grant, ttl)?;
+        let registered = self.registered?;
+        // A grant message for an older registration may belong to a grant lost since; one that
+        // comes more than a quarter of the TTL after its registration is confirmed by an
+        // attempt (see `lock_core::raw::handoff`).
+        if grant.seq != registered.seq || registered.sent_at.elapsed() > ttl / 4 {
+            return None;
+        }
+        let first = first_lease(ttl);
+        let lease = Lease::new(
+            key.clone(),
+            self.grant,
+            Some(grant.fence),
+            first,
+            registered.sent_at,
+        );
         if !lease.is_locally_valid() {
             return None;
         }

@@ -251,20 +251,28 @@ const RELEASE_SHARDED: &str = release_script!("SPUBLISH");
 /// holder), wake channel prefix. The operator override: deletes whoever holds the lock (any client's value)
 /// — or, with a fence, only our grant with that fence — and hands it to the next waiter.
 /// Returns 1 when something was deleted.
+///
+/// A removed grant of ours (a value `<token hex>:<fence>`) is announced on
+/// [`crate::wake::LOST_CHANNEL`] as `<fence>:<lock key>` (`$lost`: the `PUBLISH` that does it, or
+/// nothing on a Cluster, whose holders do not watch), so its holder learns of the loss now rather
+/// than at its next renewal; the holder reads the lock before it believes the message.
 macro_rules! force_release_script {
-    ($publish:literal) => {
+    ($publish:literal, $lost:literal) => {
         concat!(
             r"
 local lock, queue, counter, holder, channel = KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2]
-if ARGV[1] ~= '' then
-  local value = redis.pcall('GET', lock)
-  if type(value) ~= 'string' or string.match(value, '^%x+:(%d+)') ~= ARGV[1] then
-    return 0
-  end
+local value = redis.pcall('GET', lock)
+local removed = nil
+if type(value) == 'string' then
+  removed = string.match(value, '^%x+:(%d+)')
+end
+if ARGV[1] ~= '' and removed ~= ARGV[1] then
+  return 0
 end
 if redis.call('DEL', lock) == 1 then
   redis.call('DEL', holder)
 ",
+            $lost,
             grant_next!($publish),
             r"
   return 1
@@ -275,9 +283,16 @@ return 0
     };
 }
 
-const FORCE_RELEASE: &str = force_release_script!("PUBLISH");
-/// `FORCE_RELEASE` with the Cluster's sharded `SPUBLISH`.
-const FORCE_RELEASE_SHARDED: &str = force_release_script!("SPUBLISH");
+const FORCE_RELEASE: &str = force_release_script!(
+    "PUBLISH",
+    r"
+  if removed then
+    redis.call('PUBLISH', 'distlock\31lost', removed .. ':' .. lock)
+  end
+"
+);
+/// `FORCE_RELEASE` with the Cluster's sharded `SPUBLISH` (and no loss announcement).
+const FORCE_RELEASE_SHARDED: &str = force_release_script!("SPUBLISH", "");
 
 /// KEYS: lock, fence counter, waiter queue, holder key. Returns nil when free, else `{value,
 /// pttl, counter, waiters, holder}` (value is empty when the key is not a string, counter and

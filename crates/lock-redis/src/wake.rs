@@ -38,6 +38,14 @@ use crate::{client::Conn, keys::KeyNames};
 /// The prefix of every client's wake channel (the release script builds the same name).
 pub(crate) const WAKE_CHANNEL_PREFIX: &[u8] = b"distlock\x1fwake:";
 
+/// The channel a force-release announces the grant it removed on: `<fence>:<lock key>` (see
+/// the force-release script). One per server, not per client: the server does not know which
+/// client holds a grant (the lock's value is `<token hex>:<fence>`, which any client may read and
+/// other libraries must be able to contend with), and a force-release is an operator's rare act,
+/// so every holding client hearing each one costs nothing. A client subscribes to it once, on its
+/// first held lock, on the same RESP3 connection as its wake channel.
+pub(crate) const LOST_CHANNEL: &[u8] = b"distlock\x1flost";
+
 /// Who waits in this client. Fed by the connection's push messages.
 #[derive(Debug)]
 pub(crate) struct Registry {
@@ -53,6 +61,20 @@ pub(crate) struct Registry {
     /// whose last waiter left never overtakes the subscription of a new waiter.
     shard_requests: tokio::sync::Mutex<()>,
     next_id: AtomicU64,
+    /// Held locks whose force-release is watched (`watch_lost`), by watch number.
+    holders: Mutex<HashMap<u64, Arc<LostSlot>>>,
+    /// Whether the subscription to [`LOST_CHANNEL`] was confirmed.
+    lost_subscribed: tokio::sync::Mutex<bool>,
+}
+
+/// One held grant whose removal is watched: the lock's key, the grant's fence, and the wake-up
+/// of its watcher. A message naming both is a reason to look, not yet a loss (see
+/// [`LostWatch::announced`]).
+#[derive(Debug)]
+struct LostSlot {
+    lock: Vec<u8>,
+    fence: u64,
+    notify: Notify,
 }
 
 /// One shard channel of a Cluster client.
@@ -77,6 +99,8 @@ impl Default for Registry {
             shards: Mutex::default(),
             shard_requests: tokio::sync::Mutex::new(()),
             next_id: AtomicU64::new(1),
+            holders: Mutex::default(),
+            lost_subscribed: tokio::sync::Mutex::new(false),
         }
     }
 }
@@ -90,8 +114,66 @@ impl Registry {
         self.shards.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    fn holders(&self) -> MutexGuard<'_, HashMap<u64, Arc<LostSlot>>> {
+        self.holders.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A force-release announced `<fence>:<lock key>`: wakes the watchers of that grant (a
+    /// scan: such messages are rare, holders many).
+    fn announce_lost(&self, payload: &[u8]) {
+        let Some(at) = payload.iter().position(|&b| b == b':') else {
+            return;
+        };
+        let Some(fence) = std::str::from_utf8(&payload[..at])
+            .ok()
+            .and_then(|f| f.parse::<u64>().ok())
+        else {
+            return;
+        };
+        let lock = &payload[at + 1..];
+        self.holders()
+            .values()
+            .filter(|s| s.fence == fence && s.lock == lock)
+            .for_each(|s| s.notify.notify_one());
+    }
+
+    /// Watches the grant with `fence` of the lock named `lock` for a force-release's message,
+    /// and makes sure [`LOST_CHANNEL`] is subscribed: returns once the server confirmed the
+    /// subscription, so a message published afterwards is heard.
+    pub(crate) async fn watch_lost(
+        self: &Arc<Self>,
+        conn: &Conn,
+        lock: Vec<u8>,
+        fence: u64,
+    ) -> redis::RedisResult<LostWatch> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let slot = Arc::new(LostSlot {
+            lock,
+            fence,
+            notify: Notify::new(),
+        });
+        self.holders().insert(id, slot.clone());
+        // From here on, dropping the watch takes the slot out again.
+        let watch = LostWatch {
+            registry: self.clone(),
+            id,
+            slot,
+        };
+        let mut subscribed = self.lost_subscribed.lock().await;
+        if !*subscribed {
+            conn.subscribe(LOST_CHANNEL).await?;
+            *subscribed = true;
+        }
+        Ok(watch)
+    }
+
     fn dispatch(&self, info: PushInfo) {
         match info.kind {
+            PushKind::Message if matches!(info.data.first(), Some(Value::BulkString(c)) if c == LOST_CHANNEL) => {
+                if let Some(Value::BulkString(payload)) = info.data.get(1) {
+                    self.announce_lost(payload);
+                }
+            }
             PushKind::Message | PushKind::SMessage => {
                 if let [Value::BulkString(channel), Value::BulkString(payload), ..] = &info.data[..]
                     && (if info.kind == PushKind::Message {
@@ -339,6 +421,28 @@ impl Watch {
             self.id,
             identity.as_str()
         )
+    }
+}
+
+/// One held grant's watch for a force-release's message; dropping it ends the watch.
+pub(crate) struct LostWatch {
+    registry: Arc<Registry>,
+    id: u64,
+    slot: Arc<LostSlot>,
+}
+
+impl LostWatch {
+    /// Completes when a message named this grant (its lock and fence) since the watch began or
+    /// since the last call: the grant *may* be gone. The caller reads the lock before it
+    /// believes it (anyone allowed to `PUBLISH` could have sent the message).
+    pub(crate) async fn announced(&self) {
+        self.slot.notify.notified().await;
+    }
+}
+
+impl Drop for LostWatch {
+    fn drop(&mut self) {
+        self.registry.holders().remove(&self.id);
     }
 }
 

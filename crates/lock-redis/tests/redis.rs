@@ -833,7 +833,9 @@ async fn a_dropped_or_timed_out_waiter_leaves_the_queue() {
 /// `NOSCRIPT` counts as a call too), so that the script calls counted afterwards are requests.
 async fn load_scripts(lock: &RedisLock) {
     let key = fresh_key("load-scripts");
-    let lease = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    let mut lease = lock.try_acquire(&key, LONG).await.unwrap().unwrap();
+    // The renew script too: a waiter confirms a hand-off with it.
+    lock.renew(&mut lease, LONG).await.unwrap();
     lock.inspect(&key).await.unwrap().unwrap();
     assert!(lock.release(&lease).await.unwrap());
 }
@@ -920,7 +922,7 @@ impl Handoff {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_release_hands_the_lock_to_the_first_waiter_which_holds_it_without_a_request() {
+async fn a_release_hands_the_lock_to_the_first_waiter_which_confirms_it_with_one_renewal() {
     let Some(mut h) = Handoff::start("grant").await else {
         return;
     };
@@ -937,11 +939,16 @@ async fn a_release_hands_the_lock_to_the_first_waiter_which_holds_it_without_a_r
         .unwrap();
     assert_eq!(lease.fencing_token(), info.fencing_token);
     assert_eq!(Some(lease.token().digest()), info.token_digest);
-    assert!(lease.remaining() <= info.ttl_remaining.unwrap() + Duration::from_millis(5));
+    // The release gave the waiter only a short first lease (a dead waiter would hold the lock
+    // that long at most); the waiter extended it to its TTL before `acquire` returned.
+    assert!(info.ttl_remaining.unwrap() <= Duration::from_millis(1500));
+    assert!(lease.remaining() > LONG / 2, "{:?}", lease.remaining());
+    assert_eq!(lease.ttl(), LONG);
     assert_eq!(
         command_calls(&mut h.admin, "evalsha").await - calls,
-        2,
-        "the release and the inspect; the waiter learnt of its grant from the message alone"
+        3,
+        "the release, the inspect and the waiter's confirming renewal; the waiter learnt of its \
+         grant from the message alone (no attempt)"
     );
     assert!(h.waiter_client.release(&lease).await.unwrap());
     assert!(h.holder_client.inspect(&h.key).await.unwrap().is_none());
@@ -1009,11 +1016,13 @@ async fn a_grant_that_came_by_the_deadline_is_taken_not_timed_out() {
         return;
     };
     // Room for queueing on a loaded machine: the waiter must be queued before its deadline.
-    let deadline = Instant::now() + Duration::from_secs(4);
+    // The release grants only a first lease of 1.5 s (counted by the waiter from its
+    // registration), so the deadline comes well within it.
+    let deadline = Instant::now() + Duration::from_millis(1200);
     let waiter = queued_waiter_until(&h.waiter_client, &h.key, LONG, deadline, &mut h.admin).await;
     let (_, info) = h.release_holder().await;
     // The waiter is next polled after its deadline, with the grant message already there.
-    tokio::time::sleep_until(deadline + Duration::from_millis(100)).await;
+    tokio::time::sleep_until(deadline + Duration::from_millis(50)).await;
     let lease = waiter
         .await
         .expect("the grant was dropped for the deadline");
