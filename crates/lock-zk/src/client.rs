@@ -58,6 +58,8 @@ pub(crate) struct Session {
     pub(crate) check_ins: Batcher<(), std::result::Result<(), zk::Error>>,
     /// The renewal-group members (held locks) of this session.
     pub(crate) members: AtomicUsize,
+    /// Whether this session's holder node is written ([`crate::path::session_holder`]).
+    pub(crate) holder_published: std::sync::atomic::AtomicBool,
     /// The watch on the lock root that covers members past
     /// [`ZkLockConfig::session_watch_from`] (see `crate::members`).
     pub(crate) root_watch: Arc<RootWatch>,
@@ -161,6 +163,7 @@ impl Session {
             ended,
             check_ins: Batcher::new(MAX_CHECK_IN_BATCH),
             members: AtomicUsize::new(0),
+            holder_published: std::sync::atomic::AtomicBool::new(false),
             root_watch: Arc::new(RootWatch::new(config.root(), config.timeout)),
         });
         tokio::spawn(watch_lapse(vouched_rx, lapse, session.ended.clone()));

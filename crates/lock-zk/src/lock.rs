@@ -35,7 +35,10 @@ use crate::{
 /// An election (`lock_core::Election`, the lock `election/NAME`) is the election of Curator's
 /// `LeaderSelector` on the leader path `<root>/election/NAME` (an InterProcessMutex there, the
 /// participant id as each node's data): each side waits for the other, and `inspect` reports a
-/// Curator leader's participant id as its holder and its node's czxid as its fencing token.
+/// Curator leader's participant id as its holder and its node's czxid as its fencing token. Our
+/// election nodes' data is the leader's value alone (the client's label, or what it proclaimed),
+/// exactly what Curator's `getLeader()` reads as our participant id; the identity is in the
+/// session's holder node ([`path::session_holder`]) and the token in the node's name.
 #[derive(Clone)]
 pub struct ZkLock {
     pub(crate) inner: Arc<Inner>,
@@ -340,6 +343,12 @@ impl ZkLock {
             };
             match read {
                 Ok((identity, stat)) => {
+                    let identity = if self.is_election_dir(dir) {
+                        self.election_holder(session, identity, stat.ephemeral_owner)
+                            .await
+                    } else {
+                        identity
+                    };
                     return Ok(Some(HolderNode {
                         digest: path::token_digest_of(first),
                         fence: u64::try_from(stat.czxid).ok().map(FencingToken),
@@ -362,6 +371,97 @@ impl ZkLock {
 }
 
 impl ZkLock {
+    /// Whether `dir` is an election's directory ([`path::is_election_dir`]).
+    pub(crate) fn is_election_dir(&self, dir: &str) -> bool {
+        path::is_election_dir(self.inner.config.root(), dir)
+    }
+
+    /// The data of our contender node in lock directory `dir`: our identity, or in an election's
+    /// directory our value alone ([`path::candidate_value`]).
+    pub(crate) fn node_data(&self, dir: &str) -> &str {
+        if self.is_election_dir(dir) {
+            path::candidate_value(&self.inner.identity)
+        } else {
+            self.inner.identity.as_str()
+        }
+    }
+
+    /// Writes `session`'s holder node ([`path::session_holder`]: our identity without its
+    /// label, ephemeral) once per session, before its first election node, so that whoever
+    /// reads our election node can find who we are. Best effort within `until`: without it our
+    /// leader shows its value and no identity.
+    pub(crate) async fn publish_holder(&self, session: &Session, until: Instant) {
+        use std::sync::atomic::Ordering;
+        if session.holder_published.load(Ordering::Acquire) {
+            return;
+        }
+        let Some(identity) = self.inner.identity.unlabelled() else {
+            return;
+        };
+        let root = self.inner.config.root();
+        let node = path::session_holder(root, session.id);
+        let ephemeral = zk::CreateMode::Ephemeral.with_acls(self.acls());
+        for _ in 0..2 {
+            let created = crate::client::call_until(
+                until,
+                session
+                    .client
+                    .create(&node, identity.as_bytes(), &ephemeral),
+            )
+            .await;
+            match created {
+                Ok(_) | Err(zk::Error::NodeExists) => {
+                    session.holder_published.store(true, Ordering::Release);
+                    return;
+                }
+                Err(zk::Error::NoNode) => {
+                    // Persistent, as the root: never reaped between our mkdir and our create.
+                    let parents = zk::CreateMode::Persistent.with_acls(self.acls());
+                    let dir = path::holders_dir(root);
+                    let made =
+                        crate::client::call_until(until, session.client.mkdir(&dir, &parents));
+                    if let Err(e) = made.await
+                        && e != zk::Error::NodeExists
+                    {
+                        tracing::debug!(error = %e, "cannot create the holder nodes' directory");
+                        return;
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot write this session's holder node");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// The identity of an election node's holder: its data when that is a whole identity of
+    /// ours (no value, or an older distlock), else its owner session's holder node with the
+    /// data as label when the data is a label of ours; otherwise (a Curator participant, or a
+    /// holder node we cannot read) the data alone, which [`lock_core::Leader`] shows as the value.
+    async fn election_holder(
+        &self,
+        session: &Session,
+        data: Option<HolderIdentity>,
+        owner: i64,
+    ) -> Option<HolderIdentity> {
+        let value = data?;
+        if value.is_process_form() || HolderIdentity::check_label(value.as_str()).is_err() {
+            return Some(value);
+        }
+        let node = path::session_holder(self.inner.config.root(), owner);
+        let who = match self.call(session.client.get_data(&node)).await {
+            Ok((who, _)) => HolderIdentity::from_stored(&who),
+            Err(_) => None,
+        };
+        match who {
+            Some(who) if who.is_process_form() && who.label().is_none() => {
+                HolderIdentity::from_stored(format!("{who} label={value}").as_bytes())
+            }
+            _ => Some(value),
+        }
+    }
+
     /// The watches of [`Driver::watch_holder`] on lock directory `dir`; `None` when they could
     /// not be set (the stream then ends, and the caller polls and asks again).
     async fn arm_holder_watch(&self, dir: &str) -> Option<Vec<zk::OneshotWatcher>> {
@@ -612,8 +712,9 @@ impl Driver for ZkLock {
         self.force_release_if(key, Some(holder)).await
     }
 
-    /// `setData` on our own node with its version: the data is the holder identity (what a
-    /// Curator `getLeader()` reports as the participant id). A `BadVersion` is looked at: the
+    /// `setData` on our own node with its version: the data is the holder identity, or in an
+    /// election's directory the new value alone (what a Curator `getLeader()` reports as the
+    /// participant id; the identity's label is read from it, see [`path::session_holder`]). A `BadVersion` is looked at: the
     /// same node (czxid, our session as its ephemeral owner) is still ours (node paths are never
     /// reused, and our node existing means it is still first), so it is written at its current
     /// version; a missing node or an ended session is `NotHeld`.
@@ -627,7 +728,12 @@ impl Driver for ZkLock {
             return Err(not_held());
         };
         let client = &session.client;
-        let data = holder.as_str().as_bytes();
+        let data = if self.is_election_dir(path::dir_of(&state.path)) {
+            path::candidate_value(holder)
+        } else {
+            holder.as_str()
+        }
+        .as_bytes();
         let mut version = state.version;
         for _ in 0..4 {
             match self

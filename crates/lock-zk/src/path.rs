@@ -44,6 +44,41 @@ pub(crate) fn keep_pin(keep: &str, fence: i64) -> String {
     format!("{keep}/pin-{fence}")
 }
 
+/// The directory, under the root, of the sessions' holder nodes (see [`session_holder`]). A bare
+/// `%` followed by a non-hex letter, as [`KEEP_NODE`]: no escaped key or election directory has
+/// this name, so it is no lock's directory, and Curator never looks in it.
+const HOLDERS_DIR: &str = "%holders";
+
+/// `<root>/%holders`.
+pub(crate) fn holders_dir(root: &str) -> String {
+    format!("{root}/{HOLDERS_DIR}")
+}
+
+/// The holder node of session `session_id`: `<root>/%holders/<session id, 16 hex digits>`, an
+/// ephemeral node of that session whose data is this process's identity without its label
+/// (`host=… pid=… since=…`). An election node's data is the leader's value alone (Curator's
+/// participant id), so the identity of an election's holder is read from here, by the node's
+/// ephemeral owner, with the node's data as its label.
+pub(crate) fn session_holder(root: &str, session_id: i64) -> String {
+    format!("{root}/{HOLDERS_DIR}/{:016x}", session_id.cast_unsigned())
+}
+
+/// Whether lock directory `dir` (under `root`) is an election's, `<root>/election/<escaped
+/// name>` (see [`lock_dir`]): its nodes' data is the value Curator's `LeaderSelector` peers read.
+pub(crate) fn is_election_dir(root: &str, dir: &str) -> bool {
+    dir.strip_prefix(root)
+        .and_then(|rest| rest.strip_prefix('/'))
+        .and_then(|rest| rest.strip_prefix(ELECTION_KEYS))
+        .is_some_and(|name| !name.is_empty() && !name.contains('/'))
+}
+
+/// The data of our contender node in an election directory: exactly the value its peers read
+/// (Curator's participant id) — the identity's label, or without one the identity itself. Never
+/// a token (that is in the node's name).
+pub(crate) fn candidate_value(identity: &lock_core::raw::HolderIdentity) -> &str {
+    identity.label().unwrap_or(identity.as_str())
+}
+
 /// The lock directory of the contender node `path`.
 pub(crate) fn dir_of(path: &str) -> &str {
     path.rsplit_once('/').map_or("", |(dir, _)| dir)
@@ -186,6 +221,29 @@ mod tests {
     use std::collections::HashSet;
 
     use super::*;
+
+    #[test]
+    fn election_directories_are_told_apart_and_holder_nodes_are_in_none() {
+        let dir = |key: &str| lock_dir("/distlock", &LockKey::new(key).unwrap());
+        assert!(is_election_dir("/distlock", &dir("election/orders/eu")));
+        for not in ["election", "election/", "orders", "elections/x"] {
+            assert!(!is_election_dir("/distlock", &dir(not)), "{not}");
+        }
+        assert!(!is_election_dir("/other", &dir("election/x")));
+        assert_eq!(
+            session_holder("/distlock", -1),
+            "/distlock/%holders/ffffffffffffffff"
+        );
+        assert_eq!(
+            dir_of(&session_holder("/distlock", 7)),
+            holders_dir("/distlock")
+        );
+        assert_ne!(holders_dir("/distlock"), dir("%holders"));
+        let labelled = lock_core::raw::HolderIdentity::process(Some("10.0.0.7:80")).unwrap();
+        assert_eq!(candidate_value(&labelled), "10.0.0.7:80");
+        let bare = lock_core::raw::HolderIdentity::process(None).unwrap();
+        assert_eq!(candidate_value(&bare), bare.as_str());
+    }
 
     #[test]
     fn keep_markers_round_trip_and_foreign_data_is_refused() {

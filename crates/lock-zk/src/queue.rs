@@ -142,9 +142,13 @@ impl Contender {
         let acls = self.lock.acls();
         let options = zk::CreateMode::EphemeralSequential.with_acls(acls);
         // The identity goes in the create itself: no extra request, and it lives and dies
-        // with the node (the grant).
+        // with the node (the grant). In an election's directory the value alone (what
+        // Curator's peers read), the identity in the session's holder node, written first.
         let lock = self.lock.clone();
-        let data = lock.inner.identity.as_str().as_bytes();
+        if lock.is_election_dir(&self.dir) {
+            lock.publish_holder(&self.session, self.until()).await;
+        }
+        let data = lock.node_data(&self.dir).as_bytes();
         let mut last = None;
         // A create of ours may have been applied without our hearing of it.
         let mut uncertain = false;
@@ -480,7 +484,8 @@ impl Contender {
         let Some(own) = self.path() else {
             return Ok(None);
         };
-        let data = self.lock.inner.identity.as_str().as_bytes();
+        // Not yet granted, so never proclaimed: the data it was created with.
+        let data = self.lock.node_data(&self.dir).as_bytes();
         let probe = self.session.probe();
         match self
             .call(self.session.client.set_data(&own, data, None))

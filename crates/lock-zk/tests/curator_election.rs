@@ -189,7 +189,7 @@ fn fresh(label: &str) -> String {
 
 /// Both orders on one JVM. Curator leads: our `leader()` reports its participant id and its
 /// node's czxid as the term, we do not lead, and our waiting campaign is elected once Curator
-/// resigns. We lead: `getLeader()` reports our identity, Curator's campaign waits behind us and
+/// resigns. We lead: `getLeader()` reports our value, Curator's campaign waits behind us and
 /// is elected promptly once we resign; we then see it lead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn curator_leader_selector_and_our_election_take_turns() {
@@ -217,7 +217,10 @@ async fn curator_leader_selector_and_our_election_take_turns() {
     curator.send(&format!("campaign {path} {id}")).await;
     curator.expect(&format!("elected {path}"), SLACK).await;
     let leader = ours.leader().await.unwrap().expect("Curator leads");
-    assert_eq!(leader.holder.unwrap().as_str(), id);
+    assert_eq!(
+        (leader.value.as_deref(), leader.holder),
+        (Some(id.as_str()), None)
+    );
     let curator_term = first_czxid(&raw, &path).await;
     assert_eq!(leader.term, Some(curator_term));
     assert!(ours.try_campaign().await.unwrap().is_none());
@@ -236,7 +239,7 @@ async fn curator_leader_selector_and_our_election_take_turns() {
     curator.expect(&format!("resigned {path}"), SLACK).await;
     assert!(lead.term() > curator_term);
     let (is_leader, who) = curator.leader(&path).await;
-    assert!(is_leader && who.ends_with(" label=ours"), "{who}");
+    assert!(is_leader && who == "ours", "{who}");
     assert!(lead.resign().await.unwrap());
     assert_eq!(curator.leader(&path).await, (false, String::new()));
 
@@ -246,7 +249,7 @@ async fn curator_leader_selector_and_our_election_take_turns() {
     let ours = Election::new(lock.clone(), &name).unwrap();
     let lead = ours.campaign(SLACK).await.unwrap();
     let (is_leader, who) = curator.leader(&path).await;
-    assert!(is_leader && who.ends_with(" label=ours"), "{who}");
+    assert!(is_leader && who == "ours", "{who}");
     let id = fresh("curator-b");
     curator.send(&format!("campaign {path} {id}")).await;
     assert!(
@@ -263,7 +266,10 @@ async fn curator_leader_selector_and_our_election_take_turns() {
     assert!(lead.resign().await.unwrap());
     curator.expect(&format!("elected {path}"), SLACK).await;
     let leader = ours.leader().await.unwrap().expect("Curator leads");
-    assert_eq!(leader.holder.unwrap().as_str(), id);
+    assert_eq!(
+        (leader.value.as_deref(), leader.holder),
+        (Some(id.as_str()), None)
+    );
     assert!(leader.term > Some(our_term));
     assert!(ours.try_campaign().await.unwrap().is_none());
     curator.send(&format!("resign {path}")).await;
@@ -275,5 +281,75 @@ async fn curator_leader_selector_and_our_election_take_turns() {
     assert!(again.term() > leader.term.unwrap());
     assert!(again.resign().await.unwrap());
 
+    curator.quit().await;
+}
+
+/// Issue 44, item 11: while our candidate leads, Curator's observer (`getLeader()`, the
+/// participant id: the node's data) reads exactly its value — the label it campaigned with,
+/// then what it proclaimed, with the same czxid — never its identity; our `leader()` reads
+/// exactly a Curator participant's id as the value, with no identity, and ours beside ours.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn curator_reads_exactly_our_value_and_we_read_exactly_its_id() {
+    let Some(url) = conformance::backend_url("DISTLOCK_TEST_ZK_URL") else {
+        return;
+    };
+    let Some(classpath) = classpath() else { return };
+    let value = format!("10.0.0.7:8080/{}", fresh("api"));
+    let mut config = ZkLockConfig::from_url(&url).unwrap();
+    config.root = ROOT.into();
+    config.label = Some(value.clone());
+    let hosts = config.hosts.clone();
+    let raw = zk::Client::connector()
+        .with_session_timeout(Duration::from_secs(5))
+        .connect(&hosts)
+        .await
+        .unwrap();
+    let lock = Arc::new(ZkLock::connect(config).await.unwrap());
+    let mut curator = Curator::start(&hosts, &classpath).await;
+
+    let name = fresh("value");
+    let path = format!("{ROOT}/election/{name}");
+    let ours = Election::new(lock.clone(), &name).unwrap();
+    let lead = ours.campaign(SLACK).await.unwrap();
+    assert_eq!(curator.leader(&path).await, (true, value.clone()));
+    let leader = ours.leader().await.unwrap().expect("we lead");
+    assert_eq!(leader.value.as_deref(), Some(value.as_str()));
+    let who = leader.holder.expect("our identity beside the value");
+    assert!(
+        who.as_str()
+            .contains(&format!(" pid={} ", std::process::id()))
+            && who.as_str().ends_with(&format!(" label={value}")),
+        "{who}"
+    );
+    let proclaimed = format!("10.0.0.8:8080/{}", fresh("api"));
+    lead.proclaim(&proclaimed).await.unwrap();
+    assert_eq!(curator.leader(&path).await, (true, proclaimed.clone()));
+    assert_eq!(
+        first_czxid(&raw, &path).await,
+        lead.term(),
+        "a proclaim changed the term"
+    );
+    let leader = ours.leader().await.unwrap().expect("we lead");
+    assert_eq!(leader.value.as_deref(), Some(proclaimed.as_str()));
+    assert_eq!(leader.term, Some(lead.term()));
+    assert!(
+        leader
+            .holder
+            .is_some_and(|w| w.as_str().ends_with(&format!(" label={proclaimed}")))
+    );
+    assert!(lead.resign().await.unwrap());
+
+    let id = format!("http://10.0.0.9:80/{}", fresh("java"));
+    curator.send(&format!("campaign {path} {id}")).await;
+    curator.expect(&format!("elected {path}"), SLACK).await;
+    let leader = ours.leader().await.unwrap().expect("Curator leads");
+    assert_eq!(leader.value.as_deref(), Some(id.as_str()));
+    assert_eq!(
+        leader.holder, None,
+        "a Curator leader records no identity of ours"
+    );
+    assert_eq!(leader.term, Some(first_czxid(&raw, &path).await));
+    curator.send(&format!("resign {path}")).await;
+    curator.expect(&format!("resigned {path}"), SLACK).await;
     curator.quit().await;
 }

@@ -65,14 +65,19 @@ async fn proclaim_changes_the_node_data_and_a_deposed_leader_changes_nothing() {
     let ea = Election::new(a.clone(), &name).unwrap();
     let eb = Election::new(b.clone(), &name).unwrap();
     let lead = ea.campaign(SLACK).await.unwrap();
-    assert!(first_data(&raw, &dir).await.ends_with(" label=a"));
-    let shown = lead.proclaim("scheduler-2").await.unwrap();
-    assert_eq!(first_data(&raw, &dir).await, shown.as_str());
+    assert_eq!(
+        first_data(&raw, &dir).await,
+        "a",
+        "the node's data is the value alone"
+    );
+    lead.proclaim("scheduler-2").await.unwrap();
+    assert_eq!(first_data(&raw, &dir).await, "scheduler-2");
     // Twice: the node's version moved on, the grant did not.
     let shown = lead.proclaim("scheduler-3").await.unwrap();
-    assert_eq!(first_data(&raw, &dir).await, shown.as_str());
+    assert_eq!(first_data(&raw, &dir).await, "scheduler-3");
     let leader = eb.leader().await.unwrap().expect("a leads");
     assert_eq!(leader.term, Some(lead.term()));
+    assert_eq!(leader.value.as_deref(), Some("scheduler-3"));
     assert_eq!(leader.holder.as_ref(), Some(&shown));
     // Still the same grant, and not taken for lost: it renews (a data change fired our node's
     // watch, which must not count as its deletion).
@@ -91,7 +96,7 @@ async fn proclaim_changes_the_node_data_and_a_deposed_leader_changes_nothing() {
         after, before,
         "a deposed leader's proclaim changed the leader"
     );
-    assert!(first_data(&raw, &dir).await.ends_with(" label=b"));
+    assert_eq!(first_data(&raw, &dir).await, "b");
     assert!(next.resign().await.unwrap());
 }
 
@@ -129,6 +134,7 @@ async fn observe_is_pushed_by_watches() {
         let (seen, _) = next().await;
         let seen = seen.expect("a leader");
         assert_eq!(seen.term, Some(lead.term()));
+        assert_eq!(seen.value.as_deref(), Some("v2"));
         assert!(seen.holder.unwrap().as_str().ends_with(" label=v2"));
         assert!(lead.resign().await.unwrap());
         assert_eq!(next().await.0, None, "round {round}");
