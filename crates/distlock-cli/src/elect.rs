@@ -197,6 +197,7 @@ fn print_leader(args: &LeaderArgs, leader: Option<&Leader>) -> bool {
             "election": args.name,
             "leader": leader.is_some(),
             "term": leader.and_then(|l| l.term).map(|t| t.get()),
+            "value": leader.and_then(|l| l.value.as_deref()),
             "holder": leader.and_then(|l| l.holder.as_ref()).map(|h| h.as_str()),
             "ttl_remaining_ms": leader
                 .and_then(|l| l.ttl_remaining)
@@ -207,16 +208,18 @@ fn print_leader(args: &LeaderArgs, leader: Option<&Leader>) -> bool {
         match leader {
             None => format!("{}: no leader", args.name),
             Some(leader) => {
-                let mut parts = vec![match leader.term {
+                // The value first (exactly what etcd's and Curator's peers read), then the term,
+                // then our identity when the leader is one of ours.
+                let mut parts: Vec<String> = leader.value.iter().cloned().collect();
+                parts.push(match leader.term {
                     Some(term) => format!("term {term}"),
                     None => "no term".to_owned(),
-                }];
-                parts.push(
-                    leader
-                        .holder
-                        .as_ref()
-                        .map_or_else(|| "an unknown holder".to_owned(), ToString::to_string),
-                );
+                });
+                match (&leader.holder, &leader.value) {
+                    (Some(holder), _) => parts.push(holder.to_string()),
+                    (None, None) => parts.push("an unknown holder".to_owned()),
+                    (None, Some(_)) => {}
+                }
                 if let Some(ttl) = leader.ttl_remaining {
                     parts.push(format!("{} left", format_duration(ttl)));
                 }

@@ -255,12 +255,16 @@ fn a_second_elect_waits_for_the_first_to_resign_and_leader_follows() {
     let out = on(&url).args(["leader", &name]).output().unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let text = stdout(&out);
-    assert!(text.starts_with(&format!("{name}: term ")), "{text}");
+    assert!(
+        text.starts_with(&format!("{name}: elect-a, term ")),
+        "{text}"
+    );
     assert!(text.contains("label=elect-a"), "{text}");
     let out = on(&url).args(["leader", &name, "--json"]).output().unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let shown: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
     assert_eq!(shown["leader"], true, "{shown}");
+    assert_eq!(shown["value"], "elect-a", "{shown}");
     let a_term = shown["term"].as_u64().unwrap();
     assert!(
         shown["holder"].as_str().unwrap().ends_with("label=elect-a"),
@@ -420,4 +424,106 @@ fn elect_terminates_the_command_when_leadership_is_lost() {
     let next: u64 = stdout(&out).trim().parse().unwrap();
     assert!(next > term, "{next} after {term}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `etcdctl --endpoints=… <args>` for the etcd of `url`.
+fn etcdctl(url: &str, args: &[&str]) -> Command {
+    let endpoint = url
+        .strip_prefix("etcd://")
+        .expect("a plain etcd:// URL")
+        .split(['/', '?'])
+        .next()
+        .unwrap();
+    let mut command = Command::new("etcdctl");
+    command
+        .env("ETCDCTL_API", "3")
+        .arg(format!("--endpoints=http://{endpoint}"))
+        .args(args)
+        .stdin(Stdio::null());
+    command
+}
+
+/// Issue 44, item 11, through the CLI on etcd: while `distlock elect NAME --value V` leads,
+/// `etcdctl elect -l` (Go's `Election.Observe`) reads exactly V; while `etcdctl elect NAME W`
+/// leads, `distlock leader NAME` shows exactly W first (text and JSON), with no identity.
+#[test]
+fn peers_read_exactly_the_elect_value_and_leader_shows_theirs_first() {
+    if !Backend::Etcd.is_enabled() {
+        return;
+    }
+    let Some(url) = conformance::backend_url("DISTLOCK_TEST_ETCD_URL") else {
+        return;
+    };
+    let mut reaper = Reaper::default();
+    let dir = temp_dir("elect-value");
+    // No `/` in the name: etcd escapes it (`%2F`) in the election's range.
+    let name = format!("value-{:016x}", rand::random::<u64>());
+    let path = format!("distlock/election/{name}");
+    let value = format!("10.0.0.7:8080/{name}");
+    let ready = dir.join("ready");
+    let go = dir.join("go");
+    let script = format!("touch {}; {}", ready.display(), until(&go));
+    let mut ours = on(&url)
+        .args(["elect", &name, "--ttl", "5s", "--value", &value, "--"])
+        .args(["sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    reaper.pids.push(ours.id());
+    reaper.files.push(go.clone());
+    wait_for_file(&ready, &mut ours, Duration::from_secs(10));
+    let mut observer = etcdctl(&url, &["elect", "-l", &path])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    reaper.pids.push(observer.id());
+    let seen = lines_of(&mut observer);
+    let next = || {
+        seen.recv_timeout(Duration::from_secs(10))
+            .expect("etcdctl prints the leader")
+    };
+    assert!(next().starts_with(&format!("{path}/")));
+    assert_eq!(next(), value, "etcdctl elect -l reads our value");
+    let out = on(&url).args(["leader", &name]).output().unwrap();
+    let text = stdout(&out);
+    assert!(
+        text.starts_with(&format!("{name}: {value}, term ")),
+        "{text}"
+    );
+    assert!(text.contains(&format!(" label={value}")), "{text}");
+    std::fs::write(&go, "").unwrap();
+    assert_eq!(finish(ours, Duration::from_secs(10)).status.code(), Some(0));
+
+    let theirs = format!("http://10.0.0.9:80/{name}");
+    let mut go_leader = etcdctl(&url, &["elect", &path, &theirs])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    reaper.pids.push(go_leader.id());
+    let elected = lines_of(&mut go_leader);
+    elected
+        .recv_timeout(Duration::from_secs(10))
+        .expect("etcdctl is elected");
+    let out = on(&url).args(["leader", &name]).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        text.starts_with(&format!("{name}: {theirs}, term ")),
+        "{text}"
+    );
+    assert!(
+        !text.contains("host="),
+        "a Go leader has no identity of ours: {text}"
+    );
+    let out = on(&url).args(["leader", &name, "--json"]).output().unwrap();
+    let shown: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    assert_eq!(shown["value"], theirs.as_str(), "{shown}");
+    assert!(shown["holder"].is_null(), "{shown}");
+    kill(Pid::from_raw(go_leader.id() as i32), Signal::SIGTERM).unwrap();
+    let _ = go_leader.wait();
+    let _ = observer.kill();
+    let _ = observer.wait();
 }
