@@ -26,6 +26,15 @@ use tokio::time::{Instant, sleep, timeout};
 use super::{LONG_TTL, SLACK, release, take};
 use crate::{Harness, Outcome};
 
+// Elections' operations (a child, sharing the helpers below).
+#[path = "cancel_election.rs"]
+mod election;
+pub use election::{
+    campaign_dropped_at_any_poll_leaves_nothing_behind,
+    proclaim_dropped_at_any_poll_keeps_the_leader,
+    resign_dropped_at_any_poll_leaves_nothing_behind,
+};
+
 /// The most polls after which an operation is dropped (an operation that needs more is covered
 /// up to here).
 const MAX_POLLS: usize = 64;

@@ -81,6 +81,9 @@ macro_rules! __conformance_properties {
         $callback!($setup, election_observe_reports_every_term_in_order);
         $callback!($setup, election_deposed_leader_is_fenced_out);
         $callback!($setup, election_proclaim_changes_the_value_not_the_term);
+        $callback!($setup, campaign_dropped_at_any_poll_leaves_nothing_behind);
+        $callback!($setup, resign_dropped_at_any_poll_leaves_nothing_behind);
+        $callback!($setup, proclaim_dropped_at_any_poll_keeps_the_leader);
     };
 }
 
@@ -108,10 +111,13 @@ mod cancel;
 pub use cancel::delayed;
 pub use cancel::{
     acquire_dropped_at_any_poll_leaves_nothing_behind,
+    campaign_dropped_at_any_poll_leaves_nothing_behind,
     force_release_dropped_at_any_poll_leaves_nothing_behind,
     inspect_dropped_at_any_poll_leaves_nothing_behind,
+    proclaim_dropped_at_any_poll_keeps_the_leader,
     release_dropped_at_any_poll_leaves_nothing_behind,
     renew_dropped_at_any_poll_leaves_nothing_behind,
+    resign_dropped_at_any_poll_leaves_nothing_behind,
     run_exclusive_dropped_at_any_poll_leaves_nothing_behind,
     try_acquire_dropped_at_any_poll_leaves_nothing_behind,
 };
