@@ -1,7 +1,7 @@
 //! `inspect` and `release --force` (and the capability lines `check` prints).
 
 use std::{
-    io::{BufRead, IsTerminal, Write},
+    io::{BufRead, IsTerminal},
     time::Duration,
 };
 
@@ -159,8 +159,8 @@ pub async fn release(lock: DynLock, args: ReleaseArgs) -> u8 {
             );
             return exit::USAGE;
         }
-        eprint!("Force-release {key}? [y/N] ");
-        let _ = std::io::stderr().flush();
+        crate::diag::write(format!("Force-release {key}? [y/N] "));
+        crate::diag::flush(std::time::Duration::from_secs(5));
         let mut answer = String::new();
         let confirmed = std::io::stdin().lock().read_line(&mut answer).is_ok()
             && matches!(answer.trim().to_ascii_lowercase().as_str(), "y" | "yes");

@@ -1,13 +1,20 @@
 //! The dead man's switch of `distlock run`: the hidden `__guard` subcommand.
 //!
 //! `distlock run` re-executes itself as this small process before it starts the command. The
-//! guard leads the process group the command then joins, so it can signal the whole group, and
-//! it stays out of the way of everything else: it blocks the signals a terminal or a `kill` of
-//! the group sends (they stay pending), it never reads the terminal, and it uses no runtime.
+//! guard leads a process group of its own and polices the command's group, which it is not a
+//! member of: a `kill -STOP -PGID` of the command's group or a terminal's Ctrl-Z stops the
+//! command, never its guard, which keeps watching the clock. It stays out of the way of
+//! everything else: it blocks the signals a terminal or a `kill` sends (they stay pending), it
+//! never reads the terminal, it uses no runtime, and its diagnostics never block it
+//! ([`crate::diag`]).
 //!
 //! Its stdin is a pipe from the supervisor (`distlock run`), one line per message:
 //! - `deadline NS`: the lease's current local deadline, as `CLOCK_BOOTTIME` nanoseconds (sent
 //!   after every renewal);
+//! - `group PGID`: written by the command's wrapper (`distlock __exec`, which opens the pipe
+//!   through `/proc/GUARD/fd/0`) before it becomes the command: the group to police. The guard
+//!   acknowledges with SIGUSR2 to the wrapper, which only then executes the command — or, when
+//!   the guard is already terminating, SIGKILLs the group, so the command never starts;
 //! - `terminate REASON`: the supervisor wants the group stopped (the lease was lost, …);
 //! - `done`: the command finished while the lease was good; exit without touching the group.
 //!
@@ -16,12 +23,13 @@
 //! died: only it holds the write end), when its parent dies (`PR_SET_PDEATHSIG`), or when the
 //! local deadline comes so close that SIGKILL would otherwise land after it (the supervisor is
 //! frozen or cannot renew). Once terminating, it ignores later deadlines and exits as soon as no
-//! other live process is left in the group; at the kill time it sends SIGKILL to the whole group,
-//! itself included. Its stdout reports back to the supervisor: `ready`, `terminating REASON`.
+//! live process is left in the group; at the kill time it sends SIGKILL to the whole group and
+//! exits. Its stdout reports back to the supervisor: `ready`, `terminating REASON`, `killing`.
 
 use std::{
+    ffi::{CString, OsString},
     io::{Read, Write},
-    os::fd::AsFd,
+    os::{fd::AsFd, unix::ffi::OsStrExt},
     time::Duration,
 };
 
@@ -34,7 +42,7 @@ use nix::{
         signal::{SigSet, Signal, killpg},
         signalfd::{SfdFlags, SignalFd},
     },
-    unistd::{Pid, getpgrp, getpid, getppid},
+    unistd::{Pid, execvp, getpgrp, getpid, getppid},
 };
 
 use crate::{clock, duration::format_duration, exit, procfs};
@@ -62,8 +70,8 @@ pub struct GuardArgs {
 /// Guard's exit status: it terminated the group, which was gone before SIGKILL was due.
 pub const TERMINATED: u8 = 3;
 
-/// Signals the guard must survive: a terminal's (the group may be the foreground one), the ones
-/// `distlock run` forwards to the group (the guard is a member), and its parent-death signal.
+/// Signals the guard must survive, should anyone send them to it (it is in no group a terminal
+/// or `distlock run` signals), and its parent-death signal.
 const BLOCKED: [Signal; 8] = [
     Signal::SIGINT,
     Signal::SIGTERM,
@@ -94,8 +102,7 @@ pub fn main(args: &GuardArgs) -> u8 {
             return exit::INTERNAL;
         }
     };
-    let group = getpgrp();
-    if group != getpid() {
+    if getpgrp() != getpid() {
         say!("distlock: the guard process must lead its own process group");
         return exit::INTERNAL;
     }
@@ -115,7 +122,7 @@ pub fn main(args: &GuardArgs) -> u8 {
     let mut guard = Guard {
         control,
         key: args.key.clone(),
-        group,
+        group: None,
         parent: args.parent,
         deadline: args.deadline_ns,
         kill_after: nanos(Duration::from_millis(args.kill_after_ms)),
@@ -136,7 +143,8 @@ fn nanos(d: Duration) -> i64 {
 struct Guard {
     control: std::fs::File,
     key: String,
-    group: Pid,
+    /// The command's process group, once its wrapper registered it.
+    group: Option<Pid>,
     parent: i32,
     /// The local deadline (`CLOCK_BOOTTIME` ns).
     deadline: i64,
@@ -166,13 +174,18 @@ impl Guard {
                     term_at - now
                 }
                 Some(kill_at) => {
-                    if !procfs::has_live_members(self.group.as_raw(), getpid().as_raw()) {
+                    // No group yet: a wrapper that registers later is killed on the spot, so
+                    // wait for one until the kill time.
+                    if let Some(group) = self.group
+                        && !procfs::has_live_members(group.as_raw(), getpid().as_raw())
+                    {
                         return TERMINATED;
                     }
                     if now >= kill_at {
                         self.report("killing");
-                        // The last act: this kills the guard too.
-                        let _ = killpg(self.group, Signal::SIGKILL);
+                        if let Some(group) = self.group {
+                            let _ = killpg(group, Signal::SIGKILL);
+                        }
                         return exit::INTERNAL;
                     }
                     // Look for an emptied group every 20 ms.
@@ -250,6 +263,23 @@ impl Guard {
                 }
                 false
             }
+            (Some("group"), Some(pgid)) => {
+                if let Ok(pgid) = pgid.parse::<i32>()
+                    && pgid > 1
+                    && self.group.is_none()
+                {
+                    let group = Pid::from_raw(pgid);
+                    self.group = Some(group);
+                    if self.kill_at.is_some() {
+                        // Too late: the command must not start.
+                        let _ = killpg(group, Signal::SIGKILL);
+                    } else {
+                        // The acknowledgement the wrapper waits for before the command runs.
+                        let _ = nix::sys::signal::kill(group, ACK);
+                    }
+                }
+                false
+            }
             (Some("terminate"), reason) => {
                 let now = clock::now_ns();
                 let kill_at = now
@@ -283,9 +313,11 @@ impl Guard {
             return;
         }
         self.kill_at = Some(kill_at);
-        let _ = killpg(self.group, Signal::SIGTERM);
-        // A stopped process acts on SIGTERM only once continued.
-        let _ = killpg(self.group, Signal::SIGCONT);
+        if let Some(group) = self.group {
+            let _ = killpg(group, Signal::SIGTERM);
+            // A stopped process acts on SIGTERM only once continued.
+            let _ = killpg(group, Signal::SIGCONT);
+        }
         self.report(&format!("terminating {reason}"));
         let left = Duration::from_nanos(u64::try_from(kill_at.saturating_sub(now)).unwrap_or(0));
         let why = match reason {
@@ -310,4 +342,98 @@ impl Guard {
         let _ = writeln!(out, "{line}");
         let _ = out.flush();
     }
+}
+
+/// The hidden subcommand of the command's wrapper: `distlock __exec GUARD_PID PROGRAM [ARGS..]`.
+pub const EXEC: &str = "__exec";
+
+/// The guard's acknowledgement of a registered group.
+const ACK: Signal = Signal::SIGUSR2;
+
+/// The command's wrapper, started by `distlock run` in a new process group of its own (it
+/// leads it): tells the guard `group PID` through the guard's control pipe, waits for the
+/// guard's acknowledgement, then executes `PROGRAM` in its place (same pid, same group). If the
+/// guard is gone (or never answers before it goes), the command is not run: 70. A program that
+/// cannot be executed: 127 (not found) or 126, with distlock's message.
+pub fn exec_main(args: &[OsString]) -> u8 {
+    let (Some(guard), Some(program)) = (args.first(), args.get(1)) else {
+        say!("distlock: __exec is internal to `distlock run`");
+        return exit::USAGE;
+    };
+    let Some(guard) = guard.to_str().and_then(|g| g.parse::<i32>().ok()) else {
+        say!("distlock: __exec is internal to `distlock run`");
+        return exit::USAGE;
+    };
+    if let Err(why) = register(guard) {
+        say!("distlock: the command was not started: {why}");
+        return exit::INTERNAL;
+    }
+    let argv: Result<Vec<CString>, _> = args[1..]
+        .iter()
+        .map(|a| CString::new(a.as_bytes()))
+        .collect();
+    let Ok(argv) = argv else {
+        say!(
+            "distlock: cannot run {}: an argument contains a NUL byte",
+            program.to_string_lossy()
+        );
+        return exit::CANNOT_EXECUTE;
+    };
+    let Err(e) = execvp(&argv[0], &argv);
+    say!(
+        "distlock: cannot run {}: {}",
+        program.to_string_lossy(),
+        std::io::Error::from(e)
+    );
+    if e == Errno::ENOENT {
+        exit::NOT_FOUND
+    } else {
+        exit::CANNOT_EXECUTE
+    }
+}
+
+/// Registers this process's group with guard `guard` and waits for the acknowledgement; the
+/// signal mask is clean again afterwards (the command inherits it).
+fn register(guard: i32) -> Result<(), String> {
+    let mut ack = SigSet::empty();
+    ack.add(ACK);
+    ack.thread_block()
+        .map_err(|e| format!("cannot block {ACK}: {e}"))?;
+    let waited = (|| {
+        let fd = SignalFd::with_flags(&ack, SfdFlags::SFD_CLOEXEC)
+            .map_err(|e| format!("cannot wait for the guard: {e}"))?;
+        let mut pipe = std::fs::File::options()
+            .write(true)
+            .open(format!("/proc/{guard}/fd/0"))
+            .map_err(|e| format!("cannot reach the guard process {guard}: {e}"))?;
+        // One short write: atomic on a pipe, never interleaved with the supervisor's lines.
+        pipe.write_all(format!("group {}\n", getpid()).as_bytes())
+            .map_err(|e| format!("the guard process {guard} is gone: {e}"))?;
+        loop {
+            // The pipe's write end reports POLLERR once the guard (its only reader) is gone.
+            let mut fds = [
+                PollFd::new(fd.as_fd(), PollFlags::POLLIN),
+                PollFd::new(pipe.as_fd(), PollFlags::empty()),
+            ];
+            match poll(&mut fds, PollTimeout::NONE) {
+                Ok(_) | Err(Errno::EINTR) => {}
+                Err(e) => return Err(format!("cannot wait for the guard: {e}")),
+            }
+            if fds[0].any().unwrap_or(false) {
+                return match fd.read_signal() {
+                    Ok(Some(_)) => Ok(()),
+                    Ok(None) => continue,
+                    Err(e) => Err(format!("cannot wait for the guard: {e}")),
+                };
+            }
+            let gone = fds[1]
+                .revents()
+                .is_some_and(|r| r.intersects(PollFlags::POLLERR | PollFlags::POLLHUP));
+            if gone {
+                return Err(format!("the guard process {guard} is gone"));
+            }
+        }
+    })();
+    let _ = ack.thread_unblock();
+    waited
 }

@@ -3,13 +3,13 @@
 //! and the crate README.
 #![forbid(unsafe_code)]
 
-/// Like `eprintln!`, but never panics: stderr may be a closed pipe or a hung-up terminal
-/// (a job whose SSH session went), and distlock must go on supervising, releasing and, in the
-/// guard, signalling the command's group whatever happens to its messages.
+/// Like `eprintln!`, but never panics and never blocks: stderr may be a closed pipe, a
+/// hung-up terminal (a job whose SSH session went) or a pipe nobody reads, and distlock must
+/// go on supervising, releasing and, in the guard, signalling the command's group whatever
+/// happens to its messages. The line is queued for a writer thread ([`diag`]).
 macro_rules! say {
     ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($arg)*);
+        $crate::diag::line(format!($($arg)*));
     }};
 }
 
@@ -18,6 +18,7 @@ mod clock;
 mod commands;
 mod conformance;
 mod connect_error;
+mod diag;
 mod duration;
 mod elect;
 mod exit;
@@ -423,6 +424,20 @@ fn parse() -> Result<Cli, ExitCode> {
 }
 
 fn main() -> ExitCode {
+    // The command's wrapper (`run`): it registers with the guard and becomes the command.
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    if argv.get(1).is_some_and(|a| a == guard::EXEC) {
+        let code = guard::exec_main(&argv[2..]);
+        diag::flush(diag::AT_EXIT);
+        return ExitCode::from(code);
+    }
+    let code = distlock_main();
+    // What is still queued for stderr, unless nobody reads it.
+    diag::flush(diag::AT_EXIT);
+    code
+}
+
+fn distlock_main() -> ExitCode {
     let cli = match parse() {
         Ok(cli) => cli,
         Err(code) => return code,
@@ -555,7 +570,7 @@ fn main() -> ExitCode {
     // Do not wait for the drivers' background tasks (reconnects, keepalives) to wind down.
     runtime.shutdown_background();
     if let Some(metrics) = metrics {
-        eprint!("{}", metrics.render());
+        diag::write(metrics.render());
     }
     ExitCode::from(code)
 }

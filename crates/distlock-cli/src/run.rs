@@ -1,16 +1,21 @@
 //! `distlock run KEY -- CMD [ARGS..]`.
 //!
 //! The command never outlives the lease: before it starts, distlock re-executes itself as a guard
-//! process ([`crate::guard`]) that leads the process group the command joins. distlock (the
-//! supervisor) tells the guard every new local deadline; the guard kills the whole group when the
-//! supervisor dies, or when the deadline comes so close that SIGKILL would otherwise land after
-//! it (the supervisor is frozen or cannot renew). A lease lost while the supervisor is alive is
-//! handled the same way, through the guard.
+//! process ([`crate::guard`]) in a process group of its own. The command gets another group of
+//! its own (it leads it), outside the guard's: a `kill -STOP -PGID` of the command's group or a
+//! terminal's Ctrl-Z stops the command, never the guard that polices it. The command starts as
+//! a wrapper (`distlock __exec`) that registers its group with the guard and waits for the
+//! guard's acknowledgement before it becomes the command, so the guard knows the group before
+//! anything of the command runs, whenever the supervisor dies. distlock (the supervisor) tells
+//! the guard every new local deadline; the guard kills the whole group when the supervisor dies,
+//! or when the deadline comes so close that SIGKILL would otherwise land after it (the
+//! supervisor is frozen or cannot renew). A lease lost while the supervisor is alive is handled
+//! the same way, through the guard.
 
 use std::{
     ffi::OsString,
     fs::File,
-    io::{IsTerminal, Write},
+    io::IsTerminal,
     os::unix::process::ExitStatusExt,
     process::{ExitStatus, Stdio},
     time::Duration,
@@ -281,7 +286,7 @@ pub async fn acquire(
             if let Some(progress) = progress {
                 progress.abort();
                 let _ = progress.await;
-                eprint!("\r\x1b[K");
+                crate::diag::write("\r\x1b[K".to_owned());
             }
             match result {
                 Ok(Ok(result)) => result.map(Some),
@@ -402,13 +407,10 @@ async fn show_progress(lock: DynLock, key: distlock::LockKey) {
             Ok(None) => "being handed over".to_owned(),
             Err(e) => format!("cannot inspect: {}", e.kind()),
         };
-        let mut stderr = std::io::stderr().lock();
-        let _ = write!(
-            stderr,
+        crate::diag::write(format!(
             "\r\x1b[Kdistlock: waiting for {key} ({holder}), waited {}",
             format_duration(Duration::from_secs(started.elapsed().as_secs()))
-        );
-        let _ = stderr.flush();
+        ));
     }
 }
 
@@ -417,8 +419,10 @@ struct GuardProcess {
     child: Child,
     stdin: Option<ChildStdin>,
     lines: Lines<BufReader<ChildStdout>>,
-    /// The guard's pid, which is the command's process group.
-    group: Pid,
+    /// The guard's pid (it leads a group of its own).
+    pid: Pid,
+    /// The command's process group (the command's pid), once it is started.
+    group: Option<Pid>,
     /// The local deadline the guard was last told.
     told: Instant,
     /// What the guard reported it is terminating the group for.
@@ -458,7 +462,7 @@ impl GuardProcess {
         }
         let mut child = command.spawn()?;
         let failed = |what: &str| std::io::Error::other(format!("the guard process {what}"));
-        let group = child
+        let pid = child
             .id()
             .and_then(|pid| i32::try_from(pid).ok())
             .map(Pid::from_raw)
@@ -479,7 +483,8 @@ impl GuardProcess {
             child,
             stdin: Some(stdin),
             lines,
-            group,
+            pid,
+            group: None,
             told: deadline,
             terminating: None,
             out_closed: false,
@@ -534,7 +539,9 @@ impl GuardProcess {
 
     fn signal_group(&self, signal: Signal) {
         // ESRCH: the group is already gone.
-        let _ = killpg(self.group, signal);
+        if let Some(group) = self.group {
+            let _ = killpg(group, signal);
+        }
     }
 }
 
@@ -620,11 +627,16 @@ pub async fn supervise(lease: LockGuard, job: &Job, timing: &Timing) -> u8 {
             return exit::INTERNAL;
         }
     };
-    let group = guard.group;
-    let foreground = Foreground::take(group);
-
-    let mut command = Command::new(program);
-    command.args(program_args).process_group(group.as_raw());
+    // The wrapper registers its group (its pid) with the guard, waits for the guard's
+    // acknowledgement, then executes the command in its place (same pid and group).
+    let mut command = Command::new("/proc/self/exe");
+    command
+        .arg0("distlock")
+        .arg(crate::guard::EXEC)
+        .arg(guard.pid.as_raw().to_string())
+        .arg(program)
+        .args(program_args)
+        .process_group(0);
     for name in PRIVATE_ENV.iter().chain(&job.unset) {
         command.env_remove(name);
     }
@@ -633,7 +645,6 @@ pub async fn supervise(lease: LockGuard, job: &Job, timing: &Timing) -> u8 {
         Ok(child) => child,
         Err(e) => {
             guard.finish().await;
-            drop(foreground);
             say!("distlock: cannot run {}: {e}", program.to_string_lossy());
             let _ = lease.release().await;
             return if e.kind() == std::io::ErrorKind::NotFound {
@@ -647,6 +658,15 @@ pub async fn supervise(lease: LockGuard, job: &Job, timing: &Timing) -> u8 {
         .id()
         .and_then(|pid| i32::try_from(pid).ok())
         .map(Pid::from_raw);
+    let Some(group) = pid else {
+        say!("distlock: the command has no pid");
+        let _ = child.kill().await;
+        guard.finish().await;
+        release_after_loss(lease).await;
+        return exit::INTERNAL;
+    };
+    guard.group = Some(group);
+    let foreground = Foreground::take(group);
 
     let lost = lease.lost();
     tokio::pin!(lost);
@@ -660,7 +680,7 @@ pub async fn supervise(lease: LockGuard, job: &Job, timing: &Timing) -> u8 {
         if leader.is_some()
             && (!job.wait_group
                 || guard.terminating.is_some()
-                || !procfs::has_live_members(group.as_raw(), group.as_raw()))
+                || !procfs::has_live_members(group.as_raw(), 0))
         {
             break;
         }
@@ -788,7 +808,7 @@ fn on_stop(
 ) -> Option<Signal> {
     match signal {
         Signal::SIGTTIN | Signal::SIGTTOU => {
-            if foreground.is_some_and(|f| f.owned_by(guard.group)) {
+            if foreground.is_some_and(|f| guard.group.is_some_and(|g| f.owned_by(g))) {
                 // It touched the terminal in the instant before it was handed over.
                 guard.signal_group(Signal::SIGCONT);
                 None

@@ -165,8 +165,9 @@ fn run_reports_a_missing_command() {
 
 #[test]
 fn the_command_runs_in_its_own_process_group() {
-    // Field 5 of /proc/PID/stat is the process group id. The group is led by distlock's guard
-    // process (which can signal all of it); distlock itself is in another group.
+    // Field 5 of /proc/PID/stat is the process group id. The command leads a group of its own;
+    // distlock is in another, and so is distlock's guard process (which signals the command's
+    // group from outside it, so that stopping that group never stops the guard).
     let out = output(distlock().args([
         "--url",
         "memory://",
@@ -175,17 +176,30 @@ fn the_command_runs_in_its_own_process_group() {
         "--",
         "sh",
         "-c",
-        "g=$(cut -d' ' -f5 /proc/$$/stat); echo $$ $g $(cut -d' ' -f5 /proc/$PPID/stat) $(tr '\\0' ' ' < /proc/$g/cmdline)",
+        "g=$(cut -d' ' -f5 /proc/$$/stat); echo $$ $g $(cut -d' ' -f5 /proc/$PPID/stat); \
+         for p in /proc/[0-9]*; do c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); case \"$c\" in \
+         \"distlock __guard --parent $PPID \"*) echo guard $(cut -d' ' -f5 $p/stat);; esac; done",
     ]));
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let text = stdout(&out);
-    let fields: Vec<&str> = text.split_whitespace().collect();
-    assert!(fields.len() >= 5, "{text}");
+    let mut lines = text.lines();
+    let fields: Vec<&str> = lines
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
+    assert_eq!(fields.len(), 3, "{text}");
+    assert_eq!(fields[0], fields[1], "the command leads its group: {text}");
     assert_ne!(fields[1], fields[2], "distlock is in another group: {text}");
-    assert_eq!(
-        &fields[3..5],
-        ["distlock", "__guard"],
-        "the group's leader is the guard: {text}"
+    let guard: Vec<&str> = lines
+        .next()
+        .unwrap_or_else(|| panic!("no guard process found: {text}"))
+        .split_whitespace()
+        .collect();
+    assert_eq!(guard[0], "guard", "{text}");
+    assert_ne!(
+        guard[1], fields[1],
+        "the guard is outside the command's group: {text}"
     );
 }
 
@@ -507,7 +521,8 @@ fn a_killed_guard_process_gets_the_command_terminated() {
         "--",
         "sh",
         "-c",
-        "kill -KILL $(cut -d' ' -f5 /proc/$$/stat); sleep 20",
+        "for p in /proc/[0-9]*; do c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); case \"$c\" in \
+         \"distlock __guard --parent $PPID \"*) kill -KILL ${p#/proc/};; esac; done; sleep 20",
     ]));
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(70), "{err}");

@@ -320,3 +320,219 @@ fn a_frozen_etcd_does_not_hold_back_the_exit_after_the_kill() {
         "distlock exited {after:?} after its command died (at most --kill-after + 1 s): {stderr}"
     );
 }
+
+/// The shared Redis, or `None` where it is not configured (allowed only without
+/// `DISTLOCK_REQUIRE_BACKENDS=1`).
+fn shared_redis() -> Option<String> {
+    if !Backend::Redis.is_enabled() {
+        assert!(
+            !conformance::backends_required(),
+            "redis is not compiled in: build with --all-features"
+        );
+        return None;
+    }
+    conformance::backend_url("DISTLOCK_TEST_REDIS_URL")
+}
+
+/// Field `n` (1-based, after the command name) of /proc/PID/stat: 1 the state, 3 the group.
+fn stat_field(pid: i32, n: usize) -> Option<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(n - 1).map(str::to_owned)
+}
+
+/// The pid of the guard process of the `distlock run` whose pid is `supervisor`.
+fn guard_of(supervisor: u32) -> i32 {
+    let want = format!("distlock\0__guard\0--parent\0{supervisor}\0");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
+            if std::fs::read(entry.path().join("cmdline"))
+                .is_ok_and(|c| c.starts_with(want.as_bytes()))
+            {
+                return pid;
+            }
+        }
+        assert!(Instant::now() < deadline, "no guard for {supervisor}");
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A command that first fills its stderr — the same pipe as distlock's and its guard's, which
+/// the test never reads — from a background process that stays blocked on it, then writes its
+/// pid to `pid_file` and works; it ignores SIGTERM when `stubborn`.
+fn stderr_filling_command(pid_file: &std::path::Path, stubborn: bool) -> String {
+    format!(
+        "{}(head -c 1000000 /dev/zero >&2 &); sleep 0.5; echo $$ > {}; while :; do sleep 0.05; done",
+        if stubborn { "trap '' TERM; " } else { "" },
+        pid_file.display()
+    )
+}
+
+/// Item 8: distlock's stderr is a pipe nobody reads (filled up): after a force-release the
+/// supervisor still terminates the command and exits 76 — its messages must not block it (it
+/// used to hang in the write of "lost the lock", before telling the guard).
+#[test]
+fn a_stalled_stderr_does_not_block_the_supervisor_after_a_loss() {
+    let Some(url) = shared_redis() else {
+        return;
+    };
+    let dir = support::temp_dir("stalled-stderr");
+    let pid_file = dir.join("pid");
+    let key = support::fresh_key("stalled-stderr");
+    let mut child = distlock(&url, &["run", "--ttl", "4s", &key, "--", "sh", "-c"])
+        .arg(stderr_filling_command(&pid_file, false))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Held, never read.
+    let _stderr = child.stderr.take().unwrap();
+    let command = read_pid(&pid_file, &mut child);
+    let out = output_within(
+        distlock(&url, &["release", "--force", "--yes", &key]),
+        Duration::from_secs(30),
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let released = Instant::now();
+    let within = Duration::from_secs(15);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if released.elapsed() > within {
+            let alive = !is_dead(command);
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "distlock still running {within:?} after the force-release (its command alive: \
+                 {alive}): blocked on its stderr"
+            );
+        }
+        thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(76));
+    assert!(is_dead(command), "the command survived");
+}
+
+/// Item 8: stderr stalled and distlock frozen (SIGSTOP), its command ignoring SIGTERM: the
+/// guard still SIGKILLs the command's group before the lease's local deadline — its own
+/// message ("the lease was not renewed in time") must not block it between the SIGTERM and
+/// the SIGKILL.
+#[test]
+fn a_stalled_stderr_does_not_block_the_guard() {
+    let Some(url) = shared_redis() else {
+        return;
+    };
+    let dir = support::temp_dir("stalled-guard");
+    let pid_file = dir.join("pid");
+    let ttl = Duration::from_secs(3);
+    let mut child = distlock(
+        &url,
+        &[
+            "run",
+            "--ttl",
+            "3s",
+            &support::fresh_key("stalled-guard"),
+            "--",
+            "sh",
+            "-c",
+        ],
+    )
+    .arg(stderr_filling_command(&pid_file, true))
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let _stderr = child.stderr.take().unwrap();
+    let command = read_pid(&pid_file, &mut child);
+    let supervisor = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(supervisor, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let frozen = Instant::now();
+    // The lease's local deadline is at most a TTL after the freeze (the last renewal came
+    // before it); the guard SIGKILLs a margin before that.
+    let by = ttl + Duration::from_millis(500);
+    while !is_dead(command) && frozen.elapsed() < by {
+        thread::sleep(Duration::from_millis(5));
+    }
+    let dead = is_dead(command);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        dead,
+        "the command (ignoring SIGTERM) was still alive {by:?} after distlock froze: the guard \
+         did not SIGKILL it"
+    );
+}
+
+/// Item 8: `kill -STOP -PGID` of the command's process group (what a terminal's Ctrl-Z does
+/// to the foreground group) stops the command, not its guard; distlock then SIGKILLed, the
+/// guard still terminates the (stopped) group within --kill-after.
+#[test]
+fn stopping_the_commands_group_does_not_stop_its_guard() {
+    let Some(url) = shared_redis() else {
+        return;
+    };
+    let dir = support::temp_dir("stop-group");
+    let pid_file = dir.join("pid");
+    let mut child = distlock(
+        &url,
+        &[
+            "run",
+            "--ttl",
+            "30s",
+            "--kill-after",
+            "2s",
+            &support::fresh_key("stop-group"),
+            "--",
+            "sh",
+            "-c",
+        ],
+    )
+    .arg(format!(
+        "echo $$ > {}; while :; do sleep 0.05; done",
+        pid_file.display()
+    ))
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    let command = read_pid(&pid_file, &mut child);
+    let guard = guard_of(child.id());
+    let group: i32 = stat_field(command, 3).unwrap().parse().unwrap();
+    let pgid = nix::unistd::Pid::from_raw(group);
+    nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while stat_field(command, 1).as_deref() != Some("T") {
+        assert!(Instant::now() < deadline, "the command was not stopped");
+        thread::sleep(Duration::from_millis(10));
+    }
+    thread::sleep(Duration::from_millis(200));
+    let guard_state = stat_field(guard, 1);
+    child.kill().unwrap();
+    let killed = Instant::now();
+    let _ = child.wait();
+    while !is_dead(command) && killed.elapsed() < Duration::from_secs(5) {
+        thread::sleep(Duration::from_millis(10));
+    }
+    let dead = is_dead(command);
+    if !dead {
+        let _ = nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGKILL);
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(guard),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    assert_ne!(
+        guard_state.as_deref(),
+        Some("T"),
+        "the guard (pid {guard}) was stopped with the command's group {group}"
+    );
+    assert!(
+        dead,
+        "the stopped command outlived distlock by 5 s (--kill-after 2s)"
+    );
+}
