@@ -609,18 +609,19 @@ impl Driver for PgLock {
     /// attempt of a queued waiter also refreshes its entry, keeping its place).
     ///
     /// A release hands the lock **directly** to the first live waiter of the queue, in the same
-    /// statement, and notifies only that waiter, which returns its lease without another
-    /// statement (its lease counts from when its latest attempt was sent; when that was more
-    /// than a quarter of the TTL ago, one more statement confirms and extends the grant). So
+    /// statement, and notifies only that waiter, which takes the grant without another attempt
+    /// and renews it to its TTL (one statement) before returning it; when its latest attempt
+    /// was sent more than a quarter of the TTL ago, an attempt confirms and extends it. So
     /// waiters take the lock in the order they queued, barring a `try_acquire` or a newly
     /// arriving `acquire` that gets there first while the lock is free. A waiter that misses
     /// the notification (connection trouble) finds the grant on its next attempt. A waiter that
     /// gives up leaves the queue, and frees a grant that crossed its leaving.
     ///
-    /// A waiter that **crashed** (or hangs) after queueing may still be granted the lock by a
+    /// A direct grant gives the entry's short first lease (1.5 s at most,
+    /// `queue::HANDOFF_LEASE`), which the waiter renews to its TTL before `acquire` returns. A
+    /// waiter that **crashed** (or hangs) after queueing may still be granted the lock by a
     /// release until its entry lapses (two poll intervals after its last attempt); it then
-    /// holds the lock until the TTL it asked for runs out, as a crashed waiter does in the
-    /// queues of etcd or ZooKeeper. Keep TTLs short enough for that wait.
+    /// holds the lock for that first lease only, not for the TTL it asked for.
     ///
     /// With `listen=false`, beyond 256 queued waiters, or while the `LISTEN` connection is
     /// down, waiters poll instead: from 10 ms backing off to `poll_interval`, or about once

@@ -11,7 +11,8 @@
 //! channel, the waiter's number on that client, when the entry lapses (milliseconds since the
 //! epoch, the database's clock; a waiter refreshes its entry on every attempt, so only a gone
 //! waiter's entry lapses), the number of the attempt that wrote the entry (one more per attempt
-//! of that `acquire`), the TTL it asks for (µs), and the owner token a release hands the lock to
+//! of that `acquire`), the TTL a release grants it (µs: its first lease, min(its TTL, 1.5 s), which
+//! it renews to its TTL when it takes the grant), and the owner token a release hands the lock to
 //! (one per `acquire`, a secret like every owner token; distinct from the per-attempt tokens of
 //! its own grants), and the waiting client's holder identity, hex-encoded (printable ASCII
 //! only, so decoding it never fails), for a direct grant to record. Entries of older clients

@@ -1,5 +1,7 @@
 //! The coordinator's push channel: wake-ups and grants, over one `LISTEN` connection per
-//! client on a channel of the client's own.
+//! client on a channel of the client's own; and on the same connection [`LOST_CHANNEL`], where a
+//! force-release announces the grant it removed, so that its holder's `watch_lost` (which
+//! opens the connection as a waiter does) learns of it at once.
 //!
 //! Each waiting `acquire` of a client gets a number and queues `<channel>:<number>` in the lock
 //! row (see [`crate::sql`]); a release notifies the first live entry's channel only, so one

@@ -852,7 +852,9 @@ async fn a_grant_that_came_by_the_deadline_is_taken_not_timed_out() {
     let key = fresh_key("deadline-grant");
     let lease = holder.try_acquire(&key, LONG).await.unwrap().unwrap();
     // Room for queueing on a loaded machine: the waiter must be queued before its deadline.
-    let deadline = Instant::now() + Duration::from_secs(4);
+    // The release grants only a first lease of 1.5 s (counted by the waiter from its attempt),
+    // so the deadline comes well within it.
+    let deadline = Instant::now() + Duration::from_millis(1200);
     let mut waits = waiter.acquire(&key, LONG, deadline);
     tokio::select! {
         got = &mut waits => panic!("the holder keeps the lock, yet: {got:?}"),
@@ -860,7 +862,7 @@ async fn a_grant_that_came_by_the_deadline_is_taken_not_timed_out() {
     }
     assert!(holder.release(&lease).await.unwrap());
     let info = holder.inspect(&key).await.unwrap().expect("granted");
-    tokio::time::sleep_until(deadline + Duration::from_millis(100)).await;
+    tokio::time::sleep_until(deadline + Duration::from_millis(50)).await;
     let got = waits.await.expect("the grant was dropped for the deadline");
     assert_eq!(got.fencing_token(), info.fencing_token);
     assert!(waiter.release(&got).await.unwrap());

@@ -7,8 +7,9 @@
 //!
 //! A waiting `acquire` registers as
 //! `<client id>:<waiter id>:<seq>:<ttl ms>:<grant token hex>:<holder identity>`: its client's
-//! wake channel, its number there, the number of the attempt that wrote the member, the TTL it
-//! asked for, the random token it would hold the lock with and the identity recorded with its
+//! wake channel, its number there, the number of the attempt that wrote the member, the TTL a
+//! release grants it (its first lease: min(its TTL, 1.5 s), see `queue::HANDOFF_LEASE`), the
+//! random token it would hold the lock with and the identity recorded with its
 //! grant. A release hands the lock to the oldest live member directly (see [`grant_next!`]);
 //! a member without the identity (a client from before identities) is granted too, without one.
 //! Members of the older form `<client id>:<waiter id>` (a client from before grants, in a
@@ -124,7 +125,9 @@ return redis.call('PTTL', KEYS[1])
 /// drops expired registrations and pops the one that expires first. A member with a grant
 /// token gets the lock in this same atomic step: a new fence from the counter (its string, read
 /// back after `INCR`, never a Lua number: see [`ACQUIRE`]), its value
-/// `<grant token hex>:<fence>` (marked `:w` when others still wait) with its TTL, the holder
+/// `<grant token hex>:<fence>` (marked `:w` when others still wait) with the member's TTL — the
+/// waiter's short first lease (`queue::HANDOFF_LEASE`), which the waiter renews to its own TTL
+/// when it takes the grant, so a dead waiter blocks the lock that long at most — the holder
 /// key with the member's identity (deleted for a member without one), and the message `<waiter id>:<seq>:<fence>` on its client's channel; the waiter holds the lock from
 /// that message alone. An old-form member (or any member when the counter is unusable) gets
 /// the message `<waiter id>`, a wake-up, and tries by itself.

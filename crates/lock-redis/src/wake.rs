@@ -1,5 +1,7 @@
 //! The coordinator's push channel: grant messages and wake-ups for waiting `acquire`s, one
-//! waiter per release, not a herd.
+//! waiter per release, not a herd; and, on the same connection, [`LOST_CHANNEL`], where a
+//! force-release announces the grant it removed to every holding client (a held lease's
+//! `watch_lost` listens for its lock and fence, see `lock.rs`).
 //!
 //! Each client has a random id. On one server or a Sentinel-managed master it subscribes (once,
 //! on its first wait) to its own wake channel `distlock\x1fwake:<client id>` on its one RESP3
