@@ -159,10 +159,14 @@ async fn watch(election: &Election, args: &LeaderArgs) -> u8 {
     };
     let changes = election.observe(args.every);
     tokio::pin!(changes);
+    let closed = stdout_closed();
+    tokio::pin!(closed);
     let mut failing = false;
     loop {
         let change = tokio::select! {
             signal = signals.recv() => return exit::signalled(signal as i32),
+            // Nobody reads any more (`| head -1`), seen at once rather than at the next line.
+            () = &mut closed => return exit::signalled(nix::sys::signal::Signal::SIGPIPE as i32),
             change = changes.next() => change,
         };
         match change {
@@ -187,6 +191,41 @@ async fn watch(election: &Election, args: &LeaderArgs) -> u8 {
             // refused before any I/O).
             None => return exit::USAGE,
         }
+    }
+}
+
+/// Completes when stdout's reader is gone (a pipe whose read end closed: POLLERR; a terminal
+/// hung up: POLLHUP), watched by a thread polling a duplicate of fd 1 for nothing but those
+/// (which works on any kind of fd, unlike the runtime's epoll). Never completes on a file, or
+/// when stdout cannot be watched.
+async fn stdout_closed() {
+    use std::os::fd::AsFd as _;
+
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    let Ok(fd) = std::io::stdout().as_fd().try_clone_to_owned() else {
+        return std::future::pending().await;
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let watcher = std::thread::Builder::new()
+        .name("distlock-stdout".to_owned())
+        .spawn(move || {
+            let gone = PollFlags::POLLERR | PollFlags::POLLHUP | PollFlags::POLLNVAL;
+            loop {
+                let mut fds = [PollFd::new(fd.as_fd(), PollFlags::empty())];
+                match poll(&mut fds, PollTimeout::NONE) {
+                    Ok(_) if fds[0].revents().is_some_and(|r| r.intersects(gone)) => {
+                        let _ = tx.send(());
+                        return;
+                    }
+                    Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                    Err(_) => return,
+                }
+                // Nothing of interest was reported: do not spin.
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        });
+    if watcher.is_err() || rx.await.is_err() {
+        std::future::pending::<()>().await;
     }
 }
 

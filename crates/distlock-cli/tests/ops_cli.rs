@@ -536,3 +536,39 @@ fn stopping_the_commands_group_does_not_stop_its_guard() {
         "the stopped command outlived distlock by 5 s (--kill-after 2s)"
     );
 }
+
+/// Item 7: `distlock leader --watch NAME | head -1` ends when `head` does — at once, with
+/// 141 (as for SIGPIPE) — not at the next change of leader (none comes here: nobody leads),
+/// on every coordinator.
+#[test]
+fn leader_watch_ends_when_its_reader_goes() {
+    support::on_every_backend("leader_watch_ends_when_its_reader_goes", |backend, url| {
+        let name = support::fresh_key("watch-head").replace('/', "-");
+        let mut child = distlock(&url, &["leader", "--watch", &name])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut first = String::new();
+        stdout.read_line(&mut first).unwrap();
+        assert!(!first.is_empty(), "{backend}: no first line");
+        // `head -1` exits.
+        drop(stdout);
+        let closed = Instant::now();
+        let out = wait_output(child, Duration::from_secs(30));
+        let took = closed.elapsed();
+        eprintln!("{backend}: leader --watch exited {took:?} after its reader went");
+        assert_eq!(
+            out.status.code(),
+            Some(141),
+            "{backend}: {}",
+            text(&out.stderr)
+        );
+        assert!(
+            took < Duration::from_secs(3),
+            "{backend}: leader --watch noticed its closed stdout only after {took:?}"
+        );
+        assert_eq!(text(&out.stderr), "", "{backend}: exits quietly");
+    });
+}
