@@ -16,9 +16,13 @@ use std::{
 
 use lock_core::raw::{Effect, Error, LockKey, RequestFailure, Result, no_answer};
 use redis::{
-    Cmd, ConnectionAddr, ErrorKind, IntoConnectionInfo, Pipeline, ProtocolVersion,
-    RedisConnectionInfo, RedisError, RedisFuture, RedisResult, ServerErrorKind, Value,
-    aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig},
+    AsyncConnectionConfig, Cmd, ConnectionAddr, ErrorKind, IntoConnectionInfo, Pipeline,
+    ProtocolVersion, PushInfo, PushKind, RedisConnectionInfo, RedisError, RedisFuture, RedisResult,
+    ServerErrorKind, Value,
+    aio::{
+        AsyncPushSender, ConnectionLike, ConnectionManager, ConnectionManagerConfig,
+        MultiplexedConnection, SendError,
+    },
     cluster_async::ClusterConnection,
 };
 use tokio::time::{Instant, timeout, timeout_at};
@@ -107,9 +111,9 @@ pub(crate) fn connect_lazy(config: &RedisLockConfig, wakeups: &Arc<Registry>) ->
             sentinels: sentinels.clone(),
             master_name: master_name.clone(),
             redis_info: client.get_connection_info().redis_settings().clone(),
-            manager_config,
             connect_timeout: config.connect_timeout,
             timeout: config.timeout,
+            response_timeout: timeout,
             wakeups: wakeups.clone(),
         }))),
         RedisTopology::Cluster { nodes } => {
@@ -218,12 +222,12 @@ impl ConnectionLike for Conn {
             Self::Sentinel(s) => {
                 let s = s.clone();
                 Box::pin(async move {
-                    let (_, _, mut m) = s.current().await?;
-                    let reply = m.req_packed_command(cmd).await;
+                    let m = s.current().await?;
+                    let reply = m.conn.clone().req_packed_command(cmd).await;
                     // A server's error answer comes as a value (turned into an error later).
                     match &reply {
-                        Err(e) => s.observe(Some(e)),
-                        Ok(Value::ServerError(e)) => s.observe(Some(&RedisError::from(e.clone()))),
+                        Err(e) => s.observe(&m, e),
+                        Ok(Value::ServerError(e)) => s.observe(&m, &RedisError::from(e.clone())),
                         Ok(_) => {}
                     }
                     reply
@@ -244,14 +248,18 @@ impl ConnectionLike for Conn {
             Self::Sentinel(s) => {
                 let s = s.clone();
                 Box::pin(async move {
-                    let (_, _, mut m) = s.current().await?;
-                    let reply = m.req_packed_commands(pipeline, offset, count).await;
+                    let m = s.current().await?;
+                    let reply = m
+                        .conn
+                        .clone()
+                        .req_packed_commands(pipeline, offset, count)
+                        .await;
                     match &reply {
-                        Err(e) => s.observe(Some(e)),
+                        Err(e) => s.observe(&m, e),
                         Ok(values) => {
                             for v in values.iter() {
                                 if let Value::ServerError(e) = v {
-                                    s.observe(Some(&RedisError::from(e.clone())));
+                                    s.observe(&m, &RedisError::from(e.clone()));
                                 }
                             }
                         }
@@ -272,24 +280,59 @@ impl ConnectionLike for Conn {
 }
 
 /// What a Sentinel-managed master's connection needs to follow a failover.
+///
+/// The master's connection never reconnects by itself: a connection that did (the redis
+/// crate's `ConnectionManager` reconnects to the address it had, also while idle) could land on
+/// an old master that restarted empty at that address after a failover, and grant there without
+/// any error until the sentinels demote it. Here a disconnect (the connection's push, or a
+/// request's error) makes the next request ask the sentinels again and check the node's `ROLE`
+/// on the new connection itself, before anything else is sent on it.
 pub(crate) struct SentinelConn {
     sentinels: Vec<(String, u16)>,
     master_name: String,
     /// Database, credentials and protocol of the master connection.
     redis_info: RedisConnectionInfo,
     db: i64,
-    manager_config: ConnectionManagerConfig,
     connect_timeout: Duration,
     timeout: Duration,
-    /// The master's address and its connection; `None` until the first request.
-    current: Mutex<Option<(String, u16, ConnectionManager)>>,
+    /// The master connection's response timeout (with the `WAIT` allowance).
+    response_timeout: Duration,
+    /// The master and its connection; `None` until the first request.
+    current: Mutex<Option<Master>>,
     /// Set by an answer that suggests a failover: the next request asks the sentinels again.
     stale: AtomicBool,
     /// One resolution at a time.
     resolving: tokio::sync::Mutex<()>,
-    /// Channels subscribed so far, subscribed again on a new master.
+    /// Channels subscribed so far, subscribed again on a new connection.
     channels: Mutex<Vec<Vec<u8>>>,
     wakeups: Arc<Registry>,
+}
+
+/// The master a [`SentinelConn`] talks to, and its one connection.
+#[derive(Clone)]
+struct Master {
+    host: String,
+    port: u16,
+    conn: MultiplexedConnection,
+    /// Set once the connection is gone (its disconnect push, or a request's error): it is
+    /// never used again.
+    dead: Arc<AtomicBool>,
+}
+
+/// The push sender of a master connection: marks the connection dead on its disconnect, and
+/// hands every push on to the waiters' registry.
+struct MasterPushes {
+    dead: Arc<AtomicBool>,
+    wakeups: Arc<Registry>,
+}
+
+impl AsyncPushSender for MasterPushes {
+    fn send(&self, info: PushInfo) -> std::result::Result<(), SendError> {
+        if info.kind == PushKind::Disconnection {
+            self.dead.store(true, Ordering::Release);
+        }
+        self.wakeups.send(info)
+    }
 }
 
 /// The settings of a [`SentinelConn`].
@@ -297,9 +340,9 @@ pub(crate) struct SentinelSettings {
     pub(crate) sentinels: Vec<(String, u16)>,
     pub(crate) master_name: String,
     pub(crate) redis_info: RedisConnectionInfo,
-    pub(crate) manager_config: ConnectionManagerConfig,
     pub(crate) connect_timeout: Duration,
     pub(crate) timeout: Duration,
+    pub(crate) response_timeout: Duration,
     pub(crate) wakeups: Arc<Registry>,
 }
 
@@ -310,9 +353,9 @@ impl SentinelConn {
             sentinels: s.sentinels,
             master_name: s.master_name,
             redis_info: s.redis_info,
-            manager_config: s.manager_config,
             connect_timeout: s.connect_timeout,
             timeout: s.timeout,
+            response_timeout: s.response_timeout,
             current: Mutex::new(None),
             stale: AtomicBool::new(false),
             resolving: tokio::sync::Mutex::new(()),
@@ -321,40 +364,102 @@ impl SentinelConn {
         }
     }
 
-    fn current_now(&self) -> Option<(String, u16, ConnectionManager)> {
+    /// The current master, if its connection is usable without asking the sentinels.
+    fn usable(&self) -> Option<Master> {
+        if self.stale.load(Ordering::Acquire) {
+            return None;
+        }
         self.current
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+            .filter(|m| !m.dead.load(Ordering::Acquire))
     }
 
-    /// The master's connection, asking the sentinels first when there is none yet or an
-    /// earlier answer suggested a failover.
-    async fn current(&self) -> RedisResult<(String, u16, ConnectionManager)> {
-        if let Some(m) = self.current_now()
-            && !self.stale.load(Ordering::Acquire)
-        {
+    /// The master's connection, asking the sentinels first when there is none yet, an earlier
+    /// answer suggested a failover, or the connection is gone (every reconnect goes through
+    /// the sentinels and `ROLE`).
+    async fn current(&self) -> RedisResult<Master> {
+        if let Some(m) = self.usable() {
             return Ok(m);
         }
         let _one = self.resolving.lock().await;
-        if let Some(m) = self.current_now()
-            && !self.stale.load(Ordering::Acquire)
-        {
+        if let Some(m) = self.usable() {
             return Ok(m);
         }
         let (host, port) = self.resolve().await?;
-        if let Some(m) = self.current_now()
-            && m.0 == host
-            && m.1 == port
+        let previous = self
+            .current
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        if let Some(m) = &previous
+            && m.host == host
+            && m.port == port
+            && !m.dead.load(Ordering::Acquire)
         {
             self.stale.store(false, Ordering::Release);
-            return Ok(m);
+            return Ok(m.clone());
         }
+        let master = self.connect(host, port).await?;
+        let replaced = self
+            .current
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .replace(master.clone());
+        self.stale.store(false, Ordering::Release);
+        if let Some(old) = replaced {
+            if (old.host.as_str(), old.port) != (master.host.as_str(), master.port) {
+                tracing::info!(
+                    master = %self.master_name,
+                    from = %format!("{}:{}", old.host, old.port),
+                    to = %format!("{}:{}", master.host, master.port),
+                    "the sentinels name a new master; following it"
+                );
+            }
+            // Waiters try again at once on the new connection (their grant messages may be lost).
+            self.wakeups.wake_all();
+        }
+        Ok(master)
+    }
+
+    /// A new connection to the master at `host:port` (as the sentinels named it), checked with
+    /// `ROLE` on that connection before anything else goes over it, and subscribed to the
+    /// channels. Any failure is a refusal: nothing was sent.
+    async fn connect(&self, host: String, port: u16) -> RedisResult<Master> {
         let info = ConnectionAddr::Tcp(host.clone(), port)
             .into_connection_info()?
             .set_redis_settings(self.redis_info.clone());
         let client = redis::Client::open(info)?;
-        let manager = ConnectionManager::new_lazy_with_config(client, self.manager_config.clone())?;
+        let dead = Arc::new(AtomicBool::new(false));
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.connect_timeout))
+            .set_response_timeout(Some(self.response_timeout))
+            .set_push_sender(MasterPushes {
+                dead: dead.clone(),
+                wakeups: self.wakeups.clone(),
+            });
+        let mut conn = timeout(
+            self.connect_timeout.saturating_add(self.timeout),
+            client.get_multiplexed_async_connection_with_config(&config),
+        )
+        .await
+        .map_err(|_| refused("master connect timed out"))?
+        .map_err(|e| {
+            if e.is_connection_refusal() {
+                e
+            } else {
+                refused(&format!("cannot connect to the master {host}:{port}: {e}"))
+            }
+        })?;
+        let role: Value = timeout(self.timeout, redis::cmd("ROLE").query_async(&mut conn))
+            .await
+            .map_err(|_| refused("no answer to ROLE"))?
+            .map_err(|e| refused(&format!("ROLE on {host}:{port}: {e}")))?;
+        if !is_master(&role) {
+            self.stale.store(true, Ordering::Release);
+            return Err(self.not_a_master(&host, port));
+        }
         let channels = self
             .channels
             .lock()
@@ -362,26 +467,23 @@ impl SentinelConn {
             .clone();
         for channel in &channels {
             // A failed subscription leaves the waiters to their fallback polls.
-            if let Err(e) = manager.clone().subscribe(channel).await {
-                tracing::debug!(error = %e, "cannot subscribe on the new master");
+            if let Err(e) = conn.subscribe(channel).await {
+                tracing::debug!(error = %e, "cannot subscribe on the new master connection");
             }
         }
-        let replaced = {
-            let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
-            current.replace((host.clone(), port, manager.clone()))
-        };
-        self.stale.store(false, Ordering::Release);
-        if let Some((old_host, old_port, _)) = replaced {
-            tracing::info!(
-                master = %self.master_name,
-                from = %format!("{old_host}:{old_port}"),
-                to = %format!("{host}:{port}"),
-                "the sentinels name a new master; following it"
-            );
-            // Waiters try again at once on the new master (their grant messages may be lost).
-            self.wakeups.wake_all();
-        }
-        Ok((host, port, manager))
+        Ok(Master {
+            host,
+            port,
+            conn,
+            dead,
+        })
+    }
+
+    fn not_a_master(&self, host: &str, port: u16) -> RedisError {
+        refused(&format!(
+            "{host}:{port}, named master {:?} by a sentinel, reports itself a replica (ROLE)",
+            self.master_name
+        ))
     }
 
     /// Asks the sentinels in order for the master's address and checks with `ROLE` that the
@@ -444,21 +546,24 @@ impl SentinelConn {
         let role: Value = timeout(self.timeout, redis::cmd("ROLE").query_async(&mut c))
             .await
             .map_err(|_| refused("no answer to ROLE"))??;
-        match role {
-            Value::Array(parts) if matches!(parts.first(), Some(Value::BulkString(r)) if r == b"master") => {
-                Ok(())
-            }
-            _ => Err(refused(&format!(
-                "{host}:{port}, named master {:?} by a sentinel, reports itself a replica (ROLE)",
-                self.master_name
-            ))),
+        if is_master(&role) {
+            Ok(())
+        } else {
+            Err(self.not_a_master(host, *port))
         }
     }
 
     /// An answer that may mean the master moved (a dropped or refused connection, a timeout,
-    /// `READONLY` from a demoted master): ask the sentinels again before the next request.
-    fn observe(&self, error: Option<&RedisError>) {
-        let Some(e) = error else { return };
+    /// `READONLY` from a demoted master): ask the sentinels again before the next request. A
+    /// dropped connection is never used again.
+    fn observe(&self, master: &Master, e: &RedisError) {
+        if e.is_connection_dropped()
+            || e.is_connection_refusal()
+            || e.is_unrecoverable_error()
+            || e.kind() == ErrorKind::Io && !e.is_timeout()
+        {
+            master.dead.store(true, Ordering::Release);
+        }
         let moved = e.is_connection_refusal()
             || e.is_connection_dropped()
             || e.is_timeout()
@@ -477,9 +582,19 @@ impl SentinelConn {
                 channels.push(channel.to_vec());
             }
         }
-        let (_, _, mut m) = self.current().await?;
-        m.subscribe(channel).await
+        let m = self.current().await?;
+        let reply = m.conn.clone().subscribe(channel).await;
+        if let Err(e) = &reply {
+            self.observe(&m, e);
+        }
+        reply
     }
+}
+
+/// Whether a `ROLE` reply says master.
+fn is_master(role: &Value) -> bool {
+    matches!(role, Value::Array(parts)
+        if matches!(parts.first(), Some(Value::BulkString(r)) if r == b"master"))
 }
 
 /// A replica refused a write (`READONLY`), also when a script reports it inside its own error

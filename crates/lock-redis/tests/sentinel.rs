@@ -456,3 +456,83 @@ async fn a_failover_that_demotes_a_live_master_is_followed() {
     assert!(on_new.is_some(), "the grant is on the new master");
     assert!(lock.release(&lease).await.unwrap());
 }
+
+/// Whether a RESP3 client (ours: the sentinels and `redis-cli` speak RESP2) is
+/// connected to the node on `port`.
+fn our_client_on(port: u16) -> bool {
+    cli(port, &["CLIENT", "LIST"])
+        .lines()
+        .any(|l| l.split_whitespace().any(|f| f == "resp=3"))
+}
+
+/// Waits up to `within` for [`our_client_on`]; says whether it is.
+async fn wait_our_client_on(port: u16, within: Duration) -> bool {
+    let until = Instant::now() + within;
+    while !our_client_on(port) && Instant::now() < until {
+        sleep(Duration::from_millis(50)).await;
+    }
+    our_client_on(port)
+}
+
+/// The sentinels fail the master over (the old one is demoted, and its clients disconnected);
+/// then the old master is killed and comes back at once — empty, a master again at its old
+/// address — while the idle client is inside its reconnect window. A connection that
+/// reconnects by itself is back on the old address without any error, and the next grant is
+/// made on the empty old master, which the sentinels no longer name (until they demote it
+/// again). The client must ask the sentinels (and the node's `ROLE`) again after every
+/// disconnect, before any lock write: the grant lands on the new master.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drill_sentinel_old_master_restarted_empty_within_the_reconnect_window_gets_no_grant() {
+    let Some(mut set) = start(true).await else {
+        return;
+    };
+    let url = set.url(
+        "namespace=sentinel-restart:&connect_timeout=300ms&response_timeout=500ms&reconnect_retries=5",
+    );
+    let lock = client(&url).await;
+    let key = fresh_key("sentinel-restart");
+    // The client's connection to the master is up, then the client stays idle.
+    let lease = lock.try_acquire(&key, TTL).await.unwrap().unwrap();
+    assert!(lock.release(&lease).await.unwrap());
+    let old = set.master_port().unwrap();
+    assert_eq!(
+        cli(set.sentinels[0].port, &["SENTINEL", "FAILOVER", &set.name]),
+        "OK"
+    );
+    let new = tokio::task::block_in_place(|| set.wait_failover_from(old, Duration::from_secs(30)));
+    tokio::task::block_in_place(|| {
+        support::wait_until(
+            "the old master to be demoted",
+            Duration::from_secs(30),
+            || cli(old, &["ROLE"]).starts_with("slave"),
+        )
+    });
+    // A self-reconnecting connection is back on the (demoted) old master by now.
+    let back_on_replica = wait_our_client_on(old, Duration::from_secs(3)).await;
+    tokio::task::block_in_place(|| {
+        let node = set.node(old);
+        node.kill();
+        node.start();
+    });
+    assert!(
+        cli(old, &["ROLE"]).starts_with("master"),
+        "the old master is back as an (empty) master"
+    );
+    let reconnected = wait_our_client_on(old, Duration::from_secs(3)).await;
+    let key = fresh_key("sentinel-restart");
+    let lease = settled(Duration::from_secs(10), || lock.try_acquire(&key, TTL))
+        .await
+        .expect("the client follows the failover")
+        .expect("free");
+    let name = lock.redis_key(&key);
+    let on_new = cli(new, &["EXISTS", &name]);
+    let on_old = cli(old, &["EXISTS", &name]);
+    eprintln!(
+        "sentinel: old master restarted empty inside the reconnect window (our client back on \
+         it by itself: as a replica {back_on_replica}, restarted {reconnected}): grant on the \
+         new master {on_new}, on the old one {on_old}"
+    );
+    assert_eq!(on_new, "1", "the grant is on the master the sentinels name");
+    assert_eq!(on_old, "0", "no grant on the restarted old master");
+    assert!(lock.release(&lease).await.unwrap());
+}
