@@ -71,7 +71,8 @@ pub trait DistributedLock: sealed::Sealed + Send + Sync + fmt::Debug + 'static {
     /// A deadline always allows one complete attempt (`flock -w 0`): when it is nearer than
     /// [`crate::raw::ONE_ATTEMPT_WINDOW`] — zero or already past included — the check layer
     /// makes one [`DistributedLock::try_acquire`] first, so a free key is taken whatever the
-    /// deadline; the deadline decides only whether to wait after that.
+    /// deadline; the deadline decides only whether to wait after that. Against a coordinator
+    /// that does not answer, that attempt is given up that window after the call (`Timeout`).
     ///
     /// # Errors
     /// [`crate::Error::Timeout`] at the deadline (for a deadline already past: right after the

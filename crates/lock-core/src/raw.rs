@@ -237,15 +237,24 @@ impl<T: Driver + ?Sized> DistributedLock for T {
         {
             // `flock -w 0`: a deadline decides whether to wait, never whether to try. A wait
             // this short might end before the driver's first request is answered (or, past
-            // already, before it is sent), so one complete attempt goes first.
-            if let Some(lease) = Driver::try_acquire(self, key, ttl).await? {
-                return Ok(lease);
+            // already, before it is sent), so one complete attempt goes first, given up to
+            // the window when the deadline is shorter (a frozen coordinator: `Timeout` then;
+            // the dropped attempt leaves nothing behind, as any dropped `try_acquire`).
+            let timed_out = || Error::Timeout {
+                key: key.as_str().to_owned(),
+                waited: started.elapsed(),
+            };
+            let bound = deadline.max(started + ONE_ATTEMPT_WINDOW);
+            match tokio::time::timeout_at(bound, Driver::try_acquire(self, key, ttl)).await {
+                Ok(Ok(Some(lease))) => return Ok(lease),
+                Ok(Ok(None)) => {}
+                Ok(Err(e)) if !e.is_temporary() => return Err(e),
+                Ok(Err(e)) if Instant::now() >= deadline => return Err(e),
+                Ok(Err(_)) => {}
+                Err(_elapsed) => return Err(timed_out()),
             }
             if Instant::now() >= deadline {
-                return Err(Error::Timeout {
-                    key: key.as_str().to_owned(),
-                    waited: started.elapsed(),
-                });
+                return Err(timed_out());
             }
         }
         Driver::acquire(self, key, ttl, deadline).await
@@ -329,9 +338,11 @@ impl<T: Driver + ?Sized> DistributedLock for T {
 
 /// An `acquire` whose deadline is nearer than this makes one complete `try_acquire` before it
 /// waits (the check layer's rule): a deadline shorter than a round trip — zero, or already past —
-/// decides only whether to *wait*, never whether to *try*, so a free key is always taken.
-/// Longer waits go straight to the driver, whose first attempt has the time it needs.
-pub const ONE_ATTEMPT_WINDOW: Duration = Duration::from_secs(1);
+/// decides only whether to *wait*, never whether to *try*, so a free key is always taken. That
+/// attempt may run past such a deadline, to this long after the call at most: against a
+/// coordinator that does not answer, `acquire` returns `Timeout` by then. Longer waits go
+/// straight to the driver, whose first attempt has the time it needs within the deadline.
+pub const ONE_ATTEMPT_WINDOW: Duration = Duration::from_millis(250);
 
 /// The shortest TTL a driver whose grants cross the network claims by default
 /// ([`Capabilities::min_ttl`]): a lease must outlast a round trip and the drift margin, or every

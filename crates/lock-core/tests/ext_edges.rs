@@ -166,3 +166,50 @@ async fn a_jobs_loss_shows_in_is_lost_and_its_cancellation_token() {
         "the job's cancellation token was not cancelled on the loss"
     );
 }
+
+/// A coordinator that never answers a `try_acquire` (frozen).
+#[derive(Debug)]
+struct Frozen(InMemoryLock);
+
+#[async_trait]
+impl Driver for Frozen {
+    fn backend_name(&self) -> &'static str {
+        "frozen"
+    }
+    fn capabilities(&self) -> Capabilities {
+        DistributedLockExt::as_dyn_lock(&Arc::new(self.0.clone())).capabilities()
+    }
+    async fn try_acquire(&self, _: &LockKey, _: Duration) -> Result<Option<Lease>> {
+        std::future::pending().await
+    }
+    async fn renew(&self, _: &mut Lease, _: Duration) -> Result<()> {
+        std::future::pending().await
+    }
+    async fn release(&self, _: &Lease) -> Result<bool> {
+        std::future::pending().await
+    }
+    async fn inspect(&self, _: &LockKey) -> Result<Option<HolderInfo>> {
+        std::future::pending().await
+    }
+}
+
+/// The one attempt a short deadline still makes is given up `ONE_ATTEMPT_WINDOW` after the
+/// call against a coordinator that never answers (`Timeout`), for a deadline already past, a
+/// zero one and one inside the window; a deadline past the window is kept to.
+#[tokio::test(start_paused = true)]
+async fn the_one_attempt_of_a_short_wait_is_bounded_by_the_window() {
+    use lock_core::raw::ONE_ATTEMPT_WINDOW;
+    use tokio::time::Instant;
+    let lock: DynLock = Arc::new(Frozen(InMemoryLock::new()));
+    let key = LockKey::new("ext-frozen").unwrap();
+    for wait in [None, Some(Duration::ZERO), Some(ONE_ATTEMPT_WINDOW / 2)] {
+        let started = Instant::now();
+        let deadline = match wait {
+            Some(w) => started + w,
+            None => started - Duration::from_millis(1),
+        };
+        let err = lock.acquire(&key, TTL, deadline).await.unwrap_err();
+        assert!(matches!(err, Error::Timeout { .. }), "{wait:?}: {err}");
+        assert_eq!(started.elapsed(), ONE_ATTEMPT_WINDOW, "{wait:?}");
+    }
+}
