@@ -320,10 +320,7 @@ impl ZkLock {
     /// [`Error::Unavailable`] when no server answers.
     pub async fn connect(config: ZkLockConfig) -> Result<Self> {
         let this = Self::new(config)?;
-        let session = this.session().await?;
-        if this.inner.config.acl == ZkAcl::Creator {
-            this.claim_root(&session).await?;
-        }
+        this.session().await?;
         Ok(this)
     }
 
@@ -412,6 +409,11 @@ impl ZkLock {
             return Ok(s);
         }
         let session = Session::open(&self.inner.config, self.inner.stop.child_token()).await?;
+        if self.inner.config.acl == ZkAcl::Creator {
+            // Every new session before it is used, a lazily connected client's too; a refused
+            // one is dropped unused (its monitor ends with it).
+            self.claim_root(&session).await?;
+        }
         *self
             .inner
             .current

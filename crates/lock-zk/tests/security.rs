@@ -109,27 +109,33 @@ async fn wrong_password_cannot_take_inspect_or_release_the_lock() {
     let key = LockKey::new(format!("zk-secure-wrong-{:016x}", rand::random::<u64>())).unwrap();
     let (lock, lease) = hold(&s, &key).await;
     let wrong = format!("wrong-{:016x}", rand::random::<u64>());
-    let intruder = ZkLock::connect(with_password(&s.config, &wrong))
-        .await
-        .unwrap();
     let secrets = [s.password.as_str(), wrong.as_str()];
 
+    // Refused at connect: the lock root's ACL proves the identity before any lock operation
+    // (ZooKeeper's digest scheme takes any password at login).
+    let t = Instant::now();
+    let shown = failed(
+        "connect",
+        t,
+        ZkLock::connect(with_password(&s.config, &wrong)).await,
+        &secrets,
+    );
+    assert!(shown.contains("refuses the digest identity"), "{shown}");
+    // A lazily connected client is refused the same way at its first operation, whichever.
+    let unchecked = ZkLock::new(with_password(&s.config, &wrong)).unwrap();
     let t = Instant::now();
     let shown = failed(
         "try_acquire",
         t,
-        intruder.try_acquire(&key, TTL).await,
+        unchecked.try_acquire(&key, TTL).await,
         &secrets,
     );
-    assert!(
-        shown.contains("noauth") || shown.contains("auth"),
-        "{shown}"
-    );
+    assert!(shown.contains("refuses the digest identity"), "{shown}");
     let t = Instant::now();
     let shown = failed(
         "acquire",
         t,
-        intruder
+        unchecked
             .acquire(&key, TTL, Instant::now() + Duration::from_secs(2))
             .await,
         &secrets,
@@ -139,12 +145,12 @@ async fn wrong_password_cannot_take_inspect_or_release_the_lock() {
         "denied, not merely kept waiting: {shown}"
     );
     let t = Instant::now();
-    failed("inspect", t, intruder.inspect(&key).await, &secrets);
+    failed("inspect", t, unchecked.inspect(&key).await, &secrets);
     let t = Instant::now();
     failed(
         "force_release",
         t,
-        intruder.force_release(&key).await,
+        unchecked.force_release(&key).await,
         &secrets,
     );
 
