@@ -187,6 +187,16 @@ fn print_text(
             if let Some(rtt) = report.round_trip {
                 println!("  round trip: {:.3} ms (best of 5)", ms(rtt));
             }
+            let (pass, warn, fail) = verdict_counts(report);
+            let verdict = if report.is_ok(strict) { "ok" } else { "FAILED" };
+            println!(
+                "  audit verdict: {verdict} ({fail} FAIL, {warn} WARN, {pass} PASS{})",
+                if strict {
+                    "; --strict: a WARN fails"
+                } else {
+                    ""
+                }
+            );
         }
         Err(e) => println!("  could not run: {e}"),
     }
@@ -213,10 +223,9 @@ fn print_text(
             ms(*max)
         );
     }
-    if let Ok(report) = report
-        && let Some(clock) = report.finding("clock")
-    {
-        println!("  clock:        {}", clock.observed);
+    match &test.error {
+        Some((why, _)) => println!("  self-test verdict: FAILED: {why}"),
+        None => println!("  self-test verdict: ok"),
     }
     let audit_line = match report {
         Ok(report) => {

@@ -24,7 +24,10 @@ fn key_or_exit(key: &str) -> Result<LockKey, u8> {
 pub fn describe_holder(info: &HolderInfo) -> String {
     let mut parts = Vec::new();
     if let Some(holder) = &info.holder {
-        parts.push(holder.to_string());
+        parts.push(readable_since(
+            &holder.to_string(),
+            std::time::SystemTime::now(),
+        ));
     }
     if let Some(digest) = info.token_digest {
         parts.push(format!("token {digest}"));
@@ -43,6 +46,62 @@ pub fn describe_holder(info: &HolderInfo) -> String {
     } else {
         parts.join(", ")
     }
+}
+
+/// A holder identity with its `since=EPOCH` (seconds) shown as RFC 3339 UTC and its age:
+/// `since=2026-12-08T00:25:54Z (12 s ago)`. Other words are left as they are.
+pub fn readable_since(holder: &str, now: std::time::SystemTime) -> String {
+    holder
+        .split(' ')
+        .map(|word| {
+            let Some(epoch) = word
+                .strip_prefix("since=")
+                .and_then(|n| n.parse::<u64>().ok())
+            else {
+                return word.to_owned();
+            };
+            let now = now
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            let age = match now.checked_sub(epoch) {
+                Some(age) => format!("{} ago", age_text(age)),
+                None => format!("{} from now", age_text(epoch - now)),
+            };
+            format!("since={} ({age})", rfc3339(epoch))
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// `12 s`, `5 min`, `3 h`, `2 d`.
+fn age_text(seconds: u64) -> String {
+    match seconds {
+        s if s < 120 => format!("{s} s"),
+        s if s < 7200 => format!("{} min", s / 60),
+        s if s < 172_800 => format!("{} h", s / 3600),
+        s => format!("{} d", s / 86_400),
+    }
+}
+
+/// Seconds since the Unix epoch as RFC 3339 UTC (`2026-12-08T00:25:54Z`).
+fn rfc3339(epoch: u64) -> String {
+    let (days, rest) = (epoch / 86_400, epoch % 86_400);
+    // Howard Hinnant's civil_from_days.
+    let z = i64::try_from(days).unwrap_or(0) + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rest / 3600,
+        rest / 60 % 60,
+        rest % 60
+    )
 }
 
 /// `distlock inspect KEY [--json]`.
@@ -102,7 +161,10 @@ pub async fn inspect(lock: DynLock, args: InspectArgs) -> u8 {
             );
             println!(
                 "  holder:         {}",
-                h.holder.as_ref().map_or_else(none, ToString::to_string)
+                h.holder.as_ref().map_or_else(none, |h| readable_since(
+                    &h.to_string(),
+                    std::time::SystemTime::now()
+                ))
             );
         }
     }
@@ -224,4 +286,23 @@ pub fn describe_capabilities(backend: &str, caps: &Capabilities) -> Vec<String> 
             ttl_limit(caps.ttl_granularity)
         ),
     ]
+}
+
+#[cfg(test)]
+mod since_tests {
+    use std::time::{Duration, UNIX_EPOCH};
+
+    use super::*;
+
+    #[test]
+    fn since_is_rfc3339_and_an_age() {
+        let now = UNIX_EPOCH + Duration::from_secs(1_796_689_702);
+        assert_eq!(
+            readable_since("host=vm pid=7 since=1796689690 label=a", now),
+            "host=vm pid=7 since=2026-12-08T00:28:10Z (12 s ago) label=a"
+        );
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(readable_since("host=vm since=x", now), "host=vm since=x");
+    }
 }

@@ -236,8 +236,25 @@ pub async fn conformance(url: &str, args: &ConformanceArgs) -> u8 {
     let mut reports = Vec::with_capacity(selected.len());
     let width = selected.len().to_string().len();
     let mut outage: Option<(&'static str, String)> = None;
+    // A failed assertion is reported below as what was expected and what happened, not as
+    // the panic hook's message with a backtrace.
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|info| {
+        if let Ok(mut last) = LAST_PANIC.lock() {
+            *last = info
+                .location()
+                .map(|l| format!("{}:{}", l.file(), l.line()));
+        }
+    }));
     for (i, property) in selected.iter().enumerate() {
-        let report = suite::run(*property, harness.clone(), PROPERTY_LIMIT).await;
+        if let Ok(mut last) = LAST_PANIC.lock() {
+            *last = None;
+        }
+        let mut report = suite::run(*property, harness.clone(), PROPERTY_LIMIT).await;
+        if let Verdict::Failed(message) = &report.verdict {
+            let at = LAST_PANIC.lock().ok().and_then(|mut l| l.take());
+            report.verdict = Verdict::Failed(describe_failure(property.name, message, at));
+        }
         if matches!(report.verdict, Verdict::Failed(_))
             && let Err(why) = reachable(&target).await
         {
@@ -270,6 +287,7 @@ pub async fn conformance(url: &str, args: &ConformanceArgs) -> u8 {
         }
         reports.push(report);
     }
+    std::panic::set_hook(hook);
     drop(harness);
     if let Some((property, why)) = outage {
         say!(
@@ -323,6 +341,184 @@ pub async fn conformance(url: &str, args: &ConformanceArgs) -> u8 {
         println!("junit: {}", Path::new(path).display());
     }
     code
+}
+
+/// Where the last panic (a property's failed assertion) happened.
+static LAST_PANIC: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+
+/// A failed property's panic message as three lines: the property (and where it failed), what
+/// was expected, what happened — with the driver errors' `Debug` made readable.
+fn describe_failure(name: &str, message: &str, at: Option<String>) -> String {
+    let (expected, happened) = expected_and_happened(message.trim());
+    let at = at.map_or(String::new(), |at| format!(" (failed at {at})"));
+    // A property's own message names the check that failed, which may be worded as what it
+    // wanted or as what went wrong: labelled as the check, not as what was expected.
+    let label = if expected.1 { "expected" } else { "check" };
+    format!(
+        "property: {name}{at}\n{label}: {}\nhappened: {}",
+        readable(&expected.0),
+        readable(&happened)
+    )
+}
+
+/// (what was expected or checked, whether it is an expectation), what happened.
+fn expected_and_happened(message: &str) -> ((String, bool), String) {
+    let owned = |s: &str| s.trim().to_owned();
+    if let Some(rest) = message.strip_prefix("called `Result::unwrap()` on an `Err` value: ") {
+        return (
+            ("the operation succeeds".to_owned(), true),
+            format!("it failed: {rest}"),
+        );
+    }
+    if let Some(rest) = message.strip_prefix("called `Result::unwrap_err()` on an `Ok` value: ") {
+        return (
+            ("the operation fails".to_owned(), true),
+            format!("it succeeded: {rest}"),
+        );
+    }
+    if message.starts_with("called `Option::unwrap()` on a `None` value") {
+        return (("a value".to_owned(), true), "none".to_owned());
+    }
+    if let Some(rest) = message.strip_prefix("assertion failed: ") {
+        return ((owned(rest), true), "it is false".to_owned());
+    }
+    if let Some(rest) = message.strip_prefix("assertion `") {
+        // assertion `left == right` failed[: MESSAGE]\n  left: L\n right: R
+        let (head, values) = rest.split_once('\n').unwrap_or((rest, ""));
+        let (op, context) = head.split_once('`').unwrap_or((head, ""));
+        let context = context
+            .trim_start_matches(" failed")
+            .trim_start_matches(':')
+            .trim();
+        let mut left = String::new();
+        let mut right = String::new();
+        for line in values.lines() {
+            let line = line.trim();
+            if let Some(v) = line.strip_prefix("left:") {
+                left = v.trim().to_owned();
+            } else if let Some(v) = line.strip_prefix("right:") {
+                right = v.trim().to_owned();
+            }
+        }
+        let expected = if context.is_empty() {
+            op.to_owned()
+        } else {
+            format!("{context} ({op})")
+        };
+        return (
+            (expected, true),
+            format!("left is {left}, right is {right}"),
+        );
+    }
+    if message.starts_with("did not finish within") {
+        return (
+            ("the property finishes in time".to_owned(), true),
+            message.to_owned(),
+        );
+    }
+    // An `expect` / `assert!` message: "WHAT IT NEEDED: WHAT CAME".
+    match message.split_once(": ") {
+        Some((what, came)) if !what.contains('{') => ((owned(what), false), owned(came)),
+        _ => (
+            ("the property's assertions hold".to_owned(), true),
+            owned(message),
+        ),
+    }
+}
+
+/// `text` with the `Debug` of driver errors (`Kind { backend: "b", op: "o", message: "m", .. }`)
+/// and of a panicked task (`JoinError::Panic(Id(n), "text", ..)`) written as sentences.
+fn readable(text: &str) -> String {
+    let mut out = text.to_owned();
+    if let Some(at) = out.find("JoinError::Panic(Id(")
+        && let Some(open) = out[at..].find(", \"").map(|i| at + i + 3)
+        && let Some((inner, end)) = debug_string(&out[open..])
+    {
+        let close = out[open + end..]
+            .find(')')
+            .map_or(out.len(), |i| open + end + i + 1);
+        out = format!(
+            "{}a task panicked: {}{}",
+            &out[..at],
+            readable(&inner),
+            &out[close..]
+        );
+    }
+    let mut guard = 0;
+    while let Some(fields) = out.find(" { backend: \"") {
+        guard += 1;
+        if guard > 16 {
+            break;
+        }
+        let kind_start = out[..fields]
+            .rfind(|c: char| !c.is_ascii_alphanumeric())
+            .map_or(0, |i| i + 1);
+        let kind = &out[kind_start..fields];
+        let body = &out[fields + 3..];
+        let field = |name: &str| -> Option<String> {
+            let at = body.find(&format!("{name}: \""))? + name.len() + 3;
+            debug_string(&body[at..]).map(|(s, _)| s)
+        };
+        let Some(end) = matching_brace(&out[fields + 1..]).map(|e| fields + 1 + e + 1) else {
+            break;
+        };
+        let backend = field("backend").unwrap_or_default();
+        let op = field("op").unwrap_or_default();
+        let message = field("message").unwrap_or_default();
+        let sentence = format!(
+            "{backend} {} during {op}: {message}",
+            kind.to_ascii_lowercase()
+        );
+        out = format!("{}{sentence}{}", &out[..kind_start], &out[end..]);
+    }
+    out
+}
+
+/// The Rust string literal at the start of `text` (just after its opening quote), unescaped,
+/// and the index just past its closing quote.
+fn debug_string(text: &str) -> Option<(String, usize)> {
+    let mut out = String::new();
+    let mut chars = text.char_indices();
+    while let Some((i, c)) = chars.next() {
+        match c {
+            '"' => return Some((out, i + 1)),
+            '\\' => match chars.next()?.1 {
+                'n' => out.push('\n'),
+                't' => out.push('\t'),
+                other => out.push(other),
+            },
+            c => out.push(c),
+        }
+    }
+    None
+}
+
+/// The index of the `}` closing the `{` that `text` starts with (quoted text skipped).
+fn matching_brace(text: &str) -> Option<usize> {
+    let (mut depth, mut quoted, mut escaped) = (0usize, false, false);
+    for (i, c) in text.char_indices() {
+        if quoted {
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, '\\') => escaped = true,
+                (false, '"') => quoted = false,
+                _ => {}
+            }
+            continue;
+        }
+        match c {
+            '"' => quoted = true,
+            '{' => depth += 1,
+            '}' => {
+                depth = depth.checked_sub(1)?;
+                if depth == 0 {
+                    return Some(i);
+                }
+            }
+            _ => {}
+        }
+    }
+    None
 }
 
 /// How long the audit before the run may take.
@@ -607,6 +803,44 @@ mod tests {
         assert_eq!(
             cases.last().and_then(|c| c.1.clone()),
             Some(("failure".to_owned(), left))
+        );
+    }
+
+    #[test]
+    fn failures_say_what_was_expected_and_what_happened() {
+        let text = describe_failure(
+            "renew_extends_the_lease",
+            "renewing a held lease: Backend { backend: \"redis\", op: \"renew\", message: \"ResponseError: x {y}\", source: Some(ResponseError: x) }",
+            Some("conformance/src/properties.rs:335".to_owned()),
+        );
+        assert_eq!(
+            text,
+            "property: renew_extends_the_lease (failed at conformance/src/properties.rs:335)\n\
+             check: renewing a held lease\n\
+             happened: redis backend during renew: ResponseError: x {y}"
+        );
+        let real = "renewing a held lease: Backend { backend: \"redis\", op: \"renew\", message: \"ResponseError: Unknown Redis command called from script script: a3649a993df171df51bf65df948a22f3e285748d, on @user_script:8.\", source: Some(ResponseError: Unknown Redis command called from script script: a3649a993df171df51bf65df948a22f3e285748d, on @user_script:8.) }";
+        assert_eq!(
+            readable(expected_and_happened(real).1.as_str()),
+            "redis backend during renew: ResponseError: Unknown Redis command called from script script: a3649a993df171df51bf65df948a22f3e285748d, on @user_script:8."
+        );
+        let text = describe_failure(
+            "p",
+            "assertion `left == right` failed: tokens\n  left: 1\n right: 2",
+            None,
+        );
+        assert_eq!(
+            text,
+            "property: p\nexpected: tokens (left == right)\nhappened: left is 1, right is 2"
+        );
+        let text = describe_failure(
+            "p",
+            "called `Result::unwrap()` on an `Err` value: JoinError::Panic(Id(104), \"acquire: Unavailable { backend: \\\"etcd\\\", op: \\\"try_acquire\\\", message: \\\"gone\\\", source: None }\", ...)",
+            None,
+        );
+        assert_eq!(
+            text,
+            "property: p\nexpected: the operation succeeds\nhappened: it failed: a task panicked: acquire: etcd unavailable during try_acquire: gone"
         );
     }
 

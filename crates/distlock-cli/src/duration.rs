@@ -10,6 +10,12 @@ use std::time::Duration;
 /// # Errors
 /// A message for clap when the text is not such a duration.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    // Negative values reach here (the options allow a leading hyphen) to be told what is wrong.
+    if text.trim_start().starts_with('-') {
+        return Err(format!(
+            "invalid duration {text:?}: duration must be ≥ 0 (e.g. 0, 500ms, 30s, 2m)"
+        ));
+    }
     distlock::raw::parse_duration(text, Some(Duration::from_secs(1)))
 }
 
@@ -60,6 +66,14 @@ mod tests {
             "", "s", "10x", "-1s", "-1", "1s2", "ten", "1e400", "1..2s", "NaN", "inf",
         ] {
             assert!(parse_duration(text).is_err(), "{text:?} should be rejected");
+        }
+        for text in ["-1s", "-1", " -0.5s"] {
+            assert!(
+                parse_duration(text)
+                    .unwrap_err()
+                    .contains("duration must be ≥ 0"),
+                "{text:?}"
+            );
         }
     }
 

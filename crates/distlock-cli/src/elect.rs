@@ -255,7 +255,10 @@ fn print_leader(args: &LeaderArgs, leader: Option<&Leader>) -> bool {
                     None => "no term".to_owned(),
                 });
                 match (&leader.holder, &leader.value) {
-                    (Some(holder), _) => parts.push(holder.to_string()),
+                    (Some(holder), _) => parts.push(crate::commands::readable_since(
+                        &holder.to_string(),
+                        std::time::SystemTime::now(),
+                    )),
                     (None, None) => parts.push("an unknown holder".to_owned()),
                     (None, Some(_)) => {}
                 }

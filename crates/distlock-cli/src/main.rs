@@ -119,15 +119,15 @@ pub struct RunArgs {
     /// The lock key.
     pub key: String,
     /// Lease TTL; the lease is renewed every quarter of it while the command runs.
-    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, default_value = "30s", value_parser = parse_duration, allow_hyphen_values = true)]
     pub ttl: Duration,
     /// Wait up to this long for the lock (default: give up at once if it is held).
-    #[arg(short, long, visible_alias = "timeout", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(short, long, visible_alias = "timeout", value_parser = parse_duration, allow_hyphen_values = true, value_name = "DURATION")]
     pub wait: Option<Duration>,
     /// How long before SIGKILL the command's group gets SIGTERM when the lease is lost or about
     /// to run out (default: 5s or a quarter of --ttl, whichever is less; at most a third of
     /// --ttl, so that SIGKILL lands before the lease's local deadline).
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, value_name = "DURATION")]
     pub kill_after: Option<Duration>,
     /// Keep the lock until every process of the command's group has exited, not only the
     /// command itself (for commands that leave background processes working).
@@ -140,11 +140,11 @@ pub struct RunArgs {
     /// lease of its own for what is left; ZooKeeper: a keep marker acquirers wait out), so the
     /// key is free again at max(at-least, the command's end); a backend that could not keep a
     /// lease alone would be refused before anything runs. memory:// keeps it in this process.
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, value_name = "DURATION")]
     pub at_least: Option<Duration>,
     /// Job mode: never hold the lock longer than this after it was granted; the command is then
     /// terminated as on a lost lease (SIGTERM, SIGKILL after --kill-after; exit 76).
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, value_name = "DURATION")]
     pub at_most: Option<Duration>,
     /// Exit status when the lock is not acquired (like flock -E).
     #[arg(short = 'E', long, default_value_t = exit::NOT_ACQUIRED, value_name = "CODE")]
@@ -196,14 +196,14 @@ pub struct ElectArgs {
     pub name: String,
     /// Lease TTL of the leadership, renewed every quarter of it while the command runs; a leader
     /// that dies is replaced after about this long (default: 10s).
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, value_name = "DURATION")]
     pub ttl: Option<Duration>,
     /// Wait up to this long to become leader (default: until elected); then exit with 75.
-    #[arg(short, long, value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(short, long, value_parser = parse_duration, allow_hyphen_values = true, value_name = "DURATION")]
     pub wait: Option<Duration>,
     /// How long before SIGKILL the command's group gets SIGTERM when leadership is lost or about
     /// to run out (as for `run`: default 5s or a quarter of --ttl, at most a third of --ttl).
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, value_name = "DURATION")]
     pub kill_after: Option<Duration>,
     /// Stay leader until every process of the command's group has exited, not only the command.
     #[arg(long)]
@@ -249,7 +249,7 @@ pub struct LeaderArgs {
     /// With --watch: how often to ask the coordinator. etcd and ZooKeeper also push changes (this
     /// is then a safety net); elsewhere a leadership that begins and ends between two looks is
     /// not seen.
-    #[arg(long, default_value = "1s", value_parser = parse_duration, value_name = "DURATION", requires = "watch")]
+    #[arg(long, default_value = "1s", value_parser = parse_duration, allow_hyphen_values = true, value_name = "DURATION", requires = "watch")]
     pub every: Duration,
 }
 
@@ -290,7 +290,7 @@ pub struct CheckArgs {
     #[arg(long)]
     pub strict: bool,
     /// TTL of the self-test's lease (default: 5s, or the backend's minimum if larger).
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, value_name = "DURATION")]
     pub ttl: Option<Duration>,
 }
 
@@ -308,7 +308,7 @@ pub struct ConformanceArgs {
     pub list: bool,
     /// The TTL of the properties that wait for an expiry (default: 500ms, or the backend's
     /// minimum if larger); raise it for a coordinator far away or under load.
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, value_name = "DURATION")]
     pub short_ttl: Option<Duration>,
     /// Refused: fault drills need control of the servers (kill, restart, partition).
     #[arg(long)]
@@ -342,8 +342,17 @@ fn coordinator_url(cli: &Cli) -> Result<String, u8> {
             say!("distlock: cannot read the URL file {}: {e}", path.display());
             exit::CONFIG
         })?;
-        return non_empty(text.lines().next().unwrap_or_default().trim()).ok_or_else(|| {
-            say!("distlock: the URL file {} is empty", path.display());
+        let first = text.lines().next().unwrap_or_default().trim();
+        return non_empty(first).ok_or_else(|| {
+            if text.trim().is_empty() {
+                say!("distlock: the URL file {} is empty", path.display());
+            } else {
+                let at = text.lines().position(|l| !l.trim().is_empty()).unwrap_or(0) + 1;
+                say!(
+                    "distlock: the URL file {}: line 1 is blank (the URL found on line {at} must be on line 1)",
+                    path.display()
+                );
+            }
             exit::CONFIG
         });
     }

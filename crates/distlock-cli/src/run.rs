@@ -341,9 +341,26 @@ pub async fn acquire(
             Ok(None)
         }
         Err(e) => {
-            say!("distlock: {e}");
+            say!("distlock: {}", explain(lock, &e));
             Err(code_for(&e))
         }
+    }
+}
+
+/// `error`'s message, with how to fix a TTL below a session-bound backend's minimum: there
+/// (ZooKeeper) the minimum is the session timeout, which the URL sets.
+pub fn explain(lock: &DynLock, error: &Error) -> String {
+    let caps = lock.capabilities();
+    match error {
+        Error::InvalidTtl { ttl, .. } if caps.session_bound && *ttl < caps.min_ttl => format!(
+            "{error}: on {} the smallest ttl is the session timeout; lower it with the URL \
+             option session_timeout (e.g. ?session_timeout={}ms, within the server's \
+             minSessionTimeout..maxSessionTimeout), or ask for a ttl of at least {}",
+            lock.backend_name(),
+            ttl.as_millis(),
+            format_duration(caps.min_ttl)
+        ),
+        _ => error.to_string(),
     }
 }
 

@@ -572,3 +572,201 @@ fn leader_watch_ends_when_its_reader_goes() {
         assert_eq!(text(&out.stderr), "", "{backend}: exits quietly");
     });
 }
+
+/// Item 10: a negative duration is refused with "duration must be ≥ 0" (it was clap's raw
+/// "unexpected argument '-1' found"), for every duration option.
+#[test]
+fn negative_durations_say_they_must_not_be_negative() {
+    let Some(url) = shared_redis() else {
+        return;
+    };
+    for args in [
+        &["run", "--ttl", "-1s", "k", "--", "true"][..],
+        &["run", "--wait", "-5", "k", "--", "true"],
+        &["run", "--kill-after=-1s", "k", "--", "true"],
+        &["elect", "--ttl", "-2s", "e", "--", "true"],
+        &["leader", "--watch", "--every", "-1s", "e"],
+        &["check", "--ttl", "-1s"],
+    ] {
+        let out = output_within(distlock(&url, args), Duration::from_secs(20));
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains("duration must be ≥ 0"), "{args:?}: {err}");
+    }
+}
+
+/// Item 10: a URL file whose first line is blank names the file and the line (it said the
+/// file was "empty"); an empty file is still "empty".
+#[test]
+fn a_blank_line_in_the_url_file_is_named() {
+    let Some(url) = shared_redis() else {
+        return;
+    };
+    let dir = support::temp_dir("url-file");
+    let file = dir.join("url");
+    std::fs::write(&file, format!("\n{url}\n")).unwrap();
+    let mut command = Command::new(bin());
+    command
+        .env_remove("DISTLOCK_URL")
+        .arg("--url-file")
+        .arg(&file)
+        .args(["inspect", "k"])
+        .stdin(Stdio::null());
+    let out = output_within(command, Duration::from_secs(20));
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(78), "{err}");
+    assert!(
+        err.contains(&file.display().to_string()) && err.contains("line 1 is blank"),
+        "{err}"
+    );
+    assert!(err.contains("line 2"), "{err}");
+    assert!(!err.contains(&url), "the URL leaked: {err}");
+    std::fs::write(&file, "\n  \n").unwrap();
+    let mut command = Command::new(bin());
+    command
+        .env_remove("DISTLOCK_URL")
+        .arg("--url-file")
+        .arg(&file)
+        .args(["inspect", "k"])
+        .stdin(Stdio::null());
+    let out = output_within(command, Duration::from_secs(20));
+    assert!(
+        text(&out.stderr).contains("is empty"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+/// Item 10: a TTL below ZooKeeper's minimum (its session timeout) says how to lower it.
+#[test]
+fn zookeepers_min_ttl_error_says_how_to_lower_it() {
+    if !Backend::ZooKeeper.is_enabled() {
+        assert!(!conformance::backends_required(), "zk is not compiled in");
+        return;
+    }
+    let Some(url) = conformance::backend_url("DISTLOCK_TEST_ZK_URL") else {
+        return;
+    };
+    // The default session timeout (10 s) is the minimum TTL.
+    let out = output_within(
+        distlock(
+            &url,
+            &[
+                "run",
+                "--ttl",
+                "2s",
+                &support::fresh_key("zk-min"),
+                "--",
+                "true",
+            ],
+        ),
+        Duration::from_secs(30),
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("minimum ttl") && err.contains("session_timeout=2000ms"),
+        "{err}"
+    );
+}
+
+/// Item 10: `inspect` shows the holder's `since=` as RFC 3339 and an age, not a raw epoch, on
+/// every coordinator.
+#[test]
+fn inspect_shows_since_as_a_date_and_an_age() {
+    support::on_every_backend(
+        "inspect_shows_since_as_a_date_and_an_age",
+        |backend, url| {
+            let key = support::fresh_key("since");
+            let dir = support::temp_dir("since");
+            let started = dir.join("started");
+            let mut holder = distlock(&url, &["run", "--ttl", "10s", &key, "--", "sh", "-c"])
+                .arg(format!("touch {}; sleep 30", started.display()))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap();
+            support::wait_for_file(&started, &mut holder, Duration::from_secs(30));
+            let out = output_within(distlock(&url, &["inspect", &key]), Duration::from_secs(20));
+            let _ = holder.kill();
+            let _ = holder.wait();
+            let stdout = text(&out.stdout);
+            assert_eq!(out.status.code(), Some(0), "{backend}: {stdout}");
+            let since = stdout
+                .split("since=")
+                .nth(1)
+                .unwrap_or_else(|| panic!("{backend}: no since= in {stdout}"));
+            let date = &since[..20];
+            assert!(
+                date.len() == 20
+                    && date.as_bytes()[4] == b'-'
+                    && date.as_bytes()[10] == b'T'
+                    && date.ends_with('Z'),
+                "{backend}: not RFC 3339: {stdout}"
+            );
+            assert!(
+                since[20..].starts_with(" (") && since.contains(" s ago)"),
+                "{backend}: no age: {stdout}"
+            );
+        },
+    );
+}
+
+/// Item 10: a failed conformance property is printed as the property, what it checked and
+/// what happened — with the driver's error as a sentence — instead of Rust `Debug` and a
+/// panic backtrace. (A Redis whose PEXPIRE is renamed away fails renewals.)
+#[test]
+fn conformance_failures_are_sentences() {
+    let Some(server) = private_redis(&["--rename-command", "PEXPIRE", "pexpire-renamed-away"])
+    else {
+        return;
+    };
+    let out = output_within(
+        distlock(
+            &server.url(),
+            &[
+                "conformance",
+                "--accept-audit-failures",
+                "--only",
+                "renew_extends_the_lease",
+            ],
+        ),
+        Duration::from_secs(120),
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    assert!(
+        stdout.contains("property: renew_extends_the_lease (failed at "),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("happened: redis backend during renew: "),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("Backend {"), "Debug output: {stdout}");
+    assert!(!stderr.contains("panicked at"), "a panic message: {stderr}");
+}
+
+/// Item 10: `check`'s text output gives the audit's verdict at the end of the audit, and the
+/// self-test's under the self-test (the audit's clock finding used to be printed there).
+#[test]
+fn check_prints_each_verdict_under_its_own_heading() {
+    let Some(url) = shared_redis() else {
+        return;
+    };
+    let out = output_within(distlock(&url, &["check"]), Duration::from_secs(60));
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    let self_test = stdout.find("self-test on ").expect("a self-test heading");
+    let audit_verdict = stdout
+        .find("  audit verdict: ok")
+        .unwrap_or_else(|| panic!("no audit verdict: {stdout}"));
+    assert!(audit_verdict < self_test, "{stdout}");
+    let tail = &stdout[self_test..];
+    assert!(tail.contains("  self-test verdict: ok"), "{stdout}");
+    assert!(
+        !tail.contains("clock"),
+        "an audit finding under the self-test: {stdout}"
+    );
+    assert!(stdout.ends_with("result: OK\n"), "{stdout}");
+}
