@@ -74,8 +74,10 @@ enum Command {
     /// Campaign in election NAME and run a command while leader.
     ///
     /// The election is the lock on the key election/NAME; its holder is the leader. The leader's
-    /// value, which `distlock leader` shows, is the connection's holder identity: host, pid,
-    /// start time and the label (--label, or the URL's `label=` option). The command runs with
+    /// value (--value, or the URL's `label=` option) is exactly what peers read — `etcdctl elect
+    /// -l`, Go's Election.Observe, Curator's participant id — and what `distlock leader` shows
+    /// first; our holder identity (host, pid, start time) is kept beside it, where peers need
+    /// not parse it. Without a value, peers read that identity. The command runs with
     /// DISTLOCK_ELECTION=NAME and DISTLOCK_TERM=TERM in its environment (and without
     /// DISTLOCK_URL): TERM is the leadership's fencing token, greater than every earlier
     /// leader's; pass it to the resources the leader writes to, so that a deposed leader's late
@@ -217,9 +219,9 @@ pub struct ElectArgs {
     /// Report what happens as JSON lines on stderr (elected, not_elected, lost, exit).
     #[arg(long)]
     pub json: bool,
-    /// The leader's value: the label in its identity (as the URL's `label=` option; 1-64
-    /// ASCII letters, digits and -_.:/@; not a secret), what `leader` and `etcdctl elect -l`
-    /// show. `--value` is the same option, by etcd's name for it.
+    /// The leader's value, exactly the bytes peers read (`etcdctl elect -l`, Curator's
+    /// participant id) and what `leader` shows first (as the URL's `label=` option; 1-64 ASCII
+    /// letters, digits and -_.:/@; not a secret). `--label` is the same option.
     #[arg(long, visible_alias = "value", value_name = "LABEL")]
     pub label: Option<String>,
     /// The command and its arguments, after `--`.
