@@ -118,20 +118,12 @@ impl GroupClock {
         *locked(&self.deadline)
     }
 
-    /// Whether the group's loss has been decided.
-    fn is_lost(&self) -> bool {
-        self.lost.get().is_some()
-    }
-
-    /// Records the group's loss and signals it to every member at once (the first reason
-    /// wins). Answers whether this call decided it.
-    fn lose(&self, reason: LossReason) -> bool {
-        if self.lost.set(reason).is_err() {
-            return false;
-        }
-        // After the reason, so that a member woken by the signal reads it.
+    /// Records the group's loss and signals it to every member at once.
+    fn lose(&self, reason: LossReason) {
+        // The reason first, so that a member woken by the signal reads it. A group is lost
+        // once (it goes with its members, under the same lock).
+        let _ = self.lost.set(reason);
         self.signal.cancel();
-        true
     }
 
     /// Moves the deadline to `at` if that is later.
@@ -251,8 +243,6 @@ pub(crate) fn mark_lost(status: &Status, backend: &'static str, lease: &Lease, r
         if inner.reason.is_some() {
             return;
         }
-        // The first loss wins: a member whose group was lost first keeps the group's reason.
-        let reason = inner.reason().unwrap_or(reason);
         inner.reason = Some(reason);
         (inner.lost.clone(), reason)
     };
@@ -647,10 +637,6 @@ impl State {
         if let Some(at) = group.wake.take() {
             group_timers.remove(&(at, index));
         }
-        if group.clock.is_lost() {
-            // Lost: nothing to wake for (its members are being lost).
-            return;
-        }
         let wake = Tick::at(group.next_wake());
         group.wake = Some(wake);
         group_timers.insert((wake, index));
@@ -666,15 +652,8 @@ impl State {
         lease: &Lease,
     ) -> usize {
         let key = (handle.id(), lease.ttl(), interval);
-        // A lost group takes no new member (it would be born lost): the key gets a new group.
-        let live = self.group_ids.get(&key).copied().filter(|&index| {
-            self.groups
-                .get(index)
-                .and_then(Option::as_ref)
-                .is_some_and(|g| !g.clock.is_lost())
-        });
-        let index = match live {
-            Some(index) => index,
+        let index = match self.group_ids.get(&key) {
+            Some(&index) => index,
             None => {
                 let index = match self.group_free.pop() {
                     Some(i) => i,
@@ -737,10 +716,7 @@ impl State {
         if let Some(at) = group.wake {
             self.group_timers.remove(&(at, index));
         }
-        // A lost group's key may already name its successor (see `join_group`).
-        if self.group_ids.get(&group.key) == Some(&index) {
-            self.group_ids.remove(&group.key);
-        }
+        self.group_ids.remove(&group.key);
         self.group_free.push(index);
         Some(group)
     }
@@ -1005,6 +981,11 @@ impl Scheduler {
             state.free.push(at.index);
             if matches!(slot.end, End::Running) {
                 state.active -= 1;
+                if state.active == 0 {
+                    // Nothing left to serve: the task ends now, not at its next timer (which a
+                    // runtime whose clock is paused and never idle would never reach).
+                    self.ready.notify.notify_one();
+                }
             }
             if slot.phase == Phase::InFlight {
                 state.in_flight -= 1;
@@ -1236,9 +1217,6 @@ impl Scheduler {
             return false;
         };
         group.wake = None;
-        if group.clock.is_lost() {
-            return false;
-        }
         let lose_at = group.lose_at();
         if now >= lose_at {
             self.lose_group(state, index, LossReason::DeadlinePassed);
@@ -1277,7 +1255,7 @@ impl Scheduler {
         let Some(Some(group)) = state
             .groups
             .get_mut(index)
-            .filter(|g| g.as_ref().is_some_and(|g| g.id == id && !g.clock.is_lost()))
+            .filter(|g| g.as_ref().is_some_and(|g| g.id == id))
         else {
             return;
         };
@@ -1353,16 +1331,12 @@ impl Scheduler {
     /// The signal comes first and costs O(1) here: the group's clock records the reason (every
     /// member's `is_lost()` and `loss_reason()` read it) and its one token is cancelled (every
     /// member's `lost()` token descends from it). Only then is each member taken out of the
-    /// group and its loss counted and logged, O(N), which no waiter on `lost()` waits for.
+    /// group and its loss counted and logged, O(N), which no waiter on `lost()` waits for; the
+    /// last one takes the group (its timer, its renewal in flight) with it, before the lock
+    /// is released, so a lost group is never renewed nor joined.
     fn lose_group(&self, state: &mut State, index: usize, reason: LossReason) {
-        if let Some(Some(group)) = state.groups.get_mut(index) {
+        if let Some(Some(group)) = state.groups.get(index) {
             group.clock.lose(reason);
-            // Its renewal is of no use any more (dropped here, under the lock: it only waits).
-            group.renewing = None;
-            group.in_flight = false;
-            if let Some(at) = group.wake.take() {
-                state.group_timers.remove(&(at, index));
-            }
         }
         for member in members(state, index) {
             self.lose(state, member, reason);
@@ -1714,15 +1688,6 @@ mod tests {
             vec![(moved, 0)],
             "the group's timer did not move to its next renewal"
         );
-        // Its loss decided, it has no timer at all.
-        state.groups[0]
-            .as_ref()
-            .unwrap()
-            .clock
-            .lose(LossReason::DeadlinePassed);
-        state.reschedule_group(0);
-        assert!(state.group_timers.is_empty());
-        assert_eq!(state.timers.len(), 1);
     }
 
     /// A group's loss instant is [`loss_lead`] ahead of its deadline (a tenth of the TTL), and
