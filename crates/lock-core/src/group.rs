@@ -54,8 +54,17 @@ pub trait RenewalGroup: Send + Sync + fmt::Debug + 'static {
     /// lock-core's but `lost` (which it may, at once, for a lease it knows gone).
     fn join(&self, lease: &Lease, lost: &LostSink) -> bool;
 
-    /// `lease` is no longer renewed by this group (released, lost, or its guard gone).
+    /// `lease` is no longer renewed by this group (released, or its guard gone).
     fn leave(&self, lease: &Lease);
+
+    /// `lease` was lost while a member — its group's loss decided (which may come before its
+    /// deadline, while the coordinator still holds it), or its own loss pushed — and leaves the
+    /// group as [`RenewalGroup::leave`]. Nobody holds it any more: a driver whose coordinator
+    /// keeps a lost member's entry for as long as its session lives removes it here. The
+    /// default is `leave`.
+    fn leave_lost(&self, lease: &Lease) {
+        self.leave(lease);
+    }
 
     /// Renews every member with `ttl`; `until` bounds the wait. Answers when the proof's
     /// request was sent.

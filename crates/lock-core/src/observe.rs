@@ -297,6 +297,10 @@ impl crate::raw::RenewalGroup for ObservedGroup {
         self.inner.leave(lease);
     }
 
+    fn leave_lost(&self, lease: &Lease) {
+        self.inner.leave_lost(lease);
+    }
+
     fn renew(
         &self,
         ttl: Duration,

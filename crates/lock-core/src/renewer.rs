@@ -691,16 +691,21 @@ impl State {
         index
     }
 
-    /// Takes `slot` out of its group, if it is a member: the driver renews its lease no more
-    /// and the lease keeps the deadline the group's renewals gave it. Hands back the group
-    /// if this was its last member.
-    fn leave_group(&mut self, slot: usize) -> Option<Group> {
+    /// Takes `slot` out of its group, if it is a member (`lost`: because it was lost, see
+    /// [`RenewalGroup::leave_lost`](crate::raw::RenewalGroup::leave_lost)): the driver renews its lease no more and the lease keeps
+    /// the deadline the group's renewals gave it. Hands back the group if this was its last
+    /// member.
+    fn leave_group(&mut self, slot: usize, lost: bool) -> Option<Group> {
         let Self { slots, groups, .. } = self;
         let slot = slots.get_mut(slot)?.as_mut()?;
         let index = slot.group.take()?.index();
         let group = groups.get(index)?.as_ref()?;
         slot.lease.extend_local_deadline(group.clock.deadline());
-        group.handle.leave(&slot.lease);
+        if lost {
+            group.handle.leave_lost(&slot.lease);
+        } else {
+            group.handle.leave(&slot.lease);
+        }
         self.left_group(index)
     }
 
@@ -975,7 +980,7 @@ impl Scheduler {
         let (slot, _gone) = {
             let mut state = locked(&self.state);
             state.slot(at)?;
-            let gone = state.leave_group(at.index);
+            let gone = state.leave_group(at.index, false);
             let mut slot = state.slots.get_mut(at.index)?.take()?;
             state.unschedule(at.index, &mut slot);
             state.free.push(at.index);
@@ -1186,7 +1191,7 @@ impl Scheduler {
     /// The slot is lost: nothing renews or watches it any more (a member leaves its group; a
     /// group left empty is dropped here, under the lock: its renewal's future only waits).
     fn lose(&self, state: &mut State, index: usize, reason: LossReason) {
-        let _gone = state.leave_group(index);
+        let _gone = state.leave_group(index, true);
         let State {
             slots,
             timers,

@@ -86,4 +86,7 @@ conformance::conformance_tests!(setup; skip: {
     election_observe_reports_every_term_in_order: "fencing not claimed: campaign is refused",
     election_deposed_leader_is_fenced_out: "fencing not claimed: campaign is refused",
     election_proclaim_changes_the_value_not_the_term: "fencing not claimed: campaign is refused",
+    campaign_dropped_at_any_poll_leaves_nothing_behind: "fencing not claimed: campaign is refused",
+    resign_dropped_at_any_poll_leaves_nothing_behind: "fencing not claimed: campaign is refused",
+    proclaim_dropped_at_any_poll_keeps_the_leader: "fencing not claimed: campaign is refused",
 });

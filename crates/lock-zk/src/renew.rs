@@ -456,6 +456,36 @@ impl RenewalGroup for SessionGroup {
         }
     }
 
+    /// A lost member's node goes once nobody could trust it any more and the session is
+    /// vouched for: at the lease's deadline (the group's, which its loss may have come a little
+    /// before, while the session was still trusted), then as soon as the session is vouched for
+    /// again — unless it was deleted meanwhile (its watch says so: a release, an operator's
+    /// delete) or the session ended (which took it). Whether it was a member of the session's
+    /// watch or kept a node watch of its own.
+    fn leave_lost(&self, lease: &Lease) {
+        self.session.members.fetch_sub(1, Ordering::Relaxed);
+        let Some(state) = lease.backend_state::<ZkLease>() else {
+            return;
+        };
+        self.session.root_watch.leave(&state.path);
+        if self.session.is_ended() {
+            return;
+        }
+        let (session, watch, path, czxid) = (
+            self.session.clone(),
+            state.watch.clone(),
+            state.path.clone(),
+            state.czxid,
+        );
+        let (limit, deadline) = (self.limit, lease.local_deadline());
+        tokio::spawn(async move {
+            tokio::time::sleep_until(deadline).await;
+            if !session.is_ended() && !watch.is_lost() {
+                crate::queue::spawn_removal(session, path, czxid, limit);
+            }
+        });
+    }
+
     fn renew(
         &self,
         ttl: Duration,

@@ -60,4 +60,5 @@ conformance::conformance_tests!(setup; skip: {
     waiter_is_woken_promptly_by_release: "wait_notify not claimed",
     a_release_hands_the_lock_to_the_first_waiter: "wait_notify not claimed: waiters poll, a release hands nothing over",
     election_proclaim_changes_the_value_not_the_term: "relabel not claimed: the toy driver does not implement Driver::relabel (proclaim is refused)",
+    proclaim_dropped_at_any_poll_keeps_the_leader: "relabel not claimed: the toy driver does not implement Driver::relabel (proclaim is refused)",
 });
