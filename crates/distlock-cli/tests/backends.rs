@@ -379,8 +379,18 @@ fn inspect_says_who_holds_the_lock() {
         );
         let out = distlock(&url).args(["inspect", &key]).output().unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
+        // The text shows the same holder, its `since=` as RFC 3339 with an age instead of the
+        // raw epoch the JSON keeps.
+        let line = text
+            .lines()
+            .find_map(|l| l.trim_start().strip_prefix("holder:"))
+            .map(str::trim)
+            .unwrap_or_else(|| panic!("{backend}: no holder line: {text}"));
+        let (head, _) = who.split_once(" since=").expect("a since= in the identity");
         assert!(
-            text.contains(&format!("holder:         {who}")),
+            line.starts_with(&format!("{head} since=20"))
+                && line.contains(" ago) ")
+                && line.ends_with(" label=nightly-report"),
             "{backend}: {text}"
         );
         let _ = stop(holder, Signal::SIGTERM);
