@@ -15,12 +15,7 @@ use crate::{
 ///
 /// `lost()` fires when a renewal is refused or fails permanently, when the conservative local
 /// deadline passes without a successful renewal (temporary errors are retried until then), or
-/// when the backend reports the lease gone. A lease renewed in a renewal group (etcd's shared
-/// lease, ZooKeeper's session) is lost a tenth of its TTL *before* that deadline when nothing
-/// renewed it by then, so that the tasks awaiting `lost()` run before the deadline on a busy
-/// runtime (see [`LockGuard::is_lost`]). `lost()` reaches your code only when your runtime runs
-/// the task awaiting it: on a runtime whose tasks do not yield it can run after the deadline,
-/// so pass the fencing token with every write. Call [`LockGuard::release`] to release explicitly;
+/// when the backend reports the lease gone. Call [`LockGuard::release`] to release explicitly;
 /// dropping the guard stops the watchdog and releases best-effort in the background (the TTL is
 /// the last resort).
 ///
@@ -169,12 +164,8 @@ impl LockGuard {
         self.status.renewals()
     }
 
-    /// `true` once ownership can no longer be trusted: a loss was recorded (the moment `lost()`
-    /// is complete), or the local deadline has passed (read from the clock: even if the
-    /// watchdog has not yet run to say so). It is never true before the deadline unless the
-    /// loss is real: a refusal, a loss the backend reported, or a renewal group's deadline loss,
-    /// which is decided a tenth of the TTL before the deadline and from which nothing renews the
-    /// lease any more — `lost()` and `is_lost()` then say so together.
+    /// `true` once ownership can no longer be trusted: `lost()` fired, or the local deadline
+    /// has passed (even if the watchdog has not yet run to say so).
     pub fn is_lost(&self) -> bool {
         self.status.is_marked_lost() || Instant::now() >= self.status.deadline()
     }
@@ -193,10 +184,7 @@ impl LockGuard {
         }
     }
 
-    /// Completes when ownership is lost (when a loss is recorded: see [`LockGuard::is_lost`]),
-    /// as soon as the runtime polls the task awaiting it. Never completes after a clean release
-    /// — except that a renewal-group member's future or token kept past its guard's release
-    /// still completes if the group is lost later (nothing is held by then).
+    /// Completes when ownership is lost. Never completes after a clean release.
     pub fn lost(&self) -> WaitForCancellationFutureOwned {
         self.status.lost_token().cancelled_owned()
     }

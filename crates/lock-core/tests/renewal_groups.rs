@@ -21,7 +21,7 @@ use futures::future::BoxFuture;
 use lock_core::raw::{GroupRenewError, LostSink, RenewalGroup, SharedGroup, async_trait};
 use lock_core::{
     Capabilities, DistributedLock, DynLock, Error, HolderInfo, InMemoryLock, Lease, LockKey,
-    LossReason, Result, drift_margin,
+    LossReason, Result,
 };
 use tokio::time::{Instant, sleep, timeout};
 
@@ -287,55 +287,38 @@ async fn a_tick_of_many_members_is_one_group_renewal_and_each_loss_stays_its_own
     assert!(driver.group.members.lock().unwrap().is_empty());
 }
 
-/// The group's renewal failing temporarily is retried until the group's loss is due — a tenth
-/// of the TTL before its deadline, so that `lost()` reaches its waiters before the deadline and
-/// not after it — when every member is lost (`DeadlinePassed`): no sooner and no later (within
-/// the 1 ms of tokio's timer), and always before the deadline; the coordinator never held a
-/// key for less long than the guard believed. A group whose session ended loses every member
-/// at once with that reason.
+/// The group's renewal failing temporarily is retried until the group's deadline, at which
+/// every member is lost (`DeadlinePassed`) and no sooner; the coordinator never held a key
+/// for less long than the guard believed. A group whose session ended loses every member at
+/// once with that reason.
 #[tokio::test(start_paused = true)]
-async fn a_group_that_cannot_renew_loses_every_member_before_its_deadline_or_at_once() {
+async fn a_group_that_cannot_renew_loses_every_member_at_its_deadline_or_at_once() {
     let (coordinator, driver, lock) = setup();
     let ttl = Duration::from_secs(3);
     let guards = hold(&lock, "groups/failing", 50, ttl).await;
     sleep(ttl).await;
     let deadline = guards[0].local_deadline();
     assert!(guards.iter().all(|g| g.local_deadline() == deadline));
-    let lose_at = deadline - loss_lead(ttl);
 
     driver.answer(Answer::Unavailable);
     let before = driver.group.renewals.load(Ordering::SeqCst);
-    sleep_until_just_before(lose_at).await;
+    sleep_until_just_before(deadline).await;
     assert!(
         driver.group.renewals.load(Ordering::SeqCst) > before + 1,
         "the failing renewal was not retried"
     );
     for g in &guards {
-        assert!(!g.is_lost(), "{} lost before its loss was due", g.key());
+        assert!(!g.is_lost(), "{} lost before its deadline", g.key());
         // The coordinator still holds it: the deadline was never later than its expiry.
         assert!(held_by_coordinator(&coordinator, g).await, "{}", g.key());
     }
     timeout(ttl, guards[0].lost())
         .await
         .expect("not lost a TTL after its group's deadline");
-    let lost_at = Instant::now();
-    assert!(
-        lost_at >= lose_at,
-        "lost {:?} before its loss was due",
-        lose_at - lost_at
-    );
-    assert!(
-        lost_at <= lose_at + Duration::from_millis(1),
-        "lost {:?} after its loss was due ({:?} after its deadline)",
-        lost_at - lose_at,
-        lost_at.checked_duration_since(deadline)
-    );
+    assert!(Instant::now() >= deadline);
     for g in &guards {
-        // Lost for real from that moment, before the deadline, which did not move.
         assert!(g.is_lost());
         assert_eq!(g.loss_reason(), Some(LossReason::DeadlinePassed));
-        assert_eq!(g.local_deadline(), deadline);
-        assert!(held_by_coordinator(&coordinator, g).await, "{}", g.key());
     }
     assert_eq!(driver.group.left.load(Ordering::SeqCst), 50);
     drop(guards);
@@ -585,131 +568,4 @@ async fn held_by_coordinator(coordinator: &InMemoryLock, guard: &lock_core::Lock
 
 async fn sleep_until_just_before(at: Instant) {
     tokio::time::sleep_until(at - Duration::from_millis(20)).await;
-}
-
-/// How long before a renewal group's local deadline its members' loss is due when nothing
-/// renews it: a tenth of the TTL (lock-core's `renewer::loss_lead`, not exported).
-fn loss_lead(ttl: Duration) -> Duration {
-    ttl / 10
-}
-
-/// Issue 45: on a busy runtime — 2 workers, and 4 tasks that spin 3 ms between yields (30
-/// times tokio's advice of 100 µs at most) — a group of 1,000 members that cannot renew is
-/// lost, and every one of the 1,000 tasks awaiting a member's `lost()` runs before the
-/// coordinator's expiry (the local deadline plus the drift margin; 15 ms at TTL 1 s), none
-/// before the loss was due (a tenth of the TTL before the deadline). Real time: the point is
-/// the runtime's scheduling, which paused time does not have.
-///
-/// Measured with the loss decided at the deadline (before issue 45): the last waiter ran
-/// 33–41 ms after it and 590–750 of the 1,000 past the coordinator's expiry (6 runs), so this
-/// fails; with the loss decided a tenth of the TTL earlier, the last one ran 52–67 ms before the
-/// deadline (24 runs). A loss signal delayed by 1.5 s fails it too.
-#[test]
-fn every_lost_waiter_of_a_busy_runtime_runs_before_the_coordinators_expiry() {
-    const MEMBERS: usize = 1000;
-    const HOGS: usize = 4;
-    const SPIN: Duration = Duration::from_millis(3);
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
-        let (coordinator, driver, lock) = setup();
-        let ttl = Duration::from_secs(1);
-        let guards = hold(&lock, "groups/busy", MEMBERS, ttl).await;
-        // Renewed by the group for a while: the deadline is a group renewal's.
-        sleep(ttl / 2).await;
-        assert!(driver.group.renewals.load(Ordering::SeqCst) >= 1);
-
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let hogs: Vec<_> = (0..HOGS)
-            .map(|_| {
-                let stop = stop.clone();
-                tokio::spawn(async move {
-                    let mut slices = 0_u64;
-                    while !stop.load(Ordering::Relaxed) {
-                        let until = std::time::Instant::now() + SPIN;
-                        while std::time::Instant::now() < until {
-                            std::hint::spin_loop();
-                        }
-                        slices += 1;
-                        tokio::task::yield_now().await;
-                    }
-                    slices
-                })
-            })
-            .collect();
-        let waiters: Vec<_> = guards
-            .iter()
-            .map(|g| {
-                let lost = g.lost();
-                tokio::spawn(async move {
-                    lost.await;
-                    Instant::now()
-                })
-            })
-            .collect();
-        let switched = Instant::now();
-        driver.answer(Answer::Unavailable);
-        let mut ran_at = Vec::with_capacity(MEMBERS);
-        for waiter in waiters {
-            let at = timeout(ttl * 4, waiter)
-                .await
-                .expect("a waiter on lost() never ran");
-            ran_at.push(at.unwrap());
-        }
-        stop.store(true, Ordering::Relaxed);
-        let busy = switched.elapsed();
-        let mut spun = Duration::ZERO;
-        for hog in hogs {
-            spun += SPIN * u32::try_from(hog.await.unwrap()).unwrap();
-        }
-        // The hogs held a worker at least half the time (both, had they had the runtime to
-        // themselves): the runtime was busy all along.
-        assert!(
-            spun >= busy,
-            "the hogs spun {spun:?} in {busy:?}: the runtime was not busy"
-        );
-
-        let (margin, lead) = (drift_margin(ttl), loss_lead(ttl));
-        // Each waiter's time from its deadline, in ms (negative: before it).
-        let mut from_deadline = Vec::with_capacity(MEMBERS);
-        for (g, &at) in guards.iter().zip(&ran_at) {
-            assert_eq!(
-                g.loss_reason(),
-                Some(LossReason::DeadlinePassed),
-                "{}",
-                g.key()
-            );
-            let deadline = g.local_deadline();
-            assert!(
-                at >= deadline - lead,
-                "{}: lost() ran {:?} before its loss was due",
-                g.key(),
-                (deadline - lead) - at
-            );
-            let ms = if at >= deadline {
-                (at - deadline).as_secs_f64()
-            } else {
-                -(deadline - at).as_secs_f64()
-            } * 1e3;
-            from_deadline.push(ms);
-        }
-        let latest = from_deadline
-            .iter()
-            .copied()
-            .fold(f64::NEG_INFINITY, f64::max);
-        let earliest = from_deadline.iter().copied().fold(f64::INFINITY, f64::min);
-        eprintln!("lost() waiters ran from {earliest:+.1} to {latest:+.1} ms from their deadline");
-        let bound = margin.as_secs_f64() * 1e3;
-        let late = from_deadline.iter().filter(|&&ms| ms >= bound).count();
-        assert_eq!(
-            late, 0,
-            "{late} of {MEMBERS} lost() waiters ran at or past the coordinator's expiry \
-             ({margin:?} after the deadline), the last {latest:+.1} ms from its deadline"
-        );
-        drop(guards);
-        drop(coordinator);
-    });
 }
