@@ -693,7 +693,7 @@ impl Driver for EtcdLock {
     }
 
     /// Go's `Proclaim`: a txn that puts the entry's new value — for an election's entry the new
-    /// value alone (what `etcdctl elect -l` prints, [`keys::candidate_value`]) and
+    /// value alone (what `etcdctl elect -l` prints, `keys::candidate_value`) and
     /// `<token hex> <identity>` in its sidecar; for any other lock `<token hex> <identity>` —
     /// keeping its lease, iff the entry still has the create revision of this grant (so it
     /// still holds the lock: every other entry is younger).

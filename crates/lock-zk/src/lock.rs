@@ -38,7 +38,7 @@ use crate::{
 /// Curator leader's participant id as its holder and its node's czxid as its fencing token. Our
 /// election nodes' data is the leader's value alone (the client's label, or what it proclaimed),
 /// exactly what Curator's `getLeader()` reads as our participant id; the identity is in the
-/// session's holder node ([`path::session_holder`]) and the token in the node's name.
+/// session's holder node (`path::session_holder`) and the token in the node's name.
 #[derive(Clone)]
 pub struct ZkLock {
     pub(crate) inner: Arc<Inner>,
@@ -386,7 +386,7 @@ impl ZkLock {
         }
     }
 
-    /// Writes `session`'s holder node ([`path::session_holder`]: our identity without its
+    /// Writes `session`'s holder node (`path::session_holder`: our identity without its
     /// label, ephemeral) once per session, before its first election node, so that whoever
     /// reads our election node can find who we are. Best effort within `until`: without it our
     /// leader shows its value and no identity.
@@ -714,7 +714,7 @@ impl Driver for ZkLock {
 
     /// `setData` on our own node with its version: the data is the holder identity, or in an
     /// election's directory the new value alone (what a Curator `getLeader()` reports as the
-    /// participant id; the identity's label is read from it, see [`path::session_holder`]). A `BadVersion` is looked at: the
+    /// participant id; the identity's label is read from it, see `path::session_holder`). A `BadVersion` is looked at: the
     /// same node (czxid, our session as its ephemeral owner) is still ours (node paths are never
     /// reused, and our node existing means it is still first), so it is written at its current
     /// version; a missing node or an ended session is `NotHeld`.
