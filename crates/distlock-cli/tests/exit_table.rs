@@ -16,7 +16,6 @@ use std::{
     time::{Duration, Instant},
 };
 
-use distlock::Backend;
 use support::fresh_key;
 
 fn distlock(url: &str) -> Command {
@@ -28,55 +27,21 @@ fn distlock(url: &str) -> Command {
     command
 }
 
-/// memory:// and every real coordinator, named.
+/// memory:// and every real coordinator (`support::backends`: all four under
+/// `DISTLOCK_REQUIRE_BACKENDS=1`), named.
 fn every_backend() -> Vec<(String, String)> {
     let mut all = vec![("memory".to_owned(), "memory://exit-table".to_owned())];
-    let named = [
-        (Backend::Redis, "DISTLOCK_TEST_REDIS_URL"),
-        (Backend::Etcd, "DISTLOCK_TEST_ETCD_URL"),
-        (Backend::ZooKeeper, "DISTLOCK_TEST_ZK_URL"),
-        (Backend::Postgres, "DISTLOCK_TEST_PG_URL"),
-    ];
-    for (backend, var) in named {
-        match (backend.is_enabled(), conformance::backend_url(var)) {
-            (true, Some(url)) => {
-                let url = if backend == Backend::ZooKeeper {
-                    let sep = if url.contains('?') { '&' } else { '?' };
-                    format!("{url}{sep}session_timeout=2s")
-                } else {
-                    url
-                };
-                all.push((backend.to_string(), url));
-            }
-            _ => assert!(
-                !conformance::backends_required(),
-                "{var} (and the {} feature) are required",
-                backend
-            ),
-        }
-    }
-    if conformance::backends_required() {
-        assert_eq!(all.len(), 5, "memory and the four coordinators");
-    }
+    all.extend(
+        support::backends()
+            .into_iter()
+            .map(|(backend, url)| (backend.to_string(), url)),
+    );
     all
 }
 
 /// Runs to the end; killed (and the test failed) after `within`.
-fn run(mut command: Command, within: Duration) -> Output {
-    let mut child = command
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + within;
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("distlock did not exit within {within:?}");
-        }
-        thread::sleep(Duration::from_millis(10));
-    }
-    child.wait_with_output().unwrap()
+fn run(command: Command, within: Duration) -> Output {
+    support::output_within(command, within)
 }
 
 fn first_line(out: &Output) -> String {

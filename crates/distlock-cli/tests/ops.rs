@@ -8,12 +8,11 @@ mod support;
 
 use std::{
     process::{Command, Output, Stdio},
-    thread,
     time::{Duration, Instant},
 };
 
 use distlock::Backend;
-use support::fresh_key;
+use support::{backends, fresh_key, output_within};
 
 const BIN: &str = env!("CARGO_BIN_EXE_distlock");
 
@@ -21,62 +20,6 @@ fn distlock(url: &str) -> Command {
     let mut command = Command::new(BIN);
     command.env("DISTLOCK_URL", url).stdin(Stdio::null());
     command
-}
-
-/// Every real coordinator's URL, each asserted present when the run requires backends.
-fn backends() -> Vec<(Backend, String)> {
-    let named = [
-        (Backend::Redis, "DISTLOCK_TEST_REDIS_URL"),
-        (Backend::Etcd, "DISTLOCK_TEST_ETCD_URL"),
-        (Backend::ZooKeeper, "DISTLOCK_TEST_ZK_URL"),
-        (Backend::Postgres, "DISTLOCK_TEST_PG_URL"),
-    ];
-    let found: Vec<_> = named
-        .into_iter()
-        .filter(|(backend, _)| backend.is_enabled())
-        .filter_map(|(backend, var)| {
-            conformance::backend_url(var).map(|url| (backend, with_short_session(backend, url)))
-        })
-        .collect();
-    if conformance::backends_required() {
-        assert_eq!(
-            found.len(),
-            4,
-            "DISTLOCK_REQUIRE_BACKENDS=1 needs all four URLs"
-        );
-    }
-    found
-}
-
-/// Short sessions for ZooKeeper, whose smallest TTL is its session timeout (10 s by default).
-fn with_short_session(backend: Backend, url: String) -> String {
-    if backend != Backend::ZooKeeper {
-        return url;
-    }
-    let separator = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{separator}session_timeout=2s")
-}
-
-/// Runs to the end, killed (and the test failed) after `within`.
-fn output_within(mut command: Command, within: Duration) -> Output {
-    let mut child = command
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + within;
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!(
-                "distlock did not exit within {within:?}; stderr: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        thread::sleep(Duration::from_millis(10));
-    }
-    child.wait_with_output().unwrap()
 }
 
 fn stderr(out: &Output) -> String {

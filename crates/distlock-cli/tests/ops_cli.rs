@@ -8,9 +8,11 @@
 
 mod support;
 
+use support::{output_within, wait_output};
+
 use std::{
     io::{BufRead, BufReader},
-    process::{Child, Command, Output, Stdio},
+    process::{Child, Command, Stdio},
     sync::mpsc,
     thread,
     time::{Duration, Instant},
@@ -38,33 +40,6 @@ fn distlock(url: &str, args: &[&str]) -> Command {
         .args(args)
         .stdin(Stdio::null());
     command
-}
-
-/// Runs to the end, killed (and the test failed) after `within`.
-fn output_within(mut command: Command, within: Duration) -> Output {
-    let child = command
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_output(child, within)
-}
-
-fn wait_output(mut child: Child, within: Duration) -> Output {
-    let deadline = Instant::now() + within;
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!(
-                "distlock did not exit within {within:?}; stdout: {}; stderr: {}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        thread::sleep(Duration::from_millis(10));
-    }
-    child.wait_with_output().unwrap()
 }
 
 fn text(bytes: &[u8]) -> String {

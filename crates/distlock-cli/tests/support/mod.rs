@@ -178,3 +178,32 @@ pub fn wait_for_file(path: &Path, child: &mut Child, within: Duration) {
         thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Runs `command` to the end with its output captured; kills it (and fails the test, showing
+/// what it said) after `within`.
+pub fn output_within(mut command: std::process::Command, within: Duration) -> std::process::Output {
+    let child = command
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_output(child, within)
+}
+
+/// Waits for `child` (its output piped) to exit; kills it and fails the test after `within`.
+pub fn wait_output(mut child: Child, within: Duration) -> std::process::Output {
+    let deadline = Instant::now() + within;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "distlock did not exit within {within:?}; stdout: {}; stderr: {}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    child.wait_with_output().unwrap()
+}
