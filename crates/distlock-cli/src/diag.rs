@@ -13,7 +13,7 @@
 use std::{
     io::Write,
     sync::{
-        OnceLock,
+        Condvar, Mutex, OnceLock, PoisonError,
         atomic::{AtomicU64, AtomicUsize, Ordering},
         mpsc::{Receiver, SyncSender, TrySendError, sync_channel},
     },
@@ -35,6 +35,8 @@ struct Writer {
     /// When the current write began (ms after `epoch`, + 1), or 0 while idle.
     writing_since: AtomicU64,
     epoch: Instant,
+    /// Notified by the writer after each write, for [`flush`] to wait on.
+    written: (Mutex<()>, Condvar),
 }
 
 static WRITER: OnceLock<Option<Writer>> = OnceLock::new();
@@ -52,6 +54,7 @@ fn writer() -> Option<&'static Writer> {
                 dropped: AtomicU64::new(0),
                 writing_since: AtomicU64::new(0),
                 epoch: Instant::now(),
+                written: (Mutex::new(()), Condvar::new()),
             })
         })
         .as_ref()
@@ -76,6 +79,8 @@ fn drain(rx: Receiver<Vec<u8>>) {
         drop(stderr);
         w.writing_since.store(0, Ordering::Relaxed);
         w.pending.fetch_sub(1, Ordering::Release);
+        let _seen = w.written.0.lock().unwrap_or_else(PoisonError::into_inner);
+        w.written.1.notify_all();
     }
 }
 
@@ -108,6 +113,9 @@ pub fn flush(limit: Duration) {
         return;
     };
     let started = Instant::now();
+    let (lock, written) = &w.written;
+    // Checked under the lock the writer notifies under: no write's notice is missed.
+    let mut seen = lock.lock().unwrap_or_else(PoisonError::into_inner);
     while w.pending.load(Ordering::Acquire) > 0 && started.elapsed() < limit {
         let since = w.writing_since.load(Ordering::Relaxed);
         if since > 0 {
@@ -116,7 +124,11 @@ pub fn flush(limit: Duration) {
                 return;
             }
         }
-        std::thread::sleep(Duration::from_millis(1));
+        // Woken by the next write; at least every half STALLED to look at a stuck one.
+        let wait = limit.saturating_sub(started.elapsed()).min(STALLED / 2);
+        seen = written
+            .wait_timeout(seen, wait)
+            .map_or_else(|e| e.into_inner().0, |(g, _)| g);
     }
 }
 

@@ -217,11 +217,11 @@ async fn stdout_closed() {
                         let _ = tx.send(());
                         return;
                     }
+                    // No events are asked for, so poll returns only for these (or a signal):
+                    // waiting again does not spin.
                     Ok(_) | Err(nix::errno::Errno::EINTR) => {}
                     Err(_) => return,
                 }
-                // Nothing of interest was reported: do not spin.
-                std::thread::sleep(std::time::Duration::from_millis(100));
             }
         });
     if watcher.is_err() || rx.await.is_err() {
