@@ -316,12 +316,7 @@ impl Drop for Queued {
     }
 }
 
-/// The longest first lease a release grants a queued waiter (the TTL in its entry, see
-/// [`crate::sql`]): a waiter that died after its last attempt — while its entry was still live,
-/// up to two poll intervals — holds the lock this long at most, not for the TTL it asked for. A
-/// live waiter extends it at once (one renewal to its TTL, before `acquire` returns), so this
-/// only needs to outlast the notification's delivery and one statement.
-pub(crate) const HANDOFF_LEASE: Duration = Duration::from_millis(1500);
+pub(crate) use crate::sql::HANDOFF_LEASE;
 
 /// The first lease of a direct grant to a waiter asking for `ttl`: [`HANDOFF_LEASE`] at most.
 pub(crate) fn first_lease(ttl: Duration) -> Duration {

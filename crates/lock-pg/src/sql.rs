@@ -51,11 +51,18 @@
 //! falls between them. Every grant, direct or by an attempt, is decided under the row lock on
 //! the latest version of the row.
 
-use std::sync::Arc;
+use std::{sync::Arc, time::Duration};
 
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
 use crate::TableName;
+
+/// The longest first lease a release grants a queued waiter (the TTL in its entry, see
+/// the statement below): a waiter that died after its last attempt — while its entry was still live,
+/// up to two poll intervals — holds the lock this long at most, not for the TTL it asked for. A
+/// live waiter extends it at once (one renewal to its TTL, before `acquire` returns), so this
+/// only needs to outlast the notification's delivery and one statement.
+pub(crate) const HANDOFF_LEASE: Duration = Duration::from_millis(1500);
 
 /// The most entries a lock's queue takes; waiters beyond it poll (bounded by `poll_interval`).
 const MAX_QUEUE: i32 = 256;
@@ -400,11 +407,11 @@ impl Statements {
         // a lost grant could cost a fence.
         let (qid, qexpiry, mine) = (id("q.w"), expiry("q.w"), has_entry("$4"));
         // The entry's TTL is the short first lease a release grants from it (the waiter
-        // extends it when it takes the grant; see `crate::queue::HANDOFF_LEASE`).
+        // extends it when it takes the grant; see [`HANDOFF_LEASE`]).
         let mut entry = format!(
             "$4 || ' ' || (d.now_ms + $5::bigint) || ' ' || $7::bigint || ' ' \
              || LEAST($3::bigint, {}) || ' ' || $6",
-            crate::lock::micros(crate::queue::HANDOFF_LEASE)
+            crate::lock::micros(HANDOFF_LEASE)
         );
         let (hcols, hvals, _) = grant_holder("$8");
         // A free row granted, or a grant to this waiter extended: this client's identity.
