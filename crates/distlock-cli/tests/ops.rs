@@ -100,6 +100,10 @@ fn with_wrong_password(url: &str) -> String {
 #[test]
 fn a_wrong_zookeeper_password_is_78_before_the_command_runs() {
     if !Backend::ZooKeeper.is_enabled() {
+        assert!(
+            !conformance::backends_required(),
+            "the ZooKeeper driver is not compiled in: build with --all-features"
+        );
         return;
     }
     let Some(url) = conformance::backend_url("DISTLOCK_TEST_ZK_SECURE_URL") else {
@@ -181,6 +185,10 @@ fn a_certificate_from_the_wrong_ca_is_78() {
         (Backend::Redis, "DISTLOCK_TEST_REDIS_SECURE_URL"),
     ] {
         if !backend.is_enabled() {
+            assert!(
+                !conformance::backends_required(),
+                "{backend:?} is not compiled in: build with --all-features"
+            );
             continue;
         }
         let Some(url) = conformance::backend_url(var) else {
@@ -223,6 +231,10 @@ fn a_certificate_from_the_wrong_ca_is_78() {
 fn check_on_a_full_redis_fails_with_1() {
     use conformance::servers::{PrivateServer, ServerKind, free_port, redis};
     if !Backend::Redis.is_enabled() {
+        assert!(
+            !conformance::backends_required(),
+            "the Redis driver is not compiled in: build with --all-features"
+        );
         return;
     }
     if std::process::Command::new("redis-server")
